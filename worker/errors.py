@@ -1,0 +1,96 @@
+"""The project's error hierarchy.
+
+Third-party exceptions (aiokafka, msgpack, onnxruntime, CUDA) are translated into
+these once, at the boundary where they are raised, so the pipeline reasons about
+one vocabulary. ``code`` is the wire-level error code (see schemas/README.md);
+``retriable`` says whether trying the same work again can succeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class WorkerError(Exception):
+    """Root of every error the worker raises on purpose."""
+
+    code: str = "internal"
+    retriable: bool = False
+
+
+class ConfigError(WorkerError):
+    """The configuration is invalid; the message names the offending field."""
+
+    code = "config_error"
+
+
+class RecordError(WorkerError):
+    """Something is wrong with one input record; retrying it cannot help."""
+
+
+class UndecodableRecord(RecordError):
+    """The record is not a msgpack map we can read at all: it goes to the DLQ
+    with its original bytes, because there is no request id to answer to."""
+
+    code = "undecodable"
+
+
+class RecordTooLarge(UndecodableRecord):
+    """The record's bytes exceed the configured limit; rejected before decoding."""
+
+    code = "too_large"
+
+
+class InvalidRequest(RecordError):
+    """The record decoded but breaks the contract. The client gets an error
+    result, echoing whatever id/meta could be recovered."""
+
+    code = "invalid_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str = "",
+        meta: Mapping[str, Any] | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.meta = meta
+        self.key = key
+
+
+class TensorTooLarge(InvalidRequest):
+    """A tensor is larger than the configured limit (e.g. image pixels)."""
+
+    code = "too_large"
+
+
+class DeadlineExceeded(RecordError):
+    """The request's absolute deadline passed before inference started."""
+
+    code = "deadline_exceeded"
+
+
+class InferenceFailed(WorkerError):
+    """The engine failed on one batch. The batch is answered with errors (or,
+    from the reliability work on, split to isolate the poison request); the
+    engine itself stays usable."""
+
+    code = "inference_failed"
+
+
+class EngineDead(WorkerError):
+    """The engine can no longer run anything (device lost, session closed).
+    The worker must stop without committing unfinished work."""
+
+    code = "engine_dead"
+
+
+class DeliveryFailed(WorkerError):
+    """Results could not be acknowledged by the broker in time."""
+
+    code = "delivery_failed"
+    retriable = True
