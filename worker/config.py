@@ -51,6 +51,9 @@ class KafkaConfig:
     max_poll_interval_ms: int = 300000
     max_poll_records: int = 500
     fetch_max_bytes: int = 52428800
+    # How long the broker may hold a fetch waiting for data: an upper bound on the
+    # latency an idle partition adds to a new request.
+    fetch_max_wait_ms: int = 100
     max_partition_fetch_bytes: int = 8388608
     # Producer side: results can carry tensors, so allow more than Kafka's 1 MB default.
     max_request_size: int = 16777216

@@ -1,0 +1,99 @@
+"""Settings: TOML + environment overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.config import load_settings, redacted
+from worker.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "worker.example.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "w.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_match_the_design() -> None:
+    s = load_settings(env={})
+    assert s.kafka.input_topics == ("infer.requests",)
+    assert s.batching.max_batch_size == 64
+    assert s.batching.preferred_batch_sizes == (8, 16, 32, 64)
+    assert s.model.path == "builtin:digits" and s.model.backend == "onnxruntime"
+    assert s.metrics.port == 9108
+
+
+def test_example_config_in_repo_loads() -> None:
+    s = load_settings(EXAMPLE, env={})
+    assert s.kafka.output_topic
+
+
+def test_file_then_env_override(tmp_path: Path) -> None:
+    p = write(tmp_path, '[kafka]\nbootstrap_servers = "file:9092"\ngroup_id = "g"\n')
+    s = load_settings(p, env={
+        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "env:9092",
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": "a, b",
+        "INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "32",
+        "INFER_WORKER_BATCHING__PREFERRED_BATCH_SIZES": "[8, 32]",
+        "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[16, 16]",
+        "INFER_WORKER_MODEL__POSTPROCESS__SOFTMAX": "false",
+        "OTHER_VARIABLE": "ignored",
+    })
+    assert s.kafka.bootstrap_servers == "env:9092"
+    assert s.kafka.group_id == "g"
+    assert s.kafka.input_topics == ("a", "b")
+    assert s.batching.max_batch_size == 32
+    assert s.batching.preferred_batch_sizes == (8, 32)
+    assert s.model.preprocess.size == (16, 16)
+    assert s.model.postprocess.softmax is False
+
+
+def test_string_field_keeps_values_that_look_like_toml() -> None:
+    s = load_settings(env={"INFER_WORKER_KAFKA__GROUP_ID": "true"})
+    assert s.kafka.group_id == "true"
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "field"),
+    [
+        ("[kafka]\nbootstrap = 'x'\n", {}, "kafka.bootstrap"),
+        ("[nope]\n", {}, "nope"),
+        ("", {"INFER_WORKER_KAFKA__NOPE": "1"}, "kafka.nope"),
+        ("[batching]\nmax_batch_size = 'big'\n", {}, "batching.max_batch_size"),
+        ("[batching]\nmax_batch_size = 0\n", {}, "batching.max_batch_size"),
+        ("[batching]\nmax_batch_size = 8\npreferred_batch_sizes = [16]\n", {},
+         "batching.preferred_batch_sizes"),
+        ("[kafka]\nheartbeat_interval_ms = 20000\n", {}, "kafka.heartbeat_interval_ms"),
+        ("[kafka]\nsecurity_protocol = 'TLS'\n", {}, "kafka.security_protocol"),
+        ("[kafka]\noutput_topic = 'infer.requests'\n", {}, "kafka.output_topic"),
+        ("[model]\nbackend = 'tensorflow'\n", {}, "model.backend"),
+        ("[model.preprocess]\nchannels = 3\n", {}, "model.preprocess.mean"),
+        ("[model.preprocess]\nstd = [0.0]\n", {}, "model.preprocess.std"),
+        ("[model.preprocess]\nsize = [8]\n", {}, "model.preprocess.size"),
+        ("[kafka]\nsession_timeout_ms = true\n", {}, "kafka.session_timeout_ms"),
+        ("", {"INFER_WORKER_BATCHING": "1"}, "INFER_WORKER_BATCHING"),
+        ("[kafka]\nsecurity_protocol = 'SASL_SSL'\n", {}, "kafka.sasl_plain_username"),
+    ],
+)
+def test_invalid_config_names_the_field(tmp_path: Path, text: str, env: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.").replace("[", r"\[")):
+        load_settings(write(tmp_path, text), env=env)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_settings(write(tmp_path, "[kafka\n"), env={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.toml", env={})
+
+
+def test_redacted_masks_password(tmp_path: Path) -> None:
+    p = write(tmp_path, "[kafka]\nsecurity_protocol = 'SASL_PLAINTEXT'\n"
+                        "sasl_plain_username = 'u'\nsasl_plain_password = 'secret'\n")
+    out = redacted(load_settings(p, env={}))
+    assert out["kafka"]["sasl_plain_password"] == "***"
+    assert "secret" not in repr(out)

@@ -1,0 +1,150 @@
+"""Command line: ``infer-worker run | demo | bench | config``.
+
+settings -> logging -> asyncio.run; nothing else happens at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from . import __version__, logs
+from .config import Settings, load_settings, redacted
+from .errors import ConfigError, WorkerError
+
+log = structlog.get_logger("worker")
+
+
+async def serve(settings: Settings) -> int:
+    """Run one worker until SIGTERM/SIGINT (drain, commit, leave) or a fatal error.
+
+    A second signal abandons the drain: in-flight work is not committed and will
+    be redelivered to the group.
+    """
+    from .pipeline import Worker
+
+    if settings.metrics.port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics.port, addr=settings.metrics.host)
+
+    loop = asyncio.get_running_loop()
+    signals = 0
+    stop_requested = asyncio.Event()
+    worker = Worker(settings)
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        log.info("signal", signal=signal.Signals(signum).name, count=signals)
+        stop_requested.set()
+        if signals > 1:
+            for task in asyncio.all_tasks(loop):
+                if task.get_name() in ("consume", "batch", "infer", "produce"):
+                    task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    await worker.start()
+    waiter = asyncio.ensure_future(worker.wait())
+    stopper = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    stopper.cancel()
+    drained = await worker.stop()
+    if worker.failure is not None:
+        log.error("worker_failed", error=repr(worker.failure))
+        return 1
+    return 0 if drained and signals <= 1 else 2
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    logs.configure(settings.logging)
+    log.info("starting", version=__version__, config=args.config)
+    return asyncio.run(serve(settings))
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    print(json.dumps(redacted(settings), indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(repeat=args.repeat, partitions=args.partitions,
+                                json_out=args.json, baseline=False, rate=args.rate))
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(repeat=args.repeat, partitions=args.partitions,
+                                json_out=args.json, baseline=True, rate=args.rate))
+
+
+def _cmd_baseline(args: argparse.Namespace) -> int:
+    from .baseline import serve_naive
+
+    settings = load_settings(args.config)
+    logs.configure(settings.logging)
+    return asyncio.run(serve_naive(settings, args.expect))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer-worker", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="serve the configured model to Kafka until SIGTERM")
+    run.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")
+    run.set_defaults(func=_cmd_run)
+
+    cfg = sub.add_parser("config", help="print the effective configuration (secrets masked)")
+    cfg.add_argument("--config", help="TOML file")
+    cfg.set_defaults(func=_cmd_config)
+
+    for name, func, helptext, repeat in (
+        ("demo", _cmd_demo, "embedded broker + worker + labelled samples; prints a summary", 10),
+        ("bench", _cmd_bench, "the demo, then a naive one-at-a-time baseline; prints the ratio", 20),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--repeat", type=int, default=repeat,
+                       help="send the held-out sample set this many times (at varying sizes)")
+        p.add_argument("--partitions", type=int, default=4, help="input topic partitions")
+        p.add_argument("--rate", type=float, default=0.0,
+                       help="requests per second (default: as fast as possible)")
+        p.add_argument("--json", help="also write the summary as JSON to this file")
+        p.set_defaults(func=func)
+
+    naive = sub.add_parser("baseline", help=argparse.SUPPRESS)
+    naive.add_argument("--config")
+    naive.add_argument("--expect", type=int, required=True)
+    naive.set_defaults(func=_cmd_baseline)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"infer-worker: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"infer-worker: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

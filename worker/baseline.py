@@ -1,0 +1,75 @@
+"""The naive baseline the benchmarks compare against: one request at a time.
+
+Read one record, decode, preprocess, infer, produce, wait for the ack, commit
+its offset, repeat. Same decode/validate, preprocessing, engine and result
+encoding as the worker, so the difference measured is batching and pipelining.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from .codec import ErrorInfo, ModelInfo, encode_result
+from .config import Settings
+from .consume import JobFactory
+from .engines import load_engine
+from .infer import Answer
+from .kafka import client_kwargs
+from .postprocess import postprocess
+from .preprocess import preprocess
+from .produce import build_result, dlq_headers
+from .errors import InferenceFailed, UndecodableRecord
+
+
+async def serve_naive(settings: Settings, expect: int) -> int:
+    k, m = settings.kafka, settings.model
+    engine = load_engine(m)
+    model = ModelInfo(engine.info.name, engine.info.version)
+    raw_name = m.output or engine.info.output_names[0]
+    make_job = JobFactory(m, settings.limits)
+    consumer = AIOKafkaConsumer(
+        *k.input_topics, group_id=k.group_id, enable_auto_commit=False,
+        auto_offset_reset="earliest", session_timeout_ms=k.session_timeout_ms,
+        heartbeat_interval_ms=k.heartbeat_interval_ms, **client_kwargs(k),
+    )
+    producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size,
+                                **client_kwargs(k))
+    await producer.start()
+    await consumer.start()
+    try:
+        for _ in range(expect):
+            record = await consumer.getone()
+            job = make_job(record.topic, record.partition, record.offset, record.key, record.value)
+            answer = Answer(job)
+            if isinstance(job.failure, UndecodableRecord):
+                await producer.send_and_wait(
+                    k.dlq_topic, job.raw_value, key=job.key,
+                    headers=dlq_headers(job, job.failure.code, str(job.failure), "decode"),
+                )
+            else:
+                if job.failure is None and job.image is not None:
+                    t0 = time.monotonic()
+                    try:
+                        batch = preprocess([job.image], m.preprocess)
+                        raw = engine.run(np.ascontiguousarray(batch))[raw_name]
+                        out = postprocess(raw, m.postprocess, raw_name)
+                        answer.outputs = {name: arr[0] for name, arr in out.items()}
+                    except InferenceFailed as exc:
+                        answer.error = ErrorInfo(exc.code, str(exc))
+                    answer.timing_us["infer"] = round((time.monotonic() - t0) * 1e6)
+                result = build_result(answer, model, time.monotonic())
+                await producer.send_and_wait(
+                    k.output_topic, encode_result(result), key=job.key,
+                    headers=[("id", result.id.encode())],
+                )
+            from aiokafka.structs import TopicPartition
+
+            await consumer.commit({TopicPartition(record.topic, record.partition): record.offset + 1})
+    finally:
+        await consumer.stop()
+        await producer.stop()
+        engine.close()
+    return 0

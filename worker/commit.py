@@ -1,0 +1,173 @@
+"""Offset commits that follow acknowledged results, never consumption.
+
+``OffsetTracker`` is a pure data structure: the consume stage registers every
+offset it reads; the produce stage marks an offset done once the broker
+acknowledged its result (or DLQ record). Batches finish out of order, so the
+committable position of a partition is a contiguous watermark: offset k+1 is
+committed only when every tracked offset <= k is done.
+
+``Committer`` turns the tracker's watermarks into ``consumer.commit`` calls for
+partitions this member still owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import structlog
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from . import metrics
+
+log = structlog.get_logger(__name__)
+
+
+class TopicPartition(NamedTuple):
+    topic: str
+    partition: int
+
+
+@dataclass
+class _PartitionState:
+    pending: deque[int] = field(default_factory=deque)  # tracked, in read order
+    done: set[int] = field(default_factory=set)  # done but not yet below the watermark
+    watermark: int | None = None  # next offset to commit (all below are done)
+    committed: int | None = None  # last watermark handed to the broker
+
+
+class OffsetTracker:
+    """Per-partition contiguous watermark of done offsets. No I/O."""
+
+    def __init__(self) -> None:
+        self._parts: dict[TopicPartition, _PartitionState] = {}
+
+    def track(self, tp: TopicPartition, offset: int) -> None:
+        """Register an offset as read. Offsets of one partition arrive ascending."""
+        state = self._parts.setdefault(tp, _PartitionState())
+        if state.pending and offset <= state.pending[-1]:
+            raise ValueError(f"{tp}: offset {offset} tracked out of order")
+        state.pending.append(offset)
+
+    def owns(self, tp: TopicPartition, offset: int) -> bool:
+        """True while ``offset`` is tracked and not yet done; False once its
+        partition was revoked (and forgotten), which makes its result stale."""
+        state = self._parts.get(tp)
+        return state is not None and bool(state.pending) and state.pending[0] <= offset <= state.pending[-1] and offset not in state.done
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        """Mark an offset's result acknowledged. Offsets no longer tracked (their
+        partition was revoked and forgotten since) are ignored: they are stale."""
+        state = self._parts.get(tp)
+        if state is None or not state.pending or not state.pending[0] <= offset <= state.pending[-1]:
+            return
+        state.done.add(offset)
+        while state.pending and state.pending[0] in state.done:
+            first = state.pending.popleft()
+            state.done.discard(first)
+            state.watermark = first + 1
+
+    def in_flight(self, tp: TopicPartition | None = None) -> int:
+        """Offsets read but not yet below the watermark."""
+        if tp is not None:
+            state = self._parts.get(tp)
+            return 0 if state is None else len(state.pending)
+        return sum(len(s.pending) for s in self._parts.values())
+
+    def committable(self, owned: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+        """Watermarks that moved since the last commit, restricted to ``owned``."""
+        allowed = None if owned is None else set(owned)
+        return {
+            tp: s.watermark
+            for tp, s in self._parts.items()
+            if s.watermark is not None
+            and s.watermark != s.committed
+            and (allowed is None or tp in allowed)
+        }
+
+    def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
+        for tp, offset in offsets.items():
+            state = self._parts.get(tp)
+            if state is not None:
+                state.committed = offset
+
+    def forget(self, tps: Iterable[TopicPartition]) -> None:
+        """Drop revoked partitions: results still arriving for them are stale."""
+        for tp in tps:
+            self._parts.pop(tp, None)
+
+    def partitions(self) -> list[TopicPartition]:
+        return list(self._parts)
+
+
+class CommitTarget(Protocol):
+    """The part of aiokafka's consumer the committer needs."""
+
+    async def commit(self, offsets: dict[Any, int]) -> None: ...
+
+    def assignment(self) -> set[Any]: ...
+
+
+class Committer:
+    """Commits tracker watermarks whenever results are acknowledged.
+
+    Calls coalesce: while one commit is on the wire, further acks only set a flag,
+    and the next commit carries every watermark that moved meanwhile.
+    """
+
+    def __init__(self, tracker: OffsetTracker, consumer: CommitTarget) -> None:
+        self._tracker = tracker
+        self._consumer = consumer
+        self._wanted = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._stopped = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def notify(self) -> None:
+        """Called when offsets were marked done: wakes the commit loop and waiters."""
+        self._wanted.set()
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def progress(self) -> None:
+        """Wait for the next ``notify()`` (used to wait for in-flight work to drain)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    async def run(self) -> None:
+        while not self._stopped:
+            await self._wanted.wait()
+            self._wanted.clear()
+            await self.commit_now()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wanted.set()
+
+    async def commit_now(self, only: Iterable[TopicPartition] | None = None) -> bool:
+        """Commit what is committable for owned partitions; True when nothing failed."""
+        async with self._lock:
+            owned = {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+            if only is not None:
+                owned &= set(only)
+            offsets = self._tracker.committable(owned)
+            if not offsets:
+                return True
+            try:
+                await self._consumer.commit(
+                    {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
+                )
+            except KafkaError as exc:  # CommitFailed, IllegalGeneration, ...: retried later
+                metrics.COMMIT_FAILURES.inc()
+                log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
+                return False
+            self._tracker.mark_committed(offsets)
+            metrics.COMMITS.inc()
+            return True

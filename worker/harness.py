@@ -1,0 +1,290 @@
+"""Driving real worker processes from outside: spawn, scrape, produce, collect.
+
+Used by the demo, the benchmarks and the integration tests, so all three talk
+to the worker exactly as an operator's tooling would: environment overrides in,
+Kafka records and Prometheus metrics out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from .codec import Result, decode_result
+from .embedded import free_port
+
+
+@dataclass
+class WorkerProcess:
+    """A ``python -m worker`` child process with its metrics port and log file."""
+
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+    log_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.metrics_port)
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+
+    def wait_until(
+        self, predicate: Any, timeout: float = 30.0, what: str = "condition"
+    ) -> dict[str, float]:
+        """Poll the metrics until ``predicate(metrics)`` holds (a process-external
+        condition, so polling is the only way to observe it)."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"worker exited with {self.proc.returncode} while waiting for {what}:\n"
+                    + self.log_tail()
+                )
+            try:
+                last = self.metrics()
+            except OSError:
+                last = {}
+            if last and predicate(last):
+                return last
+            time.sleep(0.05)
+        raise TimeoutError(f"worker: {what} not reached in {timeout}s; metrics={last}\n"
+                           + self.log_tail())
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def worker_env(
+    bootstrap: str,
+    *,
+    input_topics: Sequence[str],
+    output_topic: str,
+    dlq_topic: str,
+    group_id: str,
+    metrics_port: int,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env.update({
+        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": ",".join(input_topics),
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": output_topic,
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": dlq_topic,
+        "INFER_WORKER_KAFKA__GROUP_ID": group_id,
+        # Short group timeouts: the embedded broker's rebalance wait is ~session/2.
+        "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
+        "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "500",
+        "INFER_WORKER_METRICS__PORT": str(metrics_port),
+        "INFER_WORKER_METRICS__HOST": "127.0.0.1",
+        "INFER_WORKER_LOGGING__FORMAT": "json",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+def spawn_worker(
+    bootstrap: str,
+    *,
+    input_topics: Sequence[str],
+    output_topic: str,
+    dlq_topic: str,
+    group_id: str,
+    extra_env: Mapping[str, str] | None = None,
+    command: Sequence[str] = ("run",),
+) -> WorkerProcess:
+    port = free_port()
+    env = worker_env(
+        bootstrap, input_topics=input_topics, output_topic=output_topic, dlq_topic=dlq_topic,
+        group_id=group_id, metrics_port=port, extra=extra_env,
+    )
+    log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", *command],
+        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    )
+    return WorkerProcess(proc, port, log.name)
+
+
+def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value} (comments skipped)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def mean_batch_size(m: Mapping[str, float]) -> float:
+    count = m.get("infer_batch_size_count", 0.0)
+    return m.get("infer_batch_size_sum", 0.0) / count if count else 0.0
+
+
+@dataclass
+class Produced:
+    key: bytes | None
+    value: bytes
+    sent_at: float  # monotonic
+    partition: int
+    offset: int
+
+
+async def produce_all(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    partition_of: Any = None,
+    rate: float = 0.0,
+) -> list[Produced]:
+    """Produce records (optionally paced at ``rate`` per second) and wait for all
+    acks; returns each record's partition/offset and the time it was handed over."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2,
+                                max_request_size=16 * 1024 * 1024)
+    await producer.start()
+    try:
+        pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
+        start = time.monotonic()
+        for i, (key, value) in enumerate(records):
+            if rate > 0:
+                delay = start + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            part = partition_of(i) if partition_of is not None else None
+            sent_at = time.monotonic()
+            fut = await producer.send(topic, value=value, key=key, partition=part)
+            pending.append((key, value, sent_at, fut))
+        out = []
+        for key, value, sent_at, fut in pending:
+            meta = await fut
+            out.append(Produced(key, value, sent_at, meta.partition, meta.offset))
+        return out
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Collected:
+    record_key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+    partition: int
+    offset: int
+    received_at: float  # monotonic
+
+    def result(self) -> Result:
+        return decode_result(self.value)
+
+
+@dataclass
+class Collector:
+    """Reads whole topics from the beginning without a consumer group."""
+
+    bootstrap: str
+    topics: Sequence[str]
+    records: dict[str, list[Collected]] = field(default_factory=dict)
+    _consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024,
+                                    fetch_max_wait_ms=20)
+        await consumer.start()
+        tps = []
+        for topic in self.topics:
+            parts = consumer.partitions_for_topic(topic)
+            for _ in range(100):
+                if parts:
+                    break
+                await asyncio.sleep(0.05)
+                await consumer._client.force_metadata_update()  # noqa: SLF001
+                parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                await consumer.stop()
+                raise RuntimeError(f"topic {topic} has no partitions")
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+            self.records.setdefault(topic, [])
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        self._consumer = consumer
+
+    def count(self, topic: str | None = None) -> int:
+        if topic is not None:
+            return len(self.records.get(topic, []))
+        return sum(len(v) for v in self.records.values())
+
+    async def collect(self, until: Any, timeout: float, progress: Any = None) -> bool:
+        """Fetch until ``until(self)`` is true or the timeout passes."""
+        assert self._consumer is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while not until(self):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            batch = await self._consumer.getmany(timeout_ms=int(min(remaining, 0.2) * 1000))
+            now = time.monotonic()
+            for tp, msgs in batch.items():
+                bucket = self.records[tp.topic]
+                for m in msgs:
+                    headers = {k: bytes(v) for k, v in (m.headers or ())}
+                    bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset, now))
+            if progress is not None:
+                progress(self)
+        return True
+
+    async def stop(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+
+async def committed_offsets(bootstrap: str, group_id: str, topic: str, partitions: int) -> dict[int, int]:
+    """The group's committed offsets per partition (-1 where none)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        out = {}
+        for p in range(partitions):
+            value = await consumer.committed(TopicPartition(topic, p))
+            out[p] = -1 if value is None else int(value)
+        return out
+    finally:
+        await consumer.stop()

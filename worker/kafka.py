@@ -1,0 +1,29 @@
+"""Connection settings shared by the consumer and the producer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import KafkaConfig
+
+
+def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
+    """aiokafka keyword arguments for bootstrap, identity and security."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": k.bootstrap_servers,
+        "client_id": k.client_id,
+        "security_protocol": k.security_protocol,
+        "metadata_max_age_ms": k.metadata_max_age_ms,
+        "request_timeout_ms": k.request_timeout_ms,
+    }
+    if k.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kwargs["ssl_context"] = create_ssl_context(
+            cafile=k.ssl_cafile, certfile=k.ssl_certfile, keyfile=k.ssl_keyfile
+        )
+    if k.security_protocol.startswith("SASL"):
+        kwargs["sasl_mechanism"] = k.sasl_mechanism
+        kwargs["sasl_plain_username"] = k.sasl_plain_username
+        kwargs["sasl_plain_password"] = k.sasl_plain_password
+    return kwargs

@@ -1,0 +1,193 @@
+"""Worker: builds the stages, links them with bounded queues, owns their tasks.
+
+    KafkaSource -> [jobs] -> MicroBatcher -> [batches] -> InferenceStage
+        -> [futures, dispatch order] -> ResultSink -> OffsetTracker -> Committer
+
+Each stage gets its input queue and downstream handle in its constructor; end of
+stream (``None``) flows down the same queues, so shutdown drains stage by stage.
+A stage task that dies fails the whole worker (it stops fetching, commits only
+what was acknowledged and exits non-zero): a dead engine must stop commits,
+never hang silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import structlog
+
+from . import metrics
+from .batching import Batch, BatchPolicy, MicroBatcher
+from .codec import ModelInfo
+from .commit import Committer, OffsetTracker, TopicPartition
+from .config import Settings
+from .consume import Job, JobFactory, KafkaSource
+from .engines import Engine, load_engine
+from .infer import Completed, InferenceStage
+from .produce import ResultSink
+
+log = structlog.get_logger(__name__)
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failure: BaseException | None = None
+        self._stopped = asyncio.Event()
+        self._started = False
+        self.tracker = OffsetTracker()
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        if self._engine is None:
+            self._engine = await asyncio.to_thread(load_engine, s.model)
+        engine = self._engine
+        b = s.batching
+        self.jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
+        batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
+        completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
+            b.max_inflight_batches
+        )
+        self.policy: BatchPolicy[Job] = BatchPolicy(
+            b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
+        )
+        self.source = KafkaSource(
+            s.kafka, JobFactory(s.model, s.limits), self.jobs, self.tracker, self._on_revoke
+        )
+        self.committer = Committer(self.tracker, self.source)
+        self.batcher = MicroBatcher(self.jobs, batches, self.policy)
+        self.infer = InferenceStage(
+            batches, completed, engine, s.model, b.max_batch_size, b.max_inflight_batches,
+            self.policy,
+        )
+        model_info = ModelInfo(name=engine.info.name, version=engine.info.version)
+        self.sink = ResultSink(
+            completed, s.kafka, model_info, self.tracker, self.committer,
+            max_pending_acks=2 * b.max_inflight_batches,
+        )
+        try:
+            await self.sink.start()
+            await self.source.start()
+        except BaseException:
+            await self._close()
+            raise
+        self._started = True
+        log.info(
+            "worker_started",
+            engine=engine.info.backend,
+            model=engine.info.name,
+            version=engine.info.version,
+            topics=list(s.kafka.input_topics),
+            group=s.kafka.group_id,
+        )
+        metrics.READY.set(1)
+        self._spawn(self.source.run(), "consume")
+        self._spawn(self.batcher.run(), "batch")
+        self._spawn(self.infer.run(), "infer")
+        self._spawn(self.sink.run(), "produce")
+        self._spawn(self.committer.run(), "commit")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._on_task_done)
+        self._tasks.append(task)
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failure is None:
+            self._failure = exc
+            log.error("stage_failed", stage=task.get_name(), error=repr(exc))
+            metrics.READY.set(0)
+            self.source.stop_fetching()
+            self._stopped.set()
+        elif task.get_name() == "produce":
+            self._stopped.set()  # the stream drained to its end
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    async def wait(self) -> None:
+        """Until a stage fails or the stream has drained after ``stop()`` began."""
+        await self._stopped.wait()
+
+    async def stop(self, drain_timeout: float | None = None) -> bool:
+        """Stop fetching, drain in-flight work, commit what was acknowledged, leave
+        the group. Returns True when everything drained within the deadline."""
+        if not self._started:
+            await self._close()
+            return True
+        self._started = False
+        timeout = (
+            self.settings.shutdown.drain_timeout_ms / 1000.0
+            if drain_timeout is None
+            else drain_timeout
+        )
+        metrics.READY.set(0)
+        self.source.stop_fetching()
+        pipeline = [t for t in self._tasks if t.get_name() != "commit"]
+        started = time.monotonic()
+        _, pending = await asyncio.wait(pipeline, timeout=timeout) if pipeline else (set(), set())
+        drained = not pending and self._failure is None
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        # Only acknowledged offsets are below the watermark, so this final commit
+        # is safe even when draining failed or timed out.
+        await self.committer.commit_now()
+        self.committer.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close()
+        log.info(
+            "worker_stopped",
+            drained=drained,
+            drain_seconds=round(time.monotonic() - started, 3),
+            uncommitted=self.tracker.in_flight(),
+        )
+        return drained
+
+    async def _close(self) -> None:
+        for closer in ("source", "sink"):
+            stage = getattr(self, closer, None)
+            if stage is not None:
+                with contextlib.suppress(Exception):
+                    await stage.close()
+        infer = getattr(self, "infer", None)
+        if infer is not None:
+            await asyncio.to_thread(infer.close)
+        if self._engine is not None:
+            self._engine.close()
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- rebalance -------------------------------------------------------------------
+
+    async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
+        """Let in-flight work of revoked partitions finish (bounded), commit it,
+        and forget the partitions so late results are recognised as stale."""
+        bound = self.settings.kafka.session_timeout_ms / 2000.0
+        deadline = time.monotonic() + bound
+        while any(self.tracker.in_flight(tp) for tp in revoked):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._failure is not None:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.committer.progress(), remaining)
+        await self.committer.commit_now(only=revoked)
+        fenced = sum(self.tracker.in_flight(tp) for tp in revoked)
+        self.tracker.forget(revoked)
+        log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
