@@ -475,7 +475,7 @@ def _decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
     if dtype in _FLOAT_DTYPES:
         # NaN/Inf poison a whole batch on the GPU (softmax, normalisation), so
         # they are refused here, per request, where the client can be told.
-        if False:
+        if not np.isfinite(np.frombuffer(data, dtype=wire_dtype)).all():
             raise InvalidRequest(f"{path}.data: non-finite values (NaN or Inf)")
     elif dtype == "bool" and data.translate(None, b"\x00\x01"):
         # numpy's bool is a byte that must be 0 or 1; other values give

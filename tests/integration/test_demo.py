@@ -1,0 +1,29 @@
+"""The README's first command runs the demo: it must pass its own checks here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_demo_reports_all_results_and_offline_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--repeat", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "demo: OK" in proc.stdout
+    summary = json.loads(out.read_text())
+    run = summary["runs"][0]
+    assert run["received"] == run["sent"] == 3 * 360
+    assert run["correct"] == summary["offline_correct"]
+    assert run["correct"] / run["sent"] > 0.9
+    assert run["committed"] == run["sent"]
+    assert run["mean_batch_size"] > 1
