@@ -81,15 +81,29 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
 
-    return run_demo(DemoOptions(repeat=args.repeat, partitions=args.partitions,
-                                json_out=args.json, baseline=False, rate=args.rate))
+    return run_demo(
+        DemoOptions(
+            repeat=args.repeat,
+            partitions=args.partitions,
+            json_out=args.json,
+            baseline=False,
+            rate=args.rate,
+        )
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
 
-    return run_demo(DemoOptions(repeat=args.repeat, partitions=args.partitions,
-                                json_out=args.json, baseline=True, rate=args.rate))
+    return run_demo(
+        DemoOptions(
+            repeat=args.repeat,
+            partitions=args.partitions,
+            json_out=args.json,
+            baseline=True,
+            rate=args.rate,
+        )
+    )
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
@@ -115,14 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, helptext, repeat in (
         ("demo", _cmd_demo, "embedded broker + worker + labelled samples; prints a summary", 10),
-        ("bench", _cmd_bench, "the demo, then a naive one-at-a-time baseline; prints the ratio", 20),
+        (
+            "bench",
+            _cmd_bench,
+            "the demo, then a naive one-at-a-time baseline; prints the ratio",
+            20,
+        ),
     ):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--repeat", type=int, default=repeat,
-                       help="send the held-out sample set this many times (at varying sizes)")
+        p.add_argument(
+            "--repeat",
+            type=int,
+            default=repeat,
+            help="send the held-out sample set this many times (at varying sizes)",
+        )
         p.add_argument("--partitions", type=int, default=4, help="input topic partitions")
-        p.add_argument("--rate", type=float, default=0.0,
-                       help="requests per second (default: as fast as possible)")
+        p.add_argument(
+            "--rate",
+            type=float,
+            default=0.0,
+            help="requests per second (default: as fast as possible)",
+        )
         p.add_argument("--json", help="also write the summary as JSON to this file")
         p.set_defaults(func=func)
 

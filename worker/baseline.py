@@ -16,12 +16,12 @@ from .codec import ErrorInfo, ModelInfo, encode_result
 from .config import Settings
 from .consume import JobFactory
 from .engines import load_engine
+from .errors import InferenceFailed, UndecodableRecord
 from .infer import Answer
 from .kafka import client_kwargs
 from .postprocess import postprocess
 from .preprocess import preprocess
 from .produce import build_result, dlq_headers
-from .errors import InferenceFailed, UndecodableRecord
 
 
 async def serve_naive(settings: Settings, expect: int) -> int:
@@ -31,12 +31,15 @@ async def serve_naive(settings: Settings, expect: int) -> int:
     raw_name = m.output or engine.info.output_names[0]
     make_job = JobFactory(m, settings.limits)
     consumer = AIOKafkaConsumer(
-        *k.input_topics, group_id=k.group_id, enable_auto_commit=False,
-        auto_offset_reset="earliest", session_timeout_ms=k.session_timeout_ms,
-        heartbeat_interval_ms=k.heartbeat_interval_ms, **client_kwargs(k),
+        *k.input_topics,
+        group_id=k.group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=k.session_timeout_ms,
+        heartbeat_interval_ms=k.heartbeat_interval_ms,
+        **client_kwargs(k),
     )
-    producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size,
-                                **client_kwargs(k))
+    producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size, **client_kwargs(k))
     await producer.start()
     await consumer.start()
     try:
@@ -46,7 +49,9 @@ async def serve_naive(settings: Settings, expect: int) -> int:
             answer = Answer(job)
             if isinstance(job.failure, UndecodableRecord):
                 await producer.send_and_wait(
-                    k.dlq_topic, job.raw_value, key=job.key,
+                    k.dlq_topic,
+                    job.raw_value,
+                    key=job.key,
                     headers=dlq_headers(job, job.failure.code, str(job.failure), "decode"),
                 )
             else:
@@ -62,12 +67,16 @@ async def serve_naive(settings: Settings, expect: int) -> int:
                     answer.timing_us["infer"] = round((time.monotonic() - t0) * 1e6)
                 result = build_result(answer, model, time.monotonic())
                 await producer.send_and_wait(
-                    k.output_topic, encode_result(result), key=job.key,
+                    k.output_topic,
+                    encode_result(result),
+                    key=job.key,
                     headers=[("id", result.id.encode())],
                 )
             from aiokafka.structs import TopicPartition
 
-            await consumer.commit({TopicPartition(record.topic, record.partition): record.offset + 1})
+            await consumer.commit(
+                {TopicPartition(record.topic, record.partition): record.offset + 1}
+            )
     finally:
         await consumer.stop()
         await producer.stop()

@@ -76,8 +76,10 @@ class BatchPolicy(Generic[T]):
         self._pending.append(item)
 
     def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
-        self.service_time = seconds if self.service_time == 0.0 else (
-            (1 - alpha) * self.service_time + alpha * seconds
+        self.service_time = (
+            seconds
+            if self.service_time == 0.0
+            else ((1 - alpha) * self.service_time + alpha * seconds)
         )
 
     def next_flush_at(self) -> float | None:

@@ -57,13 +57,22 @@ class OffsetTracker:
         """True while ``offset`` is tracked and not yet done; False once its
         partition was revoked (and forgotten), which makes its result stale."""
         state = self._parts.get(tp)
-        return state is not None and bool(state.pending) and state.pending[0] <= offset <= state.pending[-1] and offset not in state.done
+        return (
+            state is not None
+            and bool(state.pending)
+            and state.pending[0] <= offset <= state.pending[-1]
+            and offset not in state.done
+        )
 
     def done(self, tp: TopicPartition, offset: int) -> None:
         """Mark an offset's result acknowledged. Offsets no longer tracked (their
         partition was revoked and forgotten since) are ignored: they are stale."""
         state = self._parts.get(tp)
-        if state is None or not state.pending or not state.pending[0] <= offset <= state.pending[-1]:
+        if (
+            state is None
+            or not state.pending
+            or not state.pending[0] <= offset <= state.pending[-1]
+        ):
             return
         state.done.add(offset)
         while state.pending and state.pending[0] in state.done:
@@ -78,7 +87,9 @@ class OffsetTracker:
             return 0 if state is None else len(state.pending)
         return sum(len(s.pending) for s in self._parts.values())
 
-    def committable(self, owned: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+    def committable(
+        self, owned: Iterable[TopicPartition] | None = None
+    ) -> dict[TopicPartition, int]:
         """Watermarks that moved since the last commit, restricted to ``owned``."""
         allowed = None if owned is None else set(owned)
         return {

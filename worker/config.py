@@ -224,9 +224,7 @@ class Settings:
 # --- loading ---------------------------------------------------------------------------
 
 
-def load_settings(
-    path: str | Path | None = None, env: Mapping[str, str] | None = None
-) -> Settings:
+def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -238,7 +236,8 @@ def load_settings(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     _apply_env(data, env if env is not None else _os_environ())
-    return _build(Settings, data, "")
+    settings: Settings = _build(Settings, data, "")
+    return settings
 
 
 def _os_environ() -> Mapping[str, str]:
@@ -280,9 +279,7 @@ def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})"
-        )
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
     kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**kwargs)
@@ -316,7 +313,10 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
         if len(args) != 2 or args[1] is not Ellipsis:  # fixed-length tuple
             if len(value) != len(args):
                 raise ConfigError(f"{name}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{name}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(
+                _convert(a, v, f"{name}[{i}]")
+                for i, (a, v) in enumerate(zip(args, value, strict=True))
+            )
         return tuple(_convert(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):

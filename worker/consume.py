@@ -184,7 +184,9 @@ class KafkaSource:
             tp = TopicPartition(record.topic, record.partition)
             self._tracker.track(tp, record.offset)
             metrics.RECORDS_CONSUMED.inc()
-            job = self._make_job(record.topic, record.partition, record.offset, record.key, record.value)
+            job = self._make_job(
+                record.topic, record.partition, record.offset, record.key, record.value
+            )
             await self._sink.put(job)
             metrics.QUEUE_DEPTH.set(self._sink.qsize())
 

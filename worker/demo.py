@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,8 +86,14 @@ def encode_samples(samples: list[Sample]) -> list[tuple[bytes | None, bytes]]:
     return [
         (
             s.id.encode(),
-            encode_request(Request(v=1, id=s.id, inputs={"image": Tensor.from_numpy(s.image)},
-                                   meta={"label": s.label})),
+            encode_request(
+                Request(
+                    v=1,
+                    id=s.id,
+                    inputs={"image": Tensor.from_numpy(s.image)},
+                    meta={"label": s.label},
+                )
+            ),
         )
         for s in samples
     ]
@@ -142,12 +149,17 @@ async def _run_once(
         "results": f"demo.{mode}.results",
         "dlq": f"demo.{mode}.dlq",
     }
-    await create_topics(broker.bootstrap, {topics["requests"]: opts.partitions,
-                                           topics["results"]: opts.partitions, topics["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap,
+        {topics["requests"]: opts.partitions, topics["results"]: opts.partitions, topics["dlq"]: 1},
+    )
     group = f"demo-{mode}"
     worker = spawn_worker(
-        broker.bootstrap, input_topics=[topics["requests"]], output_topic=topics["results"],
-        dlq_topic=topics["dlq"], group_id=group,
+        broker.bootstrap,
+        input_topics=[topics["requests"]],
+        output_topic=topics["results"],
+        dlq_topic=topics["dlq"],
+        group_id=group,
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning"},
         command=("run",) if mode == "worker" else ("baseline", "--expect", str(len(samples))),
     )
@@ -158,16 +170,21 @@ async def _run_once(
             await asyncio.to_thread(
                 worker.wait_until,
                 lambda m: m.get("infer_assigned_partitions", 0) >= opts.partitions,
-                60.0, "partition assignment",
+                60.0,
+                "partition assignment",
             )
         await collector.start()
         produced = await produce_all(
-            broker.bootstrap, topics["requests"], encode_samples(samples),
-            partition_of=lambda i: i % opts.partitions, rate=opts.rate,
+            broker.bootstrap,
+            topics["requests"],
+            encode_samples(samples),
+            partition_of=lambda i: i % opts.partitions,
+            rate=opts.rate,
         )
         sent_at = {p.key: p.sent_at for p in produced}
-        ok = await collector.collect(lambda c: c.count() >= len(samples), opts.timeout,
-                                     Progress(len(samples), mode))
+        ok = await collector.collect(
+            lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
+        )
         if not ok:
             print(f"  {mode}: timed out; worker log:\n{worker.log_tail()}", file=sys.stderr)
         if mode == "worker":
@@ -214,23 +231,35 @@ def _print_stats(s: RunStats, offline: int) -> None:
     pct = 100.0 * s.received / s.sent if s.sent else 0.0
     acc = 100.0 * s.correct / s.sent if s.sent else 0.0
     print(f"  [{s.mode}]")
-    print(f"    results received   {s.received} / {s.sent} ({pct:.1f}%)  "
-          f"errors {s.errors} {s.error_codes or ''}  dlq {s.dlq}")
-    print(f"    accuracy           {acc:.2f}% ({s.correct}/{s.sent}); offline ONNX Runtime "
-          f"{100.0 * offline / s.sent:.2f}% ({offline}/{s.sent}) "
-          f"{'equal' if s.correct == offline else 'MISMATCH'}")
-    print(f"    throughput         {s.throughput:,.0f} requests/s "
-          f"({s.seconds:.2f} s from first send to last result)")
-    print(f"    latency end-to-end p50 {s.p50_ms:.1f} ms  p95 {s.p95_ms:.1f} ms  "
-          f"p99 {s.p99_ms:.1f} ms")
+    print(
+        f"    results received   {s.received} / {s.sent} ({pct:.1f}%)  "
+        f"errors {s.errors} {s.error_codes or ''}  dlq {s.dlq}"
+    )
+    print(
+        f"    accuracy           {acc:.2f}% ({s.correct}/{s.sent}); offline ONNX Runtime "
+        f"{100.0 * offline / s.sent:.2f}% ({offline}/{s.sent}) "
+        f"{'equal' if s.correct == offline else 'MISMATCH'}"
+    )
+    print(
+        f"    throughput         {s.throughput:,.0f} requests/s "
+        f"({s.seconds:.2f} s from first send to last result)"
+    )
+    print(
+        f"    latency end-to-end p50 {s.p50_ms:.1f} ms  p95 {s.p95_ms:.1f} ms  "
+        f"p99 {s.p99_ms:.1f} ms"
+    )
     if s.mode == "worker":
         print(f"    mean batch size    {s.mean_batch_size:.1f} over {s.batches} batches")
     print(f"    committed offsets  {s.committed} / {s.sent}   process exit {s.worker_exit}")
 
 
 def _ok(s: RunStats, offline: int) -> bool:
-    return (s.received == s.sent and s.correct == offline and s.committed == s.sent
-            and s.worker_exit == 0)
+    return (
+        s.received == s.sent
+        and s.correct == offline
+        and s.committed == s.sent
+        and s.worker_exit == 0
+    )
 
 
 async def _demo(opts: DemoOptions) -> int:
@@ -238,10 +267,12 @@ async def _demo(opts: DemoOptions) -> int:
     model = ModelConfig()
     offline = await asyncio.to_thread(offline_correct, samples, model)
     sizes = sorted({f"{s.image.shape[0]}x{s.image.shape[1]}" for s in samples})
-    print(f"infer-worker demo: {len(samples)} labelled digit requests ({', '.join(sizes)}) "
-          f"over {opts.partitions} partitions, embedded broker, model {model.path} "
-          f"on {model.backend}, "
-          + (f"paced at {opts.rate:g} requests/s" if opts.rate else "sent as fast as possible"))
+    print(
+        f"infer-worker demo: {len(samples)} labelled digit requests ({', '.join(sizes)}) "
+        f"over {opts.partitions} partitions, embedded broker, model {model.path} "
+        f"on {model.backend}, "
+        + (f"paced at {opts.rate:g} requests/s" if opts.rate else "sent as fast as possible")
+    )
     started = time.monotonic()
     with EmbeddedBroker() as broker:
         runs = [await _run_once(broker, "worker", samples, opts)]
@@ -249,18 +280,24 @@ async def _demo(opts: DemoOptions) -> int:
             runs.append(await _run_once(broker, "naive", samples, opts))
     for s in runs:
         _print_stats(s, offline)
-    summary: dict[str, Any] = {"offline_correct": offline, "runs": [asdict(s) for s in runs],
-                               "wall_seconds": time.monotonic() - started}
+    summary: dict[str, Any] = {
+        "offline_correct": offline,
+        "runs": [asdict(s) for s in runs],
+        "wall_seconds": time.monotonic() - started,
+    }
     if opts.baseline and runs[1].throughput > 0:
         ratio = runs[0].throughput / runs[1].throughput
         summary["throughput_ratio"] = ratio
         print(f"  worker / naive throughput: {ratio:.1f}x")
     if opts.json_out:
-        with open(opts.json_out, "w") as fh:
-            json.dump(summary, fh, indent=2)
+        await asyncio.to_thread(Path(opts.json_out).write_text, json.dumps(summary, indent=2))
     ok = all(_ok(s, offline) for s in runs)
-    print("demo: OK" if ok else "demo: FAILED (missing results, accuracy mismatch, "
-          "uncommitted offsets or a failed worker)")
+    print(
+        "demo: OK"
+        if ok
+        else "demo: FAILED (missing results, accuracy mismatch, "
+        "uncommitted offsets or a failed worker)"
+    )
     return 0 if ok else 1
 
 

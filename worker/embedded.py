@@ -10,6 +10,7 @@ the worker uses none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -78,8 +79,16 @@ class EmbeddedBroker:
             return self
         url = f"tcp://127.0.0.1:{self.port}"
         self._proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url,
-             "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+            [
+                str(tansu_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -125,10 +134,10 @@ async def create_topics(bootstrap: str, partitions: Mapping[str, int]) -> None:
     await admin.start()
     try:
         for name, count in partitions.items():
-            try:
-                await admin.create_topics([NewTopic(name, num_partitions=count, replication_factor=1)])
-            except TopicAlreadyExistsError:
-                pass
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(
+                    [NewTopic(name, num_partitions=count, replication_factor=1)]
+                )
         # Metadata is eventually consistent: wait until every topic is visible.
         for _ in range(200):
             known = set(await admin.list_topics())

@@ -65,8 +65,9 @@ class WorkerProcess:
             if last and predicate(last):
                 return last
             time.sleep(0.05)
-        raise TimeoutError(f"worker: {what} not reached in {timeout}s; metrics={last}\n"
-                           + self.log_tail())
+        raise TimeoutError(
+            f"worker: {what} not reached in {timeout}s; metrics={last}\n" + self.log_tail()
+        )
 
     def terminate(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -95,20 +96,22 @@ def worker_env(
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
-    env.update({
-        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
-        "INFER_WORKER_KAFKA__INPUT_TOPICS": ",".join(input_topics),
-        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": output_topic,
-        "INFER_WORKER_KAFKA__DLQ_TOPIC": dlq_topic,
-        "INFER_WORKER_KAFKA__GROUP_ID": group_id,
-        # Short group timeouts: the embedded broker's rebalance wait is ~session/2.
-        "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
-        "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "500",
-        "INFER_WORKER_METRICS__PORT": str(metrics_port),
-        "INFER_WORKER_METRICS__HOST": "127.0.0.1",
-        "INFER_WORKER_LOGGING__FORMAT": "json",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "INFER_WORKER_KAFKA__INPUT_TOPICS": ",".join(input_topics),
+            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": output_topic,
+            "INFER_WORKER_KAFKA__DLQ_TOPIC": dlq_topic,
+            "INFER_WORKER_KAFKA__GROUP_ID": group_id,
+            # Short group timeouts: the embedded broker's rebalance wait is ~session/2.
+            "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
+            "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "500",
+            "INFER_WORKER_METRICS__PORT": str(metrics_port),
+            "INFER_WORKER_METRICS__HOST": "127.0.0.1",
+            "INFER_WORKER_LOGGING__FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -125,13 +128,21 @@ def spawn_worker(
 ) -> WorkerProcess:
     port = free_port()
     env = worker_env(
-        bootstrap, input_topics=input_topics, output_topic=output_topic, dlq_topic=dlq_topic,
-        group_id=group_id, metrics_port=port, extra=extra_env,
+        bootstrap,
+        input_topics=input_topics,
+        output_topic=output_topic,
+        dlq_topic=dlq_topic,
+        group_id=group_id,
+        metrics_port=port,
+        extra=extra_env,
     )
     log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker", *command],
-        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     return WorkerProcess(proc, port, log.name)
 
@@ -176,8 +187,9 @@ async def produce_all(
 ) -> list[Produced]:
     """Produce records (optionally paced at ``rate`` per second) and wait for all
     acks; returns each record's partition/offset and the time it was handed over."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2,
-                                max_request_size=16 * 1024 * 1024)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
+    )
     await producer.start()
     try:
         pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
@@ -223,9 +235,13 @@ class Collector:
     _consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
-                                    auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024,
-                                    fetch_max_wait_ms=20)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_bytes=64 * 1024 * 1024,
+            fetch_max_wait_ms=20,
+        )
         await consumer.start()
         tps = []
         for topic in self.topics:
@@ -234,7 +250,7 @@ class Collector:
                 if parts:
                     break
                 await asyncio.sleep(0.05)
-                await consumer._client.force_metadata_update()  # noqa: SLF001
+                await consumer._client.force_metadata_update()
                 parts = consumer.partitions_for_topic(topic)
             if not parts:
                 await consumer.stop()
@@ -275,10 +291,13 @@ class Collector:
             await consumer.stop()
 
 
-async def committed_offsets(bootstrap: str, group_id: str, topic: str, partitions: int) -> dict[int, int]:
+async def committed_offsets(
+    bootstrap: str, group_id: str, topic: str, partitions: int
+) -> dict[int, int]:
     """The group's committed offsets per partition (-1 where none)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         out = {}

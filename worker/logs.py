@@ -33,5 +33,8 @@ def configure(cfg: LoggingConfig) -> None:
         cache_logger_on_first_use=True,
     )
     # aiokafka logs through stdlib logging: keep its warnings, in the same stream.
-    logging.basicConfig(level=max(level, logging.WARNING), stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.WARNING),
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )

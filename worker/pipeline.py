@@ -64,12 +64,21 @@ class Worker:
         self.committer = Committer(self.tracker, self.source)
         self.batcher = MicroBatcher(self.jobs, batches, self.policy)
         self.infer = InferenceStage(
-            batches, completed, engine, s.model, b.max_batch_size, b.max_inflight_batches,
+            batches,
+            completed,
+            engine,
+            s.model,
+            b.max_batch_size,
+            b.max_inflight_batches,
             self.policy,
         )
         model_info = ModelInfo(name=engine.info.name, version=engine.info.version)
         self.sink = ResultSink(
-            completed, s.kafka, model_info, self.tracker, self.committer,
+            completed,
+            s.kafka,
+            model_info,
+            self.tracker,
+            self.committer,
             max_pending_acks=2 * b.max_inflight_batches,
         )
         try:

@@ -30,25 +30,26 @@ def check_image(
     """Validate the model input of one request before any engine work; returns the
     image as a read-only uint8 [H, W, C] view (no copy)."""
     tensor = request.inputs.get(input_name)
-    ctx = {"request_id": request.id, "meta": request.meta}
+
+    def bad(message: str, cls: type[InvalidRequest] = InvalidRequest) -> InvalidRequest:
+        return cls(message, request_id=request.id, meta=request.meta)
+
     if tensor is None:
         names = ", ".join(sorted(request.inputs)) or "none"
-        raise InvalidRequest(f"inputs.{input_name}: missing (got {names})", **ctx)
+        raise bad(f"inputs.{input_name}: missing (got {names})")
     field = f"inputs.{input_name}"
     if tensor.dtype != "uint8":
-        raise InvalidRequest(f"{field}.dtype: expected uint8, got {tensor.dtype}", **ctx)
+        raise bad(f"{field}.dtype: expected uint8, got {tensor.dtype}")
     shape = tensor.shape
     if len(shape) == 2 and cfg.channels == 1:
         shape = (*shape, 1)
     if len(shape) != 3 or shape[2] != cfg.channels:
-        raise InvalidRequest(
-            f"{field}.shape: expected [H, W, {cfg.channels}], got {list(tensor.shape)}", **ctx
-        )
+        raise bad(f"{field}.shape: expected [H, W, {cfg.channels}], got {list(tensor.shape)}")
     h, w, _ = shape
     if h < 1 or w < 1:
-        raise InvalidRequest(f"{field}.shape: height and width must be >= 1", **ctx)
+        raise bad(f"{field}.shape: height and width must be >= 1")
     if h * w > max_pixels:
-        raise TensorTooLarge(f"{field}: {h}x{w} exceeds {max_pixels} pixels", **ctx)
+        raise bad(f"{field}: {h}x{w} exceeds {max_pixels} pixels", TensorTooLarge)
     return tensor.to_numpy().reshape(shape)
 
 
@@ -84,7 +85,9 @@ def batch_shape(cfg: PreprocessConfig, n: int) -> tuple[int, int, int, int]:
     return (n, cfg.channels, h, w) if cfg.layout == "NCHW" else (n, h, w, cfg.channels)
 
 
-def preprocess_into(images: Sequence[np.ndarray], cfg: PreprocessConfig, out: np.ndarray) -> np.ndarray:
+def preprocess_into(
+    images: Sequence[np.ndarray], cfg: PreprocessConfig, out: np.ndarray
+) -> np.ndarray:
     """Write the preprocessed batch into ``out[:len(images)]`` (a buffer allocated
     once for the largest batch) and return that view."""
     n = len(images)

@@ -60,14 +60,24 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
         error = ErrorInfo(failure.code, str(failure))
     if error is not None:
         return Result(
-            id=request_id, status="error", source=job.source, model=model,
-            error=error, meta=meta, timing_us=timing,
+            id=request_id,
+            status="error",
+            source=job.source,
+            model=model,
+            error=error,
+            meta=meta,
+            timing_us=timing,
         )
     assert answer.outputs is not None
     outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
     return Result(
-        id=request_id, status="ok", source=job.source, model=model,
-        outputs=outputs, meta=meta, timing_us=timing,
+        id=request_id,
+        status="ok",
+        source=job.source,
+        model=model,
+        outputs=outputs,
+        meta=meta,
+        timing_us=timing,
     )
 
 
@@ -146,11 +156,18 @@ class ResultSink:
         if len(value) + len(job.key or b"") + _RECORD_OVERHEAD > self._kafka.max_request_size:
             message = f"result of {len(value)} bytes exceeds kafka.max_request_size"
             small = Result(
-                id=result.id, status="error", source=result.source, model=self._model,
-                error=ErrorInfo("too_large", message), meta=result.meta, timing_us=result.timing_us,
+                id=result.id,
+                status="error",
+                source=result.source,
+                model=self._model,
+                error=ErrorInfo("too_large", message),
+                meta=result.meta,
+                timing_us=result.timing_us,
             )
             value = encode_result(small)
-        ack = await self._send(self._kafka.output_topic, job.key, value, [("id", result.id.encode())])
+        ack = await self._send(
+            self._kafka.output_topic, job.key, value, [("id", result.id.encode())]
+        )
         return ack, result.status
 
     async def _send_dlq(
@@ -161,7 +178,11 @@ class ResultSink:
         )
 
     async def _send(
-        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]]
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]],
     ) -> asyncio.Future[object]:
         assert self.producer is not None, "start() first"
         fut: asyncio.Future[object] = await self.producer.send(

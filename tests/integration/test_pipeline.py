@@ -27,22 +27,36 @@ pytestmark = pytest.mark.integration
 def request_bytes(i: int, size: int = 8, **extra: object) -> bytes:
     rng = np.random.default_rng(i)
     img = rng.integers(0, 256, (size, size, 1), dtype=np.uint8)
-    return encode_request(Request(v=1, id=f"req-{i}", inputs={"image": Tensor.from_numpy(img)},
-                                  meta={"i": i}, **extra))  # type: ignore[arg-type]
+    return encode_request(
+        Request(
+            v=1, id=f"req-{i}", inputs={"image": Tensor.from_numpy(img)}, meta={"i": i}, **extra
+        )
+    )  # type: ignore[arg-type]
 
 
-async def start_worker(broker: EmbeddedBroker, names: dict[str, str], partitions: int,
-                       **env: str) -> WorkerProcess:
-    w = spawn_worker(broker.bootstrap, input_topics=[names["requests"]],
-                     output_topic=names["results"], dlq_topic=names["dlq"],
-                     group_id=names["group"], extra_env=env)
+async def start_worker(
+    broker: EmbeddedBroker, names: dict[str, str], partitions: int, **env: str
+) -> WorkerProcess:
+    w = spawn_worker(
+        broker.bootstrap,
+        input_topics=[names["requests"]],
+        output_topic=names["results"],
+        dlq_topic=names["dlq"],
+        group_id=names["group"],
+        extra_env=env,
+    )
     await asyncio.to_thread(
-        w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= partitions, 60.0,
-        "partition assignment")
+        w.wait_until,
+        lambda m: m.get("infer_assigned_partitions", 0) >= partitions,
+        60.0,
+        "partition assignment",
+    )
     return w
 
 
-async def collect(broker: EmbeddedBroker, topics: list[str], n: int, timeout: float = 60.0) -> Collector:
+async def collect(
+    broker: EmbeddedBroker, topics: list[str], n: int, timeout: float = 60.0
+) -> Collector:
     c = Collector(broker.bootstrap, topics)
     await c.start()
     try:
@@ -55,16 +69,21 @@ async def collect(broker: EmbeddedBroker, topics: list[str], n: int, timeout: fl
     return c
 
 
-async def test_round_trip_order_batching_and_commits(broker: EmbeddedBroker, names: dict[str, str]) -> None:
+async def test_round_trip_order_batching_and_commits(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
     n, parts = 600, 4
-    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: 1,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: 1, names["dlq"]: 1}
+    )
     w = await start_worker(broker, names, parts)
     try:
         produced = await produce_all(
-            broker.bootstrap, names["requests"],
+            broker.bootstrap,
+            names["requests"],
             [(f"k{i}".encode(), request_bytes(i)) for i in range(n)],
-            partition_of=lambda i: i % parts)
+            partition_of=lambda i: i % parts,
+        )
         c = await collect(broker, [names["results"]], n)
         metrics = w.metrics()
     finally:
@@ -80,7 +99,10 @@ async def test_round_trip_order_batching_and_commits(broker: EmbeddedBroker, nam
         r = by_id[f"req-{i}"]
         assert r.status == "ok", r.error
         assert (r.source.topic, r.source.partition, r.source.offset) == (
-            names["requests"], p.partition, p.offset)
+            names["requests"],
+            p.partition,
+            p.offset,
+        )
         assert r.meta == {"i": i}
         assert r.outputs["topk_indices"].to_numpy().shape == (3,)
         assert r.model.name == "digits" and len(r.model.version) == 16
@@ -103,20 +125,25 @@ async def test_round_trip_order_batching_and_commits(broker: EmbeddedBroker, nam
     assert committed == expected
 
 
-async def test_restart_reprocesses_nothing_committed(broker: EmbeddedBroker, names: dict[str, str]) -> None:
+async def test_restart_reprocesses_nothing_committed(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
     parts = 2
-    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: 2,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: 2, names["dlq"]: 1}
+    )
     w = await start_worker(broker, names, parts)
     try:
-        await produce_all(broker.bootstrap, names["requests"],
-                          [(None, request_bytes(i)) for i in range(100)])
+        await produce_all(
+            broker.bootstrap, names["requests"], [(None, request_bytes(i)) for i in range(100)]
+        )
         await collect(broker, [names["results"]], 100)
     finally:
         assert w.terminate() == 0
     # More requests while no worker runs; a new worker must answer only these.
-    await produce_all(broker.bootstrap, names["requests"],
-                      [(None, request_bytes(i)) for i in range(100, 150)])
+    await produce_all(
+        broker.bootstrap, names["requests"], [(None, request_bytes(i)) for i in range(100, 150)]
+    )
     w2 = await start_worker(broker, names, parts)
     try:
         c = await collect(broker, [names["results"]], 150)
@@ -129,17 +156,34 @@ async def test_restart_reprocesses_nothing_committed(broker: EmbeddedBroker, nam
 async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
     broker: EmbeddedBroker, names: dict[str, str]
 ) -> None:
-    await create_topics(broker.bootstrap, {names["requests"]: 1, names["results"]: 1,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 1, names["results"]: 1, names["dlq"]: 1}
+    )
     garbage = b"\xc1\xc1 this is not msgpack"
     not_a_map = msgpack.packb([1, 2, 3])
-    wrong_dtype = encode_request(Request(v=1, id="bad-dtype", inputs={
-        "image": Tensor.from_numpy(np.zeros((8, 8, 1), dtype=np.float32))}, meta={"m": 1}))
-    bad_len = msgpack.packb({"v": 1, "id": "bad-len", "inputs": {
-        "image": {"dtype": "uint8", "shape": [8, 8, 1], "data": b"\x00" * 10}}})
-    expired = encode_request(Request(v=1, id="late", inputs={
-        "image": Tensor.from_numpy(np.zeros((8, 8, 1), dtype=np.uint8))},
-        deadline_ms=int(time.time() * 1000) - 1000))
+    wrong_dtype = encode_request(
+        Request(
+            v=1,
+            id="bad-dtype",
+            inputs={"image": Tensor.from_numpy(np.zeros((8, 8, 1), dtype=np.float32))},
+            meta={"m": 1},
+        )
+    )
+    bad_len = msgpack.packb(
+        {
+            "v": 1,
+            "id": "bad-len",
+            "inputs": {"image": {"dtype": "uint8", "shape": [8, 8, 1], "data": b"\x00" * 10}},
+        }
+    )
+    expired = encode_request(
+        Request(
+            v=1,
+            id="late",
+            inputs={"image": Tensor.from_numpy(np.zeros((8, 8, 1), dtype=np.uint8))},
+            deadline_ms=int(time.time() * 1000) - 1000,
+        )
+    )
     records = [
         (b"a", request_bytes(0)),
         (b"garbage", garbage),
@@ -175,7 +219,9 @@ async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
     assert results["bad-dtype"].error.code == "invalid_request"
     assert "dtype" in results["bad-dtype"].error.message
     assert results["bad-dtype"].meta == {"m": 1}
-    assert results["bad-len"].error is not None and results["bad-len"].error.code == "invalid_request"
+    assert (
+        results["bad-len"].error is not None and results["bad-len"].error.code == "invalid_request"
+    )
     assert results["late"].error is not None and results["late"].error.code == "deadline_exceeded"
     assert metrics["infer_dlq_produced_total"] == 2
     committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], 1)

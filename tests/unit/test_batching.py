@@ -17,7 +17,9 @@ class Item:
     n: int = 0
 
 
-def policy(max_size: int = 4, delay: float = 0.010, preferred: tuple[int, ...] = ()) -> BatchPolicy[Item]:
+def policy(
+    max_size: int = 4, delay: float = 0.010, preferred: tuple[int, ...] = ()
+) -> BatchPolicy[Item]:
     return BatchPolicy(max_batch_size=max_size, max_queue_delay=delay, preferred_sizes=preferred)
 
 

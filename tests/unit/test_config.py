@@ -34,15 +34,18 @@ def test_example_config_in_repo_loads() -> None:
 
 def test_file_then_env_override(tmp_path: Path) -> None:
     p = write(tmp_path, '[kafka]\nbootstrap_servers = "file:9092"\ngroup_id = "g"\n')
-    s = load_settings(p, env={
-        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "env:9092",
-        "INFER_WORKER_KAFKA__INPUT_TOPICS": "a, b",
-        "INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "32",
-        "INFER_WORKER_BATCHING__PREFERRED_BATCH_SIZES": "[8, 32]",
-        "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[16, 16]",
-        "INFER_WORKER_MODEL__POSTPROCESS__SOFTMAX": "false",
-        "OTHER_VARIABLE": "ignored",
-    })
+    s = load_settings(
+        p,
+        env={
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "env:9092",
+            "INFER_WORKER_KAFKA__INPUT_TOPICS": "a, b",
+            "INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "32",
+            "INFER_WORKER_BATCHING__PREFERRED_BATCH_SIZES": "[8, 32]",
+            "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[16, 16]",
+            "INFER_WORKER_MODEL__POSTPROCESS__SOFTMAX": "false",
+            "OTHER_VARIABLE": "ignored",
+        },
+    )
     assert s.kafka.bootstrap_servers == "env:9092"
     assert s.kafka.group_id == "g"
     assert s.kafka.input_topics == ("a", "b")
@@ -65,8 +68,11 @@ def test_string_field_keeps_values_that_look_like_toml() -> None:
         ("", {"INFER_WORKER_KAFKA__NOPE": "1"}, "kafka.nope"),
         ("[batching]\nmax_batch_size = 'big'\n", {}, "batching.max_batch_size"),
         ("[batching]\nmax_batch_size = 0\n", {}, "batching.max_batch_size"),
-        ("[batching]\nmax_batch_size = 8\npreferred_batch_sizes = [16]\n", {},
-         "batching.preferred_batch_sizes"),
+        (
+            "[batching]\nmax_batch_size = 8\npreferred_batch_sizes = [16]\n",
+            {},
+            "batching.preferred_batch_sizes",
+        ),
         ("[kafka]\nheartbeat_interval_ms = 20000\n", {}, "kafka.heartbeat_interval_ms"),
         ("[kafka]\nsecurity_protocol = 'TLS'\n", {}, "kafka.security_protocol"),
         ("[kafka]\noutput_topic = 'infer.requests'\n", {}, "kafka.output_topic"),
@@ -79,7 +85,9 @@ def test_string_field_keeps_values_that_look_like_toml() -> None:
         ("[kafka]\nsecurity_protocol = 'SASL_SSL'\n", {}, "kafka.sasl_plain_username"),
     ],
 )
-def test_invalid_config_names_the_field(tmp_path: Path, text: str, env: dict[str, str], field: str) -> None:
+def test_invalid_config_names_the_field(
+    tmp_path: Path, text: str, env: dict[str, str], field: str
+) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.").replace("[", r"\[")):
         load_settings(write(tmp_path, text), env=env)
 
@@ -92,8 +100,11 @@ def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_redacted_masks_password(tmp_path: Path) -> None:
-    p = write(tmp_path, "[kafka]\nsecurity_protocol = 'SASL_PLAINTEXT'\n"
-                        "sasl_plain_username = 'u'\nsasl_plain_password = 'secret'\n")
+    p = write(
+        tmp_path,
+        "[kafka]\nsecurity_protocol = 'SASL_PLAINTEXT'\n"
+        "sasl_plain_username = 'u'\nsasl_plain_password = 'secret'\n",
+    )
     out = redacted(load_settings(p, env={}))
     assert out["kafka"]["sasl_plain_password"] == "***"
     assert "secret" not in repr(out)

@@ -47,9 +47,17 @@ def test_normalise_and_layout_nchw_vs_nhwc() -> None:
     assert nchw.shape == (2, 3, 2, 2) and nchw.dtype == np.float32
     assert np.allclose(nchw[0, 0], 1.0) and np.allclose(nchw[0, 1], -2.0)
     assert np.allclose(nchw[0, 2], 1.0)
-    nhwc = preprocess([img], PreprocessConfig(size=(2, 2), channels=3, mean=(0.5, 0.5, 0.0),
-                                              std=(0.5, 0.25, 1.0), layout="NHWC",
-                                              dtype="float16"))
+    nhwc = preprocess(
+        [img],
+        PreprocessConfig(
+            size=(2, 2),
+            channels=3,
+            mean=(0.5, 0.5, 0.0),
+            std=(0.5, 0.25, 1.0),
+            layout="NHWC",
+            dtype="float16",
+        ),
+    )
     assert nhwc.shape == (1, 2, 2, 3) and nhwc.dtype == np.float16
     assert np.allclose(nhwc[0].transpose(2, 0, 1), nchw[0])
 
