@@ -53,7 +53,8 @@ META = {"trace": "abc", "n": 3}
 
 
 def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def tensor_wire(arr: np.ndarray[Any, Any]) -> dict[str, Any]:
