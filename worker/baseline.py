@@ -37,6 +37,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
         auto_offset_reset="earliest",
         session_timeout_ms=k.session_timeout_ms,
         heartbeat_interval_ms=k.heartbeat_interval_ms,
+        fetch_max_wait_ms=k.fetch_max_wait_ms,
         **client_kwargs(k),
     )
     producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size, **client_kwargs(k))

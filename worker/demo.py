@@ -174,6 +174,12 @@ async def _run_once(
                 "partition assignment",
             )
         await collector.start()
+        # Collect while producing, so each result is timestamped when it arrives.
+        collecting = asyncio.create_task(
+            collector.collect(
+                lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
+            )
+        )
         produced = await produce_all(
             broker.bootstrap,
             topics["requests"],
@@ -182,9 +188,7 @@ async def _run_once(
             rate=opts.rate,
         )
         sent_at = {p.key: p.sent_at for p in produced}
-        ok = await collector.collect(
-            lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
-        )
+        ok = await collecting
         if not ok:
             print(f"  {mode}: timed out; worker log:\n{worker.log_tail()}", file=sys.stderr)
         if mode == "worker":

@@ -106,6 +106,9 @@ def worker_env(
             # Short group timeouts: the embedded broker's rebalance wait is ~session/2.
             "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
             "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "500",
+            # Tansu holds a fetch for the full fetch_max_wait_ms even when data arrives
+            # (Kafka answers as soon as fetch_min_bytes is there): keep the wait short.
+            "INFER_WORKER_KAFKA__FETCH_MAX_WAIT_MS": "10",
             "INFER_WORKER_METRICS__PORT": str(metrics_port),
             "INFER_WORKER_METRICS__HOST": "127.0.0.1",
             "INFER_WORKER_LOGGING__FORMAT": "json",
@@ -240,7 +243,7 @@ class Collector:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_bytes=64 * 1024 * 1024,
-            fetch_max_wait_ms=20,
+            fetch_max_wait_ms=5,
         )
         await consumer.start()
         tps = []
