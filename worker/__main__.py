@@ -78,6 +78,16 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_sets(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
 
@@ -88,6 +98,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             json_out=args.json,
             baseline=False,
             rate=args.rate,
+            overrides=_parse_sets(args.set),
         )
     )
 
@@ -102,6 +113,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             json_out=args.json,
             baseline=True,
             rate=args.rate,
+            overrides=_parse_sets(args.set),
         )
     )
 
@@ -151,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="requests per second (default: as fast as possible)",
         )
         p.add_argument("--json", help="also write the summary as JSON to this file")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="worker setting for this run, e.g. batching.max_batch_size=16",
+        )
         p.set_defaults(func=func)
 
     naive = sub.add_parser("baseline", help=argparse.SUPPRESS)

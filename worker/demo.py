@@ -43,6 +43,8 @@ class DemoOptions:
     json_out: str | None = None
     baseline: bool = False
     rate: float = 0.0  # requests/s; 0 = as fast as possible (throughput)
+    # Worker settings as dotted keys, e.g. {"batching.max_batch_size": "16"}.
+    overrides: dict[str, str] = field(default_factory=dict)
     timeout: float = 300.0
 
 
@@ -51,6 +53,14 @@ class Sample:
     id: str
     image: np.ndarray
     label: int
+
+
+def override_env(overrides: dict[str, str]) -> dict[str, str]:
+    """``section.key=value`` settings as the worker's environment variables."""
+    return {
+        "INFER_WORKER_" + "__".join(part.upper() for part in key.split(".")): value
+        for key, value in overrides.items()
+    }
 
 
 def labelled_samples(repeat: int) -> list[Sample]:
@@ -160,7 +170,7 @@ async def _run_once(
         output_topic=topics["results"],
         dlq_topic=topics["dlq"],
         group_id=group,
-        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning"},
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **override_env(opts.overrides)},
         command=("run",) if mode == "worker" else ("baseline", "--expect", str(len(samples))),
     )
     stats = RunStats(mode=mode, sent=len(samples))
