@@ -30,9 +30,9 @@ async def serve(settings: Settings) -> int:
     from .pipeline import Worker
 
     if settings.metrics.port:
-        from prometheus_client import start_http_server
+        from .metrics import serve_http
 
-        start_http_server(settings.metrics.port, addr=settings.metrics.host)
+        serve_http(settings.metrics.port, settings.metrics.host)
 
     loop = asyncio.get_running_loop()
     signals = 0

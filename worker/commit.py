@@ -34,46 +34,69 @@ class TopicPartition(NamedTuple):
 
 @dataclass
 class _PartitionState:
+    epoch: int  # changes whenever the partition is forgotten or reset
     pending: deque[int] = field(default_factory=deque)  # tracked, in read order
+    sizes: dict[int, int] = field(default_factory=dict)  # bytes of offsets not yet done
     done: set[int] = field(default_factory=set)  # done but not yet below the watermark
     watermark: int | None = None  # next offset to commit (all below are done)
     committed: int | None = None  # last watermark handed to the broker
 
 
 class OffsetTracker:
-    """Per-partition contiguous watermark of done offsets. No I/O."""
+    """Per-partition contiguous watermark of done offsets, plus the record and byte
+    counts that backpressure is decided on. No I/O.
+
+    Every tracked offset belongs to an *epoch* of its partition. Revoking a
+    partition (``forget``) or its offsets moving backwards (a reset, e.g. the
+    broker lost its log) starts a new epoch, so results of older epochs are
+    recognised as stale even when their offsets coincide with new ones.
+    """
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartition, _PartitionState] = {}
+        self._epochs = 0
+        self._bytes = 0
+        self.resets = 0
 
-    def track(self, tp: TopicPartition, offset: int) -> None:
-        """Register an offset as read. Offsets of one partition arrive ascending."""
-        state = self._parts.setdefault(tp, _PartitionState())
-        if state.pending and offset <= state.pending[-1]:
-            raise ValueError(f"{tp}: offset {offset} tracked out of order")
-        state.pending.append(offset)
+    def _new_state(self) -> _PartitionState:
+        self._epochs += 1
+        return _PartitionState(epoch=self._epochs)
 
-    def owns(self, tp: TopicPartition, offset: int) -> bool:
-        """True while ``offset`` is tracked and not yet done; False once its
-        partition was revoked (and forgotten), which makes its result stale."""
+    def track(self, tp: TopicPartition, offset: int, nbytes: int = 0) -> int:
+        """Register an offset as read; returns its epoch. Offsets of one partition
+        arrive ascending; one that does not means the partition was reset."""
         state = self._parts.get(tp)
-        return (
-            state is not None
-            and bool(state.pending)
-            and state.pending[0] <= offset <= state.pending[-1]
-            and offset not in state.done
-        )
-
-    def done(self, tp: TopicPartition, offset: int) -> None:
-        """Mark an offset's result acknowledged. Offsets no longer tracked (their
-        partition was revoked and forgotten since) are ignored: they are stale."""
-        state = self._parts.get(tp)
-        if (
-            state is None
-            or not state.pending
-            or not state.pending[0] <= offset <= state.pending[-1]
+        if state is None:
+            state = self._parts[tp] = self._new_state()
+        elif (state.pending and offset <= state.pending[-1]) or (
+            state.watermark is not None and offset < state.watermark
         ):
+            log.warning(
+                "partition_reset",
+                partition=f"{tp.topic}:{tp.partition}",
+                offset=offset,
+                previous=state.pending[-1] if state.pending else None,
+            )
+            self.resets += 1
+            self._drop(tp)
+            state = self._parts[tp] = self._new_state()
+        state.pending.append(offset)
+        state.sizes[offset] = nbytes
+        self._bytes += nbytes
+        return state.epoch
+
+    def owns(self, tp: TopicPartition, offset: int, epoch: int) -> bool:
+        """True while ``offset`` of ``epoch`` is tracked and not done; False once
+        its partition was revoked or reset, which makes its result stale."""
+        state = self._parts.get(tp)
+        return state is not None and state.epoch == epoch and offset in state.sizes
+
+    def done(self, tp: TopicPartition, offset: int, epoch: int) -> None:
+        """Mark an offset's result acknowledged (stale epochs are ignored)."""
+        state = self._parts.get(tp)
+        if state is None or state.epoch != epoch or offset not in state.sizes:
             return
+        self._bytes -= state.sizes.pop(offset)
         state.done.add(offset)
         while state.pending and state.pending[0] in state.done:
             first = state.pending.popleft()
@@ -86,6 +109,11 @@ class OffsetTracker:
             state = self._parts.get(tp)
             return 0 if state is None else len(state.pending)
         return sum(len(s.pending) for s in self._parts.values())
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes of records read whose results are not yet acknowledged."""
+        return self._bytes
 
     def committable(
         self, owned: Iterable[TopicPartition] | None = None
@@ -109,7 +137,12 @@ class OffsetTracker:
     def forget(self, tps: Iterable[TopicPartition]) -> None:
         """Drop revoked partitions: results still arriving for them are stale."""
         for tp in tps:
-            self._parts.pop(tp, None)
+            self._drop(tp)
+
+    def _drop(self, tp: TopicPartition) -> None:
+        state = self._parts.pop(tp, None)
+        if state is not None:
+            self._bytes -= sum(state.sizes.values())
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)

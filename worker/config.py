@@ -60,6 +60,9 @@ class KafkaConfig:
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
     linger_ms: int = 2
     request_timeout_ms: int = 30000
+    # Producer: how long to wait between redelivery attempts of unacknowledged
+    # results (doubling up to 10 s) while the broker is unreachable.
+    retry_backoff_ms: int = 200
     metadata_max_age_ms: int = 300000
 
     def __post_init__(self) -> None:
@@ -104,6 +107,13 @@ class BatchingConfig:
     max_inflight_batches: int = 4
     # Decoded requests waiting for a batch; consumption blocks beyond this.
     queue_capacity: int = 2048
+    # Backpressure: partitions are paused while this many records (or bytes) are
+    # read but not yet answered, and resumed at half of it.
+    max_inflight_records: int = 1024
+    max_inflight_bytes: int = 268435456
+    # A failing batch is split in halves until the failing request is alone; a lone
+    # failing request is run this many times before it is answered inference_failed.
+    max_attempts: int = 2
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1")
@@ -124,6 +134,13 @@ class BatchingConfig:
             "batching.queue_capacity",
             "must be >= max_batch_size",
         )
+        _check(
+            self.max_inflight_records >= self.max_batch_size,
+            "batching.max_inflight_records",
+            "must be >= max_batch_size",
+        )
+        _check(self.max_inflight_bytes > 0, "batching.max_inflight_bytes", "must be > 0")
+        _check(self.max_attempts >= 1, "batching.max_attempts", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -187,6 +204,23 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class DlqConfig:
+    """A budget on records that fail (DLQ records and ``inference_failed`` results):
+    past it the worker halts with an error instead of draining a whole topic into
+    the DLQ because of something systematic (a wrong serializer upstream, a
+    broken model)."""
+
+    max_consecutive: int = 1000  # 0 disables
+    max_ratio: float = 0.5  # failures / records over the last ``window`` records
+    window: int = 2000
+
+    def __post_init__(self) -> None:
+        _check(self.max_consecutive >= 0, "dlq.max_consecutive", "must be >= 0")
+        _check(0.0 < self.max_ratio <= 1.0, "dlq.max_ratio", "must be in (0, 1]")
+        _check(self.window >= 1, "dlq.window", "must be >= 1")
+
+
+@dataclass(frozen=True)
 class ShutdownConfig:
     # SIGTERM: stop fetching, drain, commit and leave within this budget.
     drain_timeout_ms: int = 30000
@@ -216,6 +250,7 @@ class Settings:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    dlq: DlqConfig = field(default_factory=DlqConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -10,6 +10,7 @@ order, so per-partition result order equals request order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ from typing import Any
 import numpy as np
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from . import metrics
+from .backpressure import Backpressure
 from .codec import Limits, Request, Source, decode_request
 from .commit import OffsetTracker, TopicPartition
 from .config import KafkaConfig, LimitsConfig, ModelConfig
@@ -46,6 +49,8 @@ class Job:
     image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
     failure: RecordError | None = None  # answered without inference when set
     raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
+    epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
+    attempts: int = 0  # engine runs this request took part in that failed
 
     @property
     def source(self) -> Source:
@@ -102,6 +107,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             await self._on_revoke(tps)
         except Exception as exc:  # recorded and surfaced, never swallowed silently
             self._source.listener_errors.append(exc)
+            metrics.LISTENER_ERRORS.inc()
             log.error("rebalance_revoke_failed", error=repr(exc))
 
     async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
@@ -121,8 +127,10 @@ class KafkaSource:
         sink: asyncio.Queue[Job | None],
         tracker: OffsetTracker,
         on_revoke: RevokeHook,
+        backpressure: Backpressure,
     ) -> None:
         self._kafka = kafka
+        self._backpressure = backpressure
         self._make_job = make_job
         self._sink = sink
         self._tracker = tracker
@@ -162,9 +170,14 @@ class KafkaSource:
     async def run(self) -> None:
         assert self.consumer is not None, "start() first"
         consumer = self.consumer
+        failures = 0
         try:
             while not self._stopping.is_set():
-                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=200))
+                self._apply_backpressure()
+                # While paused, poll often: the member stays in the group and
+                # resumes soon after the pipeline drains.
+                timeout_ms = 50 if self._backpressure.paused else 200
+                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout_ms))
                 stop = asyncio.ensure_future(self._stopping.wait())
                 await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
@@ -172,21 +185,58 @@ class KafkaSource:
                     # Stopping: records fetched now would only be redelivered later.
                     fetch.cancel()
                     break
-                for records in fetch.result().values():
+                try:
+                    fetched = fetch.result()
+                except KafkaError as exc:
+                    # The consumer reconnects by itself; back off and poll again.
+                    failures += 1
+                    metrics.FETCH_ERRORS.inc()
+                    log.warning("fetch_failed", error=repr(exc), consecutive=failures)
+                    await self._sleep(min(0.1 * 2**failures, 5.0))
+                    continue
+                failures = 0
+                for records in fetched.values():
                     await self._enqueue(records)
+                    self._apply_backpressure()
         finally:
             await self._sink.put(None)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once when stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    def _apply_backpressure(self) -> None:
+        assert self.consumer is not None
+        records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
+        metrics.INFLIGHT_RECORDS.set(records)
+        metrics.INFLIGHT_BYTES.set(nbytes)
+        action = self._backpressure.update(records, nbytes)
+        if action == "pause":
+            metrics.PAUSES.inc()
+            log.info("fetch_paused", inflight_records=records, inflight_bytes=nbytes)
+        elif action == "resume":
+            self.consumer.resume(*self.consumer.paused())
+            metrics.RESUMES.inc()
+            log.info("fetch_resumed", inflight_records=records, inflight_bytes=nbytes)
+        if self._backpressure.paused:
+            # Also covers partitions assigned by a rebalance while paused.
+            self.consumer.pause(*self.consumer.assignment())
 
     async def _enqueue(self, records: list[ConsumerRecord[Any, Any]]) -> None:
         for record in records:
             if self._stopping.is_set():
                 return
             tp = TopicPartition(record.topic, record.partition)
-            self._tracker.track(tp, record.offset)
+            resets = self._tracker.resets
+            epoch = self._tracker.track(tp, record.offset, len(record.value or b""))
+            if self._tracker.resets != resets:
+                metrics.PARTITION_RESETS.inc()
             metrics.RECORDS_CONSUMED.inc()
             job = self._make_job(
                 record.topic, record.partition, record.offset, record.key, record.value
             )
+            job.epoch = epoch
             await self._sink.put(job)
             metrics.QUEUE_DEPTH.set(self._sink.qsize())
 

@@ -94,3 +94,17 @@ class DeliveryFailed(WorkerError):
 
     code = "delivery_failed"
     retriable = True
+
+
+class BrokerUnavailable(WorkerError):
+    """The Kafka cluster cannot be reached (at start-up)."""
+
+    code = "broker_unavailable"
+    retriable = True
+
+
+class FailureBudgetExceeded(WorkerError):
+    """Too many records are failing: the worker halts rather than drain the
+    input into the DLQ (see ``[dlq]`` in the configuration)."""
+
+    code = "failure_budget_exceeded"

@@ -62,7 +62,9 @@ class InferenceStage:
         max_batch_size: int,
         max_inflight: int,
         policy: BatchPolicy[Job] | None = None,
+        max_attempts: int = 2,
     ) -> None:
+        self._max_attempts = max_attempts
         self._source = source
         self._sink = sink
         self._engine = engine
@@ -123,31 +125,52 @@ class InferenceStage:
         return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable))
 
     def _infer(self, answers: list[Answer]) -> None:
-        n = len(answers)
         buf = self._buffers.get()
         try:
-            t0 = time.monotonic()
-            images = [a.job.image for a in answers]
-            assert all(img is not None for img in images)
-            batch = preprocess_into(images, self._model.preprocess, buf)  # type: ignore[arg-type]
-            t1 = time.monotonic()
-            try:
-                raw = self._engine.run(batch)
-                out = postprocess(raw[self._raw_name], self._model.postprocess, self._raw_name)
-                for name, arr in out.items():
-                    if arr.shape[0] != n:  # a model that does not return a row per request
-                        raise InferenceFailed(
-                            f"output {name} has {arr.shape[0]} rows for {n} requests"
-                        )
-            except InferenceFailed as exc:
-                metrics.BATCH_FAILURES.inc()
-                log.warning("batch_failed", size=n, error=str(exc))
-                for a in answers:
-                    a.error = ErrorInfo(exc.code, str(exc))
-                return
-            t2 = time.monotonic()
+            self._isolate(answers, buf)
         finally:
             self._buffers.put(buf)
+
+    def _isolate(self, answers: list[Answer], buf: np.ndarray) -> None:
+        """Run the batch; when the engine fails on it, split it in halves and run
+        each, until the failing requests are alone. A request that fails alone is
+        retried up to ``max_attempts`` times, then answered ``inference_failed``;
+        everything else in the batch succeeds. At most 2n - 1 + attempts runs."""
+        try:
+            self._run_rows(answers, buf)
+            return
+        except InferenceFailed as exc:
+            metrics.BATCH_FAILURES.inc()
+            log.warning("batch_failed", size=len(answers), error=str(exc))
+            failure = exc
+        if len(answers) > 1:
+            half = len(answers) // 2
+            for part in (answers[:half], answers[half:]):
+                metrics.ISOLATION_RUNS.inc()
+                self._isolate(part, buf)
+            return
+        job = answers[0].job
+        job.attempts += 1
+        if job.attempts < self._max_attempts:
+            metrics.ISOLATION_RUNS.inc()
+            self._isolate(answers, buf)
+            return
+        answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
+
+    def _run_rows(self, answers: list[Answer], buf: np.ndarray) -> None:
+        """One engine run over ``answers``; scatters one row of each output to each."""
+        n = len(answers)
+        t0 = time.monotonic()
+        images = [a.job.image for a in answers]
+        assert all(img is not None for img in images)
+        batch = preprocess_into(images, self._model.preprocess, buf)  # type: ignore[arg-type]
+        t1 = time.monotonic()
+        raw = self._engine.run(batch)
+        out = postprocess(raw[self._raw_name], self._model.postprocess, self._raw_name)
+        for name, arr in out.items():
+            if arr.shape[0] != n:  # a model that does not return a row per request
+                raise InferenceFailed(f"output {name} has {arr.shape[0]} rows for {n} requests")
+        t2 = time.monotonic()
         metrics.BATCH_SIZE.observe(n)
         metrics.PREPROCESS_SECONDS.observe(t1 - t0)
         metrics.INFER_SECONDS.observe(t2 - t1)

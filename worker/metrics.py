@@ -1,12 +1,25 @@
 """Every metric is declared once, here; stages import what they update.
 
 Exposed in Prometheus text format on ``metrics.port`` (``/metrics``), which is also
-how the demo, the benchmarks and the tests read a worker process's counters.
+how the demo, the benchmarks and the tests read a worker process's counters. The
+same port answers ``/healthz`` (the process serves) and ``/ready`` (200 while the
+worker consumes and delivers normally, 503 while it starts, drains, or cannot
+deliver results), for Kubernetes probes and load balancers.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -39,3 +52,65 @@ COMMITS = Counter("infer_commits_total", "Successful offset commits")
 COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
 READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")
 ASSIGNED_PARTITIONS = Gauge("infer_assigned_partitions", "Input partitions owned by this member")
+PAUSES = Counter("infer_partition_pauses_total", "Times fetching was paused by backpressure")
+RESUMES = Counter("infer_partition_resumes_total", "Times fetching was resumed")
+INFLIGHT_RECORDS = Gauge("infer_inflight_records", "Records read but not yet answered")
+INFLIGHT_BYTES = Gauge("infer_inflight_bytes", "Bytes of records read but not yet answered")
+FETCH_ERRORS = Counter("infer_fetch_errors_total", "Failed fetches from the input topics")
+LISTENER_ERRORS = Counter("infer_rebalance_listener_errors_total", "Errors in rebalance callbacks")
+REVOKE_FENCED = Counter(
+    "infer_revoke_fenced_total", "In-flight records whose results were dropped on revoke"
+)
+DELIVERY_RETRIES = Counter(
+    "infer_delivery_retries_total", "Result/DLQ records re-sent after a failed delivery"
+)
+ISOLATION_RUNS = Counter(
+    "infer_isolation_runs_total", "Engine re-runs of split batches to isolate a poison request"
+)
+PARTITION_RESETS = Counter(
+    "infer_partition_resets_total", "Partitions whose offsets moved backwards (log reset)"
+)
+
+
+_ready = threading.Event()
+
+
+def set_ready(ready: bool) -> None:
+    """Readiness for ``/ready`` and the ``infer_ready`` gauge, kept in one place."""
+    if ready:
+        _ready.set()
+    else:
+        _ready.clear()
+    READY.set(1 if ready else 0)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            self._reply(200, b"ok\n")
+        elif path == "/ready":
+            ok = _ready.is_set()
+            self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+        else:
+            self._reply(404, b"not found\n")
+
+    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Probes every few seconds would flood the worker's log."""
+
+
+def serve_http(port: int, host: str) -> ThreadingHTTPServer:
+    """Serve /metrics, /healthz and /ready from a daemon thread."""
+    server = ThreadingHTTPServer((host, port), _Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

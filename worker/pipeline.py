@@ -18,14 +18,18 @@ import time
 from typing import Any
 
 import structlog
+from aiokafka.errors import KafkaError
 
 from . import metrics
+from .backpressure import Backpressure
 from .batching import Batch, BatchPolicy, MicroBatcher
+from .budget import FailureBudget
 from .codec import ModelInfo
 from .commit import Committer, OffsetTracker, TopicPartition
 from .config import Settings
 from .consume import Job, JobFactory, KafkaSource
 from .engines import Engine, load_engine
+from .errors import BrokerUnavailable
 from .infer import Completed, InferenceStage
 from .produce import ResultSink
 
@@ -58,8 +62,14 @@ class Worker:
         self.policy: BatchPolicy[Job] = BatchPolicy(
             b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
         )
+        self.backpressure = Backpressure(b.max_inflight_records, b.max_inflight_bytes)
         self.source = KafkaSource(
-            s.kafka, JobFactory(s.model, s.limits), self.jobs, self.tracker, self._on_revoke
+            s.kafka,
+            JobFactory(s.model, s.limits),
+            self.jobs,
+            self.tracker,
+            self._on_revoke,
+            self.backpressure,
         )
         self.committer = Committer(self.tracker, self.source)
         self.batcher = MicroBatcher(self.jobs, batches, self.policy)
@@ -71,6 +81,7 @@ class Worker:
             b.max_batch_size,
             b.max_inflight_batches,
             self.policy,
+            max_attempts=b.max_attempts,
         )
         model_info = ModelInfo(name=engine.info.name, version=engine.info.version)
         self.sink = ResultSink(
@@ -80,10 +91,16 @@ class Worker:
             self.tracker,
             self.committer,
             max_pending_acks=2 * b.max_inflight_batches,
+            budget=FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window),
         )
         try:
             await self.sink.start()
             await self.source.start()
+        except KafkaError as exc:  # translated once, at the boundary
+            await self._close()
+            raise BrokerUnavailable(
+                f"cannot reach Kafka at {s.kafka.bootstrap_servers}: {exc!r}"
+            ) from exc
         except BaseException:
             await self._close()
             raise
@@ -96,7 +113,7 @@ class Worker:
             topics=list(s.kafka.input_topics),
             group=s.kafka.group_id,
         )
-        metrics.READY.set(1)
+        metrics.set_ready(True)
         self._spawn(self.source.run(), "consume")
         self._spawn(self.batcher.run(), "batch")
         self._spawn(self.infer.run(), "infer")
@@ -115,7 +132,7 @@ class Worker:
         if exc is not None and self._failure is None:
             self._failure = exc
             log.error("stage_failed", stage=task.get_name(), error=repr(exc))
-            metrics.READY.set(0)
+            metrics.set_ready(False)
             self.source.stop_fetching()
             self._stopped.set()
         elif task.get_name() == "produce":
@@ -141,7 +158,7 @@ class Worker:
             if drain_timeout is None
             else drain_timeout
         )
-        metrics.READY.set(0)
+        metrics.set_ready(False)
         self.source.stop_fetching()
         pipeline = [t for t in self._tasks if t.get_name() != "commit"]
         started = time.monotonic()
@@ -198,5 +215,6 @@ class Worker:
                 await asyncio.wait_for(self.committer.progress(), remaining)
         await self.committer.commit_now(only=revoked)
         fenced = sum(self.tracker.in_flight(tp) for tp in revoked)
+        metrics.REVOKE_FENCED.inc(fenced)
         self.tracker.forget(revoked)
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from . import __version__, metrics
+from .budget import FailureBudget
 from .codec import ErrorInfo, ModelInfo, Result, Tensor, encode_result
 from .commit import Committer, OffsetTracker
 from .config import KafkaConfig
 from .consume import Job
-from .errors import DeliveryFailed, InvalidRequest, UndecodableRecord
+from .errors import FailureBudgetExceeded, InvalidRequest, UndecodableRecord
 from .infer import Answer, Completed
 from .kafka import client_kwargs
 
@@ -81,7 +83,30 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
     )
 
 
+@dataclass(slots=True)
+class Outgoing:
+    """One record to produce for one job, kept until acknowledged so it can be
+    re-sent unchanged if delivery fails."""
+
+    job: Job
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    kind: str  # "ok" | "error" | "dlq"
+    seq: int  # send order, so redelivery keeps the original order
+
+
 class ResultSink:
+    """Produces answers in order, awaits acks, marks offsets done.
+
+    When acknowledgements fail (broker unreachable, timeouts), nothing is marked
+    done for those records; the sink stops taking new batches, reports not-ready,
+    and re-sends the unacknowledged records with exponential backoff until the
+    broker takes them. Upstream queues then fill and backpressure pauses fetching,
+    so memory stays bounded however long the outage lasts.
+    """
+
     def __init__(
         self,
         source: asyncio.Queue[asyncio.Future[Completed] | None],
@@ -90,15 +115,18 @@ class ResultSink:
         tracker: OffsetTracker,
         committer: Committer,
         max_pending_acks: int,
+        budget: FailureBudget | None = None,
     ) -> None:
         self._source = source
         self._kafka = kafka
         self._model = model
         self._tracker = tracker
         self._committer = committer
+        self._budget = budget
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
-        self._failure: BaseException | None = None
+        self._undelivered: list[Outgoing] = []
+        self._seq = 0
         self.producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
@@ -108,6 +136,7 @@ class ResultSink:
             max_request_size=k.max_request_size,
             compression_type=None if k.compression_type == "none" else k.compression_type,
             linger_ms=k.linger_ms,
+            retry_backoff_ms=k.retry_backoff_ms,
             **client_kwargs(k),
         )
         try:
@@ -122,26 +151,30 @@ class ResultSink:
             completed = await fut  # EngineDead propagates: the worker stops, uncommitted
             metrics.INFLIGHT_BATCHES.dec()
             await self._send_batch(completed)
-            if self._failure is not None:
-                raise DeliveryFailed(f"results not acknowledged: {self._failure!r}")
-        if self._ack_tasks:
-            await asyncio.gather(*self._ack_tasks)
-        if self._failure is not None:
-            raise DeliveryFailed(f"results not acknowledged: {self._failure!r}")
+            if self._undelivered:
+                await self._redeliver()
+        await self._settle()
+        if self._undelivered:
+            await self._redeliver()
 
     async def _send_batch(self, completed: Completed) -> None:
         now = time.monotonic()
-        sent: list[tuple[Job, asyncio.Future[object], str]] = []
+        sent: list[tuple[Outgoing, asyncio.Future[object]]] = []
         for answer in completed.answers:
             job = answer.job
-            if not self._tracker.owns(job.tp, job.offset):
-                continue  # partition revoked meanwhile: its new owner answers it
-            if isinstance(job.failure, UndecodableRecord):
-                ack = await self._send_dlq(job, job.failure.code, str(job.failure), "decode")
-                sent.append((job, ack, "dlq"))
-            else:
-                ack, status = await self._send_result(answer, now)
-                sent.append((job, ack, status))
+            if not self._tracker.owns(job.tp, job.offset, job.epoch):
+                continue  # partition revoked or reset meanwhile: its new owner answers it
+            out = self._outgoing(answer, now)
+            if self._budget is not None:
+                failed = out.kind == "dlq" or (
+                    answer.error is not None and answer.error.code == "inference_failed"
+                )
+                reason = self._budget.record(failed)
+                if reason is not None:
+                    raise FailureBudgetExceeded(
+                        f"halting: {reason}; last at {job.tp.topic}:{job.tp.partition}@{job.offset}"
+                    )
+            sent.append((out, await self._send(out)))
         if not sent:
             return
         await self._ack_slots.acquire()
@@ -149,13 +182,20 @@ class ResultSink:
         self._ack_tasks.add(task)
         task.add_done_callback(self._ack_tasks.discard)
 
-    async def _send_result(self, answer: Answer, now: float) -> tuple[asyncio.Future[object], str]:
+    def _outgoing(self, answer: Answer, now: float) -> Outgoing:
         job = answer.job
+        self._seq += 1
+        if isinstance(job.failure, UndecodableRecord):
+            headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
+            return Outgoing(
+                job, self._kafka.dlq_topic, job.key, job.raw_value, headers, "dlq", self._seq
+            )
         result = build_result(answer, self._model, now)
         value = encode_result(result)
         if len(value) + len(job.key or b"") + _RECORD_OVERHEAD > self._kafka.max_request_size:
+            # Too big for the producer: the client gets an error result instead.
             message = f"result of {len(value)} bytes exceeds kafka.max_request_size"
-            small = Result(
+            result = Result(
                 id=result.id,
                 status="error",
                 source=result.source,
@@ -164,52 +204,80 @@ class ResultSink:
                 meta=result.meta,
                 timing_us=result.timing_us,
             )
-            value = encode_result(small)
-        ack = await self._send(
-            self._kafka.output_topic, job.key, value, [("id", result.id.encode())]
-        )
-        return ack, result.status
-
-    async def _send_dlq(
-        self, job: Job, code: str, message: str, stage: str
-    ) -> asyncio.Future[object]:
-        return await self._send(
-            self._kafka.dlq_topic, job.key, job.raw_value, dlq_headers(job, code, message, stage)
+            value = encode_result(result)
+        headers = [("id", result.id.encode())]
+        return Outgoing(
+            job, self._kafka.output_topic, job.key, value, headers, result.status, self._seq
         )
 
-    async def _send(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Sequence[tuple[str, bytes]],
-    ) -> asyncio.Future[object]:
+    async def _send(self, out: Outgoing) -> asyncio.Future[object]:
+        """Hand one record to the producer; a failure to even enqueue it becomes a
+        failed future, handled like a failed ack."""
         assert self.producer is not None, "start() first"
-        fut: asyncio.Future[object] = await self.producer.send(
-            topic, value=value, key=key, headers=list(headers)
-        )
+        try:
+            fut: asyncio.Future[object] = await self.producer.send(
+                out.topic, value=out.value, key=out.key, headers=out.headers
+            )
+        except KafkaError as exc:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
         return fut
 
-    async def _await_acks(self, sent: list[tuple[Job, asyncio.Future[object], str]]) -> None:
+    async def _await_acks(self, sent: list[tuple[Outgoing, asyncio.Future[object]]]) -> None:
         try:
-            outcomes = await asyncio.gather(*(ack for _, ack, _ in sent), return_exceptions=True)
-            now = time.monotonic()
-            for (job, _, kind), outcome in zip(sent, outcomes, strict=True):
+            outcomes = await asyncio.gather(*(ack for _, ack in sent), return_exceptions=True)
+            for (out, _), outcome in zip(sent, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    # Not acknowledged: the offset stays pending, so it is never
-                    # committed and will be redelivered.
-                    self._failure = self._failure or outcome
-                    log.error("delivery_failed", source=str(job.source), error=repr(outcome))
+                    # Not acknowledged: the offset stays pending (never committed)
+                    # and the record is re-sent by _redeliver.
+                    self._undelivered.append(out)
+                    log.warning("delivery_failed", source=str(out.job.source), error=repr(outcome))
                     continue
-                self._tracker.done(job.tp, job.offset)
-                metrics.REQUEST_SECONDS.observe(now - job.arrived)
-                if kind == "dlq":
-                    metrics.DLQ_PRODUCED.inc()
-                else:
-                    metrics.RESULTS_PRODUCED.labels(status=kind).inc()
+                self._acknowledged(out)
             self._committer.notify()
         finally:
             self._ack_slots.release()
+
+    def _acknowledged(self, out: Outgoing) -> None:
+        job = out.job
+        self._tracker.done(job.tp, job.offset, job.epoch)
+        metrics.REQUEST_SECONDS.observe(time.monotonic() - job.arrived)
+        if out.kind == "dlq":
+            metrics.DLQ_PRODUCED.inc()
+        else:
+            metrics.RESULTS_PRODUCED.labels(status=out.kind).inc()
+
+    async def _settle(self) -> None:
+        """Wait for every outstanding acknowledgement."""
+        while self._ack_tasks:
+            await asyncio.gather(*self._ack_tasks)
+
+    async def _redeliver(self) -> None:
+        """Re-send unacknowledged records, oldest first, until all are acked."""
+        await self._settle()
+        metrics.set_ready(False)
+        backoff = self._kafka.retry_backoff_ms / 1000.0
+        while self._undelivered:
+            pending = sorted(self._undelivered, key=lambda o: o.seq)
+            self._undelivered = []
+            live = [o for o in pending if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)]
+            log.info("redelivering", records=len(live), backoff_s=backoff)
+            sent = [(o, await self._send(o)) for o in live]
+            metrics.DELIVERY_RETRIES.inc(len(sent))
+            outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
+            failed = 0
+            for (out, _), outcome in zip(sent, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failed += 1
+                    self._undelivered.append(out)
+                else:
+                    self._acknowledged(out)
+            self._committer.notify()
+            if failed:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+        metrics.set_ready(True)
+        log.info("delivery_recovered")
 
     async def close(self) -> None:
         producer, self.producer = self.producer, None

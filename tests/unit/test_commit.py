@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from worker.backpressure import Backpressure
+from worker.budget import FailureBudget
 from worker.commit import OffsetTracker, TopicPartition
 
 A = TopicPartition("in", 0)
@@ -14,74 +15,112 @@ B = TopicPartition("in", 1)
 
 def test_watermark_waits_for_the_lowest_pending_offset() -> None:
     t = OffsetTracker()
-    for off in (10, 11, 12):
-        t.track(A, off)
-    t.done(A, 12)
-    t.done(A, 11)
+    e = [t.track(A, off, 10) for off in (10, 11, 12)]
+    assert t.in_flight_bytes == 30
+    t.done(A, 12, e[2])
+    t.done(A, 11, e[1])
     assert t.committable() == {}
-    t.done(A, 10)
+    assert t.in_flight_bytes == 10  # bytes are released at ack, not at the watermark
+    t.done(A, 10, e[0])
     assert t.committable() == {A: 13}
-    assert t.in_flight(A) == 0
+    assert t.in_flight(A) == 0 and t.in_flight_bytes == 0
 
 
 def test_partitions_are_independent_and_commits_are_not_repeated() -> None:
     t = OffsetTracker()
-    t.track(A, 0)
-    t.track(B, 5)
+    ea = t.track(A, 0)
+    eb = t.track(B, 5)
     t.track(B, 6)
-    t.done(B, 5)
+    t.done(B, 5, eb)
     assert t.committable() == {B: 6}
     t.mark_committed({B: 6})
     assert t.committable() == {}
-    t.done(A, 0)
+    t.done(A, 0, ea)
     assert t.committable() == {A: 1}
 
 
 def test_committable_only_for_owned_partitions() -> None:
     t = OffsetTracker()
-    t.track(A, 0)
-    t.track(B, 0)
-    t.done(A, 0)
-    t.done(B, 0)
+    ea, eb = t.track(A, 0), t.track(B, 0)
+    t.done(A, 0, ea)
+    t.done(B, 0, eb)
     assert t.committable(owned={B}) == {B: 1}
 
 
 def test_gaps_in_offsets_are_fine() -> None:
     """Compacted topics and transaction markers leave gaps between offsets."""
     t = OffsetTracker()
-    t.track(A, 3)
+    e = t.track(A, 3)
     t.track(A, 7)
-    t.done(A, 7)
-    t.done(A, 3)
+    t.done(A, 7, e)
+    t.done(A, 3, e)
     assert t.committable() == {A: 8}
 
 
-def test_forgotten_partition_ignores_stale_results() -> None:
+def test_forgotten_partition_ignores_stale_results_even_after_reassignment() -> None:
     t = OffsetTracker()
-    t.track(A, 0)
-    assert t.owns(A, 0)
+    old = t.track(A, 0, 5)
+    assert t.owns(A, 0, old)
     t.forget([A])
-    assert not t.owns(A, 0)
-    t.done(A, 0)
-    assert t.committable() == {}
+    assert not t.owns(A, 0, old) and t.in_flight_bytes == 0
+    new = t.track(A, 0)  # reassigned: the same offset is read again
+    assert new != old
+    t.done(A, 0, old)  # the stale result of the first read
+    assert t.committable() == {} and t.owns(A, 0, new)
+    t.done(A, 0, new)
+    assert t.committable() == {A: 1}
 
 
-def test_out_of_order_tracking_is_rejected() -> None:
+def test_offsets_moving_backwards_reset_the_partition() -> None:
+    """A broker that lost its log starts offsets again at 0: a new epoch, not a crash."""
     t = OffsetTracker()
-    t.track(A, 5)
-    with pytest.raises(ValueError):
-        t.track(A, 5)
+    old = t.track(A, 500, 7)
+    t.track(A, 501, 7)
+    new = t.track(A, 0, 3)
+    assert new != old and t.resets == 1
+    assert t.in_flight(A) == 1 and t.in_flight_bytes == 3
+    t.done(A, 500, old)
+    t.done(A, 0, new)
+    assert t.committable() == {A: 1}
 
 
 @given(st.permutations(list(range(30))), st.integers(min_value=0, max_value=30))
 def test_watermark_is_first_not_done(order: list[int], n_done: int) -> None:
     t = OffsetTracker()
-    for off in range(30):
-        t.track(A, off)
+    epochs = [t.track(A, off, 1) for off in range(30)]
     done = set(order[:n_done])
     for off in order[:n_done]:
-        t.done(A, off)
+        t.done(A, off, epochs[off])
     first_missing = next((o for o in range(30) if o not in done), 30)
     expected = {A: first_missing} if first_missing > 0 else {}
     assert t.committable() == expected
     assert t.in_flight(A) == 30 - first_missing
+    assert t.in_flight_bytes == 30 - n_done
+
+
+def test_backpressure_pauses_at_the_bound_and_resumes_at_half() -> None:
+    bp = Backpressure(max_records=100, max_bytes=1000)
+    assert bp.update(99, 0) is None
+    assert bp.update(100, 0) == "pause"
+    assert bp.update(100, 0) is None  # already paused
+    assert bp.update(51, 0) is None  # hysteresis
+    assert bp.update(50, 0) == "resume"
+    assert bp.update(0, 1000) == "pause"  # bytes alone trigger it too
+    assert bp.update(0, 600) is None
+    assert bp.update(0, 500) == "resume"
+
+
+def test_failure_budget_consecutive_and_ratio() -> None:
+    b = FailureBudget(max_consecutive=3, max_ratio=1.0, window=10)
+    assert b.record(True) is None and b.record(True) is None
+    assert b.record(False) is None  # the run is broken
+    assert b.record(True) is None and b.record(True) is None
+    reason = b.record(True)
+    assert reason is not None and "consecutive" in reason
+
+    r = FailureBudget(max_consecutive=0, max_ratio=0.5, window=4)
+    assert [r.record(x) for x in (True, False, True)] == [None, None, None]  # window not full
+    assert r.record(False) is None  # 2/4 is not above 0.5
+    reason = r.record(True)  # window: F T F T -> still 2/4
+    assert reason is None
+    assert r.record(True) is not None  # T F T T -> 3/4
