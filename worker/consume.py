@@ -111,7 +111,14 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             log.error("rebalance_revoke_failed", error=repr(exc))
 
     async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
-        names = sorted(f"{t.topic}:{t.partition}" for t in assigned)
+        tps = list(assigned)
+        names = sorted(f"{t.topic}:{t.partition}" for t in tps)
+        try:
+            await self._source.start_at_committed(tps)
+        except Exception as exc:  # recorded; the consumer's own reset policy applies
+            self._source.listener_errors.append(exc)
+            metrics.LISTENER_ERRORS.inc()
+            log.error("rebalance_assign_failed", error=repr(exc))
         metrics.ASSIGNED_PARTITIONS.set(len(names))
         log.info("partitions_assigned", partitions=names)
 
@@ -157,12 +164,30 @@ class KafkaSource:
             **client_kwargs(k),
         )
         consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
+        # Set before start(): the first assignment's listener call may come during it.
+        self.consumer = consumer
         try:
             await consumer.start()
         except BaseException:
+            self.consumer = None
             await consumer.stop()
             raise
-        self.consumer = consumer
+
+    async def start_at_committed(self, tps: list[KafkaTP]) -> None:
+        """Position newly assigned partitions at the group's committed offset (or
+        the beginning when there is none), explicitly. The consumer can otherwise
+        keep a fetch position from before a rebalance, which skips records when
+        the broker lost its log (the embedded broker after a restart)."""
+        assert self.consumer is not None
+        fresh = []
+        for tp in tps:
+            committed = await self.consumer.committed(tp)
+            if committed is None:
+                fresh.append(tp)
+            else:
+                self.consumer.seek(tp, committed)
+        if fresh:
+            await self.consumer.seek_to_beginning(*fresh)
 
     def stop_fetching(self) -> None:
         self._stopping.set()
@@ -244,6 +269,18 @@ class KafkaSource:
         """Commit explicit offsets (the Committer's only way to reach the group)."""
         assert self.consumer is not None, "start() first"
         await self.consumer.commit(offsets)
+
+    async def probe(self, timeout: float) -> bool:
+        """True when the cluster answers a metadata request within ``timeout``. The
+        consumer hides connection loss (it reconnects quietly and returns empty
+        fetches), so readiness needs an explicit round trip."""
+        if self.consumer is None:
+            return False
+        try:
+            await asyncio.wait_for(self.consumer.topics(), timeout)
+        except (KafkaError, TimeoutError, OSError):
+            return False
+        return True
 
     def assignment(self) -> set[TopicPartition]:
         if self.consumer is None:

@@ -73,15 +73,26 @@ PARTITION_RESETS = Counter(
 
 
 _ready = threading.Event()
+_conditions: dict[str, bool] = {"started": False}
+_lock = threading.Lock()
 
 
-def set_ready(ready: bool) -> None:
-    """Readiness for ``/ready`` and the ``infer_ready`` gauge, kept in one place."""
+def set_condition(name: str, ok: bool) -> None:
+    """Readiness is the conjunction of named conditions ("started", "broker",
+    "delivery"), each owned by one stage; ``/ready`` and ``infer_ready`` follow it."""
+    with _lock:
+        _conditions[name] = ok
+        ready = all(_conditions.values())
     if ready:
         _ready.set()
     else:
         _ready.clear()
     READY.set(1 if ready else 0)
+
+
+def conditions() -> dict[str, bool]:
+    with _lock:
+        return dict(_conditions)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -93,7 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, b"ok\n")
         elif path == "/ready":
             ok = _ready.is_set()
-            self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            failing = ", ".join(k for k, v in conditions().items() if not v)
+            body = b"ready\n" if ok else f"not ready: {failing}\n".encode()
+            self._reply(200 if ok else 503, body)
         else:
             self._reply(404, b"not found\n")
 

@@ -113,12 +113,13 @@ class Worker:
             topics=list(s.kafka.input_topics),
             group=s.kafka.group_id,
         )
-        metrics.set_ready(True)
+        metrics.set_condition("started", True)
         self._spawn(self.source.run(), "consume")
         self._spawn(self.batcher.run(), "batch")
         self._spawn(self.infer.run(), "infer")
         self._spawn(self.sink.run(), "produce")
         self._spawn(self.committer.run(), "commit")
+        self._spawn(self._probe_broker(), "probe")
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -132,7 +133,7 @@ class Worker:
         if exc is not None and self._failure is None:
             self._failure = exc
             log.error("stage_failed", stage=task.get_name(), error=repr(exc))
-            metrics.set_ready(False)
+            metrics.set_condition("started", False)
             self.source.stop_fetching()
             self._stopped.set()
         elif task.get_name() == "produce":
@@ -158,9 +159,9 @@ class Worker:
             if drain_timeout is None
             else drain_timeout
         )
-        metrics.set_ready(False)
+        metrics.set_condition("started", False)
         self.source.stop_fetching()
-        pipeline = [t for t in self._tasks if t.get_name() != "commit"]
+        pipeline = [t for t in self._tasks if t.get_name() not in ("commit", "probe")]
         started = time.monotonic()
         _, pending = await asyncio.wait(pipeline, timeout=timeout) if pipeline else (set(), set())
         drained = not pending and self._failure is None
@@ -171,6 +172,9 @@ class Worker:
         # is safe even when draining failed or timed out.
         await self.committer.commit_now()
         self.committer.stop()
+        for task in self._tasks:
+            if task.get_name() == "probe":
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close()
         log.info(
@@ -199,6 +203,18 @@ class Worker:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    async def _probe_broker(self, interval: float = 1.0) -> None:
+        """Keep the "broker" readiness condition current while running."""
+        timeout = min(2.0, self.settings.kafka.request_timeout_ms / 1000.0)
+        up = True
+        while True:
+            ok = await self.source.probe(timeout)
+            if ok != up:
+                log.warning("broker_reachable" if ok else "broker_unreachable")
+                up = ok
+            metrics.set_condition("broker", ok)
+            await asyncio.sleep(interval)
 
     # --- rebalance -------------------------------------------------------------------
 

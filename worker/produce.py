@@ -255,7 +255,7 @@ class ResultSink:
     async def _redeliver(self) -> None:
         """Re-send unacknowledged records, oldest first, until all are acked."""
         await self._settle()
-        metrics.set_ready(False)
+        metrics.set_condition("delivery", False)
         backoff = self._kafka.retry_backoff_ms / 1000.0
         while self._undelivered:
             pending = sorted(self._undelivered, key=lambda o: o.seq)
@@ -276,7 +276,7 @@ class ResultSink:
             if failed:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-        metrics.set_ready(True)
+        metrics.set_condition("delivery", True)
         log.info("delivery_recovered")
 
     async def close(self) -> None:
