@@ -172,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=func)
 
+    from . import verify
+
+    ver = sub.add_parser(
+        "verify",
+        help="read input, output and DLQ topics; report lost, duplicated and reordered answers",
+    )
+    verify.add_arguments(ver)
+    ver.set_defaults(func=verify.run)
+
     naive = sub.add_parser("baseline", help=argparse.SUPPRESS)
     naive.add_argument("--config")
     naive.add_argument("--expect", type=int, required=True)

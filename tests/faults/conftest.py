@@ -1,0 +1,132 @@
+"""Helpers for fault tests: real worker processes against the real embedded broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker.codec import Request, Tensor, encode_request
+from worker.embedded import EmbeddedBroker
+from worker.harness import Collector, WorkerProcess, spawn_worker
+from worker.verify import Report, check, read_topics
+
+# Short group timeouts keep rebalances (about session/2 on this broker) fast.
+FAST_GROUP = {
+    "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
+    "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "300",
+}
+
+
+def request(i: int, size: int = 8, corner: int | None = None) -> bytes:
+    img = np.random.default_rng(i).integers(0, 200, (size, size, 1), dtype=np.uint8)
+    if corner is not None:
+        img[0, 0, 0] = corner
+    return encode_request(
+        Request(v=1, id=f"req-{i}", inputs={"image": Tensor.from_numpy(img)}, meta={"i": i})
+    )
+
+
+def start(broker: EmbeddedBroker, names: Mapping[str, str], **env: str) -> WorkerProcess:
+    return spawn_worker(
+        broker.bootstrap,
+        input_topics=[names["requests"]],
+        output_topic=names["results"],
+        dlq_topic=names["dlq"],
+        group_id=names["group"],
+        extra_env={**FAST_GROUP, **env},
+    )
+
+
+async def wait_assigned(workers: Sequence[WorkerProcess], partitions: int, timeout: float = 60.0) -> None:
+    """Until the live workers own all partitions between them, each at least one."""
+
+    def settled() -> bool:
+        counts = [w.metrics().get("infer_assigned_partitions", 0) for w in workers]
+        return sum(counts) == partitions and min(counts) >= 1
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w in workers:
+            if w.proc.poll() is not None:
+                raise RuntimeError(f"worker {w.pid} exited:\n{w.log_tail()}")
+        try:
+            if await asyncio.to_thread(settled):
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("partitions not assigned to all workers")
+
+
+def distinct_sources(c: Collector) -> int:
+    seen = set()
+    for recs in c.records.values():
+        for r in recs:
+            if "source.offset" in r.headers:
+                seen.add((int(r.headers["source.partition"]), int(r.headers["source.offset"])))
+            else:
+                s = r.result().source
+                seen.add((s.partition, s.offset))
+    return len(seen)
+
+
+@dataclass
+class Answers:
+    """A background reader of the result and DLQ topics."""
+
+    collector: Collector
+    task: asyncio.Task[bool]
+
+    @classmethod
+    async def start(cls, broker: EmbeddedBroker, names: Mapping[str, str]) -> Answers:
+        c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+        await c.start()
+        return cls(c, asyncio.create_task(c.collect(lambda _: False, 3600)))
+
+    async def wait_for(self, n: int, timeout: float) -> float:
+        """Until ``n`` distinct requests are answered; returns the seconds it took."""
+        t0 = time.monotonic()
+        while distinct_sources(self.collector) < n:
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{distinct_sources(self.collector)} of {n} answered")
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.collector.stop()
+
+
+async def verify_topics(broker: EmbeddedBroker, names: Mapping[str, str], *, strict: bool = False) -> Report:
+    inputs, observed = await read_topics(
+        broker.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=1.5
+    )
+    assert observed.complete
+    return check(inputs, observed.answers, unparseable=observed.unparseable, strict=strict)
+
+
+def record_scenario(scenario: str, report: Report, recovery_s: float | None, **extra: object) -> None:
+    """Append a line for BENCHMARKS.md when FAULT_REPORT names a file."""
+    path = os.environ.get("FAULT_REPORT")
+    if not path:
+        return
+    t = report.totals
+    row = {"scenario": scenario, "sent": t.requests, "lost": t.lost,
+           "duplicated": t.surplus_answers, "recovery_s": recovery_s, **extra}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def no_crash_in_log(w: WorkerProcess) -> None:
+    log = open(w.log_path, errors="replace").read()
+    assert "stage_failed" not in log and "Traceback" not in log, w.log_tail(60)
+
+
+Pred = Callable[[dict[str, float]], bool]
