@@ -193,15 +193,15 @@ class ResultSink:
         result = build_result(answer, self._model, now)
         value = encode_result(result)
         if len(value) + len(job.key or b"") + _RECORD_OVERHEAD > self._kafka.max_request_size:
-            # Too big for the producer: the client gets an error result instead.
-            message = f"result of {len(value)} bytes exceeds kafka.max_request_size"
+            # Too big for the producer: the client gets an error result instead,
+            # without outputs or meta (either may be what made it too big).
+            message = f"result of {len(value)} bytes exceeds kafka.max_request_size (stage produce)"
             result = Result(
                 id=result.id,
                 status="error",
                 source=result.source,
                 model=self._model,
                 error=ErrorInfo("too_large", message),
-                meta=result.meta,
                 timing_us=result.timing_us,
             )
             value = encode_result(result)
