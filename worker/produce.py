@@ -23,7 +23,7 @@ from .codec import ErrorInfo, ModelInfo, Result, Tensor, encode_result
 from .commit import Committer, OffsetTracker
 from .config import KafkaConfig
 from .consume import Job
-from .errors import FailureBudgetExceeded, InvalidRequest, UndecodableRecord
+from .errors import DeliveryFailed, FailureBudgetExceeded, InvalidRequest, UndecodableRecord
 from .infer import Answer, Completed
 from .kafka import client_kwargs
 
@@ -95,6 +95,7 @@ class Outgoing:
     headers: list[tuple[str, bytes]]
     kind: str  # "ok" | "error" | "dlq"
     seq: int  # send order, so redelivery keeps the original order
+    fallback: bool = False  # already the small replacement of a refused record
 
 
 class ResultSink:
@@ -187,27 +188,59 @@ class ResultSink:
         self._seq += 1
         if isinstance(job.failure, UndecodableRecord):
             headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
-            return Outgoing(
+            out = Outgoing(
                 job, self._kafka.dlq_topic, job.key, job.raw_value, headers, "dlq", self._seq
             )
-        result = build_result(answer, self._model, now)
-        value = encode_result(result)
-        if len(value) + len(job.key or b"") + _RECORD_OVERHEAD > self._kafka.max_request_size:
-            # Too big for the producer: the client gets an error result instead,
-            # without outputs or meta (either may be what made it too big).
-            message = f"result of {len(value)} bytes exceeds kafka.max_request_size (stage produce)"
-            result = Result(
-                id=result.id,
-                status="error",
-                source=result.source,
-                model=self._model,
-                error=ErrorInfo("too_large", message),
-                timing_us=result.timing_us,
+        else:
+            result = build_result(answer, self._model, now)
+            headers = [("id", result.id.encode())]
+            out = Outgoing(
+                job,
+                self._kafka.output_topic,
+                job.key,
+                encode_result(result),
+                headers,
+                result.status,
+                self._seq,
             )
-            value = encode_result(result)
-        headers = [("id", result.id.encode())]
+        if self._fits(out):
+            return out
+        return self._fallback(out, "record exceeds kafka.max_request_size")
+
+    def _fits(self, out: Outgoing) -> bool:
+        size = len(out.value or b"") + len(out.key or b"") + _RECORD_OVERHEAD
+        return size + sum(len(k) + len(v) for k, v in out.headers) <= self._kafka.max_request_size
+
+    def _fallback(self, out: Outgoing, reason: str) -> Outgoing:
+        """A small record for what could not be produced as it is (too large for
+        the producer, or refused for good by the broker): results become a
+        ``too_large``/``internal`` error result without outputs or meta; DLQ
+        records keep their headers but not the value, which is noted in a header.
+        Stage ``produce`` either way."""
+        job = out.job
+        code = "too_large" if "max_request_size" in reason or "TooLarge" in reason else "internal"
+        if out.kind == "dlq":
+            headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
+            headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
+            # b"" rather than None: a record needs a key or a value.
+            return Outgoing(job, out.topic, out.key, b"", headers, "dlq", out.seq, True)
+        request_id = out.headers[0][1].decode() if out.headers else ""
+        result = Result(
+            id=request_id,
+            status="error",
+            source=job.source,
+            model=self._model,
+            error=ErrorInfo(code, f"{reason} (stage produce)"),
+        )
         return Outgoing(
-            job, self._kafka.output_topic, job.key, value, headers, result.status, self._seq
+            job,
+            out.topic,
+            out.key,
+            encode_result(result),
+            [("id", request_id.encode())],
+            "error",
+            out.seq,
+            True,
         )
 
     async def _send(self, out: Outgoing) -> asyncio.Future[object]:
@@ -267,11 +300,20 @@ class ResultSink:
             outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
             failed = 0
             for (out, _), outcome in zip(sent, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
+                if not isinstance(outcome, BaseException):
+                    self._acknowledged(out)
+                    continue
+                if getattr(outcome, "retriable", True):
                     failed += 1
                     self._undelivered.append(out)
+                elif not out.fallback:
+                    # Refused for good (e.g. too large for the broker): retrying
+                    # the same bytes cannot help; send the small fallback instead.
+                    self._undelivered.append(self._fallback(out, repr(outcome)))
                 else:
-                    self._acknowledged(out)
+                    raise DeliveryFailed(
+                        f"{out.job.source} cannot be delivered even as an error: {outcome!r}"
+                    )
             self._committer.notify()
             if failed:
                 await asyncio.sleep(backoff)

@@ -43,7 +43,9 @@ def start(broker: EmbeddedBroker, names: Mapping[str, str], **env: str) -> Worke
     )
 
 
-async def wait_assigned(workers: Sequence[WorkerProcess], partitions: int, timeout: float = 60.0) -> None:
+async def wait_assigned(
+    workers: Sequence[WorkerProcess], partitions: int, timeout: float = 60.0
+) -> None:
     """Until the live workers own all partitions between them, each at least one."""
 
     def settled() -> bool:
@@ -104,7 +106,9 @@ class Answers:
         await self.collector.stop()
 
 
-async def verify_topics(broker: EmbeddedBroker, names: Mapping[str, str], *, strict: bool = False) -> Report:
+async def verify_topics(
+    broker: EmbeddedBroker, names: Mapping[str, str], *, strict: bool = False
+) -> Report:
     inputs, observed = await read_topics(
         broker.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=1.5
     )
@@ -112,20 +116,29 @@ async def verify_topics(broker: EmbeddedBroker, names: Mapping[str, str], *, str
     return check(inputs, observed.answers, unparseable=observed.unparseable, strict=strict)
 
 
-def record_scenario(scenario: str, report: Report, recovery_s: float | None, **extra: object) -> None:
+def record_scenario(
+    scenario: str, report: Report, recovery_s: float | None, **extra: object
+) -> None:
     """Append a line for BENCHMARKS.md when FAULT_REPORT names a file."""
     path = os.environ.get("FAULT_REPORT")
     if not path:
         return
     t = report.totals
-    row = {"scenario": scenario, "sent": t.requests, "lost": t.lost,
-           "duplicated": t.surplus_answers, "recovery_s": recovery_s, **extra}
+    row = {
+        "scenario": scenario,
+        "sent": t.requests,
+        "lost": t.lost,
+        "duplicated": t.surplus_answers,
+        "recovery_s": recovery_s,
+        **extra,
+    }
     with open(path, "a") as fh:
         fh.write(json.dumps(row) + "\n")
 
 
 def no_crash_in_log(w: WorkerProcess) -> None:
-    log = open(w.log_path, errors="replace").read()
+    with open(w.log_path, errors="replace") as fh:
+        log = fh.read()
     assert "stage_failed" not in log and "Traceback" not in log, w.log_tail(60)
 
 

@@ -34,21 +34,23 @@ def build(out: Path) -> Path:
     const("p_minus1", np.array([-1], dtype=np.int64))
     const("p_zero", np.array(0.0, dtype=np.float32))
     const("p_axes0", np.array([0], dtype=np.int64))
-    graph.node.extend([
-        helper.make_node("Slice", [x, "p_starts", "p_ends", "p_axes"], ["p_corner"]),
-        helper.make_node("ReduceMax", ["p_corner"], ["p_max"], keepdims=0),
-        helper.make_node("Greater", ["p_max", "p_thresh"], ["p_flag_b"]),
-        helper.make_node("Cast", ["p_flag_b"], ["p_flag"], to=TensorProto.INT64),
-        helper.make_node("Unsqueeze", ["p_flag", "p_axes0"], ["p_flag1"]),  # [1]
-        helper.make_node("Add", ["p_64", "p_flag1"], ["p_width"]),
-        helper.make_node("Concat", ["p_minus1", "p_width"], ["p_shape"], axis=0),
-        helper.make_node("Flatten", [x], ["p_flat"], axis=1),
-        # [N, 64] -> [-1, 65] fails unless N is a multiple of 65 (batches are <= 64).
-        helper.make_node("Reshape", ["p_flat", "p_shape"], ["p_reshaped"]),
-        helper.make_node("ReduceSum", ["p_reshaped"], ["p_sum"], keepdims=0),
-        helper.make_node("Mul", ["p_sum", "p_zero"], ["p_nothing"]),
-        helper.make_node("Add", [logits, "p_nothing"], ["logits_checked"]),
-    ])
+    graph.node.extend(
+        [
+            helper.make_node("Slice", [x, "p_starts", "p_ends", "p_axes"], ["p_corner"]),
+            helper.make_node("ReduceMax", ["p_corner"], ["p_max"], keepdims=0),
+            helper.make_node("Greater", ["p_max", "p_thresh"], ["p_flag_b"]),
+            helper.make_node("Cast", ["p_flag_b"], ["p_flag"], to=TensorProto.INT64),
+            helper.make_node("Unsqueeze", ["p_flag", "p_axes0"], ["p_flag1"]),  # [1]
+            helper.make_node("Add", ["p_64", "p_flag1"], ["p_width"]),
+            helper.make_node("Concat", ["p_minus1", "p_width"], ["p_shape"], axis=0),
+            helper.make_node("Flatten", [x], ["p_flat"], axis=1),
+            # [N, 64] -> [-1, 65] fails unless N is a multiple of 65 (batches are <= 64).
+            helper.make_node("Reshape", ["p_flat", "p_shape"], ["p_reshaped"]),
+            helper.make_node("ReduceSum", ["p_reshaped"], ["p_sum"], keepdims=0),
+            helper.make_node("Mul", ["p_sum", "p_zero"], ["p_nothing"]),
+            helper.make_node("Add", [logits, "p_nothing"], ["logits_checked"]),
+        ]
+    )
     graph.output.append(
         helper.make_tensor_value_info("logits_checked", TensorProto.FLOAT, ["batch", 10])
     )

@@ -10,25 +10,44 @@ import pytest
 from worker.embedded import EmbeddedBroker, create_topics
 from worker.harness import committed_offsets, produce_all
 
-from .conftest import Answers, no_crash_in_log, record_scenario, request, start, verify_topics, wait_assigned
+from .conftest import (
+    Answers,
+    no_crash_in_log,
+    record_scenario,
+    request,
+    start,
+    verify_topics,
+    wait_assigned,
+)
 
 pytestmark = pytest.mark.faults
 
-INFLIGHT = {"INFER_WORKER_BATCHING__MAX_INFLIGHT_RECORDS": "256",
-            "INFER_WORKER_KAFKA__MAX_POLL_RECORDS": "100"}
+INFLIGHT = {
+    "INFER_WORKER_BATCHING__MAX_INFLIGHT_RECORDS": "256",
+    "INFER_WORKER_KAFKA__MAX_POLL_RECORDS": "100",
+}
 
 
-async def test_sigkill_one_of_three_workers_loses_nothing(broker: EmbeddedBroker, names: dict[str, str]) -> None:
+async def test_sigkill_one_of_three_workers_loses_nothing(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
     parts, n = 6, 3000
-    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: parts,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: parts, names["dlq"]: 1}
+    )
     workers = [start(broker, names, **INFLIGHT) for _ in range(3)]
     answers = await Answers.start(broker, names)
     try:
         await wait_assigned(workers, parts)
-        producing = asyncio.create_task(produce_all(
-            broker.bootstrap, names["requests"], [(f"k{i}".encode(), request(i)) for i in range(n)],
-            partition_of=lambda i: i % parts, rate=1000))
+        producing = asyncio.create_task(
+            produce_all(
+                broker.bootstrap,
+                names["requests"],
+                [(f"k{i}".encode(), request(i)) for i in range(n)],
+                partition_of=lambda i: i % parts,
+                rate=1000,
+            )
+        )
         await answers.wait_for(n // 3, 60)
         workers[0].kill()  # SIGKILL mid-stream: no drain, no commit
         killed_at = time.monotonic()
@@ -53,10 +72,15 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
     broker: EmbeddedBroker, names: dict[str, str]
 ) -> None:
     parts, n = 3, 3000
-    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: parts,
-                                           names["dlq"]: 1})
-    await produce_all(broker.bootstrap, names["requests"], [(None, request(i)) for i in range(n)],
-                      partition_of=lambda i: i % parts)
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: parts, names["dlq"]: 1}
+    )
+    await produce_all(
+        broker.bootstrap,
+        names["requests"],
+        [(None, request(i)) for i in range(n)],
+        partition_of=lambda i: i % parts,
+    )
     answers = await Answers.start(broker, names)
     w = start(broker, names, INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS="20")
     try:
@@ -66,7 +90,9 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
         assert w.terminate() == 0, w.log_tail()  # SIGTERM with work in flight
         drain = time.monotonic() - t0
         no_crash_in_log(w)
-        committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], parts)
+        committed = await committed_offsets(
+            broker.bootstrap, names["group"], names["requests"], parts
+        )
         await asyncio.sleep(0.5)  # let the reader catch up with what was produced
         report = await verify_topics(broker, names)
         by_part = {(p.partition): p for p in report.partitions}
@@ -84,25 +110,38 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
         w.kill()
         await answers.stop()
     report = await verify_topics(broker, names, strict=True)
-    record_scenario("SIGTERM with work in flight, then a new worker", report, drain,
-                    committed_at_stop=sum(committed.values()))
-    assert report.ok and report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+    record_scenario(
+        "SIGTERM with work in flight, then a new worker",
+        report,
+        drain,
+        committed_at_stop=sum(committed.values()),
+    )
+    assert report.ok and report.totals.lost == 0 and report.totals.surplus_answers == 0, (
+        report.format()
+    )
 
 
 async def test_rolling_restarts_lose_nothing_and_exit_cleanly(
     broker: EmbeddedBroker, names: dict[str, str]
 ) -> None:
     parts, n = 6, 4000
-    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: parts,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: parts, names["dlq"]: 1}
+    )
     live = [start(broker, names), start(broker, names)]
     stopped = []
     answers = await Answers.start(broker, names)
     try:
         await wait_assigned(live, parts)
-        producing = asyncio.create_task(produce_all(
-            broker.bootstrap, names["requests"], [(None, request(i)) for i in range(n)],
-            partition_of=lambda i: i % parts, rate=600))
+        producing = asyncio.create_task(
+            produce_all(
+                broker.bootstrap,
+                names["requests"],
+                [(None, request(i)) for i in range(n)],
+                partition_of=lambda i: i % parts,
+                rate=600,
+            )
+        )
         for _ in range(2):  # replace each original worker in turn, mid-stream
             fresh = start(broker, names)
             await wait_assigned([*live, fresh], parts)

@@ -11,7 +11,15 @@ import pytest
 from worker.embedded import EmbeddedBroker, create_topics
 from worker.harness import produce_all
 
-from .conftest import Answers, no_crash_in_log, record_scenario, request, start, verify_topics, wait_assigned
+from .conftest import (
+    Answers,
+    no_crash_in_log,
+    record_scenario,
+    request,
+    start,
+    verify_topics,
+    wait_assigned,
+)
 from .poison_model import build
 
 pytestmark = pytest.mark.faults
@@ -22,15 +30,19 @@ async def test_only_the_poison_request_fails(
 ) -> None:
     model = build(tmp_path / "poison.onnx")
     n, poison = 400, {37, 200, 351}
-    await create_topics(broker.bootstrap, {names["requests"]: 2, names["results"]: 2,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
+    )
     await produce_all(
-        broker.bootstrap, names["requests"],
+        broker.bootstrap,
+        names["requests"],
         [(None, request(i, corner=255 if i in poison else None)) for i in range(n)],
-        partition_of=lambda i: i % 2)
+        partition_of=lambda i: i % 2,
+    )
     answers = await Answers.start(broker, names)
-    w = start(broker, names, INFER_WORKER_MODEL__PATH=str(model),
-              INFER_WORKER_MODEL__NAME="poisoned")
+    w = start(
+        broker, names, INFER_WORKER_MODEL__PATH=str(model), INFER_WORKER_MODEL__NAME="poisoned"
+    )
     try:
         await wait_assigned([w], 2)
         await answers.wait_for(n, 60)
@@ -51,8 +63,12 @@ async def test_only_the_poison_request_fails(
     assert metrics["infer_isolation_runs_total"] > 0
     assert metrics['infer_results_produced_total{status="error"}'] == len(poison)
     report = await verify_topics(broker, names)
-    record_scenario("model fails on 3 of 400 requests", report, None,
-                    isolation_runs=metrics["infer_isolation_runs_total"])
+    record_scenario(
+        "model fails on 3 of 400 requests",
+        report,
+        None,
+        isolation_runs=metrics["infer_isolation_runs_total"],
+    )
     assert report.totals.lost == 0
 
 
@@ -60,20 +76,27 @@ async def test_input_faster_than_inference_pauses_and_stays_bounded(
     broker: EmbeddedBroker, names: dict[str, str]
 ) -> None:
     n, bound, poll = 600, 64, 20
-    await create_topics(broker.bootstrap, {names["requests"]: 2, names["results"]: 2,
-                                           names["dlq"]: 1})
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
+    )
     # Everything is in the topic before the worker starts: fetching is far
     # faster than one batch of 8 at a time through the engine.
-    await produce_all(broker.bootstrap, names["requests"],
-                      [(None, request(i, size=96)) for i in range(n)],
-                      partition_of=lambda i: i % 2)
+    await produce_all(
+        broker.bootstrap,
+        names["requests"],
+        [(None, request(i, size=96)) for i in range(n)],
+        partition_of=lambda i: i % 2,
+    )
     answers = await Answers.start(broker, names)
-    w = start(broker, names,
-              INFER_WORKER_BATCHING__MAX_INFLIGHT_RECORDS=str(bound),
-              INFER_WORKER_BATCHING__MAX_BATCH_SIZE="8",
-              INFER_WORKER_BATCHING__PREFERRED_BATCH_SIZES="[8]",
-              INFER_WORKER_BATCHING__MAX_INFLIGHT_BATCHES="1",
-              INFER_WORKER_KAFKA__MAX_POLL_RECORDS=str(poll))
+    w = start(
+        broker,
+        names,
+        INFER_WORKER_BATCHING__MAX_INFLIGHT_RECORDS=str(bound),
+        INFER_WORKER_BATCHING__MAX_BATCH_SIZE="8",
+        INFER_WORKER_BATCHING__PREFERRED_BATCH_SIZES="[8]",
+        INFER_WORKER_BATCHING__MAX_INFLIGHT_BATCHES="1",
+        INFER_WORKER_KAFKA__MAX_POLL_RECORDS=str(poll),
+    )
     peak = {"records": 0.0}
     done = threading.Event()
 
@@ -103,7 +126,11 @@ async def test_input_faster_than_inference_pauses_and_stays_bounded(
     # Paused at the bound; one fetch of max_poll_records may land after it.
     assert 0 < peak["records"] <= bound + poll, peak
     report = await verify_topics(broker, names)
-    record_scenario("input faster than inference (bound 64 records)", report, None,
-                    pauses=metrics["infer_partition_pauses_total"],
-                    peak_inflight=peak["records"])
+    record_scenario(
+        "input faster than inference (bound 64 records)",
+        report,
+        None,
+        pauses=metrics["infer_partition_pauses_total"],
+        peak_inflight=peak["records"],
+    )
     assert report.totals.lost == 0 and report.totals.surplus_answers == 0
