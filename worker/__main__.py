@@ -118,6 +118,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_build_engine(args: argparse.Namespace) -> int:
+    from . import build_engine
+    from .config import LoggingConfig
+
+    logs.configure(LoggingConfig(format="console", level="info"))  # stderr; stdout = results
+    return build_engine.run(args)
+
+
 def _cmd_baseline(args: argparse.Namespace) -> int:
     from .baseline import serve_naive
 
@@ -180,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_arguments(ver)
     ver.set_defaults(func=verify.run)
+
+    from . import build_engine
+
+    build = sub.add_parser(
+        "build-engine",
+        help="build a TensorRT plan from ONNX (optimisation profiles, precision, caches)",
+    )
+    build_engine.add_arguments(build)
+    build.set_defaults(func=_cmd_build_engine)
 
     naive = sub.add_parser("baseline", help=argparse.SUPPRESS)
     naive.add_argument("--config")

@@ -192,6 +192,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class GpuConfig:
+    """Provisioning of the GPU stage (backends ``tensorrt`` and ``torch``)."""
+
+    device: int = 0
+    # Batches in flight on the device (one CUDA stream + buffers each);
+    # 0 = batching.max_inflight_batches. TensorRT plans need one profile per slot.
+    num_slots: int = 0
+    # Packed uint8 image bytes one slot stages for GPU preprocessing.
+    max_input_bytes: int = 32 * 1024 * 1024
+    cuda_graphs: bool = False  # TensorRT: capture one CUDA graph per batch size
+    poll_interval_ms: float = 50.0  # safety net behind the completion callback
+    batch_timeout_ms: int = 60000  # a batch still running after this: device hung
+
+    def __post_init__(self) -> None:
+        _check(self.device >= 0, "gpu.device", "must be >= 0")
+        _check(self.num_slots >= 0, "gpu.num_slots", "must be >= 0")
+        _check(self.max_input_bytes > 0, "gpu.max_input_bytes", "must be > 0")
+        _check(self.poll_interval_ms > 0, "gpu.poll_interval_ms", "must be > 0")
+        _check(self.batch_timeout_ms > 0, "gpu.batch_timeout_ms", "must be > 0")
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     max_record_bytes: int = 8 * 1024 * 1024
     max_tensor_bytes: int = 4 * 1024 * 1024
@@ -249,6 +271,7 @@ class Settings:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     dlq: DlqConfig = field(default_factory=DlqConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+import typing
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -33,11 +34,15 @@ from .errors import BrokerUnavailable
 from .infer import Completed, InferenceStage
 from .produce import ResultSink
 
+if TYPE_CHECKING:
+    from .engines.gpu import GpuEngine
+    from .gpu_stage import GpuInferenceStage
+
 log = structlog.get_logger(__name__)
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+    def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
         self.settings = settings
         self._engine = engine
         self._tasks: list[asyncio.Task[None]] = []
@@ -51,7 +56,7 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         if self._engine is None:
-            self._engine = await asyncio.to_thread(load_engine, s.model)
+            self._engine = await asyncio.to_thread(self._load_engine)
         engine = self._engine
         b = s.batching
         self.jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
@@ -73,16 +78,7 @@ class Worker:
         )
         self.committer = Committer(self.tracker, self.source)
         self.batcher = MicroBatcher(self.jobs, batches, self.policy)
-        self.infer = InferenceStage(
-            batches,
-            completed,
-            engine,
-            s.model,
-            b.max_batch_size,
-            b.max_inflight_batches,
-            self.policy,
-            max_attempts=b.max_attempts,
-        )
+        self.infer = await self._inference_stage(batches, completed, engine)
         model_info = ModelInfo(name=engine.info.name, version=engine.info.version)
         self.sink = ResultSink(
             completed,
@@ -120,6 +116,75 @@ class Worker:
         self._spawn(self.sink.run(), "produce")
         self._spawn(self.committer.run(), "commit")
         self._spawn(self._probe_broker(), "probe")
+
+    @property
+    def _on_gpu(self) -> bool:
+        return self.settings.model.backend in ("tensorrt", "torch")
+
+    def _load_engine(self) -> Engine | GpuEngine:
+        s = self.settings
+        if not self._on_gpu:
+            return load_engine(s.model)
+        from .engines.gpu import load_gpu_engine
+
+        return load_gpu_engine(
+            s.model,
+            device=s.gpu.device,
+            max_batch_size=s.batching.max_batch_size,
+            cuda_graphs=s.gpu.cuda_graphs,
+        )
+
+    async def _inference_stage(
+        self,
+        batches: asyncio.Queue[Batch[Job] | None],
+        completed: asyncio.Queue[asyncio.Future[Completed] | None],
+        engine: Engine | GpuEngine,
+    ) -> InferenceStage | GpuInferenceStage:
+        """The CPU stage, or the GPU stage with its slot ring (allocated here, once,
+        off the event loop: kernel compilation and engine contexts take a while)."""
+        s, b = self.settings, self.settings.batching
+        if not self._on_gpu:
+            return InferenceStage(
+                batches,
+                completed,
+                engine,
+                s.model,
+                b.max_batch_size,
+                b.max_inflight_batches,
+                self.policy,
+                max_attempts=b.max_attempts,
+            )
+        from .gpu_stage import GpuInferenceStage, GpuOptions, isolate
+
+        g = s.gpu
+        options = GpuOptions(
+            num_slots=g.num_slots or b.max_inflight_batches,
+            max_batch_size=b.max_batch_size,
+            max_input_bytes=g.max_input_bytes,
+            device=g.device,
+            preprocess=s.model.preprocess.device,
+            poll_interval_s=g.poll_interval_ms / 1000.0,
+            batch_timeout_s=g.batch_timeout_ms / 1000.0,
+        )
+        stage = await asyncio.to_thread(
+            GpuInferenceStage,
+            batches,
+            completed,
+            typing.cast("GpuEngine", engine),
+            s.model,
+            b.max_batch_size,
+            b.max_inflight_batches,
+            self.policy,
+            options=options,
+            on_failure=isolate(b.max_attempts),
+        )
+        log.info(
+            "gpu_stage_ready",
+            device=g.device,
+            slots=options.num_slots,
+            preprocess=options.preprocess,
+        )
+        return stage
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

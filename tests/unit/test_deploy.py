@@ -32,8 +32,11 @@ def test_topics_service_creates_the_worker_topics() -> None:
     settings = load_settings(env=env)
     script = "\n".join(services["topics"]["command"])
     created = set(re.findall(r"([\w.]+):\d+", script))
-    assert {*settings.kafka.input_topics, settings.kafka.output_topic,
-            settings.kafka.dlq_topic} <= created
+    assert {
+        *settings.kafka.input_topics,
+        settings.kafka.output_topic,
+        settings.kafka.dlq_topic,
+    } <= created
 
 
 def test_kafka_runs_kraft_from_the_official_image() -> None:

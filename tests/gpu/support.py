@@ -1,0 +1,205 @@
+"""Helpers for the GPU tests: jobs, batches, driving a stage, and small CuPy engines.
+
+The engines implement ``worker.engines.gpu.GpuEngine`` with raw CuPy kernels, so
+the stage is tested on a GPU without torch or TensorRT, and without mocking the
+stage itself: a real stream, real kernels, real copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from worker.batching import Batch
+from worker.commit import TopicPartition
+from worker.consume import Job
+from worker.engines import EngineInfo
+from worker.engines.gpu import EngineSlot, TensorSpec
+from worker.errors import InferenceFailed
+from worker.infer import Completed
+
+F32 = np.dtype(np.float32)
+
+
+def make_jobs(images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[Job]:
+    now = time.monotonic()
+    return [
+        Job(
+            tp=TopicPartition("gpu-test", 0),
+            offset=i,
+            key=None,
+            arrived=now,
+            deadline=deadline,
+            image=image,
+        )
+        for i, image in enumerate(images)
+    ]
+
+
+def batches_of(jobs: Sequence[Job], sizes: Sequence[int]) -> list[Batch[Job]]:
+    """Cut ``jobs`` into batches of the given sizes, cycling through ``sizes``."""
+    out: list[Batch[Job]] = []
+    start = 0
+    i = 0
+    while start < len(jobs):
+        size = sizes[i % len(sizes)]
+        out.append(
+            Batch(items=list(jobs[start : start + size]), formed_at=time.monotonic(),
+                  reason="full", seq=len(out) + 1)
+        )  # fmt: skip
+        start += size
+        i += 1
+    return out
+
+
+Source = asyncio.Queue[Batch[Job] | None]
+Sink = asyncio.Queue[asyncio.Future[Completed] | None]
+
+
+def queues() -> tuple[Source, Sink]:
+    """The two queues a stage is built with (the pipeline's contract)."""
+    return asyncio.Queue(), asyncio.Queue()
+
+
+async def run_stage(
+    stage: Any, source: Source, sink: Sink, batches: Sequence[Batch[Job]]
+) -> list[Completed]:
+    """Feed ``batches`` and end of stream to a stage (GPU or CPU: same contract),
+    collect its futures in dispatch order and await them."""
+    for batch in batches:
+        source.put_nowait(batch)
+    source.put_nowait(None)
+    runner = asyncio.create_task(stage.run())
+    futures: list[asyncio.Future[Completed]] = []
+    while (fut := await sink.get()) is not None:
+        futures.append(fut)
+    await runner
+    return [await asyncio.wait_for(f, 60) for f in futures]
+
+
+_LINEAR = r"""
+extern "C" __global__ void linear(const float* x, const float* w, const float* b, float* y,
+                                  int n, int in_f, int out_f) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * out_f) return;
+    int r = i / out_f, o = i - (i / out_f) * out_f;
+    float acc = b[o];
+    for (int k = 0; k < in_f; ++k) acc += x[r * in_f + k] * w[k * out_f + o];
+    y[i] = acc;
+}
+"""
+
+
+@dataclass
+class LinearEngine:
+    """logits = flatten(x) @ w + b, one thread per logit, on the slot's stream."""
+
+    w: np.ndarray  # [in_features, classes] float32
+    b: np.ndarray  # [classes]
+    row_shape: tuple[int, ...]
+    max_batch_size: int = 64
+    device: int = 0
+    min_batch_size: int = 1
+    fail_next: Exception | None = None  # raised by the next enqueue
+    enqueued: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import cupy
+
+        self.input = TensorSpec("image", F32, self.row_shape)
+        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.w.shape[1],)),)
+        self.info = EngineInfo("cupy", "linear", "0", "image", ("logits",), self.max_batch_size)
+        self._w = cupy.asarray(self.w, dtype=cupy.float32)
+        self._b = cupy.asarray(self.b, dtype=cupy.float32)
+        self._kernel = cupy.RawKernel(_LINEAR, "linear")
+        self._kernel.compile()  # now, not inside the first timed batch
+
+    def create_context(self, slot: EngineSlot) -> None:
+        return None
+
+    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        self.enqueued.append(batch_size)
+        out_f = self.w.shape[1]
+        total = batch_size * out_f
+        args = (
+            slot.engine_input, self._w, self._b, slot.engine_outputs["logits"],
+            np.int32(batch_size), np.int32(self.w.shape[0]), np.int32(out_f),
+        )  # fmt: skip
+        with slot.stream:
+            self._kernel(((total + 127) // 128,), (128,), args)
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        x = batch.reshape(batch.shape[0], -1).astype(np.float32)
+        return {"logits": x @ self.w + self.b}
+
+    def close(self) -> None:
+        pass
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns, float* y, int n) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = (float)(i % 7);
+}
+"""
+
+
+@dataclass
+class SpinContext:
+    start: Any  # cupy.cuda.Event, recorded when the spin kernel is enqueued
+    end: Any
+
+
+@dataclass
+class SpinEngine:
+    """Busy-waits ``seconds`` on the GPU per batch, between two events of its own,
+    so tests can see from CUDA timestamps whether two slots ran at once."""
+
+    seconds: float
+    classes: int = 10
+    row_shape: tuple[int, ...] = (1, 8, 8)
+    max_batch_size: int = 8
+    device: int = 0
+    min_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        import cupy
+
+        self.input = TensorSpec("image", F32, self.row_shape)
+        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.classes,)),)
+        self.info = EngineInfo("cupy", "spin", "0", "image", ("logits",), self.max_batch_size)
+        self._kernel = cupy.RawKernel(_SPIN, "spin")
+        self._kernel.compile()  # now, not inside the first timed batch
+
+    def create_context(self, slot: EngineSlot) -> SpinContext:
+        import cupy
+
+        with cupy.cuda.Device(slot.device):
+            return SpinContext(cupy.cuda.Event(), cupy.cuda.Event())
+
+    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+        ctx: SpinContext = slot.context
+        ns = np.uint64(int(self.seconds * 1e9))
+        n = np.int32(batch_size * self.classes)
+        ctx.start.record(slot.stream)
+        with slot.stream:
+            self._kernel((1,), (32,), (ns, slot.engine_outputs["logits"], n))
+        ctx.end.record(slot.stream)
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        raise InferenceFailed("spin engine has no host path")
+
+    def close(self) -> None:
+        pass

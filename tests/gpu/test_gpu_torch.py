@@ -1,0 +1,183 @@
+"""The GPU pipeline end to end with the torch engine, against the CPU pipeline.
+
+The bundled digits model (worker/models/digits.onnx: Flatten -> Gemm -> Relu ->
+Gemm) is rebuilt as a TorchScript MLP from the ONNX file's own initializers, so
+both pipelines run the same weights: the CPU ``InferenceStage`` with ONNX Runtime
+and the ``GpuInferenceStage`` with ``TorchEngine`` (GPU preprocessing, the model
+on the slot's stream through DLPack views, top-k on device).
+
+Tolerance: top-1 must be identical on every held-out sample (the preprocessing
+is bit-identical, and float32 GEMMs differ by ~1e-6, far below any logit gap
+among the samples); top-k scores (probabilities) within ``atol = 1e-5``. TF32 is
+switched off so the GPU GEMM really is float32.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from worker.config import ModelConfig
+from worker.engines import resolve_model_path
+from worker.engines.onnxruntime import OnnxRuntimeEngine
+from worker.gpu_stage import GpuInferenceStage, GpuOptions
+from worker.infer import Completed, InferenceStage
+from worker.preprocess import preprocess
+
+from .support import batches_of, make_jobs, queues, run_stage
+
+pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
+
+SCORE_ATOL = 1e-5
+GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}
+SAMPLES = Path(str(files("worker") / "models" / "digits_samples.npz"))
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+@pytest.fixture(scope="module")
+def samples() -> tuple[list[np.ndarray], np.ndarray]:
+    with np.load(SAMPLES) as npz:
+        return list(npz["images"]), np.asarray(npz["labels"])
+
+
+@pytest.fixture(scope="module")
+def digits_torchscript(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """digits.onnx as a TorchScript file, weights read with onnx.numpy_helper."""
+    onnx = pytest.importorskip("onnx", reason="onnx is needed to read the bundled weights")
+    from onnx import numpy_helper
+
+    model = onnx.load(str(resolve_model_path("builtin:digits")))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == ["Flatten", "Gemm", "Relu", "Gemm"], ops
+    for node in model.graph.node:  # the MLP below assumes ONNX Gemm defaults
+        for attr in node.attribute:
+            value = onnx.helper.get_attribute_value(attr)
+            assert (attr.name, value) in GEMM_DEFAULTS, (node.name, attr.name, value)
+    w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    # ONNX Gemm computes x @ W + b; torch.nn.Linear computes x @ weight.T + bias.
+    first, second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+    with torch.no_grad():
+        for layer, (weight, bias) in ((first, ("W1", "b1")), (second, ("W2", "b2"))):
+            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(w[weight].T)))
+            layer.bias.copy_(torch.from_numpy(w[bias]))
+    mlp = torch.nn.Sequential(torch.nn.Flatten(1), first, torch.nn.ReLU(), second).eval()
+    path = tmp_path_factory.mktemp("torch") / "digits.pt"
+    torch.jit.script(mlp).save(str(path))
+    return path
+
+
+def _torch_model(path: Path) -> ModelConfig:
+    return ModelConfig(name="digits", path=str(path), backend="torch", output="logits")
+
+
+def test_torch_engine_run_matches_onnxruntime(
+    torch: Any, digits_torchscript: Path, samples: tuple[list[np.ndarray], np.ndarray]
+) -> None:
+    from worker.engines.torch import TorchEngine
+
+    images, _ = samples
+    cpu_cfg = ModelConfig()
+    x = preprocess(images[:64], cpu_cfg.preprocess)
+    cpu = OnnxRuntimeEngine(resolve_model_path(cpu_cfg.path), cpu_cfg)
+    gpu = TorchEngine(digits_torchscript, _torch_model(digits_torchscript), max_batch_size=64)
+    try:
+        assert gpu.info.output_names == ("logits",)
+        assert gpu.outputs[0].shape == (10,) and gpu.input.shape == (1, 8, 8)
+        np.testing.assert_allclose(gpu.run(x)["logits"], cpu.run(x)["logits"], atol=1e-4)
+    finally:
+        gpu.close()
+        cpu.close()
+
+
+async def _cpu_results(images: list[np.ndarray], sizes: list[int]) -> list[Completed]:
+    cfg = ModelConfig()
+    engine = OnnxRuntimeEngine(resolve_model_path(cfg.path), cfg)
+    source, sink = queues()
+    stage = InferenceStage(source, sink, engine, cfg, 64, 2)
+    try:
+        return await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
+    finally:
+        stage.close()
+        engine.close()
+
+
+async def _gpu_results(
+    path: Path, images: list[np.ndarray], sizes: list[int], preprocess_on: str
+) -> list[Completed]:
+    from worker.engines.torch import TorchEngine
+
+    model = _torch_model(path)
+    engine = TorchEngine(path, model, max_batch_size=64)
+    source, sink = queues()
+    opts = GpuOptions(num_slots=3, max_batch_size=64, preprocess=preprocess_on)  # type: ignore[arg-type]
+    stage = GpuInferenceStage(source, sink, engine, model, 64, 3, options=opts)
+    try:
+        return await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
+    finally:
+        stage.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("preprocess_on", ["gpu", "cpu"])
+async def test_gpu_stage_with_torch_equals_cpu_stage(
+    torch: Any,
+    digits_torchscript: Path,
+    samples: tuple[list[np.ndarray], np.ndarray],
+    preprocess_on: str,
+) -> None:
+    images, labels = samples
+    sizes = [1, 64, 17, 64, 33]  # batch of 1, of max, and odd ones
+    cpu = [a for c in await _cpu_results(images, sizes) for a in c.answers]
+    gpu = [
+        a for c in await _gpu_results(digits_torchscript, images, sizes, preprocess_on)
+        for a in c.answers
+    ]  # fmt: skip
+    assert len(cpu) == len(gpu) == len(images)
+    for i, (c, g) in enumerate(zip(cpu, gpu, strict=True)):
+        assert c.error is None and g.error is None, (i, c.error, g.error)
+        assert c.outputs is not None and g.outputs is not None
+        assert set(g.outputs) == set(c.outputs) == {"topk_indices", "topk_scores"}
+        assert g.outputs["topk_indices"][0] == c.outputs["topk_indices"][0], f"sample {i}"
+        assert g.outputs["topk_scores"].dtype == np.float32
+        assert g.outputs["topk_indices"].dtype == np.int64
+        np.testing.assert_allclose(
+            g.outputs["topk_scores"], c.outputs["topk_scores"], atol=SCORE_ATOL
+        )
+    top1 = np.array([g.outputs["topk_indices"][0] for g in gpu])  # type: ignore[index]
+    assert np.mean(top1 == labels) >= 0.97  # the recorded held-out accuracy is 0.975
+
+
+async def test_resized_inputs_agree_with_cpu(
+    torch: Any, digits_torchscript: Path, samples: tuple[list[np.ndarray], np.ndarray]
+) -> None:
+    """Requests of other sizes than the model's (resized on the device) still give the
+    CPU pipeline's answers."""
+    images, _ = samples
+    rng = np.random.default_rng(11)
+    resized = []
+    for img in images[:96]:
+        k = int(rng.integers(1, 5))
+        big = np.kron(img, np.ones((k, k + 1, 1), dtype=np.uint8))  # odd aspect ratios
+        resized.append(np.ascontiguousarray(big))
+    cpu = [a for c in await _cpu_results(resized, [32]) for a in c.answers]
+    gpu = [
+        a for c in await _gpu_results(digits_torchscript, resized, [32], "gpu") for a in c.answers
+    ]
+    for c, g in zip(cpu, gpu, strict=True):
+        assert c.outputs is not None and g.outputs is not None
+        assert g.outputs["topk_indices"][0] == c.outputs["topk_indices"][0]
+        np.testing.assert_allclose(
+            g.outputs["topk_scores"], c.outputs["topk_scores"], atol=SCORE_ATOL
+        )

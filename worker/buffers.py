@@ -1,0 +1,334 @@
+"""Slots: everything one in-flight batch needs on the GPU, allocated once; and the ring.
+
+A ``Slot`` is one CUDA stream with its timing events, pinned host staging for the
+batch's packed input bytes and per-image table, pinned host twins of the outputs
+that come back, device buffers sized for the largest batch, and the engine's
+execution context for that stream. Slots rotate, so while batch N computes on
+one stream, batch N+1 copies in on another and batch N-1 copies out on a third.
+
+Nothing here is allocated per batch: every buffer is created when the slot is,
+at start-up, and counted in ``Allocations``; the tests assert that count never
+moves once the worker is running. Pinned (page-locked) host memory is what makes
+the copies asynchronous: a copy from pageable memory is staged synchronously by
+the driver and would stall the submitting thread.
+
+``SlotRing`` is pure asyncio bookkeeping with no CUDA in it, so its rotation,
+waiting and accounting are unit-tested on CPU with fake slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from .engines.gpu import TensorSpec
+from .errors import EngineDead, WorkerError
+
+
+@dataclass
+class Allocations:
+    """Counts buffers allocated for slots (device and pinned host)."""
+
+    count: int = 0
+    nbytes: int = 0
+
+    def record(self, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+
+
+S = TypeVar("S")
+
+
+class SlotRing(Generic[S]):
+    """A fixed set of slots handed out in rotation.
+
+    ``acquire`` returns the free slot that has been free the longest (strict
+    round-robin while batches finish in order; with out-of-order completion, the
+    slot whose stream has been idle longest). When every slot is busy it waits,
+    without blocking the loop, and waiters are served first come, first served.
+    ``release`` hands the slot straight to the oldest waiter. Slots are only ever
+    created in ``build``: the ring never grows.
+    """
+
+    def __init__(self, slots: Sequence[S], allocations: Allocations | None = None) -> None:
+        if not slots:
+            raise ValueError("a slot ring needs at least one slot")
+        self.slots: tuple[S, ...] = tuple(slots)
+        self.allocations = allocations if allocations is not None else Allocations()
+        self._known = {id(s) for s in self.slots}
+        if len(self._known) != len(self.slots):
+            raise ValueError("the same slot appears twice")
+        self._free: deque[S] = deque(self.slots)
+        self._busy: set[int] = set()
+        self._waiters: deque[asyncio.Future[S]] = deque()
+        self._closed: WorkerError | None = None
+
+    @classmethod
+    def build(
+        cls, factory: Callable[[int, Allocations], S], size: int, allocations: Allocations
+    ) -> SlotRing[S]:
+        """Create all ``size`` slots now; ``factory(index, allocations)`` records
+        every buffer it allocates."""
+        if size < 1:
+            raise ValueError("a slot ring needs at least one slot")
+        return cls([factory(i, allocations) for i in range(size)], allocations)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def busy(self) -> int:
+        return len(self._busy)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    def try_acquire(self) -> S | None:
+        if self._closed is not None:
+            raise self._closed
+        if self._free and not self._waiters:
+            slot = self._free.popleft()
+            self._busy.add(id(slot))
+            return slot
+        return None
+
+    async def acquire(self) -> S:
+        slot = self.try_acquire()
+        if slot is not None:
+            return slot
+        waiter: asyncio.Future[S] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Handed a slot in the same iteration we were cancelled: pass it on.
+                self.release(waiter.result())
+            raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def release(self, slot: S) -> None:
+        """Return a slot acquired from this ring. Releasing a slot that is not
+        this ring's, or is not currently acquired, is a bug and raises."""
+        key = id(slot)
+        if key not in self._known:
+            raise ValueError(f"release of a slot that does not belong to this ring: {slot!r}")
+        if key not in self._busy:
+            raise ValueError(f"release of a slot that is not acquired: {slot!r}")
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # skip waiters cancelled meanwhile
+                waiter.set_result(slot)  # stays busy: ownership moves to the waiter
+                return
+        self._busy.discard(key)
+        self._free.append(slot)
+
+    def close(self, reason: WorkerError | None = None) -> None:
+        """Fail every waiter and every later acquire with ``reason``."""
+        self._closed = reason or EngineDead("slot ring closed")
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(self._closed)
+
+
+def pack_images(images: Sequence[np.ndarray], packed: np.ndarray, table: np.ndarray) -> int:
+    """Copy uint8 [H, W(, C)] images back to back into ``packed`` (1-D uint8) and
+    write one (byte offset, height, width) row per image into ``table`` (int64
+    [>= n, 3]), the layout kernels/preprocess.cu reads. Returns the bytes used.
+    One host copy per image, into memory allocated at start-up."""
+    if len(images) > table.shape[0]:
+        raise ValueError(f"{len(images)} images exceed the table's {table.shape[0]} rows")
+    offset = 0
+    for i, image in enumerate(images):
+        size = image.size
+        if offset + size > packed.shape[0]:
+            raise ValueError(f"images exceed the {packed.shape[0]}-byte staging buffer")
+        packed[offset : offset + size] = image.reshape(-1)
+        table[i, 0] = offset
+        table[i, 1] = image.shape[0]
+        table[i, 2] = image.shape[1]
+        offset += size
+    return offset
+
+
+# --- CUDA slots ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Every buffer of a slot, fixed at start-up from the engine and the model.
+
+    ``max_batch_size`` rows everywhere; ``max_input_bytes`` of packed uint8 image
+    staging when preprocessing runs on the GPU (0 when it runs on the host, which
+    instead stages the preprocessed batch in ``host_input``); ``results`` are
+    device outputs of the postprocessing kernels; ``copy_back`` names the engine
+    outputs or results that come back to pinned host memory.
+    """
+
+    device: int
+    max_batch_size: int
+    engine_input: TensorSpec
+    engine_outputs: tuple[TensorSpec, ...]
+    results: tuple[TensorSpec, ...] = ()
+    copy_back: tuple[str, ...] = ()
+    max_input_bytes: int = 0
+    host_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        names = [t.name for t in (*self.engine_outputs, *self.results)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"buffer names collide: {names}")
+        missing = set(self.copy_back) - set(names)
+        if missing:
+            raise ValueError(f"copy_back names unknown buffers: {sorted(missing)}")
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in (*self.engine_outputs, *self.results):
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def device_bytes(self) -> int:
+        rows = sum(t.row_bytes for t in (self.engine_input, *self.engine_outputs, *self.results))
+        table = 3 * 8 if self.max_input_bytes else 0
+        return self.max_batch_size * (rows + table) + self.max_input_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        rows = sum(self.spec(n).row_bytes for n in self.copy_back)
+        if self.host_input:
+            rows += self.engine_input.row_bytes
+        table = 3 * 8 if self.max_input_bytes else 0
+        return self.max_batch_size * (rows + table) + self.max_input_bytes
+
+
+@dataclass
+class SlotEvents:
+    """Recorded on the slot's stream around each phase; CUDA measures the phases."""
+
+    start: Any
+    preprocessed: Any
+    inferred: Any
+    finished: Any  # after the last copy; the slot is idle once it has completed
+
+
+@dataclass(eq=False)
+class Slot:
+    """One stream and its buffers; see the module docstring. Build with ``create``."""
+
+    index: int
+    device: int
+    layout: SlotLayout
+    stream: Any
+    events: SlotEvents
+    engine_input: Any
+    engine_outputs: Mapping[str, Any]
+    results: Mapping[str, Any]
+    host_results: Mapping[str, np.ndarray]
+    host_packed: np.ndarray | None = None  # pinned uint8 [max_input_bytes]
+    host_table: np.ndarray | None = None  # pinned int64 [max_batch, 3]
+    dev_packed: Any = None
+    dev_table: Any = None
+    host_input: np.ndarray | None = None  # pinned, host preprocessing only
+    context: Any = None  # the engine's, from GpuEngine.create_context
+    # While work is in flight: (the submission running on a worker thread, the
+    # future the stream's completion callback resolves). The buffers must not be
+    # reused, nor the slot released, until both are done; None when idle.
+    pending: tuple[asyncio.Future[Any], asyncio.Future[None]] | None = None
+
+    def __repr__(self) -> str:
+        return f"Slot(index={self.index}, device={self.device})"
+
+    @classmethod
+    def create(cls, index: int, layout: SlotLayout, allocations: Allocations) -> Slot:
+        import cupy
+
+        def device(shape: tuple[int, ...], dtype: Any) -> Any:
+            # zeros, not empty: rows past a short batch (padding up to an engine's
+            # minimum batch) then hold finite values, never NaN garbage.
+            arr = cupy.zeros(shape, dtype=dtype)
+            allocations.record(int(arr.nbytes))
+            return arr
+
+        def pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            # CuPy's documented recipe: a NumPy view of page-locked memory from
+            # CuPy's pinned pool (the array keeps the allocation alive via .base).
+            dt = np.dtype(dtype)
+            count = math.prod(shape)
+            mem = cupy.cuda.alloc_pinned_memory(max(1, count * dt.itemsize))
+            arr = np.frombuffer(mem, dtype=dt, count=count).reshape(shape)
+            allocations.record(int(arr.nbytes))
+            return arr
+
+        n = layout.max_batch_size
+        with cupy.cuda.Device(layout.device):
+            # non_blocking: no implicit synchronisation with the legacy default
+            # stream, so slots overlap with each other and with other libraries.
+            stream = cupy.cuda.Stream(non_blocking=True)
+            events = SlotEvents(*(cupy.cuda.Event() for _ in range(4)))
+            inp = layout.engine_input
+            engine_input = device((n, *inp.shape), inp.dtype)
+            engine_outputs = {t.name: device((n, *t.shape), t.dtype) for t in layout.engine_outputs}
+            results = {t.name: device((n, *t.shape), t.dtype) for t in layout.results}
+            host_results = {}
+            for name in layout.copy_back:
+                spec = layout.spec(name)
+                host_results[name] = pinned((n, *spec.shape), spec.dtype)
+            slot = cls(
+                index=index,
+                device=layout.device,
+                layout=layout,
+                stream=stream,
+                events=events,
+                engine_input=engine_input,
+                engine_outputs=engine_outputs,
+                results=results,
+                host_results=host_results,
+            )
+            if layout.max_input_bytes:
+                slot.host_packed = pinned((layout.max_input_bytes,), np.uint8)
+                slot.host_table = pinned((n, 3), np.int64)
+                slot.dev_packed = device((layout.max_input_bytes,), np.uint8)
+                slot.dev_table = device((n, 3), np.int64)
+            if layout.host_input:
+                slot.host_input = pinned((n, *inp.shape), inp.dtype)
+        return slot
+
+    def rows_nbytes(self, name: str, n: int) -> int:
+        """Bytes of the first ``n`` rows of a device buffer (engine output or result)."""
+        return n * self.layout.spec(name).row_bytes
+
+    def device_buffer(self, name: str) -> Any:
+        buf = self.engine_outputs.get(name)
+        return buf if buf is not None else self.results[name]
+
+    def close(self) -> None:
+        """Wait for the stream (shutdown only) and drop every buffer and the context."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.context = None
+        self.engine_input = None
+        self.engine_outputs = {}
+        self.results = {}
+        self.host_results = {}
+        self.host_packed = self.host_table = self.host_input = None
+        self.dev_packed = self.dev_table = None
+        self.stream = None
