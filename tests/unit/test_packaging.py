@@ -1,0 +1,57 @@
+"""The wheel the Dockerfile builds, from exactly the files the Dockerfile copies,
+carries the kernels, the bundled model and the typed marker."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -> None:
+    context = tmp_path / "context"
+    context.mkdir()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        parts = line.split()
+        if parts[:1] == ["COPY"] and not any(p.startswith("--from") for p in parts):
+            for src in parts[1:-1]:
+                path = ROOT / src
+                if path.is_dir():
+                    shutil.copytree(
+                        path, context / src, ignore=shutil.ignore_patterns("__pycache__")
+                    )
+                else:
+                    shutil.copy(path, context / src)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--quiet",
+            "-w",
+            str(tmp_path / "w"),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "w").glob("infer_worker-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for cu in (ROOT / "kernels").glob("*.cu"):
+        assert f"worker/_kernels/{cu.name}" in names
+    assert {
+        "worker/models/digits.onnx",
+        "worker/models/digits_samples.npz",
+        "worker/models/digits.json",
+        "worker/py.typed",
+        "worker/engines/tensorrt.py",
+    } <= names
