@@ -83,6 +83,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _calibration_sha256(path: Path, cfg: PreprocessConfig) -> str:
+    """The calibration data's identity: the samples file and, since ``images`` are
+    preprocessed here, the preprocessing that turns them into model inputs."""
+    digest = hashlib.sha256(file_sha256(path).encode())
+    digest.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
 def check_profile(min_batch: int, opt_batch: int, max_batch: int) -> None:
     if not 1 <= min_batch <= opt_batch <= max_batch:
         raise ConfigError(
@@ -191,7 +199,7 @@ def build_engine(
         max_batch=max_batch,
         profiles=profiles,
         calibration_sha256=(
-            file_sha256(calibration_npz)
+            _calibration_sha256(calibration_npz, preprocess_cfg or PreprocessConfig())
             if precision == "int8" and calibration_npz is not None
             else None
         ),
@@ -230,13 +238,23 @@ def build_engine(
                 first_profile = profile
 
         calibrator = None
+        if precision == "fp32":
+            # TensorRT enables TF32 (10-bit mantissa inputs to GEMMs/convolutions)
+            # by default; "fp32" promises no reduced precision.
+            config.clear_flag(trt.BuilderFlag.TF32)
         if precision in ("fp16", "int8", "fp8"):
             config.set_flag(trt.BuilderFlag.FP16)
         if precision == "int8":
             assert calibration_npz is not None
             inputs, _ = load_samples(calibration_npz, preprocess_cfg or PreprocessConfig())
             cache_file = out_dir / f"{digest}.calib"
-            calibrator = make_calibrator(trt, inputs, min(max_batch, 32), cache_file)
+            # TensorRT 10 calibrates at the calibration profile's OPT shape (its MIN
+            # and MAX are overwritten by OPT; getBatchSize is a deprecated leftover of
+            # implicit batch), so every get_batch buffer must hold exactly that many
+            # rows, in the network input's type.
+            calib_batch = dims[0] if dims[0] >= 0 else opt
+            in_dtype = np.dtype(trt.nptype(inp.dtype))
+            calibrator = make_calibrator(trt, inputs, calib_batch, cache_file, in_dtype)
             config.set_flag(trt.BuilderFlag.INT8)
             config.int8_calibrator = calibrator
             if first_profile is not None:
@@ -252,14 +270,20 @@ def build_engine(
 
         cache_bytes = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b""
         cache = config.create_timing_cache(cache_bytes)
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        # set_timing_cache returns False (and the cache is not used) for one made on
+        # another GPU or TensorRT version: start a fresh one, which then replaces
+        # the stale file, rather than failing the build or serialising nothing.
+        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+            log.warning("timing_cache_mismatch", path=str(timing_cache), action="rebuilt")
+            cache = config.create_timing_cache(b"")
+            config.set_timing_cache(cache, ignore_mismatch=False)
 
         log.info("engine_build_started", onnx=str(onnx_path), precision=precision, key=digest)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise ConfigError(f"TensorRT failed to build {onnx_path}: {logger.last_errors()}")
         if timing_cache is not None:
-            _atomic_write(timing_cache, bytes(memoryview(config.get_timing_cache().serialize())))
+            _atomic_write(timing_cache, bytes(memoryview(cache.serialize())))
     _atomic_write(plan_path, bytes(memoryview(serialized)))
     meta = {**asdict(key), "key": digest, "onnx": str(onnx_path)}
     _atomic_write(out_dir / f"{digest}.json", json.dumps(meta, indent=2).encode())
@@ -267,10 +291,20 @@ def build_engine(
     return plan_path
 
 
-def make_calibrator(trt: Any, inputs: np.ndarray, batch_size: int, cache_file: Path) -> Any:
-    """An ``IInt8EntropyCalibrator2`` over preprocessed float32 ``inputs``; the
-    calibration table is cached next to the plan, so rebuilding skips calibration."""
+def make_calibrator(
+    trt: Any,
+    inputs: np.ndarray,
+    batch_size: int,
+    cache_file: Path,
+    dtype: np.dtype[Any] | None = None,
+) -> Any:
+    """An ``IInt8EntropyCalibrator2`` over preprocessed float32 ``inputs``, fed in
+    batches of exactly ``batch_size`` rows (the calibration profile's OPT batch)
+    converted to the network input's ``dtype``; the calibration table is cached
+    next to the plan, so rebuilding skips calibration."""
     import cupy
+
+    dt = np.dtype(np.float32) if dtype is None else np.dtype(dtype)
 
     class _Calibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -278,7 +312,7 @@ def make_calibrator(trt: Any, inputs: np.ndarray, batch_size: int, cache_file: P
             self._inputs = inputs
             self._batch = batch_size
             self._next = 0
-            self._device = cupy.empty((batch_size, *inputs.shape[1:]), dtype=np.float32)
+            self._device = cupy.empty((batch_size, *inputs.shape[1:]), dtype=dt)
 
         def get_batch_size(self) -> int:
             return self._batch
@@ -288,7 +322,7 @@ def make_calibrator(trt: Any, inputs: np.ndarray, batch_size: int, cache_file: P
                 return None  # TensorRT calibrates on whole batches only
             chunk = self._inputs[self._next : self._next + self._batch]
             self._next += self._batch
-            self._device.set(chunk)
+            self._device.set(np.ascontiguousarray(chunk, dtype=dt))
             cupy.cuda.runtime.deviceSynchronize()  # build time, not the serving path
             return [int(self._device.data.ptr)]
 

@@ -35,8 +35,8 @@ again on the same slot (and returns only once that slot is idle). An
 unrecoverable device error raises ``EngineDead``: the batch's future fails,
 downstream stops committing, and every later batch fails the same way.
 
-Timings come from CUDA events on the slot's stream: ``preprocess`` = H2D +
-preprocess kernel (+ host preprocessing when it runs on the CPU), ``infer`` =
+Timings come from CUDA events on the slot's stream: ``preprocess`` = packing
++ H2D + preprocess kernel (host preprocessing + H2D when it runs on the CPU), ``infer`` =
 engine + postprocess kernels (the CPU stage also counts postprocessing in
 ``infer``), ``d2h`` = the copies back.
 """
@@ -367,8 +367,16 @@ class GpuInferenceStage:
                 fut.add_done_callback(self._observe)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
-        finally:
+        except asyncio.CancelledError:
+            # As InferenceStage.run: once cancelled, downstream may be gone, and a
+            # blocking put of end-of-stream into a full sink would never return.
+            with contextlib.suppress(asyncio.QueueFull):
+                self._sink.put_nowait(None)
+            raise
+        except BaseException:
             await self._sink.put(None)
+            raise
+        await self._sink.put(None)
 
     def close(self) -> None:
         """Stop accepting work, wait for in-flight streams and free every slot."""
@@ -376,6 +384,13 @@ class GpuInferenceStage:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._dead is None:
             with self._cupy.cuda.Device(self._options.device):
+                # Drain every stream first, with the GIL released (CuPy's
+                # deviceSynchronize is nogil), so each pending completion callback
+                # (which takes the GIL) has run. Closing a slot then frees engine
+                # context memory (cudaFree synchronises the device) while this thread
+                # holds the GIL: a callback still queued on another slot's stream
+                # would wait for the GIL for ever, and so would we.
+                self._cupy.cuda.runtime.deviceSynchronize()
                 for slot in self._ring.slots:
                     slot.close()
 
@@ -552,7 +567,11 @@ class GpuInferenceStage:
             if woken.done():
                 break
             try:
-                if event_completed(self._cupy, slot.events.finished):
+                # On the slot's device: this (loop) thread's current device may be
+                # another one, or have no context yet.
+                with self._cupy.cuda.Device(slot.device):
+                    completed = event_completed(self._cupy, slot.events.finished)
+                if completed:
                     break  # finished; the callback is merely late
             except WorkerError as exc:
                 raise self._die(exc) from None
@@ -612,8 +631,8 @@ class GpuInferenceStage:
         n = len(images)
         pp = self._model.preprocess
         host_seconds = 0.0
-        ev.start.record(stream)
         if self._options.preprocess == "gpu":
+            ev.start.record(stream)  # packing into pinned staging counts as preprocess
             packed, table = slot.host_packed, slot.host_table
             assert packed is not None and table is not None
             offset = pack_images(images, packed, table)  # type: ignore[arg-type]
@@ -629,6 +648,9 @@ class GpuInferenceStage:
             t0 = time.monotonic()
             preprocess_into(images, pp, host)  # type: ignore[arg-type]
             host_seconds = time.monotonic() - t0
+            # Recorded after the host work, on the idle stream: start..preprocessed is
+            # then the H2D copy alone, and host_seconds is not counted twice.
+            ev.start.record(stream)
             nbytes = n * self._engine.input.row_bytes
             memcpy(slot.engine_input.data.ptr, host.ctypes.data, nbytes, _H2D, stream.ptr)
         ev.preprocessed.record(stream)
@@ -667,11 +689,12 @@ class GpuInferenceStage:
             outputs = {name: slot.host_results[name][:n].copy() for name in plan.copy_back}
         ev = slot.events
         elapsed = cp.cuda.get_elapsed_time
-        timing = {
-            "preprocess": round(host_seconds * 1e6) + _us(elapsed(ev.start, ev.preprocessed)),
-            "infer": _us(elapsed(ev.preprocessed, ev.inferred)),
-            "d2h": _us(elapsed(ev.inferred, ev.finished)),
-        }
+        with cp.cuda.Device(slot.device):  # this worker thread's device may differ
+            timing = {
+                "preprocess": round(host_seconds * 1e6) + _us(elapsed(ev.start, ev.preprocessed)),
+                "infer": _us(elapsed(ev.preprocessed, ev.inferred)),
+                "d2h": _us(elapsed(ev.inferred, ev.finished)),
+            }
         return outputs, timing
 
 

@@ -75,9 +75,12 @@ def _gpu_preprocess(cp: Any, images: list[np.ndarray], cfg: PreprocessConfig) ->
     packed = np.zeros(total, np.uint8)
     table = np.zeros((len(images), 3), np.int64)
     pack_images(images, packed, table)
-    out = cp.full(batch_shape(cfg, len(images) + 2), np.nan, dtype=cfg.dtype)
     stream = cp.cuda.Stream(non_blocking=True)
+    # Everything on the kernel's stream: a non-blocking stream is not ordered after
+    # work on CuPy's default (legacy null) stream, so a NaN fill or a copy issued
+    # there could still be running when the kernel starts.
     with stream:
+        out = cp.full(batch_shape(cfg, len(images) + 2), np.nan, dtype=cfg.dtype)
         d_packed, d_table = cp.asarray(packed), cp.asarray(table)
     kernels.preprocess_batch(d_packed, d_table, len(images), out, cfg=cfg, stream=stream)
     stream.synchronize()
@@ -123,10 +126,11 @@ def _topk_gpu(
 ) -> tuple[np.ndarray, np.ndarray]:
     n = logits.shape[0]
     kk = min(k, int(np.prod(logits.shape[1:])))
-    d_logits = cp.asarray(logits)
-    idx = cp.full((n + 1, kk), -7, dtype=cp.int64)
-    scores = cp.zeros((n + 1, kk), dtype=cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
+    with stream:  # see _gpu_preprocess: inputs ready on the kernel's own stream
+        d_logits = cp.asarray(logits)
+        idx = cp.full((n + 1, kk), -7, dtype=cp.int64)
+        scores = cp.zeros((n + 1, kk), dtype=cp.float32)
     kernels.softmax_topk(d_logits, n, idx, scores, top_k=k, softmax=apply_softmax, stream=stream)
     stream.synchronize()
     host_idx = cp.asnumpy(idx)
@@ -181,9 +185,11 @@ def test_nan_rows_follow_numpy(cp: Any) -> None:
 def test_softmax_rows_matches_numpy(cp: Any, classes: int) -> None:
     rng = np.random.default_rng(classes + 1)
     logits = rng.normal(0, 5, (9, classes)).astype(np.float32)
-    out = cp.zeros((9, classes), dtype=cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
-    kernels.softmax_rows(cp.asarray(logits), 9, out, stream=stream)
+    with stream:  # see _gpu_preprocess: inputs ready on the kernel's own stream
+        out = cp.zeros((9, classes), dtype=cp.float32)
+        d_logits = cp.asarray(logits)
+    kernels.softmax_rows(d_logits, 9, out, stream=stream)
     stream.synchronize()
     np.testing.assert_allclose(
         cp.asnumpy(out), softmax(logits), rtol=SOFTMAX_RTOL, atol=SOFTMAX_ATOL

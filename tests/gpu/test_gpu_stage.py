@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,9 @@ async def test_slot_buffers_are_never_reallocated(cp: Any) -> None:
         # One warm-up batch: first launches may allocate (module load, not slots).
         await run_stage(stage, source, sink, batches_of(make_jobs(_images(3, 3)), [3]))
         count, nbytes, ptrs = stage.allocations.count, stage.allocations.nbytes, pointers()
+        # Garbage from earlier tests (CuPy arrays in reference cycles) must not be
+        # freed by the cyclic GC inside the measured window and move the pool.
+        gc.collect()
         used, total = pool.used_bytes(), pool.total_bytes()
         # The same stage and queues, a second stream of batches.
         images = _images(40, 3, seed=9)

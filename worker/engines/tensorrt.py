@@ -14,7 +14,9 @@ as many (identical) profiles as slots (``build-engine --profiles N``).
 Optional CUDA graphs (``cuda_graphs=True``): the first batch of each size runs
 normally, then that size's enqueue is captured once into a graph per context;
 later batches of that size launch the graph, which removes TensorRT's per-call
-host overhead (noticeable for small models at high batch rates). Capture uses
+host overhead (noticeable for small models at high batch rates). After the
+context's input shape changes, one batch runs normally again before a graph is
+replayed, as TensorRT requires (that run updates shape-dependent state). Capture uses
 thread-local mode, so other slots' threads may keep calling CUDA meanwhile.
 
 ``tensorrt`` is imported when the engine is constructed, so this module imports
@@ -97,6 +99,10 @@ class _Context:
 
     context: Any  # trt.IExecutionContext
     batch: int = -1  # batch size of the current input shape
+    # Whether a plain execute_async_v3 has run since the input shape last changed:
+    # TensorRT updates shape-dependent internal state there, so a captured graph may
+    # be replayed only once that has happened at the current shape.
+    shape_synced: bool = False
     graphs: dict[int, Any] = field(default_factory=dict)  # batch -> cupy Graph (None: failed)
 
 
@@ -207,19 +213,27 @@ class TensorRTEngine:
             )
         with self._cp.cuda.Device(slot.device):
             ctx = self._engine.create_execution_context()
-        if ctx is None:
-            raise EngineDead(
-                f"tensorrt: cannot create an execution context: {self._logger.last_errors()}"
-            )
-        ok = True
-        if self.dynamic:
-            # Enqueued on the slot's stream, so it is ordered before the slot's first run.
-            ok = ctx.set_optimization_profile_async(slot.index, slot.stream.ptr)
-        ok = ok and ctx.set_tensor_address(self.input.name, int(slot.engine_input.data.ptr))
-        for spec in self.outputs:
-            ok = ok and ctx.set_tensor_address(
-                spec.name, int(slot.engine_outputs[spec.name].data.ptr)
-            )
+            if ctx is None:
+                raise EngineDead(
+                    f"tensorrt: cannot create an execution context: {self._logger.last_errors()}"
+                )
+            try:
+                ok = True
+                if self.dynamic:
+                    # Enqueued on the slot's stream, so it is ordered before the slot's
+                    # first run. The Python binding raises RuntimeError on failure
+                    # (the C++ API returns false).
+                    ok = ctx.set_optimization_profile_async(slot.index, slot.stream.ptr)
+                ok = ok and ctx.set_tensor_address(self.input.name, int(slot.engine_input.data.ptr))
+                for spec in self.outputs:
+                    ok = ok and ctx.set_tensor_address(
+                        spec.name, int(slot.engine_outputs[spec.name].data.ptr)
+                    )
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"tensorrt: binding slot {slot.index} failed: {exc}: "
+                    f"{self._logger.last_errors()}"
+                ) from exc
         if not ok:
             raise ConfigError(
                 f"tensorrt: binding slot {slot.index} failed: {self._logger.last_errors()}"
@@ -244,7 +258,11 @@ class TensorRTEngine:
                         f"{self._logger.last_errors()}"
                     )
                 c.batch = batch_size
-            graph = c.graphs.get(batch_size) if self._cuda_graphs else None
+                c.shape_synced = False
+            # TensorRT's graph protocol: after an input shape change, call
+            # execute_async_v3 once (it updates internal state); a graph captured at
+            # this shape is replayed only after that, never straight after a change.
+            graph = c.graphs.get(batch_size) if self._cuda_graphs and c.shape_synced else None
             if graph is not None:
                 graph.launch(stream)
                 return
@@ -252,6 +270,7 @@ class TensorRTEngine:
                 raise InferenceFailed(
                     f"tensorrt: execute_async_v3 failed: {self._logger.last_errors()}"
                 )
+            c.shape_synced = True
         except (InferenceFailed, EngineDead):
             raise
         except Exception as exc:  # boundary: TensorRT / CuPy exceptions
