@@ -51,7 +51,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
             if isinstance(job.failure, UndecodableRecord):
                 await producer.send_and_wait(
                     k.dlq_topic,
-                    job.raw_value,
+                    job.raw_value or b"",  # a record needs a key or a value
                     key=job.key,
                     headers=dlq_headers(job, job.failure.code, str(job.failure), "decode"),
                 )

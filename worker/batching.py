@@ -9,7 +9,7 @@ Flush rules, first match wins:
 
 1. the batch holds ``max_batch_size`` requests;
 2. after draining everything already queued, the batch holds one of the
-   ``preferred_batch_sizes`` (the largest such prefix is sent; waiting could not
+   ``preferred_batch_sizes`` (it is sent as it is; waiting could not
    make the engine more efficient, only the request later);
 3. the oldest request has waited ``max_queue_delay``;
 4. some request's deadline minus the expected service time has come, so waiting

@@ -163,9 +163,15 @@ class Committer:
     and the next commit carries every watermark that moved meanwhile.
     """
 
-    def __init__(self, tracker: OffsetTracker, consumer: CommitTarget) -> None:
+    def __init__(
+        self, tracker: OffsetTracker, consumer: CommitTarget, timeout: float = 30.0
+    ) -> None:
         self._tracker = tracker
         self._consumer = consumer
+        # aiokafka's commit() retries the coordinator lookup and retriable errors
+        # without end while the broker is unreachable: bounded here, or the final
+        # commit of Worker.stop() (and a revocation's) never returns.
+        self._timeout = timeout
         self._wanted = asyncio.Event()
         self._lock = asyncio.Lock()
         self._stopped = False
@@ -186,8 +192,12 @@ class Committer:
         await waiter
 
     async def run(self) -> None:
-        while not self._stopped:
+        while True:
             await self._wanted.wait()
+            if self._stopped:
+                # Woken by stop(), which follows the owner's final commit: one more
+                # attempt would only add a commit timeout when the broker is down.
+                return
             self._wanted.clear()
             await self.commit_now()
 
@@ -205,10 +215,14 @@ class Committer:
             if not offsets:
                 return True
             try:
-                await self._consumer.commit(
-                    {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
+                await asyncio.wait_for(
+                    self._consumer.commit(
+                        {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
+                    ),
+                    self._timeout,
                 )
-            except KafkaError as exc:  # CommitFailed, IllegalGeneration, ...: retried later
+            # CommitFailed, IllegalGeneration, broker unreachable...: retried later
+            except (KafkaError, TimeoutError) as exc:
                 metrics.COMMIT_FAILURES.inc()
                 log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
                 return False

@@ -403,6 +403,13 @@ def _parse_env(tp: Any, raw: str) -> Any:
     except tomllib.TOMLDecodeError:
         parsed = None
     else:
+        if get_origin(tp) is tuple and _accepts_str(get_args(tp)[0]):
+            if isinstance(parsed, list):
+                return parsed
+            # A scalar for a list of strings names one or more items: ``2024`` and
+            # ``true`` are valid topic names, not an integer or a boolean.
+            text = parsed if isinstance(parsed, str) else raw
+            return [part.strip() for part in text.split(",") if part.strip()]
         if isinstance(parsed, str) or not _accepts_str(tp):
             return parsed
     if _accepts_str(tp):

@@ -90,6 +90,13 @@ class JobFactory:
 RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
+def fetch_backoff(failures: int, cap: float = 5.0) -> float:
+    """Seconds to wait after ``failures`` consecutive failed fetches. The exponent
+    is bounded: ``0.1 * 2**1024`` raises OverflowError, which killed the consume
+    stage after a long enough outage."""
+    return min(0.1 * float(2 ** min(failures, 16)), cap)
+
+
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
     we record them and surface them through ``KafkaSource.listener_errors``."""
@@ -103,6 +110,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         metrics.ASSIGNED_PARTITIONS.set(0)
         if not tps:
             return
+        self._source.revoking()
         try:
             await self._on_revoke(tps)
         except Exception as exc:  # recorded and surfaced, never swallowed silently
@@ -143,6 +151,8 @@ class KafkaSource:
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
+        # Counts revocations: records fetched before one are not tracked after it.
+        self._revocations = 0
         self.listener_errors: list[BaseException] = []
         self.consumer: AIOKafkaConsumer | None = None
 
@@ -192,6 +202,11 @@ class KafkaSource:
     def stop_fetching(self) -> None:
         self._stopping.set()
 
+    def revoking(self) -> None:
+        """Called when a revocation begins: the rest of any fetch made before it is
+        dropped, not tracked (see ``_enqueue``)."""
+        self._revocations += 1
+
     async def run(self) -> None:
         assert self.consumer is not None, "start() first"
         consumer = self.consumer
@@ -202,7 +217,7 @@ class KafkaSource:
                 # While paused, poll often: the member stays in the group and
                 # resumes soon after the pipeline drains.
                 timeout_ms = 50 if self._backpressure.paused else 200
-                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout_ms))
+                fetch = asyncio.ensure_future(self._fetch(consumer, timeout_ms))
                 stop = asyncio.ensure_future(self._stopping.wait())
                 await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
@@ -211,20 +226,39 @@ class KafkaSource:
                     fetch.cancel()
                     break
                 try:
-                    fetched = fetch.result()
+                    generation, fetched = fetch.result()
                 except KafkaError as exc:
                     # The consumer reconnects by itself; back off and poll again.
                     failures += 1
                     metrics.FETCH_ERRORS.inc()
                     log.warning("fetch_failed", error=repr(exc), consecutive=failures)
-                    await self._sleep(min(0.1 * 2**failures, 5.0))
+                    await self._sleep(fetch_backoff(failures))
                     continue
                 failures = 0
                 for records in fetched.values():
-                    await self._enqueue(records)
+                    await self._enqueue(records, generation)
                     self._apply_backpressure()
-        finally:
+        except asyncio.CancelledError:
+            # Cancelled (drain deadline passed, second signal): downstream is being
+            # cancelled too or is stuck, so a blocking put of end-of-stream into a
+            # full queue would never return and stop() would hang forever.
+            with contextlib.suppress(asyncio.QueueFull):
+                self._sink.put_nowait(None)
+            raise
+        except BaseException:
             await self._sink.put(None)
+            raise
+        await self._sink.put(None)
+
+    async def _fetch(
+        self, consumer: AIOKafkaConsumer, timeout_ms: int
+    ) -> tuple[int, dict[KafkaTP, list[ConsumerRecord[Any, Any]]]]:
+        """``getmany()`` and the revocation count at the moment it returned. Taken
+        in the same step, so it belongs to the records: a fetch issued before a
+        revocation waits through the rebalance and returns records of the new
+        assignment, which must be tracked (the consumer's position is past them)."""
+        fetched = await consumer.getmany(timeout_ms=timeout_ms)
+        return self._revocations, fetched
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake at once when stopping."""
@@ -248,9 +282,19 @@ class KafkaSource:
             # Also covers partitions assigned by a rebalance while paused.
             self.consumer.pause(*self.consumer.assignment())
 
-    async def _enqueue(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+    async def _enqueue(self, records: list[ConsumerRecord[Any, Any]], generation: int) -> None:
         for record in records:
             if self._stopping.is_set():
+                return
+            if self._revocations != generation:
+                # A revocation began since these records were fetched, while this
+                # loop waited on the full queue. Tracking the rest now would give
+                # offsets of a revoked, forgotten partition a fresh epoch that looks
+                # owned: answered and committed as a watermark past offsets never
+                # answered in that epoch. Dropping them is safe: aiokafka revokes
+                # every partition before any new assignment, and each new one starts
+                # at the committed offset (start_at_committed), so whoever owns
+                # these offsets next reads them again.
                 return
             tp = TopicPartition(record.topic, record.partition)
             resets = self._tracker.resets

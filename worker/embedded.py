@@ -112,6 +112,7 @@ class EmbeddedBroker:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        self._log.close()
         proc.terminate()
         try:
             proc.wait(5)

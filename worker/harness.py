@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
@@ -228,6 +228,46 @@ class Collected:
         return decode_result(self.value)
 
 
+Verdict = Literal["take", "skip", "reread"]
+
+
+@dataclass
+class OffsetGaps:
+    """Re-reads offset gaps in topics that should have none (no I/O).
+
+    The embedded broker, with several producers appending to one partition at
+    once (workers writing results), can show a later batch to a tailing reader
+    before an earlier one; the reader's position then moves past the earlier
+    records and it never sees them: answers the worker did produce were reported
+    lost. A gap is therefore read again until it fills, for ``patience`` seconds,
+    then accepted (compaction and transaction markers leave real gaps on Kafka).
+    """
+
+    patience: float = 5.0
+    _next: dict[Any, int] = field(default_factory=dict)
+    _gap: dict[Any, tuple[int, float]] = field(default_factory=dict)  # expected, since
+
+    def start(self, tp: Any, offset: int) -> None:
+        self._next[tp] = offset
+
+    def expected(self, tp: Any) -> int | None:
+        return self._next.get(tp)
+
+    def check(self, tp: Any, offset: int, now: float) -> Verdict:
+        expected = self._next.get(tp)
+        if expected is not None and offset < expected:
+            return "skip"
+        if expected is not None and offset > expected:
+            since = self._gap.get(tp)
+            if since is None or since[0] != expected:
+                since = self._gap[tp] = (expected, now)
+            if now - since[1] < self.patience:
+                return "reread"
+        self._gap.pop(tp, None)
+        self._next[tp] = offset + 1
+        return "take"
+
+
 @dataclass
 class Collector:
     """Reads whole topics from the beginning without a consumer group."""
@@ -236,6 +276,7 @@ class Collector:
     topics: Sequence[str]
     records: dict[str, list[Collected]] = field(default_factory=dict)
     _consumer: AIOKafkaConsumer | None = None
+    _gaps: OffsetGaps = field(default_factory=OffsetGaps)
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(
@@ -262,6 +303,8 @@ class Collector:
             self.records.setdefault(topic, [])
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        for tp in tps:
+            self._gaps.start(tp, await consumer.position(tp))
         self._consumer = consumer
 
     def count(self, topic: str | None = None) -> int:
@@ -282,6 +325,13 @@ class Collector:
             for tp, msgs in batch.items():
                 bucket = self.records[tp.topic]
                 for m in msgs:
+                    verdict = self._gaps.check(tp, m.offset, now)
+                    if verdict == "skip":
+                        continue
+                    if verdict == "reread":
+                        # Not yet visible records before this one: read from there again.
+                        self._consumer.seek(tp, self._gaps.expected(tp))
+                        break
                     headers = {k: bytes(v) for k, v in (m.headers or ())}
                     bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset, now))
             if progress is not None:

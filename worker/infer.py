@@ -10,6 +10,7 @@ by row slices of the batch outputs after checking the row count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from .codec import ErrorInfo
 from .config import ModelConfig
 from .consume import Job
 from .engines import Engine
-from .errors import InferenceFailed
+from .errors import InferenceFailed, WorkerError
 from .postprocess import postprocess
 from .preprocess import batch_shape, preprocess_into
 
@@ -88,8 +89,17 @@ class InferenceStage:
                 fut.add_done_callback(self._observe)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
-        finally:
+        except asyncio.CancelledError:
+            # Cancelled (drain deadline passed, second signal): the produce stage is
+            # cancelled too or dead, so a blocking put of end-of-stream into the full
+            # queue would never return and Worker.stop() would hang forever.
+            with contextlib.suppress(asyncio.QueueFull):
+                self._sink.put_nowait(None)
+            raise
+        except BaseException:
             await self._sink.put(None)
+            raise
+        await self._sink.put(None)
 
     def _observe(self, fut: asyncio.Future[Completed]) -> None:
         if self._policy is not None and not fut.cancelled() and fut.exception() is None:
@@ -158,7 +168,20 @@ class InferenceStage:
         answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
 
     def _run_rows(self, answers: list[Answer], buf: np.ndarray) -> None:
-        """One engine run over ``answers``; scatters one row of each output to each."""
+        """One engine run over ``answers``; scatters one row of each output to each.
+
+        Anything but our own errors raised here (a preprocessing or postprocessing
+        bug tripped by one odd request) is translated into ``InferenceFailed``, so it
+        is isolated like an engine failure instead of killing the worker, which
+        would then crash-loop on the same record."""
+        try:
+            self._run_rows_unchecked(answers, buf)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            raise InferenceFailed(f"internal error: {exc!r}") from exc
+
+    def _run_rows_unchecked(self, answers: list[Answer], buf: np.ndarray) -> None:
         n = len(answers)
         t0 = time.monotonic()
         images = [a.job.image for a in answers]

@@ -76,7 +76,9 @@ class Worker:
             self._on_revoke,
             self.backpressure,
         )
-        self.committer = Committer(self.tracker, self.source)
+        self.committer = Committer(
+            self.tracker, self.source, timeout=s.kafka.request_timeout_ms / 1000.0
+        )
         self.batcher = MicroBatcher(self.jobs, batches, self.policy)
         self.infer = await self._inference_stage(batches, completed, engine)
         model_info = ModelInfo(name=engine.info.name, version=engine.info.version)
@@ -227,6 +229,12 @@ class Worker:
         metrics.set_condition("started", False)
         self.source.stop_fetching()
         pipeline = [t for t in self._tasks if t.get_name() not in ("commit", "probe")]
+        if any(t.get_name() == "produce" and t.done() for t in self._tasks):
+            # The produce stage died (failure budget, engine dead, delivery failed):
+            # nothing still upstream can be acknowledged, and the stages feeding it
+            # block on its full queue, so waiting for them would only delay the exit
+            # by the whole drain timeout.
+            timeout = 0.0
         started = time.monotonic()
         _, pending = await asyncio.wait(pipeline, timeout=timeout) if pipeline else (set(), set())
         drained = not pending and self._failure is None

@@ -127,6 +127,7 @@ class ResultSink:
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
         self._undelivered: list[Outgoing] = []
+        self._delivery_failed = asyncio.Event()  # set when an ack fails
         self._seq = 0
         self.producer: AIOKafkaProducer | None = None
 
@@ -148,15 +149,38 @@ class ResultSink:
         self.producer = producer
 
     async def run(self) -> None:
-        while (fut := await self._source.get()) is not None:
+        while (fut := await self._next()) is not None:
             completed = await fut  # EngineDead propagates: the worker stops, uncommitted
             metrics.INFLIGHT_BATCHES.dec()
             await self._send_batch(completed)
-            if self._undelivered:
-                await self._redeliver()
         await self._settle()
         if self._undelivered:
             await self._redeliver()
+
+    async def _next(self) -> asyncio.Future[Completed] | None:
+        """The next completed batch; records whose acks fail meanwhile are re-sent
+        while waiting for it. Redelivering only when a batch arrives left the last
+        failed records of a burst pending for good: while fetching is paused
+        because they are in flight, no batch ever comes (a deadlock), and on an
+        idle topic their clients wait for unrelated traffic."""
+        while True:
+            self._delivery_failed.clear()
+            if self._undelivered:
+                await self._redeliver()
+            if not self._source.empty():
+                return self._source.get_nowait()
+            getter = asyncio.ensure_future(self._source.get())
+            failed = asyncio.ensure_future(self._delivery_failed.wait())
+            try:
+                await asyncio.wait({getter, failed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                failed.cancel()
+                if not getter.done():
+                    # Leaves an item it was woken for in the queue: Queue.get()
+                    # removes it only after its wait returns, never when cancelled.
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                return getter.result()
 
     async def _send_batch(self, completed: Completed) -> None:
         now = time.monotonic()
@@ -188,9 +212,13 @@ class ResultSink:
         self._seq += 1
         if isinstance(job.failure, UndecodableRecord):
             headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
-            out = Outgoing(
-                job, self._kafka.dlq_topic, job.key, job.raw_value, headers, "dlq", self._seq
-            )
+            value = job.raw_value
+            if value is None and job.key is None:
+                # A null-key tombstone (other clients may produce one): the producer
+                # refuses a record with neither key nor value (an AssertionError, not
+                # a KafkaError), which killed the worker on it at every restart.
+                value = b""
+            out = Outgoing(job, self._kafka.dlq_topic, job.key, value, headers, "dlq", self._seq)
         else:
             result = build_result(answer, self._model, now)
             headers = [("id", result.id.encode())]
@@ -264,6 +292,7 @@ class ResultSink:
                     # Not acknowledged: the offset stays pending (never committed)
                     # and the record is re-sent by _redeliver.
                     self._undelivered.append(out)
+                    self._delivery_failed.set()
                     log.warning("delivery_failed", source=str(out.job.source), error=repr(outcome))
                     continue
                 self._acknowledged(out)

@@ -91,7 +91,7 @@ async def test_broker_restart_worker_reports_not_ready_and_resumes(names: dict[s
         await answers.stop()
         await wait_ready(w, 200, 30)
         assert w.terminate() == 0, w.log_tail()
-        report = await verify_topics(broker, names)
+        report = await verify_topics(broker, names, seen=answers)
     finally:
         w.kill()
         broker.stop()
@@ -245,7 +245,7 @@ async def test_hostile_stream_every_record_answered_worker_stays_up(
     assert dlq_codes <= {"undecodable", "too_large"} and "too_large" in dlq_codes
     error_codes = {r.error.code for r in results.values() if r.error is not None}
     assert error_codes <= {"invalid_request", "too_large"} and "invalid_request" in error_codes
-    report = await verify_topics(broker, names, strict=True)
+    report = await verify_topics(broker, names, strict=True, seen=answers)
     record_scenario(
         "hostile stream (hypothesis + every bad-input class)", report, None, rss_mb=round(rss_mb)
     )

@@ -61,7 +61,7 @@ async def test_sigkill_one_of_three_workers_loses_nothing(
         for w in workers:
             w.kill()
         await answers.stop()
-    report = await verify_topics(broker, names)
+    report = await verify_topics(broker, names, seen=answers)
     record_scenario("SIGKILL 1 of 3 workers mid-stream", report, recovery)
     assert report.totals.lost == 0, report.format()
     # Redelivered: at most the killed worker's window (in-flight bound + one poll).
@@ -94,7 +94,7 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
             broker.bootstrap, names["group"], names["requests"], parts
         )
         await asyncio.sleep(0.5)  # let the reader catch up with what was produced
-        report = await verify_topics(broker, names)
+        report = await verify_topics(broker, names, seen=answers)
         by_part = {(p.partition): p for p in report.partitions}
         assert sum(committed.values()) > 0
         for p, upto in committed.items():
@@ -109,7 +109,7 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
     finally:
         w.kill()
         await answers.stop()
-    report = await verify_topics(broker, names, strict=True)
+    report = await verify_topics(broker, names, strict=True, seen=answers)
     record_scenario(
         "SIGTERM with work in flight, then a new worker",
         report,
@@ -162,6 +162,6 @@ async def test_rolling_restarts_lose_nothing_and_exit_cleanly(
         for w in [*live, *stopped]:
             w.kill()
         await answers.stop()
-    report = await verify_topics(broker, names)
+    report = await verify_topics(broker, names, seen=answers)
     record_scenario("rolling restart of 2 workers (4 processes)", report, tail)
     assert report.totals.lost == 0, report.format()

@@ -62,7 +62,7 @@ async def test_only_the_poison_request_fails(
     assert sum(r.status == "ok" for r in results) == n - len(poison)
     assert metrics["infer_isolation_runs_total"] > 0
     assert metrics['infer_results_produced_total{status="error"}'] == len(poison)
-    report = await verify_topics(broker, names)
+    report = await verify_topics(broker, names, seen=answers)
     record_scenario(
         "model fails on 3 of 400 requests",
         report,
@@ -125,7 +125,7 @@ async def test_input_faster_than_inference_pauses_and_stays_bounded(
     assert metrics["infer_partition_resumes_total"] >= 1
     # Paused at the bound; one fetch of max_poll_records may land after it.
     assert 0 < peak["records"] <= bound + poll, peak
-    report = await verify_topics(broker, names)
+    report = await verify_topics(broker, names, seen=answers)
     record_scenario(
         "input faster than inference (bound 64 records)",
         report,

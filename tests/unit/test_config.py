@@ -61,6 +61,16 @@ def test_string_field_keeps_values_that_look_like_toml() -> None:
 
 
 @pytest.mark.parametrize(
+    ("raw", "topics"),
+    [("2024", ("2024",)), ("true", ("true",)), ('"a"', ("a",)), ("1e3, b", ("1e3", "b"))],
+)
+def test_string_list_keeps_names_that_look_like_toml(raw: str, topics: tuple[str, ...]) -> None:
+    """Valid topic names such as ``2024`` parse as TOML scalars; they are names."""
+    s = load_settings(env={"INFER_WORKER_KAFKA__INPUT_TOPICS": raw})
+    assert s.kafka.input_topics == topics
+
+
+@pytest.mark.parametrize(
     ("text", "env", "field"),
     [
         ("[kafka]\nbootstrap = 'x'\n", {}, "kafka.bootstrap"),
