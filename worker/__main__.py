@@ -89,6 +89,7 @@ def _parse_sets(items: list[str]) -> dict[str, str]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``, and ``bench`` (the same run, then the naive baseline)."""
     from .demo import DemoOptions, run_demo
 
     return run_demo(
@@ -96,22 +97,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             repeat=args.repeat,
             partitions=args.partitions,
             json_out=args.json,
-            baseline=False,
-            rate=args.rate,
-            overrides=_parse_sets(args.set),
-        )
-    )
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from .demo import DemoOptions, run_demo
-
-    return run_demo(
-        DemoOptions(
-            repeat=args.repeat,
-            partitions=args.partitions,
-            json_out=args.json,
-            baseline=True,
+            baseline=args.command == "bench",
             rate=args.rate,
             overrides=_parse_sets(args.set),
         )
@@ -151,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("demo", _cmd_demo, "embedded broker + worker + labelled samples; prints a summary", 10),
         (
             "bench",
-            _cmd_bench,
+            _cmd_demo,
             "the demo, then a naive one-at-a-time baseline; prints the ratio",
             20,
         ),

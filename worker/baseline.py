@@ -18,7 +18,7 @@ from .consume import JobFactory
 from .engines import load_engine
 from .errors import InferenceFailed, UndecodableRecord
 from .infer import Answer
-from .kafka import client_kwargs
+from .kafka import client_kwargs, group_consumer_kwargs
 from .postprocess import postprocess
 from .preprocess import preprocess
 from .produce import build_result, dlq_headers
@@ -30,16 +30,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
     model = ModelInfo(engine.info.name, engine.info.version)
     raw_name = m.output or engine.info.output_names[0]
     make_job = JobFactory(m, settings.limits)
-    consumer = AIOKafkaConsumer(
-        *k.input_topics,
-        group_id=k.group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        session_timeout_ms=k.session_timeout_ms,
-        heartbeat_interval_ms=k.heartbeat_interval_ms,
-        fetch_max_wait_ms=k.fetch_max_wait_ms,
-        **client_kwargs(k),
-    )
+    consumer = AIOKafkaConsumer(*k.input_topics, **group_consumer_kwargs(k))
     producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size, **client_kwargs(k))
     await producer.start()
     await consumer.start()

@@ -30,8 +30,9 @@ from .commit import OffsetTracker, TopicPartition
 from .config import KafkaConfig, LimitsConfig, ModelConfig
 from .deadline import epoch_ms_to_monotonic
 from .errors import RecordError
-from .kafka import client_kwargs
+from .kafka import group_consumer_kwargs
 from .preprocess import check_image
+from .streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 
@@ -158,21 +159,7 @@ class KafkaSource:
 
     async def start(self) -> None:
         k = self._kafka
-        consumer = AIOKafkaConsumer(
-            group_id=k.group_id,
-            enable_auto_commit=False,
-            # Only "earliest" is meaningful for a work queue: a new group must not
-            # skip requests that were produced before it first joined.
-            auto_offset_reset="earliest",
-            session_timeout_ms=k.session_timeout_ms,
-            heartbeat_interval_ms=k.heartbeat_interval_ms,
-            max_poll_interval_ms=k.max_poll_interval_ms,
-            max_poll_records=k.max_poll_records,
-            fetch_max_bytes=k.fetch_max_bytes,
-            fetch_max_wait_ms=k.fetch_max_wait_ms,
-            max_partition_fetch_bytes=k.max_partition_fetch_bytes,
-            **client_kwargs(k),
-        )
+        consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
         consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
         # Set before start(): the first assignment's listener call may come during it.
         self.consumer = consumer
@@ -211,7 +198,7 @@ class KafkaSource:
         assert self.consumer is not None, "start() first"
         consumer = self.consumer
         failures = 0
-        try:
+        async with end_of_stream(self._sink):
             while not self._stopping.is_set():
                 self._apply_backpressure()
                 # While paused, poll often: the member stays in the group and
@@ -238,17 +225,6 @@ class KafkaSource:
                 for records in fetched.values():
                     await self._enqueue(records, generation)
                     self._apply_backpressure()
-        except asyncio.CancelledError:
-            # Cancelled (drain deadline passed, second signal): downstream is being
-            # cancelled too or is stuck, so a blocking put of end-of-stream into a
-            # full queue would never return and stop() would hang forever.
-            with contextlib.suppress(asyncio.QueueFull):
-                self._sink.put_nowait(None)
-            raise
-        except BaseException:
-            await self._sink.put(None)
-            raise
-        await self._sink.put(None)
 
     async def _fetch(
         self, consumer: AIOKafkaConsumer, timeout_ms: int

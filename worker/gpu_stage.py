@@ -73,6 +73,7 @@ from .errors import ConfigError, EngineDead, InferenceFailed, WorkerError
 from .infer import Answer, Completed
 from .postprocess import postprocess
 from .preprocess import batch_shape, preprocess_into
+from .streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 
@@ -351,7 +352,7 @@ class GpuInferenceStage:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        try:
+        async with end_of_stream(self._sink):
             while (batch := await self._source.get()) is not None:
                 if self._dead is not None:
                     raise self._dead
@@ -367,16 +368,6 @@ class GpuInferenceStage:
                 fut.add_done_callback(self._observe)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
-        except asyncio.CancelledError:
-            # As InferenceStage.run: once cancelled, downstream may be gone, and a
-            # blocking put of end-of-stream into a full sink would never return.
-            with contextlib.suppress(asyncio.QueueFull):
-                self._sink.put_nowait(None)
-            raise
-        except BaseException:
-            await self._sink.put(None)
-            raise
-        await self._sink.put(None)
 
     def close(self) -> None:
         """Stop accepting work, wait for in-flight streams and free every slot."""

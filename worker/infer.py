@@ -10,7 +10,6 @@ by row slices of the batch outputs after checking the row count.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from .engines import Engine
 from .errors import InferenceFailed, WorkerError
 from .postprocess import postprocess
 from .preprocess import batch_shape, preprocess_into
+from .streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 
@@ -82,24 +82,13 @@ class InferenceStage:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        try:
+        async with end_of_stream(self._sink):
             while (batch := await self._source.get()) is not None:
                 metrics.BATCHES.labels(reason=batch.reason).inc()
                 fut = loop.run_in_executor(self._pool, self._run_batch, batch)
                 fut.add_done_callback(self._observe)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
-        except asyncio.CancelledError:
-            # Cancelled (drain deadline passed, second signal): the produce stage is
-            # cancelled too or dead, so a blocking put of end-of-stream into the full
-            # queue would never return and Worker.stop() would hang forever.
-            with contextlib.suppress(asyncio.QueueFull):
-                self._sink.put_nowait(None)
-            raise
-        except BaseException:
-            await self._sink.put(None)
-            raise
-        await self._sink.put(None)
 
     def _observe(self, fut: asyncio.Future[Completed]) -> None:
         if self._policy is not None and not fut.cancelled() and fut.exception() is None:

@@ -7,6 +7,25 @@ from typing import Any
 from .config import KafkaConfig
 
 
+def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
+    """aiokafka consumer arguments for a worker in the group: manual commits only,
+    and a new group starts at the earliest offset (for a work queue, "latest"
+    would skip requests produced before the group first joined)."""
+    return {
+        "group_id": k.group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "session_timeout_ms": k.session_timeout_ms,
+        "heartbeat_interval_ms": k.heartbeat_interval_ms,
+        "max_poll_interval_ms": k.max_poll_interval_ms,
+        "max_poll_records": k.max_poll_records,
+        "fetch_max_bytes": k.fetch_max_bytes,
+        "fetch_max_wait_ms": k.fetch_max_wait_ms,
+        "max_partition_fetch_bytes": k.max_partition_fetch_bytes,
+        **client_kwargs(k),
+    }
+
+
 def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
     """aiokafka keyword arguments for bootstrap, identity and security."""
     kwargs: dict[str, Any] = {
