@@ -120,7 +120,13 @@ class InferenceStage:
                 continue
             runnable.append(answer)
         if runnable:
-            self._infer(runnable)
+            # Every log line of this batch (failures, isolation) names it. Bound
+            # here, in the worker thread: run_in_executor does not carry the
+            # event loop's context variables over.
+            with structlog.contextvars.bound_contextvars(
+                batch=batch.seq, batch_size=len(runnable), flush=batch.reason
+            ):
+                self._infer(runnable)
         return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable))
 
     def _infer(self, answers: list[Answer]) -> None:

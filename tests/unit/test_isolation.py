@@ -64,3 +64,23 @@ def test_only_the_poison_requests_fail(exc: type[Exception]) -> None:
             assert a.outputs is not None and a.outputs["topk_indices"].shape == (3,)
     # Bounded: at most 2n - 1 runs of the bisection plus one retry per poison request.
     assert engine.runs <= 2 * 64 - 1 + 2
+
+
+def test_batch_failure_logs_carry_the_batch_context() -> None:
+    """Logs from the worker thread name the batch they belong to (structlog
+    context variables bound per batch), so one poison request can be traced."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    engine = FailsOnBrightCorner(InferenceFailed)
+    stage = InferenceStage(None, None, engine, ModelConfig(), 64, 1, max_attempts=1)  # type: ignore[arg-type]
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars])
+    try:
+        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            stage._run_batch(Batch(jobs(4, {2}), time.monotonic(), "delay", seq=7))
+    finally:
+        stage.close()
+        structlog.reset_defaults()
+    failures = [e for e in logs if e["event"] == "batch_failed"]
+    assert failures and all(e["batch"] == 7 and e["flush"] == "delay" for e in failures)
+    assert [e["size"] for e in failures] == [4, 2, 1]  # the bisection, down to the poison request
