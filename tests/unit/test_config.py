@@ -118,3 +118,20 @@ def test_redacted_masks_password(tmp_path: Path) -> None:
     out = redacted(load_settings(p, env={}))
     assert out["kafka"]["sasl_plain_password"] == "***"
     assert "secret" not in repr(out)
+
+
+def test_gpu_preprocessing_needs_a_gpu_backend() -> None:
+    with pytest.raises(ConfigError, match=r"model\.preprocess\.device"):
+        load_settings(env={"INFER_WORKER_MODEL__PREPROCESS__DEVICE": "gpu"})
+    s = load_settings(
+        env={
+            "INFER_WORKER_MODEL__PREPROCESS__DEVICE": "gpu",
+            "INFER_WORKER_MODEL__BACKEND": "torch",
+        }
+    )
+    assert s.model.preprocess.device == "gpu"
+
+
+def test_oauthbearer_is_refused_at_start_up() -> None:
+    with pytest.raises(ConfigError, match=r"kafka\.sasl_mechanism"):
+        load_settings(env={"INFER_WORKER_KAFKA__SASL_MECHANISM": "OAUTHBEARER"})

@@ -226,7 +226,8 @@ def import_cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise EngineUnavailable(
-            "the GPU path needs CuPy: pip install 'infer-worker[gpu]' (cupy-cuda12x)"
+            "the GPU path needs CuPy: pip install -e '.[gpu]' "
+            "(cupy-cuda12x; cupy-cuda13x on CUDA 13)"
         ) from exc
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())

@@ -38,7 +38,7 @@ def import_torch() -> Any:
         import torch
     except ImportError as exc:
         raise EngineUnavailable(
-            "model.backend = 'torch' needs PyTorch with CUDA: pip install 'infer-worker[torch]'"
+            "model.backend = 'torch' needs PyTorch with CUDA: pip install -e '.[torch]'"
         ) from exc
     if not torch.cuda.is_available():
         raise EngineUnavailable(
