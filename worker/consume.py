@@ -100,7 +100,7 @@ def fetch_backoff(failures: int, cap: float = 5.0) -> float:
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
-    we record them and surface them through ``KafkaSource.listener_errors``."""
+    we count them (``infer_rebalance_listener_errors_total``) and log them as errors."""
 
     def __init__(self, source: KafkaSource, on_revoke: RevokeHook) -> None:
         self._source = source
@@ -115,7 +115,6 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         try:
             await self._on_revoke(tps)
         except Exception as exc:  # recorded and surfaced, never swallowed silently
-            self._source.listener_errors.append(exc)
             metrics.LISTENER_ERRORS.inc()
             log.error("rebalance_revoke_failed", error=repr(exc))
 
@@ -125,7 +124,6 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         try:
             await self._source.start_at_committed(tps)
         except Exception as exc:  # recorded; the consumer's own reset policy applies
-            self._source.listener_errors.append(exc)
             metrics.LISTENER_ERRORS.inc()
             log.error("rebalance_assign_failed", error=repr(exc))
         metrics.ASSIGNED_PARTITIONS.set(len(names))
@@ -154,7 +152,6 @@ class KafkaSource:
         self._stopping = asyncio.Event()
         # Counts revocations: records fetched before one are not tracked after it.
         self._revocations = 0
-        self.listener_errors: list[BaseException] = []
         self.consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:

@@ -59,7 +59,7 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
         request_id, meta = failure.request_id, failure.meta
     error = answer.error
     if failure is not None:
-        error = ErrorInfo(failure.code, str(failure))
+        error = ErrorInfo.from_error(failure)  # contract code, message length capped
     if error is not None:
         return Result(
             id=request_id,
