@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.embedded import EmbeddedBroker
+from worker.tools.broker import EmbeddedBroker
 
 _counter = itertools.count()
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from . import __version__, logs
-from .config import Settings, load_settings, redacted
-from .errors import ConfigError, WorkerError
+from worker import __version__, logs
+from worker.config import Settings, load_settings, redacted
+from worker.errors import ConfigError, WorkerError
 
 log = structlog.get_logger("worker")
 
@@ -27,10 +27,10 @@ async def serve(settings: Settings) -> int:
     A second signal abandons the drain: in-flight work is not committed and will
     be redelivered to the group.
     """
-    from .pipeline import Worker
+    from worker.pipeline.worker import Worker
 
     if settings.metrics.port:
-        from .metrics import serve_http
+        from worker.metrics import serve_http
 
         serve_http(settings.metrics.port, settings.metrics.host)
 
@@ -45,9 +45,7 @@ async def serve(settings: Settings) -> int:
         log.info("signal", signal=signal.Signals(signum).name, count=signals)
         stop_requested.set()
         if signals > 1:
-            for task in asyncio.all_tasks(loop):
-                if task.get_name() in ("consume", "batch", "infer", "produce"):
-                    task.cancel()
+            worker.abandon()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -90,7 +88,7 @@ def _parse_sets(items: list[str]) -> dict[str, str]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """``demo``, and ``bench`` (the same run, then the naive baseline)."""
-    from .demo import DemoOptions, run_demo
+    from worker.tools.demo import DemoOptions, run_demo
 
     return run_demo(
         DemoOptions(
@@ -105,28 +103,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_build_engine(args: argparse.Namespace) -> int:
-    from . import build_engine
-    from .config import LoggingConfig
+    from worker.config import LoggingConfig
+    from worker.tools import build_engine
 
     logs.configure(LoggingConfig(format="console", level="info"))  # stderr; stdout = results
     return build_engine.run(args)
 
 
-def _cmd_baseline(args: argparse.Namespace) -> int:
-    from .baseline import serve_naive
-
-    settings = load_settings(args.config)
-    logs.configure(settings.logging)
-    return asyncio.run(serve_naive(settings, args.expect))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer-worker", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
-    # metavar lists the public commands: argparse cannot hide a subcommand otherwise.
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{run,demo,bench,config,verify,build-engine}"
-    )
+    sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="serve the configured model to Kafka until SIGTERM")
     run.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")
@@ -169,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=func)
 
-    from . import verify
+    from worker.tools import verify
 
     ver = sub.add_parser(
         "verify",
@@ -178,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_arguments(ver)
     ver.set_defaults(func=verify.run)
 
-    from . import build_engine
+    from worker.tools import build_engine
 
     build = sub.add_parser(
         "build-engine",
@@ -187,10 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     build_engine.add_arguments(build)
     build.set_defaults(func=_cmd_build_engine)
 
-    naive = sub.add_parser("baseline")  # internal: the benchmark's naive loop
-    naive.add_argument("--config")
-    naive.add_argument("--expect", type=int, required=True)
-    naive.set_defaults(func=_cmd_baseline)
     return parser
 
 

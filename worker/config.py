@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from .errors import ConfigError
+from worker.errors import ConfigError
 
 ENV_PREFIX = "INFER_WORKER_"
 

@@ -7,7 +7,7 @@ import sys
 
 import structlog
 
-from .config import LoggingConfig
+from worker.config import LoggingConfig
 
 
 def configure(cfg: LoggingConfig) -> None:

@@ -12,10 +12,11 @@ from typing import Literal
 
 import numpy as np
 
-from worker.codec import Request, Tensor, encode_request
-from worker.embedded import EmbeddedBroker
-from worker.harness import Collector, WorkerProcess, spawn_worker
-from worker.verify import Answer, InputRecord, Report, check, read_topics
+from worker.contract import Request, Tensor, encode_request
+from worker.tools.broker import EmbeddedBroker
+from worker.tools.processes import WorkerProcess, spawn_worker
+from worker.tools.topics import Collector
+from worker.tools.verify import InputRecord, Reply, Report, check, read_topics
 
 # Short group timeouts keep rebalances (about session/2 on this broker) fast.
 FAST_GROUP = {
@@ -143,7 +144,7 @@ async def verify_topics(
                     source = InputRecord(src.topic, src.partition, src.offset)
                 answers.setdefault(
                     (kind, rec.partition, rec.offset),
-                    Answer(source, rec.partition, rec.offset, kind),
+                    Reply(source, rec.partition, rec.offset, kind),
                 )
     return check(inputs, list(answers.values()), unparseable=observed.unparseable, strict=strict)
 

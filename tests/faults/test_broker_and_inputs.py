@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.codec import Request, Tensor, encode_request
-from worker.embedded import EmbeddedBroker, create_topics
-from worker.harness import WorkerProcess, committed_offsets, produce_all
+from worker.contract import Request, Tensor, encode_request
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.processes import WorkerProcess
+from worker.tools.topics import committed_offsets, produce_all
 
 from .conftest import (
     Answers,

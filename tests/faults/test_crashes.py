@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from worker.embedded import EmbeddedBroker, create_topics
-from worker.harness import committed_offsets, produce_all
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.topics import committed_offsets, produce_all
 
 from .conftest import (
     Answers,

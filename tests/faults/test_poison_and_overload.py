@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.embedded import EmbeddedBroker, create_topics
-from worker.harness import produce_all
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.topics import produce_all
 
 from .conftest import (
     Answers,

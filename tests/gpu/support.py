@@ -15,13 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from worker.batching import Batch
-from worker.commit import TopicPartition
-from worker.consume import Job
-from worker.engines import EngineInfo
-from worker.engines.gpu import EngineSlot, TensorSpec
+from worker.engines.base import EngineInfo, EngineSlot, TensorSpec
 from worker.errors import InferenceFailed
-from worker.infer import Completed
+from worker.records import Batch, Completed, Job, TopicPartition
 
 F32 = np.dtype(np.float32)
 
@@ -106,6 +102,7 @@ class LinearEngine:
     device: int = 0
     min_batch_size: int = 1
     fail_next: Exception | None = None  # raised by the next enqueue
+    fail_runs: int = 0  # this many enqueues after fail_next raise InferenceFailed
     enqueued: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -126,6 +123,9 @@ class LinearEngine:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        if self.fail_runs > 0:
+            self.fail_runs -= 1
+            raise InferenceFailed("engine rejected the batch")
         self.enqueued.append(batch_size)
         out_f = self.w.shape[1]
         total = batch_size * out_f

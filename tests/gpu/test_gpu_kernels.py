@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker import kernels
-from worker.buffers import pack_images
 from worker.config import PreprocessConfig
-from worker.postprocess import softmax, top_k
-from worker.preprocess import batch_shape, preprocess
+from worker.inference.gpu import kernels
+from worker.inference.gpu.slots import pack_images
+from worker.inference.postprocess import softmax, top_k
+from worker.inference.preprocess import batch_shape, preprocess
 
 pytestmark = pytest.mark.gpu
 

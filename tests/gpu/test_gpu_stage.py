@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.config import ModelConfig, PostprocessConfig, PreprocessConfig
+from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig
 from worker.errors import EngineDead, InferenceFailed
-from worker.gpu_stage import GpuInferenceStage, GpuOptions, isolate
-from worker.infer import Completed
-from worker.postprocess import postprocess
-from worker.preprocess import preprocess
+from worker.inference.gpu.stage import GpuInferenceStage
+from worker.inference.postprocess import postprocess
+from worker.inference.preprocess import preprocess
+from worker.records import Completed
 
 from .support import LinearEngine, SpinEngine, batches_of, make_jobs, queues, run_stage
 
@@ -36,8 +36,14 @@ RGB = ModelConfig(
     name="linear",
     path="unused",
     output="logits",
+    backend="torch",  # any GPU backend: the tests hand the stage their own engine
     preprocess=PreprocessConfig(
-        size=(16, 12), channels=3, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.25), layout="NHWC"
+        size=(16, 12),
+        channels=3,
+        mean=(0.4, 0.5, 0.6),
+        std=(0.2, 0.3, 0.25),
+        layout="NHWC",
+        device="gpu",
     ),
     postprocess=PostprocessConfig(softmax=True, top_k=5, include_raw=True),
 )
@@ -89,8 +95,10 @@ async def test_stage_equals_the_numpy_pipeline(cp: Any, preprocess_on: str) -> N
     engine = _engine(RGB)
     images = _images(70, 3)
     source, sink = queues()
-    opts = GpuOptions(num_slots=3, max_batch_size=16, preprocess=preprocess_on)  # type: ignore[arg-type]
-    stage = GpuInferenceStage(source, sink, engine, RGB, 16, 3, options=opts)
+    model = dataclasses.replace(
+        RGB, preprocess=dataclasses.replace(RGB.preprocess, device=preprocess_on)
+    )
+    stage = GpuInferenceStage(source, sink, engine, model, 16, 3)
     try:
         jobs = make_jobs(images)
         completed = await run_stage(stage, source, sink, batches_of(jobs, [1, 16, 7, 16, 3]))
@@ -119,8 +127,7 @@ async def test_probabilities_without_topk(cp: Any) -> None:
 async def test_slot_buffers_are_never_reallocated(cp: Any) -> None:
     engine = _engine(RGB)
     source, sink = queues()
-    opts = GpuOptions(num_slots=2, max_batch_size=8, max_input_bytes=1 << 20)
-    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, options=opts)
+    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=1 << 20))
 
     def pointers() -> list[int]:
         out = []
@@ -161,8 +168,7 @@ async def test_two_batches_run_at_once_on_different_streams(cp: Any) -> None:
     engine = SpinEngine(spin_s)
     model = ModelConfig(name="spin", path="unused", output="logits")
     source, sink = queues()
-    opts = GpuOptions(num_slots=2, max_batch_size=8, max_input_bytes=1 << 16)
-    stage = GpuInferenceStage(source, sink, engine, model, 8, 2, options=opts)
+    stage = GpuInferenceStage(source, sink, engine, model, 8, 2, GpuConfig(max_input_bytes=1 << 16))
     try:
         # Warm-up: every kernel launched once on both slots (CUDA loads kernels lazily,
         # which can serialise the very first launches).
@@ -188,10 +194,11 @@ async def test_two_batches_run_at_once_on_different_streams(cp: Any) -> None:
 
 async def test_failed_batch_is_answered_and_the_stage_goes_on(cp: Any) -> None:
     engine = _engine(RGB)
-    engine.fail_next = InferenceFailed("engine rejected the batch")
+    # One slot runs the batches in order. With max_attempts=1 the first batch takes
+    # 1 + 2 + 4 failing runs (the whole batch, its halves, each request alone).
+    engine.fail_runs = 7
     source, sink = queues()
-    one_slot = GpuOptions(num_slots=1, max_batch_size=4)  # batches in order: the first fails
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1, options=one_slot)
+    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1, max_attempts=1)
     try:
         images = _images(8, 3)
         completed = await run_stage(stage, source, sink, batches_of(make_jobs(images), [4]))
@@ -205,11 +212,11 @@ async def test_failed_batch_is_answered_and_the_stage_goes_on(cp: Any) -> None:
     assert all(a.error is None and a.outputs is not None for a in second.answers)
 
 
-async def test_isolate_hook_reruns_subsets_on_the_slot(cp: Any) -> None:
+async def test_isolation_reruns_subsets_on_the_slot(cp: Any) -> None:
     engine = _engine(RGB)
     engine.fail_next = InferenceFailed("transient")
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 2, on_failure=isolate(2))
+    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 2, max_attempts=2)
     try:
         images = _images(4, 3)
         completed = await run_stage(stage, source, sink, batches_of(make_jobs(images), [4]))
@@ -223,8 +230,7 @@ async def test_engine_dead_fails_the_batch_and_stops_the_stage(cp: Any) -> None:
     engine = _engine(RGB)
     engine.fail_next = EngineDead("device lost")
     source, sink = queues()
-    one_slot = GpuOptions(num_slots=1, max_batch_size=4)  # the second batch waits for the slot
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1, options=one_slot)
+    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1)  # the 2nd batch waits for the slot
     jobs = make_jobs(_images(8, 3))
     for batch in batches_of(jobs, [4]):
         source.put_nowait(batch)
@@ -257,8 +263,7 @@ async def test_expired_requests_spend_no_device_time(cp: Any) -> None:
 async def test_batches_larger_than_staging_are_split_and_huge_images_rejected(cp: Any) -> None:
     engine = _engine(RGB)
     source, sink = queues()
-    opts = GpuOptions(num_slots=2, max_batch_size=8, max_input_bytes=40_000)
-    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, options=opts)
+    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=40_000))
     rng = np.random.default_rng(2)
     images = [rng.integers(0, 256, (60, 80, 3), dtype=np.uint8) for _ in range(8)]  # 14.4 kB each
     huge = rng.integers(0, 256, (200, 100, 3), dtype=np.uint8)  # 60 kB

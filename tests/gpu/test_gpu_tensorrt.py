@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker import build_engine
-from worker.config import ModelConfig
-from worker.engines import resolve_model_path
+from worker.config import ModelConfig, PreprocessConfig
+from worker.engines.base import resolve_model_path
 from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.gpu_stage import GpuInferenceStage, GpuOptions
-from worker.infer import InferenceStage
-from worker.preprocess import preprocess
+from worker.inference.cpu import InferenceStage
+from worker.inference.gpu.stage import GpuInferenceStage
+from worker.inference.preprocess import preprocess
+from worker.tools import build_engine
 
 from .support import batches_of, make_jobs, queues, run_stage
 
@@ -44,7 +44,11 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _model(plan: Path) -> ModelConfig:
-    return ModelConfig(name="digits", path=str(plan), backend="tensorrt", output="logits")
+    # GPU preprocessing, as the stage's old default was.
+    preprocess = PreprocessConfig(device="gpu")
+    return ModelConfig(
+        name="digits", path=str(plan), backend="tensorrt", output="logits", preprocess=preprocess
+    )
 
 
 def test_plan_cache_is_reused(plans: dict[str, Path]) -> None:
@@ -108,9 +112,7 @@ async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
     plan = plans["fp32"]
     engine = TensorRTEngine(plan, _model(plan), cuda_graphs=cuda_graphs)
     source, sink = queues()
-    stage = GpuInferenceStage(
-        source, sink, engine, _model(plan), 64, 2, options=GpuOptions(num_slots=2)
-    )
+    stage = GpuInferenceStage(source, sink, engine, _model(plan), 64, 2)
     try:
         gpu = await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
     finally:

@@ -14,6 +14,7 @@ switched off so the GPU GEMM really is float32.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,12 @@ import numpy as np
 import pytest
 
 from worker.config import ModelConfig
-from worker.engines import resolve_model_path
+from worker.engines.base import resolve_model_path
 from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.gpu_stage import GpuInferenceStage, GpuOptions
-from worker.infer import Completed, InferenceStage
-from worker.preprocess import preprocess
+from worker.inference.cpu import InferenceStage
+from worker.inference.gpu.stage import GpuInferenceStage
+from worker.inference.preprocess import preprocess
+from worker.records import Completed
 
 from .support import batches_of, make_jobs, queues, run_stage
 
@@ -119,10 +121,12 @@ async def _gpu_results(
     from worker.engines.torch import TorchEngine
 
     model = _torch_model(path)
+    model = dataclasses.replace(
+        model, preprocess=dataclasses.replace(model.preprocess, device=preprocess_on)
+    )
     engine = TorchEngine(path, model, max_batch_size=64)
     source, sink = queues()
-    opts = GpuOptions(num_slots=3, max_batch_size=64, preprocess=preprocess_on)  # type: ignore[arg-type]
-    stage = GpuInferenceStage(source, sink, engine, model, 64, 3, options=opts)
+    stage = GpuInferenceStage(source, sink, engine, model, 64, 3)
     try:
         return await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
     finally:

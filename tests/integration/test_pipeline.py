@@ -10,16 +10,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from worker.codec import Request, Tensor, encode_request
-from worker.embedded import EmbeddedBroker, create_topics
-from worker.harness import (
-    Collector,
-    WorkerProcess,
-    committed_offsets,
-    mean_batch_size,
-    produce_all,
-    spawn_worker,
-)
+from worker.contract import Request, Tensor, encode_request
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_worker
+from worker.tools.topics import Collector, committed_offsets, produce_all
 
 pytestmark = pytest.mark.integration
 

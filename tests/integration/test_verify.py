@@ -13,10 +13,19 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from worker.codec import ModelInfo, Request, Result, Source, Tensor, encode_request, encode_result
-from worker.embedded import EmbeddedBroker, create_topics
-from worker.harness import Collector, produce_all, spawn_worker
-from worker.verify import (
+from worker.contract import (
+    ModelInfo,
+    Request,
+    Result,
+    Source,
+    Tensor,
+    encode_request,
+    encode_result,
+)
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.processes import spawn_worker
+from worker.tools.topics import Collector, produce_all
+from worker.tools.verify import (
     Duplicate,
     InputRecord,
     Observed,

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.batching import Batch, BatchPolicy, MicroBatcher
+from worker.pipeline.batching import BatchPolicy, MicroBatcher
+from worker.records import Batch
 
 
 @dataclass

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from worker.codec import (
+from worker.contract import (
     DEFAULT_LIMITS,
     DTYPES,
     ERROR_CODES,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.backpressure import Backpressure
-from worker.budget import FailureBudget
-from worker.commit import OffsetTracker, TopicPartition
+from worker.pipeline.backpressure import Backpressure
+from worker.pipeline.budget import FailureBudget
+from worker.pipeline.offsets import OffsetTracker
+from worker.records import TopicPartition
 
 A = TopicPartition("in", 0)
 B = TopicPartition("in", 1)

@@ -22,19 +22,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker import build_engine, kernels
 from worker.config import ModelConfig, PostprocessConfig, PreprocessConfig
-from worker.engines import EngineInfo, resolve_model_path
-from worker.engines.gpu import (
-    EngineUnavailable,
-    TensorSpec,
-    load_gpu_engine,
-    translate_gpu_error,
-)
+from worker.engines import is_gpu_backend, load_engine
+from worker.engines.base import EngineInfo, EngineUnavailable, TensorSpec, resolve_model_path
+from worker.engines.cuda import translate_gpu_error
 from worker.engines.onnxruntime import OnnxRuntimeEngine
 from worker.errors import ConfigError, EngineDead, InferenceFailed
-from worker.gpu_stage import GpuOptions, fail_all, postprocess_plan
-from worker.preprocess import preprocess
+from worker.inference.gpu import kernels
+from worker.inference.gpu.plan import postprocess_plan
+from worker.inference.preprocess import preprocess
+from worker.tools import build_engine
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -97,9 +94,16 @@ def test_torch_engine_without_torch_is_a_clear_config_error(tmp_path: Path) -> N
         TorchEngine(model, ModelConfig(backend="torch", path=str(model)))
 
 
-def test_load_gpu_engine_rejects_a_cpu_backend() -> None:
-    with pytest.raises(ConfigError, match="no GPU engine"):
-        load_gpu_engine(ModelConfig(backend="onnxruntime"))
+def test_one_factory_picks_the_engine_by_backend() -> None:
+    assert is_gpu_backend("torch") and is_gpu_backend("tensorrt")
+    assert not is_gpu_backend("onnxruntime")
+    engine = load_engine(ModelConfig(backend="onnxruntime"))
+    try:
+        assert engine.info.backend == "onnxruntime"
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="not available"):
+        load_engine(ModelConfig(backend="nonsense"))  # type: ignore[arg-type]
 
 
 class FakeGpuEngine:
@@ -132,7 +136,7 @@ class FakeGpuEngine:
 def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
     import asyncio
 
-    from worker.gpu_stage import GpuInferenceStage
+    from worker.inference.gpu.stage import GpuInferenceStage
 
     engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),))
     with pytest.raises(EngineUnavailable, match="CuPy"):
@@ -142,28 +146,13 @@ def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
 def test_gpu_stage_rejects_batches_larger_than_the_engine_profile() -> None:
     import asyncio
 
-    from worker.gpu_stage import GpuInferenceStage
+    from worker.inference.gpu.stage import GpuInferenceStage
 
     engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),), max_batch=16)
     with pytest.raises(ConfigError, match="maximum batch"):
         GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 32, 2)
-    with pytest.raises(ConfigError, match="slot size"):
-        GpuInferenceStage(
-            asyncio.Queue(),
-            asyncio.Queue(),
-            engine,
-            ModelConfig(),
-            16,
-            2,
-            options=GpuOptions(max_batch_size=8),
-        )
-
-
-def test_gpu_options_are_validated() -> None:
-    assert GpuOptions().num_slots >= 2  # overlap needs at least two streams
-    for bad in ({"num_slots": 0}, {"max_input_bytes": 0}, {"poll_interval_s": 0.0}):
-        with pytest.raises(ConfigError):
-            GpuOptions(**bad)
+    with pytest.raises(ConfigError, match="num_slots"):
+        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 16, 0)
 
 
 # --- where postprocessing runs -----------------------------------------------------
@@ -203,23 +192,6 @@ def test_plan_names_an_unknown_output() -> None:
     engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),))
     with pytest.raises(ConfigError, match=r"model\.output"):
         postprocess_plan(engine, ModelConfig(output="probs"))
-
-
-async def test_default_failure_hook_fails_every_answer() -> None:
-    from worker.commit import TopicPartition
-    from worker.consume import Job
-    from worker.infer import Answer
-
-    answers = [
-        Answer(Job(tp=TopicPartition("t", 0), offset=i, key=None, arrived=0.0, deadline=None))
-        for i in range(3)
-    ]
-
-    async def never(_: list[Answer]) -> None:  # pragma: no cover - must not be called
-        raise AssertionError
-
-    await fail_all(answers, InferenceFailed("boom"), never)
-    assert all(a.error is not None and a.error.code == "inference_failed" for a in answers)
 
 
 # --- error translation ---------------------------------------------------------------
@@ -422,36 +394,6 @@ def test_postprocess_defines() -> None:
         kernels.postprocess_defines(10, 3, True, "float64")
 
 
-async def test_isolate_hook_bisects_to_the_poisoned_request() -> None:
-    from worker.commit import TopicPartition
-    from worker.consume import Job
-    from worker.gpu_stage import isolate
-    from worker.infer import Answer
-
-    answers = [
-        Answer(Job(tp=TopicPartition("t", 0), offset=i, key=None, arrived=0.0, deadline=None))
-        for i in range(8)
-    ]
-    poison = {5}
-    runs: list[list[int]] = []
-
-    async def rerun(part: list[Answer]) -> None:
-        offsets = [a.job.offset for a in part]
-        runs.append(offsets)
-        if poison & set(offsets):
-            raise InferenceFailed("poisoned batch")
-        for a in part:
-            a.outputs = {"x": np.zeros(1)}
-
-    await isolate(max_attempts=2)(answers, InferenceFailed("poisoned batch"), rerun)
-    assert [a.job.offset for a in answers if a.error is not None] == [5]
-    assert answers[5].error is not None and "after 2 attempts" in answers[5].error.message
-    assert all(a.outputs is not None for a in answers if a.job.offset != 5)
-    assert answers[5].job.attempts == 2
-    assert runs.count([5]) == 2  # alone once, then retried once
-    assert len(runs) <= 2 * 8 - 1 + 2
-
-
 class _FakeRuntime:
     def __init__(self, status: int) -> None:
         self.status = status
@@ -472,7 +414,7 @@ class _FakeEvent:
 
 
 def test_event_completed_reads_the_status_not_just_done() -> None:
-    from worker.engines.gpu import event_completed
+    from worker.engines.cuda import event_completed
 
     assert event_completed(_FakeCupy(0), _FakeEvent()) is True
     assert event_completed(_FakeCupy(600), _FakeEvent()) is False  # still running

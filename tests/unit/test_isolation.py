@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from worker.batching import Batch
-from worker.commit import TopicPartition
 from worker.config import ModelConfig
-from worker.consume import Job
-from worker.engines import EngineInfo, load_engine
-from worker.errors import InferenceFailed
-from worker.infer import InferenceStage
+from worker.engines import load_engine
+from worker.engines.base import EngineInfo
+from worker.errors import EngineDead, InferenceFailed, InvalidRequest
+from worker.inference.cpu import InferenceStage
+from worker.inference.triage import run_isolating, triage
+from worker.records import Answer, Batch, Job, TopicPartition
 
 
 class FailsOnBrightCorner:
@@ -48,11 +48,11 @@ def jobs(n: int, poison: set[int]) -> list[Job]:
 
 
 @pytest.mark.parametrize("exc", [InferenceFailed, ValueError])
-def test_only_the_poison_requests_fail(exc: type[Exception]) -> None:
+async def test_only_the_poison_requests_fail(exc: type[Exception]) -> None:
     engine = FailsOnBrightCorner(exc)
     stage = InferenceStage(None, None, engine, ModelConfig(), 64, 1, max_attempts=2)  # type: ignore[arg-type]
     try:
-        done = stage._run_batch(Batch(jobs(64, {5, 40}), time.monotonic(), "full"))
+        done = await stage.run_batch(Batch(jobs(64, {5, 40}), time.monotonic(), "full"))
     finally:
         stage.close()
     failed = {a.job.offset for a in done.answers if a.error is not None}
@@ -66,8 +66,8 @@ def test_only_the_poison_requests_fail(exc: type[Exception]) -> None:
     assert engine.runs <= 2 * 64 - 1 + 2
 
 
-def test_batch_failure_logs_carry_the_batch_context() -> None:
-    """Logs from the worker thread name the batch they belong to (structlog
+async def test_batch_failure_logs_carry_the_batch_context() -> None:
+    """Logs of a batch's isolation name the batch they belong to (structlog
     context variables bound per batch), so one poison request can be traced."""
     import structlog
     from structlog.testing import capture_logs
@@ -77,10 +77,65 @@ def test_batch_failure_logs_carry_the_batch_context() -> None:
     structlog.configure(processors=[structlog.contextvars.merge_contextvars])
     try:
         with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
-            stage._run_batch(Batch(jobs(4, {2}), time.monotonic(), "delay", seq=7))
+            await stage.run_batch(Batch(jobs(4, {2}), time.monotonic(), "delay", seq=7))
     finally:
         stage.close()
         structlog.reset_defaults()
     failures = [e for e in logs if e["event"] == "batch_failed"]
     assert failures and all(e["batch"] == 7 and e["flush"] == "delay" for e in failures)
     assert [e["size"] for e in failures] == [4, 2, 1]  # the bisection, down to the poison request
+
+
+async def test_the_bisection_is_shared_and_runs_any_row_runner() -> None:
+    """``run_isolating`` (used by the CPU and GPU stages alike) with a runner that
+    fails any run holding the poison request: exactly that request fails, after
+    ``max_attempts`` runs alone, and the number of runs stays bounded."""
+    answers = [Answer(job) for job in jobs(8, set())]
+    poison = {5}
+    runs: list[list[int]] = []
+
+    async def run(part: list[Answer]) -> None:
+        offsets = [a.job.offset for a in part]
+        runs.append(offsets)
+        if poison & set(offsets):
+            raise InferenceFailed("poisoned batch")
+        for a in part:
+            a.outputs = {"x": np.zeros(1)}
+
+    await run_isolating(answers, run, max_attempts=2)
+    assert [a.job.offset for a in answers if a.error is not None] == [5]
+    assert answers[5].error is not None and "after 2 attempts" in answers[5].error.message
+    assert all(a.outputs is not None for a in answers if a.job.offset != 5)
+    assert answers[5].job.attempts == 2
+    assert runs[0] == list(range(8))  # the whole batch first
+    assert runs.count([5]) == 2  # alone once, then retried once
+    assert len(runs) <= 2 * 8 - 1 + 2
+
+
+async def test_engine_dead_is_not_isolated() -> None:
+    """A dead engine stops the bisection at once: nothing can run any more."""
+    answers = [Answer(job) for job in jobs(4, set())]
+    calls = 0
+
+    async def run(part: list[Answer]) -> None:
+        nonlocal calls
+        calls += 1
+        raise EngineDead("device lost")
+
+    with pytest.raises(EngineDead):
+        await run_isolating(answers, run, max_attempts=3)
+    assert calls == 1
+
+
+def test_triage_answers_failed_and_expired_jobs_without_the_engine() -> None:
+    now = time.monotonic()
+    ok, expired, failed = jobs(3, set())
+    expired.deadline = now - 1.0
+    failed.failure = InvalidRequest("inputs.image: missing")
+    completed, runnable = triage(Batch([ok, expired, failed], now, "delay", seq=3), now)
+    assert [a.job for a in runnable] == [ok]
+    assert completed.seq == 3 and completed.engine_rows == 1
+    assert [a.job for a in completed.answers] == [ok, expired, failed]  # batch order kept
+    assert completed.answers[1].error is not None
+    assert completed.answers[1].error.code == "deadline_exceeded"
+    assert completed.answers[2].error is None  # answered from its failure downstream

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker import kernels
-from worker.buffers import pack_images
 from worker.config import PreprocessConfig
-from worker.preprocess import preprocess
+from worker.inference.gpu import kernels
+from worker.inference.gpu.slots import pack_images
+from worker.inference.preprocess import preprocess
 
 KERNELS = kernels.kernel_dir()
 ARCHS = ("80", "90")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.codec import Request, Tensor
 from worker.config import PostprocessConfig, PreprocessConfig
+from worker.contract import Request, Tensor, check_image
 from worker.errors import InvalidRequest, TensorTooLarge
-from worker.postprocess import postprocess, softmax, top_k
-from worker.preprocess import check_image, preprocess, resize_bilinear
+from worker.inference.postprocess import postprocess, softmax, top_k
+from worker.inference.preprocess import preprocess, resize_bilinear
 
 
 def test_identity_size_is_exact() -> None:
@@ -76,7 +76,7 @@ def _req(tensor: Tensor) -> Request:
 
 def test_check_image_accepts_hw_for_one_channel() -> None:
     img = np.zeros((5, 6), dtype=np.uint8)
-    view = check_image(_req(Tensor.from_numpy(img)), "image", PreprocessConfig(), 100)
+    view = check_image(_req(Tensor.from_numpy(img)), "image", 1, 100)
     assert view.shape == (5, 6, 1)
 
 
@@ -92,14 +92,14 @@ def test_check_image_accepts_hw_for_one_channel() -> None:
 def test_check_image_rejections(arr: np.ndarray, name: str, match: str) -> None:
     req = Request(v=1, id="r1", inputs={name: Tensor.from_numpy(arr)})
     with pytest.raises(InvalidRequest, match=match) as info:
-        check_image(req, "image", PreprocessConfig(), 1 << 20)
+        check_image(req, "image", 1, 1 << 20)
     assert info.value.request_id == "r1"
 
 
 def test_check_image_too_many_pixels() -> None:
     img = np.zeros((20, 20, 1), dtype=np.uint8)
     with pytest.raises(TensorTooLarge):
-        check_image(_req(Tensor.from_numpy(img)), "image", PreprocessConfig(), 399)
+        check_image(_req(Tensor.from_numpy(img)), "image", 1, 399)
 
 
 def test_softmax_and_topk_by_hand() -> None:

@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from worker.codec import (
+from worker.contract import (
     DTYPES,
     ERROR_CODES,
     ErrorInfo,

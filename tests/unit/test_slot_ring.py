@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from worker.buffers import Allocations, SlotLayout, SlotRing, pack_images
-from worker.engines.gpu import TensorSpec
+from worker.engines.base import TensorSpec
 from worker.errors import EngineDead
+from worker.inference.gpu.slots import Allocations, SlotLayout, SlotRing, pack_images
 
 
 @dataclass(eq=False)
@@ -33,7 +33,8 @@ def fake_slot(index: int, allocations: Allocations) -> FakeSlot:
 
 
 def make_ring(n: int = 3) -> SlotRing[FakeSlot]:
-    return SlotRing.build(fake_slot, n, Allocations())
+    allocations = Allocations()
+    return SlotRing([fake_slot(i, allocations) for i in range(n)], allocations)
 
 
 async def test_round_robin_order() -> None:

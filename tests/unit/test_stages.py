@@ -17,15 +17,17 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from worker.backpressure import Backpressure
-from worker.batching import Batch
-from worker.codec import ErrorInfo, ModelInfo
-from worker.commit import Committer, OffsetTracker, TopicPartition
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
-from worker.consume import Job, JobFactory, KafkaSource, _Listener
+from worker.contract import ErrorInfo, ModelInfo
 from worker.engines import load_engine
-from worker.infer import Answer, Completed, InferenceStage
-from worker.produce import ResultSink
+from worker.inference.cpu import InferenceStage
+from worker.pipeline.backpressure import Backpressure
+from worker.pipeline.commit import Committer
+from worker.pipeline.consume import KafkaSource, _Listener
+from worker.pipeline.intake import JobFactory
+from worker.pipeline.offsets import OffsetTracker
+from worker.pipeline.produce import ResultSink
+from worker.records import Answer, Batch, Completed, Job, TopicPartition
 
 A = TopicPartition("in", 0)
 
@@ -310,7 +312,7 @@ async def test_commit_is_bounded_when_the_broker_is_unreachable() -> None:
 def test_fetch_backoff_is_capped_however_long_the_outage() -> None:
     """0.1 * 2**n overflows a float at n = 1024 (about 85 minutes of failed fetches
     at the 5 s cap): the consume stage must keep retrying, not die."""
-    from worker.consume import fetch_backoff
+    from worker.pipeline.consume import fetch_backoff
 
     assert fetch_backoff(1) == 0.2
     assert fetch_backoff(6) == 5.0

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.verify import (
-    Answer,
+from worker.tools.verify import (
     Duplicate,
     InputRecord,
     OrderingViolation,
+    Reply,
     Unparseable,
     add_arguments,
     check,
@@ -205,8 +205,8 @@ def test_empty_input_and_no_answers_is_ok() -> None:
 
 
 def test_check_takes_answer_objects_and_the_result_is_independent_of_their_order() -> None:
-    answers = [Answer(InputRecord(T, 0, o), 0, i, "result") for i, o in enumerate([0, 2, 1, 1])] + [
-        Answer(InputRecord(T, 0, 3), 0, 0, "dlq")
+    answers = [Reply(InputRecord(T, 0, o), 0, i, "result") for i, o in enumerate([0, 2, 1, 1])] + [
+        Reply(InputRecord(T, 0, 3), 0, 0, "dlq")
     ]
     inputs = {T: {0: [0, 1, 2, 3, 4]}}
     a = check(inputs, answers)
@@ -325,7 +325,7 @@ def test_cli_usage_errors_exit_2_before_touching_kafka(
 def test_cli_config_file_supplies_topics_and_flags_win(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker import verify as verify_module
+    from worker.tools import verify as verify_module
 
     for name in [n for n in os.environ if n.startswith("INFER_WORKER_")]:
         monkeypatch.delenv(name)
@@ -341,7 +341,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
     ) -> object:
         seen.update(bootstrap=bootstrap, inputs=list(inputs), output=output, dlq=dlq, **kw)
         return {"x": {0: [0]}, "y": {}}, verify_module.Observed(
-            (Answer(InputRecord("x", 0, 0), 0, 0, "result"),), (), True
+            (Reply(InputRecord("x", 0, 0), 0, 0, "result"),), (), True
         )
 
     monkeypatch.setattr(verify_module, "read_topics", fake_read)
@@ -379,8 +379,8 @@ def test_cli_config_file_supplies_topics_and_flags_win(
 
 
 def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker import verify as verify_module
     from worker.config import KafkaConfig
+    from worker.tools import verify as verify_module
 
     seen: list[tuple[str, list[str], str, str]] = []
 
@@ -414,11 +414,11 @@ def test_cli_exit_codes(
     complete: bool,
     expected: int,
 ) -> None:
-    from worker import verify as verify_module
+    from worker.tools import verify as verify_module
 
     async def fake_read(*a: object, **kw: object) -> object:
         answers = tuple(
-            Answer(InputRecord("in", 0, o), 0, i, "result") for i, o in enumerate(observed_answers)
+            Reply(InputRecord("in", 0, o), 0, i, "result") for i, o in enumerate(observed_answers)
         )
         return {"in": {0: [0, 1]}}, verify_module.Observed(answers, (), complete)
 
@@ -434,7 +434,7 @@ def test_cli_exit_codes(
 def test_cli_unreadable_topics_are_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker import verify as verify_module
+    from worker.tools import verify as verify_module
 
     async def failing_read(*a: object, **kw: object) -> object:
         raise RuntimeError("topic in has no partitions")

@@ -1,73 +1,45 @@
-"""Engines behind one small protocol, chosen per model in config.
+"""Engines behind two small protocols (``base``), chosen per model in config.
 
-An engine runs one preprocessed batch (first dimension = batch) and returns its
-named outputs with the same first dimension. It is called from a worker thread,
-never on the event loop. Per-batch failures raise ``InferenceFailed``; an engine
-that can run nothing any more raises ``EngineDead``.
+``load_engine`` is the one factory: it imports the concrete engine lazily, so
+the worker imports on any host and only the configured backend's library has to
+be installed. Concrete engines import ``base`` and ``cuda`` only.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import Protocol
+from worker.config import ModelConfig
+from worker.engines.base import Engine, EngineInfo, GpuEngine, resolve_model_path
+from worker.errors import ConfigError
 
-import numpy as np
-
-from ..config import ModelConfig
-from ..errors import ConfigError
+GPU_BACKENDS = ("tensorrt", "torch")
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    backend: str
-    name: str
-    version: str  # content hash of the model file: results name exactly what ran
-    input_name: str
-    output_names: tuple[str, ...]
-    max_batch_size: int | None  # None: any batch size
+def is_gpu_backend(backend: str) -> bool:
+    return backend in GPU_BACKENDS
 
 
-class Engine(Protocol):
-    info: EngineInfo
-
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None: ...
-
-
-BUILTIN_MODELS = {"digits": "digits.onnx"}
-
-
-def resolve_model_path(path: str) -> Path:
-    """``builtin:NAME`` names a model shipped in the package; anything else is a file."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        if name not in BUILTIN_MODELS:
-            raise ConfigError(f"model.path: unknown builtin model {name!r}")
-        return Path(str(resources.files("worker") / "models" / BUILTIN_MODELS[name]))
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"model.path: {path} is not a file")
-    return p
-
-
-def content_version(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
-def load_engine(cfg: ModelConfig) -> Engine:
+def load_engine(
+    cfg: ModelConfig, *, device: int = 0, max_batch_size: int = 64, cuda_graphs: bool = False
+) -> Engine | GpuEngine:
+    """The engine for ``cfg.backend``: a CPU ``Engine`` for ``onnxruntime``, a
+    ``GpuEngine`` for ``tensorrt`` and ``torch`` (``device``, ``max_batch_size``
+    and ``cuda_graphs`` apply to those)."""
     path = resolve_model_path(cfg.path)
     if cfg.backend == "onnxruntime":
-        from .onnxruntime import OnnxRuntimeEngine
+        from worker.engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(path, cfg)
+    if cfg.backend == "tensorrt":
+        from worker.engines.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(path, cfg, device=device, cuda_graphs=cuda_graphs)
+    if cfg.backend == "torch":
+        from worker.engines.torch import TorchEngine
+
+        return TorchEngine(path, cfg, device=device, max_batch_size=max_batch_size)
     raise ConfigError(
         f"model.backend: {cfg.backend!r} is not available in this build of the worker"
     )
+
+
+__all__ = ["GPU_BACKENDS", "Engine", "EngineInfo", "GpuEngine", "is_gpu_backend", "load_engine"]

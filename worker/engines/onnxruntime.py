@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..config import ModelConfig
-from ..errors import ConfigError, EngineDead, InferenceFailed
-from . import EngineInfo, content_version
+from worker.config import ModelConfig
+from worker.engines.base import EngineInfo, content_version
+from worker.errors import ConfigError, EngineDead, InferenceFailed
 
 
 class OnnxRuntimeEngine:

@@ -36,10 +36,16 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..config import ModelConfig
-from ..errors import ConfigError, EngineDead, InferenceFailed
-from . import EngineInfo, content_version
-from .gpu import EngineSlot, EngineUnavailable, TensorSpec, import_cupy, translate_gpu_error
+from worker.config import ModelConfig
+from worker.engines.base import (
+    EngineInfo,
+    EngineSlot,
+    EngineUnavailable,
+    TensorSpec,
+    content_version,
+)
+from worker.engines.cuda import import_cupy, translate_gpu_error
+from worker.errors import ConfigError, EngineDead, InferenceFailed
 
 log = structlog.get_logger(__name__)
 

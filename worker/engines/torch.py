@@ -26,11 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import ConfigError, EngineDead, InferenceFailed
-from ..preprocess import batch_shape
-from . import EngineInfo, content_version
-from .gpu import EngineSlot, EngineUnavailable, TensorSpec, translate_gpu_error
+from worker.config import ModelConfig
+from worker.engines.base import (
+    EngineInfo,
+    EngineSlot,
+    EngineUnavailable,
+    TensorSpec,
+    content_version,
+)
+from worker.engines.cuda import translate_gpu_error
+from worker.errors import ConfigError, EngineDead, InferenceFailed
+from worker.inference.preprocess import batch_shape
 
 
 def import_torch() -> Any:

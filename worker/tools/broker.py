@@ -24,7 +24,7 @@ from types import TracebackType
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from .errors import WorkerError
+from worker.errors import WorkerError
 
 
 class BrokerError(WorkerError):

@@ -17,9 +17,9 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from .codec import Request
-from .config import PreprocessConfig
-from .errors import InvalidRequest, TensorTooLarge
+from worker.config import PreprocessConfig
+from worker.contract import Request
+from worker.errors import InvalidRequest, TensorTooLarge
 
 F32 = npt.NDArray[np.float32]
 

@@ -1,91 +1,34 @@
-"""KafkaSource: the group consumer, decoding and validation, and the bounded queue.
+"""KafkaSource: the group consumer, its rebalance listener, and the bounded queue.
 
 Every record read is registered with the offset tracker *before* it is queued, so
-the commit watermark can never pass a record that has not been answered. Records
-are decoded and validated here, before any engine work: a record that fails
-becomes a ``Job`` carrying its failure, and still flows through the pipeline in
-order, so per-partition result order equals request order.
+the commit watermark can never pass a record that has not been answered. Each
+record becomes a ``Job`` through the intake (``worker.pipeline.intake``), which
+never raises: bad records flow on, in order, carrying their failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from . import metrics
-from .backpressure import Backpressure
-from .codec import Limits, Request, Source, decode_request
-from .commit import OffsetTracker, TopicPartition
-from .config import KafkaConfig, LimitsConfig, ModelConfig
-from .deadline import epoch_ms_to_monotonic
-from .errors import RecordError
-from .kafka import group_consumer_kwargs
-from .preprocess import check_image
-from .streams import end_of_stream
+from worker import metrics
+from worker.config import KafkaConfig
+from worker.pipeline.backpressure import Backpressure
+from worker.pipeline.intake import JobFactory
+from worker.pipeline.kafka import group_consumer_kwargs
+from worker.pipeline.offsets import OffsetTracker
+from worker.pipeline.streams import end_of_stream
+from worker.records import Job, TopicPartition
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class Job:
-    """One input record on its way through the pipeline."""
-
-    tp: TopicPartition
-    offset: int
-    key: bytes | None
-    arrived: float  # monotonic, when the worker read it
-    deadline: float | None  # monotonic, from the request's deadline_ms
-    request: Request | None = None
-    image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
-    failure: RecordError | None = None  # answered without inference when set
-    raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
-    epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
-    attempts: int = 0  # engine runs this request took part in that failed
-
-    @property
-    def source(self) -> Source:
-        return Source(topic=self.tp.topic, partition=self.tp.partition, offset=self.offset)
-
-
-class JobFactory:
-    """Turns a consumer record into a Job: decode, validate, never raise."""
-
-    def __init__(self, model: ModelConfig, limits: LimitsConfig) -> None:
-        self._model = model
-        self._limits = limits
-        self._codec_limits = Limits(
-            max_record_bytes=limits.max_record_bytes, max_tensor_bytes=limits.max_tensor_bytes
-        )
-
-    def __call__(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None
-    ) -> Job:
-        now = time.monotonic()
-        job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
-        try:
-            request = decode_request(value, self._codec_limits)
-            job.request = request
-            if request.deadline_ms is not None:
-                job.deadline = epoch_ms_to_monotonic(request.deadline_ms)
-            job.image = check_image(
-                request, self._model.input, self._model.preprocess, self._limits.max_image_pixels
-            )
-        except RecordError as exc:
-            job.failure = exc
-            job.raw_value = value
-            metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
-        return job
 
 
 RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
@@ -309,3 +252,15 @@ class KafkaSource:
         consumer, self.consumer = self.consumer, None
         if consumer is not None:
             await consumer.stop()
+
+
+async def watch_broker(source: KafkaSource, timeout: float, interval: float = 1.0) -> None:
+    """Keep the "broker" readiness condition current while the worker runs."""
+    up = True
+    while True:
+        ok = await source.probe(timeout)
+        if ok != up:
+            log.warning("broker_reachable" if ok else "broker_unreachable")
+            up = ok
+        metrics.set_condition("broker", ok)
+        await asyncio.sleep(interval)

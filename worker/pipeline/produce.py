@@ -11,91 +11,37 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 
-from . import __version__, metrics
-from .budget import FailureBudget
-from .codec import ErrorInfo, ModelInfo, Result, Tensor, encode_result
-from .commit import Committer, OffsetTracker
-from .config import KafkaConfig
-from .consume import Job
-from .errors import DeliveryFailed, FailureBudgetExceeded, InvalidRequest, UndecodableRecord
-from .infer import Answer, Completed
-from .kafka import client_kwargs
+from worker import metrics
+from worker.config import KafkaConfig
+from worker.contract import ModelInfo
+from worker.errors import DeliveryFailed, FailureBudgetExceeded
+from worker.pipeline.budget import FailureBudget
+from worker.pipeline.commit import Committer
+from worker.pipeline.kafka import client_kwargs
+from worker.pipeline.offsets import OffsetTracker
+from worker.pipeline.outgoing import FallbackCode, Outgoing, Topics, fallback, outgoing
+from worker.records import Completed
 
 log = structlog.get_logger(__name__)
 
-# Room for the record batch framing around one record, so a result that passes
-# this check is never rejected by the producer's own size limit.
-_RECORD_OVERHEAD = 1024
+# Broker and client refusals that mean "this record is too large": the fallback
+# is then a ``too_large`` answer; any other permanent refusal is ``internal``.
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
 
 
-def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
-    return [
-        ("error.code", code.encode()),
-        ("error.message", message.encode()[:1024]),
-        ("source.topic", job.tp.topic.encode()),
-        ("source.partition", str(job.tp.partition).encode()),
-        ("source.offset", str(job.offset).encode()),
-        ("stage", stage.encode()),
-        ("worker.version", __version__.encode()),
-    ]
-
-
-def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
-    """The wire result for one answer (never for a DLQ-bound record)."""
-    job = answer.job
-    timing = dict(answer.timing_us)
-    timing["total"] = round((now - job.arrived) * 1e6)
-    request_id, meta = "", None
-    if job.request is not None:
-        request_id, meta = job.request.id, job.request.meta
-    failure = job.failure
-    if isinstance(failure, InvalidRequest):
-        request_id, meta = failure.request_id, failure.meta
-    error = answer.error
-    if failure is not None:
-        error = ErrorInfo.from_error(failure)  # contract code, message length capped
-    if error is not None:
-        return Result(
-            id=request_id,
-            status="error",
-            source=job.source,
-            model=model,
-            error=error,
-            meta=meta,
-            timing_us=timing,
-        )
-    assert answer.outputs is not None
-    outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
-    return Result(
-        id=request_id,
-        status="ok",
-        source=job.source,
-        model=model,
-        outputs=outputs,
-        meta=meta,
-        timing_us=timing,
-    )
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """One record to produce for one job, kept until acknowledged so it can be
-    re-sent unchanged if delivery fails."""
-
-    job: Job
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    kind: str  # "ok" | "error" | "dlq"
-    seq: int  # send order, so redelivery keeps the original order
-    fallback: bool = False  # already the small replacement of a refused record
+def refusal_code(exc: BaseException) -> FallbackCode:
+    """Translate a permanent delivery failure into the fallback's error code."""
+    return "too_large" if isinstance(exc, _TOO_LARGE) else "internal"
 
 
 class ResultSink:
@@ -129,6 +75,7 @@ class ResultSink:
         self._undelivered: list[Outgoing] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
         self._seq = 0
+        self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
         self.producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
@@ -189,7 +136,10 @@ class ResultSink:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
                 continue  # partition revoked or reset meanwhile: its new owner answers it
-            out = self._outgoing(answer, now)
+            self._seq += 1
+            out = outgoing(
+                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size
+            )
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
                     answer.error is not None and answer.error.code == "inference_failed"
@@ -206,70 +156,6 @@ class ResultSink:
         task = asyncio.create_task(self._await_acks(sent))
         self._ack_tasks.add(task)
         task.add_done_callback(self._ack_tasks.discard)
-
-    def _outgoing(self, answer: Answer, now: float) -> Outgoing:
-        job = answer.job
-        self._seq += 1
-        if isinstance(job.failure, UndecodableRecord):
-            headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
-            value = job.raw_value
-            if value is None and job.key is None:
-                # A null-key tombstone (other clients may produce one): the producer
-                # refuses a record with neither key nor value (an AssertionError, not
-                # a KafkaError), which killed the worker on it at every restart.
-                value = b""
-            out = Outgoing(job, self._kafka.dlq_topic, job.key, value, headers, "dlq", self._seq)
-        else:
-            result = build_result(answer, self._model, now)
-            headers = [("id", result.id.encode())]
-            out = Outgoing(
-                job,
-                self._kafka.output_topic,
-                job.key,
-                encode_result(result),
-                headers,
-                result.status,
-                self._seq,
-            )
-        if self._fits(out):
-            return out
-        return self._fallback(out, "record exceeds kafka.max_request_size")
-
-    def _fits(self, out: Outgoing) -> bool:
-        size = len(out.value or b"") + len(out.key or b"") + _RECORD_OVERHEAD
-        return size + sum(len(k) + len(v) for k, v in out.headers) <= self._kafka.max_request_size
-
-    def _fallback(self, out: Outgoing, reason: str) -> Outgoing:
-        """A small record for what could not be produced as it is (too large for
-        the producer, or refused for good by the broker): results become a
-        ``too_large``/``internal`` error result without outputs or meta; DLQ
-        records keep their headers but not the value, which is noted in a header.
-        Stage ``produce`` either way."""
-        job = out.job
-        code = "too_large" if "max_request_size" in reason or "TooLarge" in reason else "internal"
-        if out.kind == "dlq":
-            headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
-            headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
-            # b"" rather than None: a record needs a key or a value.
-            return Outgoing(job, out.topic, out.key, b"", headers, "dlq", out.seq, True)
-        request_id = out.headers[0][1].decode() if out.headers else ""
-        result = Result(
-            id=request_id,
-            status="error",
-            source=job.source,
-            model=self._model,
-            error=ErrorInfo(code, f"{reason} (stage produce)"),
-        )
-        return Outgoing(
-            job,
-            out.topic,
-            out.key,
-            encode_result(result),
-            [("id", request_id.encode())],
-            "error",
-            out.seq,
-            True,
-        )
 
     async def _send(self, out: Outgoing) -> asyncio.Future[object]:
         """Hand one record to the producer; a failure to even enqueue it becomes a
@@ -338,7 +224,9 @@ class ResultSink:
                 elif not out.fallback:
                     # Refused for good (e.g. too large for the broker): retrying
                     # the same bytes cannot help; send the small fallback instead.
-                    self._undelivered.append(self._fallback(out, repr(outcome)))
+                    self._undelivered.append(
+                        fallback(out, refusal_code(outcome), repr(outcome), self._model)
+                    )
                 else:
                     raise DeliveryFailed(
                         f"{out.job.source} cannot be delivered even as an error: {outcome!r}"

@@ -38,13 +38,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from .codec import decode_result
-from .config import KafkaConfig, load_settings
-from .errors import ConfigError, WorkerError
-from .harness import Collected, Collector
+from worker.config import KafkaConfig, load_settings
+from worker.contract import decode_result
+from worker.errors import ConfigError, WorkerError
+from worker.tools.topics import Collected, Collector
 
 __all__ = [
-    "Answer",
     "DlqRow",
     "Duplicate",
     "InputRecord",
@@ -54,6 +53,7 @@ __all__ = [
     "OrderingViolation",
     "OutputRow",
     "PartitionReport",
+    "Reply",
     "Report",
     "Totals",
     "Unparseable",
@@ -94,7 +94,7 @@ class InputRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class Reply:
     """One record that answers a request: a result or a DLQ record.
 
     ``output_partition`` / ``output_offset`` locate the answer in its own topic.
@@ -412,15 +412,15 @@ def verify(
 ) -> Report:
     """Check answers given as plain tuples (see ``OutputRow`` and ``DlqRow``)."""
     answers = [
-        *(Answer(InputRecord(st, sp, so), op, oo, "result") for op, oo, st, sp, so in outputs),
-        *(Answer(InputRecord(st, sp, so), None, None, "dlq") for st, sp, so in dlq),
+        *(Reply(InputRecord(st, sp, so), op, oo, "result") for op, oo, st, sp, so in outputs),
+        *(Reply(InputRecord(st, sp, so), None, None, "dlq") for st, sp, so in dlq),
     ]
     return check(inputs, answers, unparseable=unparseable, strict=strict, max_examples=max_examples)
 
 
 def check(
     inputs: Inputs,
-    answers: Iterable[Answer],
+    answers: Iterable[Reply],
     *,
     unparseable: Iterable[Unparseable] = (),
     strict: bool = False,
@@ -438,8 +438,8 @@ def check(
         for partition, offsets in partitions.items():
             requested[(topic, partition)].update(offsets)
 
-    ordered = sorted(answers, key=Answer.sort_key)
-    # Answer counts per source, split by kind: [results, dlq].
+    ordered = sorted(answers, key=Reply.sort_key)
+    # Reply counts per source, split by kind: [results, dlq].
     counts: dict[tuple[str, int], dict[int, list[int]]] = defaultdict(dict)
     for a in ordered:
         per_offset = counts[(a.source.topic, a.source.partition)]
@@ -477,7 +477,7 @@ def check(
 
 
 def _ordering(
-    answers: Sequence[Answer], max_examples: int
+    answers: Sequence[Reply], max_examples: int
 ) -> dict[tuple[str, int], tuple[int, list[OrderingViolation]]]:
     """Ordering violations per source partition.
 
@@ -523,7 +523,7 @@ class Observed:
     ``timeout`` passed before the topics went quiet: the answers may then lag
     the inputs, and a verdict from them is not to be trusted."""
 
-    answers: tuple[Answer, ...]
+    answers: tuple[Reply, ...]
     unparseable: tuple[Unparseable, ...]
     complete: bool
 
@@ -587,7 +587,7 @@ async def read_topics(
     being produced after the quiet period are missed; give ``idle_timeout``
     more than the worker's longest pause.
 
-    Records are boiled down to positions as they arrive and the harness's
+    Records are boiled down to positions as they arrive and the collector's
     buffers emptied, so memory grows with the number of records, not their
     size. Returns every partition of each input topic (empty ones included)
     with the offsets found, and the answers; an output record that does not
@@ -603,7 +603,7 @@ async def read_topics(
         raise ValueError("the output and DLQ topics must not be input topics")
 
     inputs: dict[str, dict[int, list[int]]] = {t: {} for t in inputs_unique}
-    answers: list[Answer] = []
+    answers: list[Reply] = []
     unparseable: list[Unparseable] = []
 
     def classify(topic: str, rec: Collected) -> None:
@@ -614,13 +614,13 @@ async def read_topics(
         if topic == output_topic:
             source = _result_source(rec.value)
             if isinstance(source, InputRecord):
-                answers.append(Answer(source, rec.partition, rec.offset, "result"))
+                answers.append(Reply(source, rec.partition, rec.offset, "result"))
                 return
             reasons.append(source)
         if topic == dlq_topic:
             source = _dlq_source(rec.headers)
             if isinstance(source, InputRecord):
-                answers.append(Answer(source, rec.partition, rec.offset, "dlq"))
+                answers.append(Reply(source, rec.partition, rec.offset, "dlq"))
                 return
             reasons.append(source)
         unparseable.append(Unparseable(topic, rec.partition, rec.offset, "; ".join(reasons)))
@@ -645,10 +645,9 @@ async def read_topics(
     collector = Collector(bootstrap, [*inputs_unique, *answer_topics])
     await collector.start()
     try:
-        # The harness assigns every partition the metadata lists: record them
+        # The collector reads every partition the metadata lists: record them
         # all, so an empty input partition still shows up in the report.
-        consumer = getattr(collector, "_consumer", None)
-        for tp in consumer.assignment() if consumer is not None else ():
+        for tp in collector.partitions:
             if tp.topic in inputs:
                 inputs[tp.topic].setdefault(tp.partition, [])
         complete = await collector.collect(quiet, timeout, progress=drain)
@@ -718,7 +717,7 @@ def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
         changes["dlq_topic"] = args.dlq_topic
     kafka = dataclasses.replace(base, **changes)
     if kafka.security_protocol != "PLAINTEXT":
-        # The harness's reader connects in plaintext; failing here beats a
+        # The topic reader connects in plaintext; failing here beats a
         # connection that hangs against a TLS listener.
         raise ConfigError(
             "kafka.security_protocol: verify connects in PLAINTEXT only, "

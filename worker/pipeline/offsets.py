@@ -1,35 +1,27 @@
-"""Offset commits that follow acknowledged results, never consumption.
+"""The per-partition contiguous watermark of acknowledged offsets: pure data, no I/O.
 
-``OffsetTracker`` is a pure data structure: the consume stage registers every
-offset it reads; the produce stage marks an offset done once the broker
-acknowledged its result (or DLQ record). Batches finish out of order, so the
-committable position of a partition is a contiguous watermark: offset k+1 is
-committed only when every tracked offset <= k is done.
+The consume stage registers every offset it reads; the produce stage marks an
+offset done once the broker acknowledged its result (or DLQ record). Batches
+finish out of order, so the committable position of a partition is a contiguous
+watermark: offset k+1 is committed only when every tracked offset <= k is done.
+``worker.pipeline.commit`` turns the watermarks into commits.
 
-``Committer`` turns the tracker's watermarks into ``consumer.commit`` calls for
-partitions this member still owns.
+Callers, by method: ``track`` (consume); ``owns`` and ``done`` (produce);
+``committable``, ``mark_committed`` (commit); ``forget`` and ``in_flight``
+(the worker's revoke handling and backpressure).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
 
 import structlog
-from aiokafka.errors import KafkaError
-from aiokafka.structs import TopicPartition as KafkaTP
 
-from . import metrics
+from worker.records import TopicPartition
 
 log = structlog.get_logger(__name__)
-
-
-class TopicPartition(NamedTuple):
-    topic: str
-    partition: int
 
 
 @dataclass
@@ -146,86 +138,3 @@ class OffsetTracker:
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)
-
-
-class CommitTarget(Protocol):
-    """The part of aiokafka's consumer the committer needs."""
-
-    async def commit(self, offsets: dict[Any, int]) -> None: ...
-
-    def assignment(self) -> set[Any]: ...
-
-
-class Committer:
-    """Commits tracker watermarks whenever results are acknowledged.
-
-    Calls coalesce: while one commit is on the wire, further acks only set a flag,
-    and the next commit carries every watermark that moved meanwhile.
-    """
-
-    def __init__(
-        self, tracker: OffsetTracker, consumer: CommitTarget, timeout: float = 30.0
-    ) -> None:
-        self._tracker = tracker
-        self._consumer = consumer
-        # aiokafka's commit() retries the coordinator lookup and retriable errors
-        # without end while the broker is unreachable: bounded here, or the final
-        # commit of Worker.stop() (and a revocation's) never returns.
-        self._timeout = timeout
-        self._wanted = asyncio.Event()
-        self._lock = asyncio.Lock()
-        self._stopped = False
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def notify(self) -> None:
-        """Called when offsets were marked done: wakes the commit loop and waiters."""
-        self._wanted.set()
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def progress(self) -> None:
-        """Wait for the next ``notify()`` (used to wait for in-flight work to drain)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await waiter
-
-    async def run(self) -> None:
-        while True:
-            await self._wanted.wait()
-            if self._stopped:
-                # Woken by stop(), which follows the owner's final commit: one more
-                # attempt would only add a commit timeout when the broker is down.
-                return
-            self._wanted.clear()
-            await self.commit_now()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wanted.set()
-
-    async def commit_now(self, only: Iterable[TopicPartition] | None = None) -> bool:
-        """Commit what is committable for owned partitions; True when nothing failed."""
-        async with self._lock:
-            owned = {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
-            if only is not None:
-                owned &= set(only)
-            offsets = self._tracker.committable(owned)
-            if not offsets:
-                return True
-            try:
-                await asyncio.wait_for(
-                    self._consumer.commit(
-                        {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
-                    ),
-                    self._timeout,
-                )
-            # CommitFailed, IllegalGeneration, broker unreachable...: retried later
-            except (KafkaError, TimeoutError) as exc:
-                metrics.COMMIT_FAILURES.inc()
-                log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
-                return False
-            self._tracker.mark_committed(offsets)
-            metrics.COMMITS.inc()
-            return True

@@ -45,9 +45,9 @@ from typing import Any, Final, Literal
 import numpy as np
 import structlog
 
-from .config import ModelConfig, PreprocessConfig, load_settings
-from .errors import ConfigError, WorkerError
-from .preprocess import preprocess
+from worker.config import ModelConfig, PreprocessConfig, load_settings
+from worker.errors import ConfigError, WorkerError
+from worker.inference.preprocess import preprocess
 
 log = structlog.get_logger(__name__)
 
@@ -176,7 +176,7 @@ def build_engine(
     concurrently running execution contexts of a dynamic-shape engine use one
     profile each: the plan serves up to that many GPU slots (``gpu.num_slots``).
     """
-    from .engines.tensorrt import import_tensorrt, make_logger
+    from worker.engines.tensorrt import import_tensorrt, make_logger
 
     trt = import_tensorrt()
     import cupy
@@ -384,7 +384,7 @@ def evaluate_accuracy(
     """Run ``plan`` and the FP32 ONNX model on the same samples and compare."""
     import onnxruntime as ort
 
-    from .engines.tensorrt import TensorRTEngine
+    from worker.engines.tensorrt import TensorRTEngine
 
     if reference != "onnxruntime":
         raise ConfigError(f"unknown reference {reference!r}")

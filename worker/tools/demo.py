@@ -5,7 +5,9 @@ model's held-out labelled digits as requests over several partitions (at several
 image sizes: the worker resizes), reads every result back, and checks that the
 accuracy over the stream equals the offline accuracy of the same ONNX model on
 the same images. ``bench`` then runs the same requests through the naive
-one-request-at-a-time baseline on the same broker and reports the ratio.
+one-request-at-a-time baseline on the same broker and reports the ratio. The
+baseline is benchmark code, not part of the worker: it lives in the repository's
+``bench/`` folder, and ``bench`` runs it when started from a checkout.
 """
 
 from __future__ import annotations
@@ -21,19 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from .codec import Request, Tensor, encode_request
-from .config import ModelConfig
-from .embedded import EmbeddedBroker, create_topics
-from .engines import load_engine
-from .harness import (
-    Collector,
-    committed_offsets,
-    mean_batch_size,
-    produce_all,
-    spawn_worker,
-)
-from .postprocess import softmax
-from .preprocess import preprocess
+from worker.config import ModelConfig
+from worker.contract import Request, Tensor, encode_request
+from worker.engines import load_engine
+from worker.inference.postprocess import softmax
+from worker.inference.preprocess import preprocess
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.processes import mean_batch_size, spawn_worker
+from worker.tools.topics import Collector, committed_offsets, produce_all
 
 
 @dataclass
@@ -46,6 +43,18 @@ class DemoOptions:
     # Worker settings as dotted keys, e.g. {"batching.max_batch_size": "16"}.
     overrides: dict[str, str] = field(default_factory=dict)
     timeout: float = 300.0
+
+
+def naive_baseline() -> Path | None:
+    """The naive baseline script of the repository checkout we run from, if any."""
+    path = Path.cwd() / "bench" / "naive.py"
+    return path if path.is_file() else None
+
+
+def naive_argv(expect: int) -> list[str]:
+    script = naive_baseline()
+    assert script is not None, "checked before the run"
+    return [sys.executable, str(script), "--expect", str(expect)]
 
 
 @dataclass
@@ -171,7 +180,7 @@ async def _run_once(
         dlq_topic=topics["dlq"],
         group_id=group,
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **override_env(opts.overrides)},
-        command=("run",) if mode == "worker" else ("baseline", "--expect", str(len(samples))),
+        argv=None if mode == "worker" else naive_argv(len(samples)),
     )
     stats = RunStats(mode=mode, sent=len(samples))
     collector = Collector(broker.bootstrap, [topics["results"], topics["dlq"]])
@@ -290,8 +299,14 @@ async def _demo(opts: DemoOptions) -> int:
     started = time.monotonic()
     with EmbeddedBroker() as broker:
         runs = [await _run_once(broker, "worker", samples, opts)]
-        if opts.baseline:
+        if opts.baseline and naive_baseline() is not None:
             runs.append(await _run_once(broker, "naive", samples, opts))
+        elif opts.baseline:
+            print(
+                "  naive baseline: skipped (it lives in bench/naive.py of a repository "
+                "checkout; run bench from there)",
+                file=sys.stderr,
+            )
     for s in runs:
         _print_stats(s, offline)
     summary: dict[str, Any] = {
@@ -299,7 +314,7 @@ async def _demo(opts: DemoOptions) -> int:
         "runs": [asdict(s) for s in runs],
         "wall_seconds": time.monotonic() - started,
     }
-    if opts.baseline and runs[1].throughput > 0:
+    if len(runs) > 1 and runs[1].throughput > 0:
         ratio = runs[0].throughput / runs[1].throughput
         summary["throughput_ratio"] = ratio
         print(f"  worker / naive throughput: {ratio:.1f}x")

@@ -21,14 +21,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .engines.gpu import TensorSpec
-from .errors import EngineDead, WorkerError
+from worker.engines.base import TensorSpec
+from worker.errors import EngineDead, WorkerError
 
 
 @dataclass
@@ -53,8 +53,8 @@ class SlotRing(Generic[S]):
     round-robin while batches finish in order; with out-of-order completion, the
     slot whose stream has been idle longest). When every slot is busy it waits,
     without blocking the loop, and waiters are served first come, first served.
-    ``release`` hands the slot straight to the oldest waiter. Slots are only ever
-    created in ``build``: the ring never grows.
+    ``release`` hands the slot straight to the oldest waiter. The ring never grows:
+    its slots are all created at start-up.
     """
 
     def __init__(self, slots: Sequence[S], allocations: Allocations | None = None) -> None:
@@ -69,16 +69,6 @@ class SlotRing(Generic[S]):
         self._busy: set[int] = set()
         self._waiters: deque[asyncio.Future[S]] = deque()
         self._closed: WorkerError | None = None
-
-    @classmethod
-    def build(
-        cls, factory: Callable[[int, Allocations], S], size: int, allocations: Allocations
-    ) -> SlotRing[S]:
-        """Create all ``size`` slots now; ``factory(index, allocations)`` records
-        every buffer it allocates."""
-        if size < 1:
-            raise ValueError("a slot ring needs at least one slot")
-        return cls([factory(i, allocations) for i in range(size)], allocations)
 
     def __len__(self) -> int:
         return len(self.slots)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .config import PostprocessConfig
+from worker.config import PostprocessConfig
 
 
 def softmax(logits: np.ndarray) -> npt.NDArray[np.float32]:

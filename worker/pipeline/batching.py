@@ -22,32 +22,11 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic
+
+from worker.records import Batch, FlushReason, T
 
 Clock = Callable[[], float]
-FlushReason = Literal["full", "preferred", "delay", "deadline", "drain"]
-
-
-class Batchable(Protocol):
-    @property
-    def arrived(self) -> float: ...  # monotonic seconds
-
-    @property
-    def deadline(self) -> float | None: ...  # monotonic seconds, if the request has one
-
-
-T = TypeVar("T", bound=Batchable)
-
-
-@dataclass(slots=True)
-class Batch(Generic[T]):
-    items: list[T]
-    formed_at: float
-    reason: FlushReason
-    seq: int = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import KafkaConfig
+from worker.config import KafkaConfig
 
 
 def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:

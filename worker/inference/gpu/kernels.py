@@ -26,8 +26,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from .config import PreprocessConfig
-from .errors import ConfigError
+from worker.config import PreprocessConfig
+from worker.errors import ConfigError
 
 KERNEL_FILES: Final = ("preprocess.cu", "postprocess.cu")
 COMPILE_OPTIONS: Final = ("-std=c++17",)
@@ -43,7 +43,7 @@ def kernel_dir() -> Path:
     checkout or editable install; ``worker/_kernels/`` when a wheel ships them as
     package data."""
     candidates = [
-        Path(__file__).resolve().parents[1] / "kernels",
+        Path(__file__).resolve().parents[3] / "kernels",
         Path(str(resources.files("worker") / "_kernels")),
     ]
     for path in candidates:

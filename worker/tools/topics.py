@@ -1,174 +1,22 @@
-"""Driving real worker processes from outside: spawn, scrape, produce, collect.
+"""Kafka topics read and written as a client would: produce, collect, offsets.
 
-Used by the demo, the benchmarks and the integration tests, so all three talk
-to the worker exactly as an operator's tooling would: environment overrides in,
-Kafka records and Prometheus metrics out.
+Used by the demo, ``verify`` and the tests. ``Collector`` reads whole topics from
+the beginning without a consumer group, re-reading offset gaps the embedded
+broker can show a tailing reader (see ``OffsetGaps``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from .codec import Result, decode_result
-from .embedded import free_port
-
-
-@dataclass
-class WorkerProcess:
-    """A ``python -m worker`` child process with its metrics port and log file."""
-
-    proc: subprocess.Popen[bytes]
-    metrics_port: int
-    log_path: str
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def metrics(self) -> dict[str, float]:
-        return scrape(self.metrics_port)
-
-    def log_tail(self, lines: int = 40) -> str:
-        with open(self.log_path, errors="replace") as fh:
-            return "".join(fh.readlines()[-lines:])
-
-    def wait_until(
-        self, predicate: Any, timeout: float = 30.0, what: str = "condition"
-    ) -> dict[str, float]:
-        """Poll the metrics until ``predicate(metrics)`` holds (a process-external
-        condition, so polling is the only way to observe it)."""
-        deadline = time.monotonic() + timeout
-        last: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"worker exited with {self.proc.returncode} while waiting for {what}:\n"
-                    + self.log_tail()
-                )
-            try:
-                last = self.metrics()
-            except OSError:
-                last = {}
-            if last and predicate(last):
-                return last
-            time.sleep(0.05)
-        raise TimeoutError(
-            f"worker: {what} not reached in {timeout}s; metrics={last}\n" + self.log_tail()
-        )
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def worker_env(
-    bootstrap: str,
-    *,
-    input_topics: Sequence[str],
-    output_topic: str,
-    dlq_topic: str,
-    group_id: str,
-    metrics_port: int,
-    extra: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
-    env.update(
-        {
-            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
-            "INFER_WORKER_KAFKA__INPUT_TOPICS": ",".join(input_topics),
-            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": output_topic,
-            "INFER_WORKER_KAFKA__DLQ_TOPIC": dlq_topic,
-            "INFER_WORKER_KAFKA__GROUP_ID": group_id,
-            # Short group timeouts: the embedded broker's rebalance wait is ~session/2.
-            "INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "3000",
-            "INFER_WORKER_KAFKA__HEARTBEAT_INTERVAL_MS": "500",
-            # Tansu holds a fetch for the full fetch_max_wait_ms even when data arrives
-            # (Kafka answers as soon as fetch_min_bytes is there): keep the wait short.
-            "INFER_WORKER_KAFKA__FETCH_MAX_WAIT_MS": "10",
-            "INFER_WORKER_METRICS__PORT": str(metrics_port),
-            "INFER_WORKER_METRICS__HOST": "127.0.0.1",
-            "INFER_WORKER_LOGGING__FORMAT": "json",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.update(extra or {})
-    return env
-
-
-def spawn_worker(
-    bootstrap: str,
-    *,
-    input_topics: Sequence[str],
-    output_topic: str,
-    dlq_topic: str,
-    group_id: str,
-    extra_env: Mapping[str, str] | None = None,
-    command: Sequence[str] = ("run",),
-) -> WorkerProcess:
-    port = free_port()
-    env = worker_env(
-        bootstrap,
-        input_topics=input_topics,
-        output_topic=output_topic,
-        dlq_topic=dlq_topic,
-        group_id=group_id,
-        metrics_port=port,
-        extra=extra_env,
-    )
-    log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", *command],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return WorkerProcess(proc, port, log.name)
-
-
-def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value} (comments skipped)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def mean_batch_size(m: Mapping[str, float]) -> float:
-    count = m.get("infer_batch_size_count", 0.0)
-    return m.get("infer_batch_size_sum", 0.0) / count if count else 0.0
+from worker.contract import Result, decode_result
 
 
 @dataclass
@@ -306,6 +154,11 @@ class Collector:
         for tp in tps:
             self._gaps.start(tp, await consumer.position(tp))
         self._consumer = consumer
+
+    @property
+    def partitions(self) -> list[TopicPartition]:
+        """Every partition being read (all that the metadata listed at start)."""
+        return [] if self._consumer is None else sorted(self._consumer.assignment())
 
     def count(self, topic: str | None = None) -> int:
         if topic is not None:

@@ -12,16 +12,16 @@ import time
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from .codec import ErrorInfo, ModelInfo, encode_result
-from .config import Settings
-from .consume import JobFactory
-from .engines import load_engine
-from .errors import InferenceFailed, UndecodableRecord
-from .infer import Answer
-from .kafka import client_kwargs, group_consumer_kwargs
-from .postprocess import postprocess
-from .preprocess import preprocess
-from .produce import build_result, dlq_headers
+from worker.config import Settings
+from worker.contract import ErrorInfo, ModelInfo, encode_result
+from worker.engines import load_engine
+from worker.errors import InferenceFailed, UndecodableRecord
+from worker.inference.postprocess import postprocess
+from worker.inference.preprocess import preprocess
+from worker.pipeline.intake import JobFactory
+from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs
+from worker.pipeline.outgoing import build_result, dlq_headers
+from worker.records import Answer
 
 
 async def serve_naive(settings: Settings, expect: int) -> int:
@@ -74,3 +74,25 @@ async def serve_naive(settings: Settings, expect: int) -> int:
         await producer.stop()
         engine.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python bench/naive.py --expect N``: settings from ``INFER_WORKER_*``,
+    like the worker (``infer-worker bench`` starts it that way)."""
+    import argparse
+    import asyncio
+
+    from worker import logs
+    from worker.config import load_settings
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")
+    parser.add_argument("--expect", type=int, required=True, help="records to answer, then exit")
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config)
+    logs.configure(settings.logging)
+    return asyncio.run(serve_naive(settings, args.expect))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

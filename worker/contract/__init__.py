@@ -1,0 +1,42 @@
+"""The wire contract, version 1: msgpack requests in, msgpack results out.
+
+The contract is public (schemas/README.md, schemas/*.json) and clients in any
+language write to it, so this package is the one place that decides what a
+record means: ``tensors`` (how arrays travel), ``requests`` (input records,
+decoded defensively under ``limits``), ``results`` (output records), and
+``images`` (the model's image input). No pickle and no msgpack ext types, ever:
+both would let a record choose what code runs or what objects get built.
+"""
+
+from worker.contract.images import check_image
+from worker.contract.limits import DEFAULT_LIMITS, Limits
+from worker.contract.requests import Request, decode_request, encode_request
+from worker.contract.results import (
+    ErrorInfo,
+    ModelInfo,
+    Result,
+    Source,
+    decode_result,
+    encode_result,
+)
+from worker.contract.tensors import Tensor
+from worker.contract.wire import DTYPES, ERROR_CODES, SUPPORTED_VERSIONS
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "ERROR_CODES",
+    "SUPPORTED_VERSIONS",
+    "ErrorInfo",
+    "Limits",
+    "ModelInfo",
+    "Request",
+    "Result",
+    "Source",
+    "Tensor",
+    "check_image",
+    "decode_request",
+    "decode_result",
+    "encode_request",
+    "encode_result",
+]

@@ -1,0 +1,62 @@
+"""Bounds on what one record may make the worker do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from worker.contract.wire import REQUEST_FIELDS, is_int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one record may make the worker do.
+
+    ``max_record_bytes`` is checked before decoding; the msgpack ``max_*_len``
+    limits during it; the rest after, when a violation can still be answered
+    with an error result. Tensor bytes are bounded by ``max_tensor_bytes`` after
+    decoding rather than by msgpack's ``max_bin_len``, so an oversized image
+    gets a ``too_large`` reply instead of vanishing into the DLQ; msgpack's
+    bins are still bounded by the record size, which is already in memory.
+    """
+
+    max_record_bytes: int = 8 * 1024 * 1024
+    max_tensor_bytes: int = 4 * 1024 * 1024
+    max_inputs: int = 8
+    max_rank: int = 4
+    max_id_chars: int = 256
+    max_meta_bytes: int = 4096
+    max_map_len: int = 64
+    max_array_len: int = 64
+    max_str_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_record_bytes",
+            "max_tensor_bytes",
+            "max_inputs",
+            "max_rank",
+            "max_id_chars",
+            "max_meta_bytes",
+            "max_map_len",
+            "max_array_len",
+            "max_str_len",
+        ):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"limits.{name}: expected an int >= 1, got {value!r}")
+        # The request's own top-level map and its inputs map are read under
+        # max_map_len; a smaller value would turn valid requests into DLQ records.
+        if self.max_map_len < max(len(REQUEST_FIELDS), self.max_inputs):
+            raise ValueError(
+                f"limits.max_map_len: must be >= max_inputs ({self.max_inputs}) "
+                f"and >= {len(REQUEST_FIELDS)}, got {self.max_map_len}"
+            )
+        if self.max_array_len < self.max_rank:
+            raise ValueError(
+                f"limits.max_array_len: must be >= max_rank ({self.max_rank}), "
+                f"got {self.max_array_len}"
+            )
+
+
+DEFAULT_LIMITS: Final = Limits()

@@ -1,0 +1,178 @@
+"""Requests: the value of an input-topic record (contract v1).
+
+Everything that arrives is hostile until proven otherwise: the record's size is
+checked before msgpack sees a byte, and msgpack itself runs with length limits,
+no ext types and a bounded nesting depth, so a small record cannot make the
+worker allocate a large one. A record that is not a msgpack map cannot be
+answered (there is no id), so it becomes ``UndecodableRecord`` and goes to the
+DLQ with its bytes intact; a map that breaks the contract becomes
+``InvalidRequest`` carrying whatever id and meta could be recovered, so the
+client gets an error result it can correlate; every message names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.contract.limits import DEFAULT_LIMITS, Limits
+from worker.contract.tensors import Tensor, decode_tensor
+from worker.contract.wire import (
+    MISSING,
+    REQUEST_FIELDS,
+    SUPPORTED_VERSIONS,
+    is_int,
+    kind,
+    pack,
+    short_name,
+    unpack_map,
+    versions_text,
+)
+from worker.errors import InvalidRequest, RecordTooLarge, UndecodableRecord
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request. ``inputs`` are checked against the limits it was
+    decoded with; ``meta`` is echoed back untouched."""
+
+    v: int
+    id: str
+    inputs: Mapping[str, Tensor]
+    deadline_ms: int | None = None
+    meta: Mapping[str, Any] | None = None
+
+
+def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Decode and validate one input record's value.
+
+    Raises ``RecordTooLarge`` / ``UndecodableRecord`` when the record cannot be
+    answered (it goes to the DLQ), ``InvalidRequest`` / ``TensorTooLarge`` when
+    it can (the exception carries the recovered id and meta for the reply).
+    """
+    if not value:
+        raise UndecodableRecord("record value is empty")
+    if len(value) > limits.max_record_bytes:
+        raise RecordTooLarge(
+            f"record is {len(value)} bytes; the limit is {limits.max_record_bytes}"
+        )
+    obj = unpack_map(
+        value,
+        max_bin_len=limits.max_record_bytes,
+        max_str_len=limits.max_str_len,
+        max_array_len=limits.max_array_len,
+        max_map_len=limits.max_map_len,
+    )
+    # Recover what the error reply needs before judging anything else, so every
+    # contract violation below can still be correlated by the client.
+    id_problem = _id_problem(obj.get("id", MISSING), limits)
+    meta_problem = _meta_problem(obj["meta"], limits) if "meta" in obj else None
+    request_id: str = obj["id"] if id_problem is None else ""
+    meta: dict[str, Any] | None = obj.get("meta") if meta_problem is None else None
+    try:
+        _check_version_and_fields(obj)
+        if id_problem is not None:
+            raise InvalidRequest(id_problem)
+        deadline_ms = _decode_deadline(obj)
+        if meta_problem is not None:
+            raise InvalidRequest(meta_problem)
+        inputs = _decode_inputs(obj, limits)
+    except InvalidRequest as exc:
+        exc.request_id = request_id
+        exc.meta = meta
+        raise
+    return Request(v=obj["v"], id=request_id, inputs=inputs, deadline_ms=deadline_ms, meta=meta)
+
+
+def encode_request(req: Request) -> bytes:
+    """The client side of the contract; used by tests, the demo and benchmarks."""
+    wire: dict[str, Any] = {
+        "v": req.v,
+        "id": req.id,
+        "inputs": {name: t.to_wire() for name, t in req.inputs.items()},
+    }
+    if req.deadline_ms is not None:
+        wire["deadline_ms"] = int(req.deadline_ms)
+    if req.meta is not None:
+        wire["meta"] = dict(req.meta)
+    return pack(wire)
+
+
+def _check_version_and_fields(obj: dict[str, Any]) -> None:
+    # Version first: a v2 request is best answered "unsupported version", not
+    # with complaints about fields v1 does not know.
+    if "v" not in obj:
+        raise InvalidRequest(f"v: missing; supported versions: {versions_text()}")
+    v = obj["v"]
+    if not is_int(v):
+        raise InvalidRequest(f"v: expected int, got {kind(v)}")
+    if v not in SUPPORTED_VERSIONS:
+        raise InvalidRequest(f"v: unsupported version {v}; supported versions: {versions_text()}")
+    # Unknown keys are rejected rather than ignored: a misspelt "deadline" that
+    # silently does nothing is worse than an error the client sees at once.
+    for key in obj:
+        if key not in REQUEST_FIELDS:
+            raise InvalidRequest(
+                f"{short_name(key)}: unknown field; request v1 has {', '.join(REQUEST_FIELDS)}"
+            )
+
+
+def _decode_deadline(obj: dict[str, Any]) -> int | None:
+    if "deadline_ms" not in obj:
+        return None
+    d = obj["deadline_ms"]
+    if not is_int(d):
+        raise InvalidRequest(
+            f"deadline_ms: expected int (absolute epoch ms), got {kind(d)}; "
+            "omit the field for no deadline"
+        )
+    if d < 0:
+        raise InvalidRequest(f"deadline_ms: must be >= 0, got {d}")
+    return int(d)
+
+
+def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor]:
+    if "inputs" not in obj:
+        raise InvalidRequest("inputs: missing")
+    raw_inputs = obj["inputs"]
+    if not isinstance(raw_inputs, dict):
+        raise InvalidRequest(f"inputs: expected a map of name -> tensor, got {kind(raw_inputs)}")
+    if not 1 <= len(raw_inputs) <= limits.max_inputs:
+        raise InvalidRequest(
+            f"inputs: expected 1 to {limits.max_inputs} tensors, got {len(raw_inputs)}"
+        )
+    inputs: dict[str, Tensor] = {}
+    for name, raw in raw_inputs.items():
+        if not isinstance(name, str):
+            raise InvalidRequest(f"inputs: tensor names must be str, got {kind(name)}")
+        inputs[name] = decode_tensor(raw, f"inputs.{short_name(name)}", limits)
+    return inputs
+
+
+def _id_problem(raw: object, limits: Limits) -> str | None:
+    """Why ``raw`` is not a usable id, or None when it is."""
+    if raw is MISSING:
+        return "id: missing"
+    if not isinstance(raw, str):
+        return f"id: expected str, got {kind(raw)}"
+    if not 1 <= len(raw) <= limits.max_id_chars:
+        return f"id: length must be 1 to {limits.max_id_chars}, got {len(raw)}"
+    return None
+
+
+def _meta_problem(raw: object, limits: Limits) -> str | None:
+    """Why ``raw`` cannot be echoed as meta, or None when it can."""
+    if not isinstance(raw, dict):
+        return f"meta: expected a map, got {kind(raw)}"
+    for key in raw:
+        if not isinstance(key, str):
+            return f"meta: keys must be str, got {kind(key)}"
+    # The echo costs what its re-encoding costs, so that is what is limited.
+    try:
+        size = len(pack(raw))
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        return f"meta: cannot be re-encoded ({exc})"
+    if size > limits.max_meta_bytes:
+        return f"meta: {size} bytes when encoded; the limit is {limits.max_meta_bytes}"
+    return None

@@ -1,0 +1,137 @@
+"""Tensors as they travel: ``{"dtype", "shape", "data"}`` with little-endian C-order bytes.
+
+Tensors stay as ``(dtype, shape, bytes)``: decoding never copies pixel data a
+second time, and ``Tensor.to_numpy`` is a zero-copy, read-only view.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.contract.limits import Limits
+from worker.contract.wire import (
+    DTYPE_LIST,
+    DTYPES,
+    FLOAT_DTYPES,
+    TENSOR_FIELDS,
+    WIRE_DTYPES,
+    is_int,
+    kind,
+    short_name,
+)
+from worker.errors import InvalidRequest, TensorTooLarge
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """A tensor as it travels: dtype name, shape, little-endian C-order bytes.
+
+    Construction checks that the bytes fit the shape, so every ``Tensor`` in the
+    process can be viewed with ``to_numpy`` without further checks.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        # A list shape would make the tensor unhashable and unequal to its own
+        # decoded copy; tuple() of a tuple is the same object, so this is free.
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unsupported {self.dtype!r}; supported: {DTYPE_LIST}")
+        if not all(is_int(d) and d >= 0 for d in self.shape):
+            raise ValueError(f"shape: expected non-negative ints, got {self.shape!r}")
+        expected = math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
+        if len(self.data) != expected:
+            raise ValueError(
+                f"data: {self.dtype} {list(self.shape)} needs {expected} bytes, "
+                f"got {len(self.data)}"
+            )
+
+    @classmethod
+    def from_numpy(cls, arr: npt.NDArray[Any]) -> Tensor:
+        """Copy ``arr`` once into wire form (C order, little-endian)."""
+        a = np.asarray(arr)
+        name = a.dtype.name
+        if name not in DTYPES:
+            raise ValueError(f"dtype: unsupported {name!r}; supported: {DTYPE_LIST}")
+        data = a.astype(WIRE_DTYPES[name], copy=False).tobytes(order="C")
+        return cls(name, tuple(int(d) for d in a.shape), data)
+
+    def to_numpy(self) -> npt.NDArray[Any]:
+        """A read-only view over ``data``: no copy, so decoding a 4 MiB image
+        costs nothing more than msgpack's own copy out of the record."""
+        return np.frombuffer(self.data, dtype=WIRE_DTYPES[self.dtype]).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "data": self.data}
+
+
+def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
+    if not isinstance(raw, dict):
+        raise InvalidRequest(
+            f"{path}: expected a tensor map {{dtype, shape, data}}, got {kind(raw)}"
+        )
+    for key in TENSOR_FIELDS:
+        if key not in raw:
+            raise InvalidRequest(f"{path}.{key}: missing")
+    unknown = [k for k in raw if k not in TENSOR_FIELDS]
+    if unknown:
+        raise InvalidRequest(
+            f"{path}.{short_name(unknown[0])}: unknown field; a tensor has dtype, shape, data"
+        )
+
+    dtype = raw["dtype"]
+    if not isinstance(dtype, str):
+        raise InvalidRequest(f"{path}.dtype: expected str, got {kind(dtype)}")
+    if dtype not in DTYPES:
+        raise InvalidRequest(
+            f"{path}.dtype: unsupported {short_name(dtype)!r}; supported: {DTYPE_LIST}"
+        )
+
+    shape = raw["shape"]
+    if not isinstance(shape, list):
+        raise InvalidRequest(f"{path}.shape: expected a list of ints, got {kind(shape)}")
+    if not 1 <= len(shape) <= limits.max_rank:
+        raise InvalidRequest(f"{path}.shape: rank must be 1 to {limits.max_rank}, got {len(shape)}")
+    for i, dim in enumerate(shape):
+        if not is_int(dim):
+            raise InvalidRequest(f"{path}.shape[{i}]: expected int, got {kind(dim)}")
+        if dim < 0:
+            raise InvalidRequest(f"{path}.shape[{i}]: must be >= 0, got {dim}")
+
+    wire_dtype = WIRE_DTYPES[dtype]
+    # Python ints: a shape of four 2**64-1 dims is an error, not an overflow.
+    nbytes = math.prod(shape) * wire_dtype.itemsize
+    if nbytes > limits.max_tensor_bytes:
+        raise TensorTooLarge(
+            f"{path}: {dtype} {shape} is {nbytes} bytes; the limit is {limits.max_tensor_bytes}"
+        )
+
+    data = raw["data"]
+    if not isinstance(data, bytes):
+        raise InvalidRequest(f"{path}.data: expected msgpack bin, got {kind(data)}")
+    if len(data) != nbytes:
+        raise InvalidRequest(f"{path}.data: {dtype} {shape} needs {nbytes} bytes, got {len(data)}")
+
+    if dtype in FLOAT_DTYPES:
+        # NaN/Inf poison a whole batch on the GPU (softmax, normalisation), so
+        # they are refused here, per request, where the client can be told.
+        if not np.isfinite(np.frombuffer(data, dtype=wire_dtype)).all():
+            raise InvalidRequest(f"{path}.data: non-finite values (NaN or Inf)")
+    elif dtype == "bool" and data.translate(None, b"\x00\x01"):
+        # numpy's bool is a byte that must be 0 or 1; other values give
+        # results that differ between numpy, CuPy and engines.
+        raise InvalidRequest(f"{path}.data: bool values must be 0 or 1")
+
+    return Tensor(dtype, tuple(shape), data)

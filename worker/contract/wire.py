@@ -1,0 +1,160 @@
+"""Shared ground of the wire contract: msgpack with limits, names, vocabularies.
+
+Internal to ``worker.contract``: the message modules (tensors, requests,
+results) build on these helpers so that every message is unpacked with the
+same defences and every error message speaks the same language (msgpack type
+names, short client-chosen names).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeVar
+
+import msgpack
+import numpy as np
+
+from worker.errors import UndecodableRecord
+
+SUPPORTED_VERSIONS: Final = (1,)
+
+DTYPES: Final = frozenset(
+    {
+        "uint8",
+        "int8",
+        "uint16",
+        "int16",
+        "uint32",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "bool",
+    }
+)
+
+#: Every code a result's ``error.code`` or a DLQ record's ``error.code`` header may
+#: carry. One vocabulary for both, so clients and operators read the same words.
+ERROR_CODES: Final = frozenset(
+    {
+        "invalid_request",
+        "deadline_exceeded",
+        "inference_failed",
+        "too_large",
+        "undecodable",
+        "internal",
+    }
+)
+
+# The wire is little-endian whatever the host is; pinning the byte order here
+# means to_numpy/from_numpy are correct on big-endian hosts too.
+WIRE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name).newbyteorder("<") for name in DTYPES
+}
+FLOAT_DTYPES: Final = frozenset({"float16", "float32", "float64"})
+DTYPE_LIST: Final = ", ".join(sorted(DTYPES))
+
+REQUEST_FIELDS: Final = ("v", "id", "inputs", "deadline_ms", "meta")
+TENSOR_FIELDS: Final = ("dtype", "shape", "data")
+
+# Error messages end up in results and Kafka headers; a client-chosen name or
+# an exception's text must not make them unbounded.
+MAX_NAME_IN_MESSAGE: Final = 64
+MAX_ERROR_MESSAGE_CHARS: Final = 1024
+
+
+def is_int(x: object) -> bool:
+    """True for ints that are not bools: ``True`` is an ``int`` in Python, and
+    ``{"v": true}`` must not pass as version 1."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Missing:
+    pass
+
+
+MISSING: Final = Missing()
+
+
+def reject_ext(code: int, data: bytes) -> object:
+    """msgpack's ext_hook: zero-length ext values slip past ``max_ext_len=0``,
+    and ext types are outside the contract whatever their length."""
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
+def unpack_map(value: bytes, **limits: int) -> dict[str, Any]:
+    """Unpack one msgpack map, translating every failure into UndecodableRecord.
+
+    msgpack's C unpacker bounds nesting with its own stack (StackError); the
+    pure-Python fallback recurses and hits RecursionError instead. Both, and
+    every length, format and trailing-data error, mean the same thing here.
+    """
+    try:
+        obj = msgpack.unpackb(
+            value,
+            raw=False,
+            strict_map_key=True,
+            max_ext_len=0,
+            ext_hook=reject_ext,
+            **limits,
+        )
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        raise UndecodableRecord(f"not a msgpack record: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise UndecodableRecord(f"top level is {kind(obj)}; expected a map")
+    for key in obj:
+        if not isinstance(key, str):
+            raise UndecodableRecord(f"top-level keys must be str, got {kind(key)}")
+    return obj
+
+
+def pack(obj: object) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+_T = TypeVar("_T")
+
+
+def expect(x: object, typ: type[_T], path: str) -> _T:
+    if not isinstance(x, typ):
+        raise ValueError(f"{path}: expected {KIND_NAMES.get(typ, typ.__name__)}, got {kind(x)}")
+    return x
+
+
+def expect_count(x: object, path: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise ValueError(f"{path}: expected int, got {kind(x)}")
+    if x < 0:
+        raise ValueError(f"{path}: must be >= 0, got {x}")
+    return x
+
+
+KIND_NAMES: Final[dict[type, str]] = {
+    type(None): "nil",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    bytes: "bin",
+    list: "array",
+    dict: "map",
+}
+
+
+def kind(x: object) -> str:
+    """The msgpack name of a value's type, for messages read by clients who
+    may never have seen Python."""
+    return KIND_NAMES.get(type(x), type(x).__name__)
+
+
+def short_name(x: object) -> str:
+    """A client-chosen name, made safe and short enough for a message."""
+    s = x if isinstance(x, str) else repr(x)
+    if len(s) > MAX_NAME_IN_MESSAGE:
+        s = s[:MAX_NAME_IN_MESSAGE] + "..."
+    return s
+
+
+def versions_text() -> str:
+    return ", ".join(map(str, SUPPORTED_VERSIONS))

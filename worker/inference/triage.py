@@ -1,0 +1,95 @@
+"""What the CPU and GPU stages share: which requests of a batch run, and how a
+failing run is narrowed down to the requests that cause it.
+
+Both stages answer a batch the same way; only *how* a set of rows is run
+differs (a worker thread over host buffers, or a slot's CUDA stream), so that is
+the one thing they hand in: a ``RowRunner``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from worker import metrics
+from worker.contract import ErrorInfo
+from worker.errors import InferenceFailed
+from worker.records import Answer, Batch, Completed, Job
+
+log = structlog.get_logger(__name__)
+
+RowRunner = Callable[[list[Answer]], Awaitable[None]]
+"""Runs answers through the engine, filling their outputs and timings; raises
+``InferenceFailed`` with none of them filled, or ``EngineDead``."""
+
+ServiceTimeHook = Callable[[float], None]
+"""Told each batch's service seconds (the batch policy flushes deadlines by it)."""
+
+
+def micros(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
+    """One answer per job, in batch order, and the answers that need the engine.
+
+    Jobs that failed at intake pass through with their failure; jobs past their
+    deadline are answered ``deadline_exceeded`` without spending engine time."""
+    answers = [Answer(job) for job in batch.items]
+    runnable: list[Answer] = []
+    for answer in answers:
+        job = answer.job
+        answer.timing_us["queue"] = micros(batch.formed_at - job.arrived)
+        if job.failure is not None:
+            continue
+        if job.deadline is not None and now >= job.deadline:
+            answer.error = ErrorInfo("deadline_exceeded", "deadline passed before inference")
+            metrics.REQUESTS_REJECTED.labels(code="deadline_exceeded").inc()
+            continue
+        runnable.append(answer)
+    return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable)), runnable
+
+
+async def run_isolating(answers: list[Answer], run: RowRunner, max_attempts: int) -> None:
+    """Run ``answers``; when the engine fails on them, split them in halves and run
+    each, until the failing requests are alone. A request that fails alone is
+    retried until it took part in ``max_attempts`` failed runs, then answered
+    ``inference_failed``; everything else in the batch succeeds. At most
+    2n - 1 + attempts runs. ``EngineDead`` propagates: nothing can run any more."""
+    try:
+        await run(answers)
+        return
+    except InferenceFailed as exc:
+        metrics.BATCH_FAILURES.inc()
+        log.warning("batch_failed", size=len(answers), error=str(exc))
+        failure = exc
+    if len(answers) > 1:
+        half = len(answers) // 2
+        for part in (answers[:half], answers[half:]):
+            metrics.ISOLATION_RUNS.inc()
+            await run_isolating(part, run, max_attempts)
+        return
+    job = answers[0].job
+    job.attempts += 1
+    if job.attempts < max_attempts:
+        metrics.ISOLATION_RUNS.inc()
+        await run_isolating(answers, run, max_attempts)
+        return
+    answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
+
+
+def report_service_time(
+    hook: ServiceTimeHook | None,
+) -> Callable[[asyncio.Future[Completed]], None]:
+    """A done-callback for a batch's future that tells ``hook`` its service time."""
+
+    def done(fut: asyncio.Future[Completed]) -> None:
+        if hook is None or fut.cancelled() or fut.exception() is not None:
+            return
+        completed = fut.result()
+        if completed.engine_rows:
+            hook(completed.service_s)
+
+    return done

@@ -1,0 +1,128 @@
+"""Offset commits that follow acknowledged results, never consumption.
+
+``Committer`` turns the tracker's watermarks (``worker.pipeline.offsets``) into
+``consumer.commit`` calls for partitions this member still owns. It is the one
+place commits happen: after acks during the run, for revoked partitions during
+a rebalance, and once more at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import structlog
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from worker import metrics
+from worker.pipeline.offsets import OffsetTracker
+from worker.records import TopicPartition
+
+log = structlog.get_logger(__name__)
+
+
+class CommitTarget(Protocol):
+    """The part of aiokafka's consumer the committer needs."""
+
+    async def commit(self, offsets: dict[Any, int]) -> None: ...
+
+    def assignment(self) -> set[Any]: ...
+
+
+class Committer:
+    """Commits tracker watermarks whenever results are acknowledged.
+
+    Calls coalesce: while one commit is on the wire, further acks only set a flag,
+    and the next commit carries every watermark that moved meanwhile.
+    """
+
+    def __init__(
+        self, tracker: OffsetTracker, consumer: CommitTarget, timeout: float = 30.0
+    ) -> None:
+        self._tracker = tracker
+        self._consumer = consumer
+        # aiokafka's commit() retries the coordinator lookup and retriable errors
+        # without end while the broker is unreachable: bounded here, or the final
+        # commit of Worker.stop() (and a revocation's) never returns.
+        self._timeout = timeout
+        self._wanted = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._stopped = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def notify(self) -> None:
+        """Called when offsets were marked done: wakes the commit loop and waiters."""
+        self._wanted.set()
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def progress(self) -> None:
+        """Wait for the next ``notify()`` (used to wait for in-flight work to drain)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    async def run(self) -> None:
+        while True:
+            await self._wanted.wait()
+            if self._stopped:
+                # Woken by stop(), which follows the owner's final commit: one more
+                # attempt would only add a commit timeout when the broker is down.
+                return
+            self._wanted.clear()
+            await self.commit_now()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wanted.set()
+
+    async def commit_now(self, only: Iterable[TopicPartition] | None = None) -> bool:
+        """Commit what is committable for owned partitions; True when nothing failed."""
+        async with self._lock:
+            owned = {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+            if only is not None:
+                owned &= set(only)
+            offsets = self._tracker.committable(owned)
+            if not offsets:
+                return True
+            try:
+                await asyncio.wait_for(
+                    self._consumer.commit(
+                        {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
+                    ),
+                    self._timeout,
+                )
+            # CommitFailed, IllegalGeneration, broker unreachable...: retried later
+            except (KafkaError, TimeoutError) as exc:
+                metrics.COMMIT_FAILURES.inc()
+                log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
+                return False
+            self._tracker.mark_committed(offsets)
+            metrics.COMMITS.inc()
+            return True
+
+    async def settle_revoked(
+        self, revoked: set[TopicPartition], bound: float, failed: Callable[[], bool]
+    ) -> int:
+        """On revocation: let in-flight work of ``revoked`` finish (up to ``bound``
+        seconds, or until ``failed()``), commit it, and forget the partitions so
+        late results are recognised as stale. Returns how many offsets were fenced
+        (left uncommitted for the next owner)."""
+        deadline = time.monotonic() + bound
+        while any(self._tracker.in_flight(tp) for tp in revoked):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or failed():
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.progress(), remaining)
+        await self.commit_now(only=revoked)
+        fenced = sum(self._tracker.in_flight(tp) for tp in revoked)
+        metrics.REVOKE_FENCED.inc(fenced)
+        self._tracker.forget(revoked)
+        return fenced

@@ -1,0 +1,58 @@
+"""Intake: one consumer record in, one ``Job`` out: decode, validate, never raise.
+
+Records are decoded and validated here, before any engine work: a record that
+fails becomes a ``Job`` carrying its failure, and still flows through the
+pipeline in order, so per-partition result order equals request order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from worker import metrics
+from worker.config import LimitsConfig, ModelConfig
+from worker.contract import Limits, check_image, decode_request
+from worker.errors import RecordError
+from worker.records import Job, TopicPartition
+
+Clock = Callable[[], float]
+
+
+def epoch_ms_to_monotonic(deadline_ms: int, clock: Clock = time.monotonic) -> float:
+    """Map a client's absolute epoch-ms deadline onto the monotonic clock, once,
+    at decode time, so later comparisons are immune to wall-clock jumps."""
+    return clock() + (deadline_ms / 1000.0 - time.time())
+
+
+class JobFactory:
+    """Turns a consumer record into a Job: decode, validate, never raise."""
+
+    def __init__(self, model: ModelConfig, limits: LimitsConfig) -> None:
+        self._model = model
+        self._limits = limits
+        self._codec_limits = Limits(
+            max_record_bytes=limits.max_record_bytes, max_tensor_bytes=limits.max_tensor_bytes
+        )
+
+    def __call__(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None
+    ) -> Job:
+        now = time.monotonic()
+        job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
+        try:
+            request = decode_request(value, self._codec_limits)
+            job.request = request
+            if request.deadline_ms is not None:
+                job.deadline = epoch_ms_to_monotonic(request.deadline_ms)
+            job.image = check_image(
+                request,
+                self._model.input,
+                self._model.preprocess.channels,
+                self._limits.max_image_pixels,
+            )
+        except RecordError as exc:
+            job.failure = exc
+            job.raw_value = value
+            metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
+        return job

@@ -1,0 +1,164 @@
+"""What the produce stage sends, decided without I/O: results, DLQ records, fallbacks.
+
+Pure functions of an answer, so every rule (which topic, which headers, what a
+too-large record becomes) is unit-tested without a broker. ``ResultSink``
+(``worker.pipeline.produce``) only sends what these build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from worker import __version__
+from worker.contract import ErrorInfo, ModelInfo, Result, Tensor, encode_result
+from worker.errors import InvalidRequest, UndecodableRecord
+from worker.records import Answer, Job
+
+# Room for the record batch framing around one record, so a result that passes
+# this check is never rejected by the producer's own size limit.
+RECORD_OVERHEAD: Final = 1024
+
+Kind = Literal["ok", "error", "dlq"]
+FallbackCode = Literal["too_large", "internal"]
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One record to produce for one job, kept until acknowledged so it can be
+    re-sent unchanged if delivery fails."""
+
+    job: Job
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    kind: Kind
+    seq: int  # send order, so redelivery keeps the original order
+    request_id: str = ""
+    fallback: bool = False  # already the small replacement of a refused record
+
+    @property
+    def size(self) -> int:
+        """Bytes the producer counts against ``max_request_size``, with framing."""
+        headers = sum(len(k) + len(v) for k, v in self.headers)
+        return len(self.value or b"") + len(self.key or b"") + headers + RECORD_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Topics:
+    output: str
+    dlq: str
+
+
+def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
+    return [
+        ("error.code", code.encode()),
+        ("error.message", message.encode()[:1024]),
+        ("source.topic", job.tp.topic.encode()),
+        ("source.partition", str(job.tp.partition).encode()),
+        ("source.offset", str(job.offset).encode()),
+        ("stage", stage.encode()),
+        ("worker.version", __version__.encode()),
+    ]
+
+
+def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
+    """The wire result for one answer (never for a DLQ-bound record)."""
+    job = answer.job
+    timing = dict(answer.timing_us)
+    timing["total"] = round((now - job.arrived) * 1e6)
+    request_id, meta = "", None
+    if job.request is not None:
+        request_id, meta = job.request.id, job.request.meta
+    failure = job.failure
+    if isinstance(failure, InvalidRequest):
+        request_id, meta = failure.request_id, failure.meta
+    error = answer.error
+    if failure is not None:
+        error = ErrorInfo.from_error(failure)  # contract code, message length capped
+    if error is not None:
+        return Result(
+            id=request_id,
+            status="error",
+            source=job.source,
+            model=model,
+            error=error,
+            meta=meta,
+            timing_us=timing,
+        )
+    assert answer.outputs is not None
+    outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
+    return Result(
+        id=request_id,
+        status="ok",
+        source=job.source,
+        model=model,
+        outputs=outputs,
+        meta=meta,
+        timing_us=timing,
+    )
+
+
+def outgoing(
+    answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float, max_bytes: int
+) -> Outgoing:
+    """The record for one answer: an undecodable record goes to the DLQ with its
+    original bytes; everything else becomes a result. One that would exceed
+    ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback."""
+    job = answer.job
+    if isinstance(job.failure, UndecodableRecord):
+        headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
+        value = job.raw_value
+        if value is None and job.key is None:
+            # A null-key tombstone (other clients may produce one): the producer
+            # refuses a record with neither key nor value (an AssertionError, not
+            # a KafkaError), which killed the worker on it at every restart.
+            value = b""
+        out = Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq)
+    else:
+        result = build_result(answer, model, now)
+        out = Outgoing(
+            job,
+            topics.output,
+            job.key,
+            encode_result(result),
+            [("id", result.id.encode())],
+            result.status,
+            seq,
+            request_id=result.id,
+        )
+    if out.size <= max_bytes:
+        return out
+    return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
+
+
+def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -> Outgoing:
+    """A small record for what could not be produced as it is (too large for
+    the producer, or refused for good by the broker): results become a ``code``
+    error result without outputs or meta; DLQ records keep their headers but not
+    the value, which is noted in a header. Stage ``produce`` either way."""
+    job = out.job
+    if out.kind == "dlq":
+        headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
+        headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
+        # b"" rather than None: a record needs a key or a value.
+        return Outgoing(job, out.topic, out.key, b"", headers, "dlq", out.seq, fallback=True)
+    result = Result(
+        id=out.request_id,
+        status="error",
+        source=job.source,
+        model=model,
+        error=ErrorInfo(code, f"{reason} (stage produce)"),
+    )
+    return Outgoing(
+        job,
+        out.topic,
+        out.key,
+        encode_result(result),
+        [("id", out.request_id.encode())],
+        "error",
+        out.seq,
+        request_id=out.request_id,
+        fallback=True,
+    )

@@ -1,0 +1,290 @@
+"""Worker: builds the stages, links them with bounded queues, owns their tasks.
+
+    KafkaSource -> [jobs] -> MicroBatcher -> [batches] -> inference stage
+        -> [futures, dispatch order] -> ResultSink -> OffsetTracker -> Committer
+
+Each stage gets its input queue and downstream handle in its constructor; end of
+stream (``None``) flows down the same queues, so shutdown drains stage by stage.
+A stage task that dies fails the whole worker (it stops fetching, commits only
+what was acknowledged and exits non-zero): a dead engine must stop commits,
+never hang silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import structlog
+from aiokafka.errors import KafkaError
+
+from worker import metrics
+from worker.config import Settings
+from worker.contract import ModelInfo
+from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.errors import BrokerUnavailable
+from worker.inference.cpu import InferenceStage
+from worker.pipeline.backpressure import Backpressure
+from worker.pipeline.batching import BatchPolicy, MicroBatcher
+from worker.pipeline.budget import FailureBudget
+from worker.pipeline.commit import Committer
+from worker.pipeline.consume import KafkaSource, watch_broker
+from worker.pipeline.intake import JobFactory
+from worker.pipeline.offsets import OffsetTracker
+from worker.pipeline.produce import ResultSink
+from worker.records import Batch, Completed, Job, TopicPartition
+
+if TYPE_CHECKING:
+    from worker.inference.gpu.stage import GpuInferenceStage
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Stages:
+    """Everything ``start()`` builds, kept together so closing never guesses."""
+
+    source: KafkaSource
+    batcher: MicroBatcher[Job]
+    infer: InferenceStage | GpuInferenceStage
+    sink: ResultSink
+    committer: Committer
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self.tracker = OffsetTracker()
+        self._stages: _Stages | None = None
+        self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
+        self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
+        self._failure: BaseException | None = None
+        self._stopped = asyncio.Event()
+        self._started = False
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        if self._engine is None:
+            self._engine = await asyncio.to_thread(
+                load_engine,
+                s.model,
+                device=s.gpu.device,
+                max_batch_size=s.batching.max_batch_size,
+                cuda_graphs=s.gpu.cuda_graphs,
+            )
+        engine = self._engine
+        try:
+            stages = self._stages = await self._build(engine)
+            await stages.sink.start()
+            await stages.source.start()
+        except KafkaError as exc:  # translated once, at the boundary
+            await self._close()
+            raise BrokerUnavailable(
+                f"cannot reach Kafka at {s.kafka.bootstrap_servers}: {exc!r}"
+            ) from exc
+        except BaseException:
+            await self._close()
+            raise
+        self._started = True
+        log.info(
+            "worker_started",
+            engine=engine.info.backend,
+            model=engine.info.name,
+            version=engine.info.version,
+            topics=list(s.kafka.input_topics),
+            group=s.kafka.group_id,
+        )
+        metrics.set_condition("started", True)
+        self._pipeline = [
+            self._spawn(stages.source.run(), "consume"),
+            self._spawn(stages.batcher.run(), "batch"),
+            self._spawn(stages.infer.run(), "infer"),
+            self._spawn(stages.sink.run(), "produce"),
+        ]
+        probe_timeout = min(2.0, s.kafka.request_timeout_ms / 1000.0)
+        self._support = [
+            self._spawn(stages.committer.run(), "commit"),
+            self._spawn(watch_broker(stages.source, probe_timeout), "probe"),
+        ]
+
+    async def _build(self, engine: Engine | GpuEngine) -> _Stages:
+        s, b = self.settings, self.settings.batching
+        jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
+        batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
+        completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
+            b.max_inflight_batches
+        )
+        policy: BatchPolicy[Job] = BatchPolicy(
+            b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
+        )
+        source = KafkaSource(
+            s.kafka,
+            JobFactory(s.model, s.limits),
+            jobs,
+            self.tracker,
+            self._on_revoke,
+            Backpressure(b.max_inflight_records, b.max_inflight_bytes),
+        )
+        committer = Committer(self.tracker, source, timeout=s.kafka.request_timeout_ms / 1000.0)
+        infer = await self._inference_stage(batches, completed, engine, policy)
+        sink = ResultSink(
+            completed,
+            s.kafka,
+            ModelInfo(name=engine.info.name, version=engine.info.version),
+            self.tracker,
+            committer,
+            max_pending_acks=2 * b.max_inflight_batches,
+            budget=FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window),
+        )
+        return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
+
+    async def _inference_stage(
+        self,
+        batches: asyncio.Queue[Batch[Job] | None],
+        completed: asyncio.Queue[asyncio.Future[Completed] | None],
+        engine: Engine | GpuEngine,
+        policy: BatchPolicy[Job],
+    ) -> InferenceStage | GpuInferenceStage:
+        """The CPU stage, or the GPU stage with its slot ring (allocated once, off
+        the event loop: kernel compilation and engine contexts take a while)."""
+        s, b = self.settings, self.settings.batching
+        if not is_gpu_backend(s.model.backend):
+            return InferenceStage(
+                batches,
+                completed,
+                engine,
+                s.model,
+                b.max_batch_size,
+                b.max_inflight_batches,
+                max_attempts=b.max_attempts,
+                on_service_time=policy.observe_service_time,
+            )
+        from worker.inference.gpu.stage import GpuInferenceStage
+
+        return await asyncio.to_thread(
+            GpuInferenceStage,
+            batches,
+            completed,
+            cast(GpuEngine, engine),
+            s.model,
+            b.max_batch_size,
+            s.gpu.num_slots or b.max_inflight_batches,
+            s.gpu,
+            max_attempts=b.max_attempts,
+            on_service_time=policy.observe_service_time,
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)  # the name is for logs only
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failure is None:
+            self._failure = exc
+            log.error("stage_failed", stage=task.get_name(), error=repr(exc))
+            metrics.set_condition("started", False)
+            if self._stages is not None:
+                self._stages.source.stop_fetching()
+            self._stopped.set()
+        elif self._pipeline and task is self._pipeline[-1]:
+            self._stopped.set()  # the produce stage ended: the stream drained to its end
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    async def wait(self) -> None:
+        """Until a stage fails or the stream has drained after ``stop()`` began."""
+        await self._stopped.wait()
+
+    def abandon(self) -> None:
+        """Give up draining (a second SIGTERM): cancel the pipeline's stages. What
+        was not acknowledged stays uncommitted and is redelivered to the group;
+        ``stop()`` still commits what was."""
+        for task in self._pipeline:
+            task.cancel()
+
+    async def stop(self, drain_timeout: float | None = None) -> bool:
+        """Stop fetching, drain in-flight work, commit what was acknowledged, leave
+        the group. Returns True when everything drained within the deadline."""
+        stages = self._stages
+        if not self._started or stages is None:
+            await self._close()
+            return True
+        self._started = False
+        timeout = (
+            self.settings.shutdown.drain_timeout_ms / 1000.0
+            if drain_timeout is None
+            else drain_timeout
+        )
+        metrics.set_condition("started", False)
+        stages.source.stop_fetching()
+        if self._pipeline[-1].done():
+            # The produce stage died (failure budget, engine dead, delivery failed):
+            # nothing still upstream can be acknowledged, and the stages feeding it
+            # block on its full queue, so waiting for them would only delay the exit
+            # by the whole drain timeout.
+            timeout = 0.0
+        started = time.monotonic()
+        _, pending = await asyncio.wait(self._pipeline, timeout=timeout)
+        drained = not pending and self._failure is None
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        # Only acknowledged offsets are below the watermark, so this final commit
+        # is safe even when draining failed or timed out.
+        await stages.committer.commit_now()
+        stages.committer.stop()
+        self._support[1].cancel()  # the broker probe
+        await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
+        await self._close()
+        log.info(
+            "worker_stopped",
+            drained=drained,
+            drain_seconds=round(time.monotonic() - started, 3),
+            uncommitted=self.tracker.in_flight(),
+        )
+        return drained
+
+    async def _close(self) -> None:
+        """Close whatever was opened (idempotent; a half-started worker too)."""
+        stages = self._stages
+        if stages is not None:
+            for closer in (stages.source.close, stages.sink.close):
+                with contextlib.suppress(Exception):
+                    await closer()
+            await asyncio.to_thread(stages.infer.close)
+            self._stages = None
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- rebalance -------------------------------------------------------------------
+
+    async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
+        """Settle revoked partitions: bounded wait for their in-flight work, commit."""
+        if self._stages is None:
+            return
+        bound = self.settings.kafka.session_timeout_ms / 2000.0
+        fenced = await self._stages.committer.settle_revoked(
+            revoked, bound, lambda: self._failure is not None
+        )
+        log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)

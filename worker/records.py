@@ -1,0 +1,92 @@
+"""What flows between the stages, in one place.
+
+    consume -> Job -> batching -> Batch[Job] -> inference -> Completed(Answer...)
+        -> produce -> offsets
+
+Every stage imports its input and output types from here, never from the stage
+that makes them, so a later stage never imports an earlier one. These are plain
+containers: no I/O, no behaviour beyond what describes the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from worker.contract import ErrorInfo, Request, Source
+from worker.errors import RecordError
+
+
+class TopicPartition(NamedTuple):
+    """Hashable and cheap; aiokafka's own type is converted at the consumer edge."""
+
+    topic: str
+    partition: int
+
+
+@dataclass(slots=True)
+class Job:
+    """One input record on its way through the pipeline."""
+
+    tp: TopicPartition
+    offset: int
+    key: bytes | None
+    arrived: float  # monotonic, when the worker read it
+    deadline: float | None  # monotonic, from the request's deadline_ms
+    request: Request | None = None
+    image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
+    failure: RecordError | None = None  # answered without inference when set
+    raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
+    epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
+    attempts: int = 0  # engine runs this request took part in that failed
+
+    @property
+    def source(self) -> Source:
+        return Source(topic=self.tp.topic, partition=self.tp.partition, offset=self.offset)
+
+
+class Batchable(Protocol):
+    """What the batching policy needs of an item (``Job`` has it)."""
+
+    @property
+    def arrived(self) -> float: ...  # monotonic seconds
+
+    @property
+    def deadline(self) -> float | None: ...  # monotonic seconds, if the request has one
+
+
+T = TypeVar("T", bound=Batchable)
+FlushReason = Literal["full", "preferred", "delay", "deadline", "drain"]
+
+
+@dataclass(slots=True)
+class Batch(Generic[T]):
+    items: list[T]
+    formed_at: float  # monotonic
+    reason: FlushReason
+    seq: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(slots=True)
+class Answer:
+    """The outcome for one job: outputs (one row of each batch output) or an error."""
+
+    job: Job
+    outputs: dict[str, np.ndarray] | None = None
+    error: ErrorInfo | None = None
+    timing_us: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Completed:
+    """One batch's answers, in the batch's order."""
+
+    seq: int
+    answers: list[Answer]
+    engine_rows: int  # requests that actually went through the engine
+    service_s: float = 0.0  # preprocess + compute of the batch (feeds the batch policy)
