@@ -24,6 +24,11 @@ from worker.errors import ConfigError
 ENV_PREFIX = "INFER_WORKER_"
 
 
+def _derive(section: object, name: str, value: object) -> None:
+    """Fill in a default derived from other settings (sections are frozen)."""
+    object.__setattr__(section, name, value)
+
+
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {message}")
@@ -46,7 +51,7 @@ class KafkaConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     session_timeout_ms: int = 10000
-    heartbeat_interval_ms: int = 3000
+    heartbeat_interval_ms: int = 0  # 0 = min(3000, session_timeout_ms / 3), Kafka's advice
     max_poll_interval_ms: int = 300000
     max_poll_records: int = 500
     fetch_max_bytes: int = 52428800
@@ -75,7 +80,9 @@ class KafkaConfig:
             "output and DLQ topics must differ from the input topics (a result would loop)",
         )
         _check(bool(self.group_id), "kafka.group_id", "must not be empty")
-        _check(self.session_timeout_ms > 0, "kafka.session_timeout_ms", "must be > 0")
+        _check(self.session_timeout_ms >= 100, "kafka.session_timeout_ms", "must be >= 100")
+        if self.heartbeat_interval_ms == 0:
+            _derive(self, "heartbeat_interval_ms", max(1, min(3000, self.session_timeout_ms // 3)))
         _check(
             0 < self.heartbeat_interval_ms < self.session_timeout_ms,
             "kafka.heartbeat_interval_ms",
@@ -102,20 +109,28 @@ class BatchingConfig:
     # Measured from the oldest request in the forming batch.
     max_queue_delay_ms: float = 5.0
     # Sizes the engine is tuned for; a batch of one of these is sent without waiting.
-    preferred_batch_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    # Empty (Triton's default): batches flush when full, on the delay or a deadline.
+    preferred_batch_sizes: tuple[int, ...] = ()
     max_inflight_batches: int = 4
     # Decoded requests waiting for a batch; consumption blocks beyond this.
-    queue_capacity: int = 2048
+    # 0 = max(2048, 2 * max_batch_size).
+    queue_capacity: int = 0
     # Backpressure: partitions are paused while this many records (or bytes) are
     # read but not yet answered, and resumed at half of it.
-    max_inflight_records: int = 1024
+    # 0 = max(1024, 2 * max_batch_size * max_inflight_batches).
+    max_inflight_records: int = 0
     max_inflight_bytes: int = 268435456
     # A failing batch is split in halves until the failing request is alone; a lone
     # failing request is run this many times before it is answered inference_failed.
     max_attempts: int = 2
+    # > 0: a record whose Kafka timestamp is older than this when its batch is
+    # dispatched is answered deadline_exceeded without engine time (stale backlogs
+    # after an outage). With a request's deadline_ms, the earlier rule wins.
+    max_record_age_ms: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1")
+        _check(self.max_record_age_ms >= 0, "batching.max_record_age_ms", "must be >= 0 (0: off)")
         _check(
             math.isfinite(self.max_queue_delay_ms) and self.max_queue_delay_ms >= 0,
             "batching.max_queue_delay_ms",
@@ -128,15 +143,18 @@ class BatchingConfig:
                 f"{size} is outside 1..max_batch_size ({self.max_batch_size})",
             )
         _check(self.max_inflight_batches >= 1, "batching.max_inflight_batches", "must be >= 1")
+        # Defaults that depend on another setting are derived from it, so that no
+        # default can conflict with a valid value of that setting.
+        if self.queue_capacity == 0:
+            _derive(self, "queue_capacity", max(2048, 2 * self.max_batch_size))
+        if self.max_inflight_records == 0:
+            per_flight = 2 * self.max_batch_size * self.max_inflight_batches
+            _derive(self, "max_inflight_records", max(1024, per_flight))
+        _check(self.queue_capacity >= 1, "batching.queue_capacity", "must be >= 1 (0: derived)")
         _check(
-            self.queue_capacity >= self.max_batch_size,
-            "batching.queue_capacity",
-            "must be >= max_batch_size",
-        )
-        _check(
-            self.max_inflight_records >= self.max_batch_size,
+            self.max_inflight_records >= 1,
             "batching.max_inflight_records",
-            "must be >= max_batch_size",
+            "must be >= 1 (0: derived)",
         )
         _check(self.max_inflight_bytes > 0, "batching.max_inflight_bytes", "must be > 0")
         _check(self.max_attempts >= 1, "batching.max_attempts", "must be >= 1")

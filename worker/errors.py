@@ -68,12 +68,6 @@ class TensorTooLarge(InvalidRequest):
     code = "too_large"
 
 
-class DeadlineExceeded(RecordError):
-    """The request's absolute deadline passed before inference started."""
-
-    code = "deadline_exceeded"
-
-
 class InferenceFailed(WorkerError):
     """The engine failed on one batch. The batch is answered with errors (or,
     from the reliability work on, split to isolate the poison request); the

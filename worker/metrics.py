@@ -28,6 +28,12 @@ RECORDS_CONSUMED = Counter("infer_records_consumed_total", "Records read from in
 REQUESTS_REJECTED = Counter(
     "infer_requests_rejected_total", "Records answered without inference", ["code"]
 )
+EXPIRED = Counter(
+    "infer_expired_total",
+    "Requests answered deadline_exceeded before inference, by the rule that expired them "
+    "(deadline_ms: the client's deadline; max_record_age: batching.max_record_age_ms)",
+    ["rule"],
+)
 RESULTS_PRODUCED = Counter(
     "infer_results_produced_total", "Results acknowledged by the broker", ["status"]
 )

@@ -18,6 +18,8 @@ import numpy as np
 from worker.contract import ErrorInfo, Request, Source
 from worker.errors import RecordError
 
+ExpiryRule = Literal["deadline_ms", "max_record_age"]
+
 
 class TopicPartition(NamedTuple):
     """Hashable and cheap; aiokafka's own type is converted at the consumer edge."""
@@ -34,13 +36,14 @@ class Job:
     offset: int
     key: bytes | None
     arrived: float  # monotonic, when the worker read it
-    deadline: float | None  # monotonic, from the request's deadline_ms
+    deadline: float | None  # monotonic: the earlier of deadline_ms and the record-age limit
     request: Request | None = None
     image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
     failure: RecordError | None = None  # answered without inference when set
     raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
     attempts: int = 0  # engine runs this request took part in that failed
+    expiry: ExpiryRule | None = None  # which rule set ``deadline``
 
     @property
     def source(self) -> Source:

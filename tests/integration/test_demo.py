@@ -30,3 +30,24 @@ def test_demo_reports_all_results_and_offline_accuracy(tmp_path: Path) -> None:
     assert run["correct"] / run["sent"] > 0.9
     assert run["committed"] == run["sent"]
     assert run["mean_batch_size"] > 1
+
+
+def test_help_example_with_a_smaller_batch_runs(tmp_path: Path) -> None:
+    """``demo --help`` shows ``--set batching.max_batch_size=16``; with the old
+    default preferred sizes (up to 64) that example refused to start (issue 10/12).
+    The worker must start with it, and no batch may exceed 16."""
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "worker", "demo", "--repeat", "1", "--json", str(out),
+            "--set", "batching.max_batch_size=16",
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["received"] == run["sent"] == 360
+    assert 1 < run["mean_batch_size"] <= 16

@@ -220,3 +220,47 @@ async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
     assert metrics["infer_dlq_produced_total"] == 2
     committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], 1)
     assert committed == {0: len(records)}
+
+
+async def test_stale_backlog_is_answered_without_engine_time(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    """Issue 10: with ``batching.max_record_age_ms``, records whose Kafka timestamp
+    is older than that are answered ``deadline_exceeded`` (counted by rule) and
+    never reach the engine; fresh records next to them are answered normally."""
+    from aiokafka import AIOKafkaProducer
+
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 1, names["results"]: 1, names["dlq"]: 1}
+    )
+    w = await start_worker(broker, names, 1, INFER_WORKER_BATCHING__MAX_RECORD_AGE_MS="5000")
+    producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
+    await producer.start()
+    try:
+        old = int(time.time() * 1000) - 60_000  # a minute-old backlog
+        for i in range(20):
+            stale = i % 2 == 0
+            await producer.send_and_wait(
+                names["requests"],
+                request_bytes(i),
+                key=f"k{i}".encode(),
+                timestamp_ms=old if stale else None,
+            )
+        c = await collect(broker, [names["results"]], 20)
+        metrics = await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_batch_size_sum", 0) >= 10, 30.0, "10 rows run"
+        )
+    finally:
+        await producer.stop()
+        w.terminate()
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    for i in range(20):
+        res = results[f"req-{i}"]
+        if i % 2 == 0:
+            assert res.status == "error" and res.error is not None
+            assert res.error.code == "deadline_exceeded"
+            assert "max_record_age_ms" in res.error.message
+        else:
+            assert res.status == "ok", res.error
+    assert metrics['infer_expired_total{rule="max_record_age"}'] == 10
+    assert metrics["infer_batch_size_sum"] == 10  # only the fresh records ran

@@ -22,7 +22,9 @@ def test_defaults_match_the_design() -> None:
     s = load_settings(env={})
     assert s.kafka.input_topics == ("infer.requests",)
     assert s.batching.max_batch_size == 64
-    assert s.batching.preferred_batch_sizes == (8, 16, 32, 64)
+    assert s.batching.preferred_batch_sizes == ()  # Triton's default: never conflicts
+    assert s.batching.queue_capacity == 2048 and s.batching.max_inflight_records == 1024
+    assert s.kafka.heartbeat_interval_ms == 3000
     assert s.model.path == "builtin:digits" and s.model.backend == "onnxruntime"
     assert s.metrics.port == 9108
 
@@ -135,3 +137,56 @@ def test_gpu_preprocessing_needs_a_gpu_backend() -> None:
 def test_oauthbearer_is_refused_at_start_up() -> None:
     with pytest.raises(ConfigError, match=r"kafka\.sasl_mechanism"):
         load_settings(env={"INFER_WORKER_KAFKA__SASL_MECHANISM": "OAUTHBEARER"})
+
+
+def _numeric_fields() -> list[tuple[str, str, object]]:
+    """Every int/float setting: (section, key, its type), nested model sections too."""
+    import dataclasses
+    import typing
+
+    from worker.config import Settings
+
+    out: list[tuple[str, str, object]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+            elif tp in (int, float):
+                out.append((prefix.rstrip("."), f.name, tp))
+
+    walk(Settings, "")
+    return out
+
+
+# Settings whose own rule starts above 1 (every other numeric setting accepts 1).
+_OWN_MINIMUM = {("kafka", "max_request_size"): "1024", ("kafka", "session_timeout_ms"): "100"}
+
+
+@pytest.mark.parametrize(("section", "key", "tp"), _numeric_fields())
+def test_a_small_valid_value_of_any_setting_never_conflicts_with_a_default(
+    section: str, key: str, tp: object
+) -> None:
+    """Issue 10: ``max_batch_size = 32`` refused to start against the default
+    preferred sizes. Every numeric setting, set alone to a small value its own
+    rule accepts, must load with every other setting at its default."""
+    value = _OWN_MINIMUM.get((section, key), "1" if tp is int else "1.0")
+    env_key = f"INFER_WORKER_{section.upper().replace('.', '__')}__{key.upper()}"
+    s = load_settings(env={env_key: value})
+    node: object = s
+    for part in (*section.split("."), key):
+        node = getattr(node, part)
+    assert node == (int(value) if tp is int else float(value))
+
+
+@pytest.mark.parametrize("size", [1, 16, 32, 4096])
+def test_max_batch_size_alone_loads_and_derives_what_depends_on_it(size: int) -> None:
+    s = load_settings(env={"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": str(size)})
+    assert s.batching.max_batch_size == size
+    assert s.batching.queue_capacity >= size and s.batching.max_inflight_records >= size
+
+
+def test_short_session_timeout_derives_the_heartbeat() -> None:
+    s = load_settings(env={"INFER_WORKER_KAFKA__SESSION_TIMEOUT_MS": "1500"})
+    assert s.kafka.heartbeat_interval_ms == 500

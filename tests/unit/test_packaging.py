@@ -55,3 +55,14 @@ def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -
         "worker/py.typed",
         "worker/engines/tensorrt.py",
     } <= names
+    # Every module of the source tree ships (a subpackage missing from
+    # pyproject's package list would import in a checkout and fail installed),
+    # and nothing but the package does: benchmark and test code stay out.
+    source = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "worker").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert source <= names, sorted(source - names)
+    assert not [n for n in names if n.startswith(("bench/", "tests/"))]
+    assert not [n for n in names if n.startswith("worker/") and "harness" in n]

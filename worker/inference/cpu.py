@@ -31,8 +31,8 @@ from worker.inference.triage import (
     run_isolating,
     triage,
 )
-from worker.pipeline.streams import end_of_stream
 from worker.records import Answer, Batch, Completed, Job
+from worker.streams import end_of_stream
 
 
 class InferenceStage:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 import structlog
 
 from worker import metrics
 from worker.contract import ErrorInfo
 from worker.errors import InferenceFailed
-from worker.records import Answer, Batch, Completed, Job
+from worker.records import Answer, Batch, Completed, ExpiryRule, Job
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +27,12 @@ RowRunner = Callable[[list[Answer]], Awaitable[None]]
 
 ServiceTimeHook = Callable[[float], None]
 """Told each batch's service seconds (the batch policy flushes deadlines by it)."""
+
+
+_EXPIRED: Final[dict[ExpiryRule, str]] = {
+    "deadline_ms": "deadline passed before inference",
+    "max_record_age": "record older than batching.max_record_age_ms before inference",
+}
 
 
 def micros(seconds: float) -> int:
@@ -45,8 +52,9 @@ def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
         if job.failure is not None:
             continue
         if job.deadline is not None and now >= job.deadline:
-            answer.error = ErrorInfo("deadline_exceeded", "deadline passed before inference")
+            answer.error = ErrorInfo("deadline_exceeded", _EXPIRED[job.expiry or "deadline_ms"])
             metrics.REQUESTS_REJECTED.labels(code="deadline_exceeded").inc()
+            metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
             continue
         runnable.append(answer)
     return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable)), runnable

@@ -25,8 +25,8 @@ from worker.pipeline.backpressure import Backpressure
 from worker.pipeline.intake import JobFactory
 from worker.pipeline.kafka import group_consumer_kwargs
 from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.streams import end_of_stream
 from worker.records import Job, TopicPartition
+from worker.streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 
@@ -219,7 +219,12 @@ class KafkaSource:
                 metrics.PARTITION_RESETS.inc()
             metrics.RECORDS_CONSUMED.inc()
             job = self._make_job(
-                record.topic, record.partition, record.offset, record.key, record.value
+                record.topic,
+                record.partition,
+                record.offset,
+                record.key,
+                record.value,
+                record.timestamp,
             )
             job.epoch = epoch
             await self._sink.put(job)

@@ -28,23 +28,33 @@ def epoch_ms_to_monotonic(deadline_ms: int, clock: Clock = time.monotonic) -> fl
 class JobFactory:
     """Turns a consumer record into a Job: decode, validate, never raise."""
 
-    def __init__(self, model: ModelConfig, limits: LimitsConfig) -> None:
+    def __init__(
+        self, model: ModelConfig, limits: LimitsConfig, max_record_age_ms: int = 0
+    ) -> None:
         self._model = model
         self._limits = limits
+        self._max_age_ms = max_record_age_ms
         self._codec_limits = Limits(
             max_record_bytes=limits.max_record_bytes, max_tensor_bytes=limits.max_tensor_bytes
         )
 
     def __call__(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        timestamp_ms: int | None = None,
     ) -> Job:
+        """``timestamp_ms``: the Kafka record's timestamp (epoch ms), which
+        ``batching.max_record_age_ms`` is measured from."""
         now = time.monotonic()
         job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
         try:
             request = decode_request(value, self._codec_limits)
             job.request = request
-            if request.deadline_ms is not None:
-                job.deadline = epoch_ms_to_monotonic(request.deadline_ms)
+            self._set_deadline(job, request.deadline_ms, timestamp_ms)
             job.image = check_image(
                 request,
                 self._model.input,
@@ -56,3 +66,13 @@ class JobFactory:
             job.raw_value = value
             metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
         return job
+
+    def _set_deadline(self, job: Job, deadline_ms: int | None, timestamp_ms: int | None) -> None:
+        """Both rules apply; the earlier wins. Converted to the monotonic clock once,
+        here, so later comparisons are immune to wall-clock jumps."""
+        if deadline_ms is not None:
+            job.deadline, job.expiry = epoch_ms_to_monotonic(deadline_ms), "deadline_ms"
+        if self._max_age_ms > 0 and timestamp_ms is not None and timestamp_ms >= 0:
+            stale_at = epoch_ms_to_monotonic(timestamp_ms + self._max_age_ms)
+            if job.deadline is None or stale_at < job.deadline:
+                job.deadline, job.expiry = stale_at, "max_record_age"

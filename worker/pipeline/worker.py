@@ -126,7 +126,7 @@ class Worker:
         )
         source = KafkaSource(
             s.kafka,
-            JobFactory(s.model, s.limits),
+            JobFactory(s.model, s.limits, b.max_record_age_ms),
             jobs,
             self.tracker,
             self._on_revoke,

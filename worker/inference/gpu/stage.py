@@ -50,8 +50,8 @@ from worker.inference.gpu.launch import Launcher
 from worker.inference.gpu.plan import check_engine_input, postprocess_plan
 from worker.inference.gpu.slots import Allocations, Slot, SlotLayout, SlotRing
 from worker.inference.triage import ServiceTimeHook, report_service_time, run_isolating, triage
-from worker.pipeline.streams import end_of_stream
 from worker.records import Answer, Batch, Completed, Job
+from worker.streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 

@@ -37,7 +37,6 @@ from worker.contract import (
     encode_result,
 )
 from worker.errors import (
-    DeadlineExceeded,
     EngineDead,
     InvalidRequest,
     RecordError,
@@ -364,7 +363,6 @@ def test_error_info_only_takes_contract_codes() -> None:
     [
         (InvalidRequest("id: missing"), "invalid_request", "id: missing"),
         (TensorTooLarge("inputs.x: too big"), "too_large", "inputs.x: too big"),
-        (DeadlineExceeded("late by 3 ms"), "deadline_exceeded", "late by 3 ms"),
         (EngineDead("/dev/nvidia0 lost"), "internal", "internal error (EngineDead)"),
         (KeyError("/secret/path"), "internal", "internal error (KeyError)"),
     ],

@@ -26,7 +26,7 @@ from worker.contract import (
     encode_result,
 )
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[3] / "schemas"
 
 
 def load(name: str) -> dict[str, Any]:
