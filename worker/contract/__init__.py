@@ -17,6 +17,7 @@ from worker.contract.results import (
     Result,
     Source,
     decode_result,
+    encode_ok_result,
     encode_result,
 )
 from worker.contract.tensors import Tensor
@@ -37,6 +38,7 @@ __all__ = [
     "check_image",
     "decode_request",
     "decode_result",
+    "encode_ok_result",
     "encode_request",
     "encode_result",
 ]

@@ -7,11 +7,19 @@ too-large record becomes) is unit-tested without a broker. ``ResultSink``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from worker import __version__
-from worker.contract import ErrorInfo, ModelInfo, Result, Tensor, encode_result
+from worker.contract import (
+    ErrorInfo,
+    ModelInfo,
+    Result,
+    Tensor,
+    encode_ok_result,
+    encode_result,
+)
 from worker.errors import InvalidRequest, UndecodableRecord
 from worker.records import Answer, Job
 
@@ -63,17 +71,27 @@ def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str
     ]
 
 
+def _echo(job: Job) -> tuple[str, Mapping[str, Any] | None]:
+    """The id and meta a result echoes (recovered from a failed decode, if any)."""
+    if isinstance(job.failure, InvalidRequest):
+        return job.failure.request_id, job.failure.meta
+    if job.request is not None:
+        return job.request.id, job.request.meta
+    return "", None
+
+
+def _timing(answer: Answer, now: float) -> dict[str, int]:
+    timing = dict(answer.timing_us)
+    timing["total"] = round((now - answer.job.arrived) * 1e6)
+    return timing
+
+
 def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
     """The wire result for one answer (never for a DLQ-bound record)."""
     job = answer.job
-    timing = dict(answer.timing_us)
-    timing["total"] = round((now - job.arrived) * 1e6)
-    request_id, meta = "", None
-    if job.request is not None:
-        request_id, meta = job.request.id, job.request.meta
+    timing = _timing(answer, now)
+    request_id, meta = _echo(job)
     failure = job.failure
-    if isinstance(failure, InvalidRequest):
-        request_id, meta = failure.request_id, failure.meta
     error = answer.error
     if failure is not None:
         error = ErrorInfo.from_error(failure)  # contract code, message length capped
@@ -116,6 +134,15 @@ def outgoing(
             # a KafkaError), which killed the worker on it at every restart.
             value = b""
         out = Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq)
+    elif answer.outputs is not None and answer.error is None and job.failure is None:
+        # The common case, on the hot path: encoded straight from the output rows.
+        request_id, meta = _echo(job)
+        timing = _timing(answer, now)
+        value = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
+        out = Outgoing(
+            job, topics.output, job.key, value, [("id", request_id.encode())], "ok", seq,
+            request_id=request_id,
+        )  # fmt: skip
     else:
         result = build_result(answer, model, now)
         out = Outgoing(

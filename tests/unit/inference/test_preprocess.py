@@ -119,3 +119,35 @@ def test_postprocess_outputs() -> None:
     assert np.array_equal(out["topk_indices"][:, 0], raw.argmax(axis=1))
     probs = postprocess(raw, PostprocessConfig(top_k=0), "logits")
     assert set(probs) == {"probabilities"} and np.allclose(probs["probabilities"].sum(1), 1.0)
+
+
+def _one_by_one(images: list[np.ndarray], cfg: PreprocessConfig) -> np.ndarray:
+    """The reference written the plain way: one image at a time."""
+    h, w = cfg.size
+    rows = []
+    for image in images:
+        pix = resize_bilinear(image, h, w)
+        norm = (pix * np.float32(cfg.scale) - np.asarray(cfg.mean, np.float32)) * (
+            np.float32(1.0) / np.asarray(cfg.std, np.float32)
+        )
+        rows.append(norm.transpose(2, 0, 1) if cfg.layout == "NCHW" else norm)
+    return np.stack(rows).astype(cfg.dtype)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_grouped_batch_preprocessing_is_bit_identical_to_one_by_one(
+    layout: str, dtype: str
+) -> None:
+    """Images are grouped by size and resized in one vectorised call per group;
+    interleaved sizes (non-consecutive groups) must land in their own rows, with
+    exactly the per-image reference's values."""
+    cfg = PreprocessConfig(
+        size=(12, 10), channels=3, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.25),
+        layout=layout, dtype=dtype,  # type: ignore[arg-type]
+    )  # fmt: skip
+    rng = np.random.default_rng(7)
+    sizes = [(8, 8), (31, 17), (8, 8), (12, 10), (31, 17), (5, 40), (8, 8)]
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    got = preprocess(images, cfg)
+    assert np.array_equal(got, _one_by_one(images, cfg))
