@@ -134,4 +134,15 @@ def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
         # results that differ between numpy, CuPy and engines.
         raise InvalidRequest(f"{path}.data: bool values must be 0 or 1")
 
-    return Tensor(dtype, tuple(shape), data)
+    return _checked(dtype, tuple(shape), data)
+
+
+def _checked(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:
+    """A ``Tensor`` from fields ``decode_tensor`` has just checked, exactly as
+    ``__post_init__`` does, without checking them a second time (per record, on
+    the consume path)."""
+    tensor = object.__new__(Tensor)
+    object.__setattr__(tensor, "dtype", dtype)
+    object.__setattr__(tensor, "shape", shape)
+    object.__setattr__(tensor, "data", data)
+    return tensor

@@ -171,29 +171,45 @@ class ResultSink:
         return fut
 
     async def _await_acks(self, sent: list[tuple[Outgoing, asyncio.Future[object]]]) -> None:
+        acked: list[Outgoing] = []
         try:
-            outcomes = await asyncio.gather(*(ack for _, ack in sent), return_exceptions=True)
-            for (out, _), outcome in zip(sent, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    # Not acknowledged: the offset stays pending (never committed)
-                    # and the record is re-sent by _redeliver.
-                    self._undelivered.append(out)
-                    self._delivery_failed.set()
-                    log.warning("delivery_failed", source=str(out.job.source), error=repr(outcome))
+            # One by one, not gather(): a batch's acks arrive together, so after the
+            # first wait the rest are already done and awaiting them costs nothing.
+            for out, ack in sent:
+                try:
+                    await ack
+                except asyncio.CancelledError as exc:
+                    if not ack.cancelled():
+                        raise  # this task was cancelled, not the send
+                    failure: BaseException = exc
+                except Exception as exc:  # boundary: aiokafka's delivery errors
+                    failure = exc
+                else:
+                    acked.append(out)
                     continue
-                self._acknowledged(out)
+                # Not acknowledged: the offset stays pending (never committed) and
+                # the record is re-sent by _redeliver.
+                self._undelivered.append(out)
+                self._delivery_failed.set()
+                log.warning("delivery_failed", source=str(out.job.source), error=repr(failure))
+            self._acknowledged(acked)
             self._committer.notify()
         finally:
             self._ack_slots.release()
 
-    def _acknowledged(self, out: Outgoing) -> None:
-        job = out.job
-        self._tracker.done(job.tp, job.offset, job.epoch)
-        metrics.REQUEST_SECONDS.observe(time.monotonic() - job.arrived)
-        if out.kind == "dlq":
-            metrics.DLQ_PRODUCED.inc()
-        else:
-            metrics.RESULTS_PRODUCED.labels(status=out.kind).inc()
+    def _acknowledged(self, acked: list[Outgoing]) -> None:
+        now = time.monotonic()
+        kinds: dict[str, int] = {}
+        for out in acked:
+            job = out.job
+            self._tracker.done(job.tp, job.offset, job.epoch)
+            metrics.REQUEST_SECONDS.observe(now - job.arrived)
+            kinds[out.kind] = kinds.get(out.kind, 0) + 1
+        for kind, count in kinds.items():  # counters per batch, not per record
+            if kind == "dlq":
+                metrics.DLQ_PRODUCED.inc(count)
+            else:
+                metrics.RESULTS_PRODUCED.labels(status=kind).inc(count)
 
     async def _settle(self) -> None:
         """Wait for every outstanding acknowledgement."""
@@ -216,7 +232,7 @@ class ResultSink:
             failed = 0
             for (out, _), outcome in zip(sent, outcomes, strict=True):
                 if not isinstance(outcome, BaseException):
-                    self._acknowledged(out)
+                    self._acknowledged([out])
                     continue
                 if getattr(outcome, "retriable", True):
                     failed += 1

@@ -1,0 +1,223 @@
+"""Backlog drain on the CPU: the worker against the ingest ceiling, same run.
+
+    .venv/bin/python bench/drain.py --records 30000 [--repeat 3] [--json out.json]
+
+Starts the embedded broker, produces a backlog of the bundled model's digit
+requests (8x8, 16x16 and 24x24, as the demo sends them) over ``--partitions``,
+then drains the same records twice, one after the other, on the same machine:
+
+* ``ceiling``: a bare aiokafka consumer that decodes each value with msgpack and
+  discards it. No processor can beat it: it is the rate Kafka and the client
+  library deliver records to Python at all.
+* ``worker``: one ``infer-worker run`` process in a fresh group; the rate is
+  counted from its first result to its last (start-up and model loading are
+  not part of a drain), and every request must be answered ``ok``.
+* ``baseline`` (with ``--baseline-path DIR``): the same, but the worker process
+  runs the ``worker`` package found in DIR (e.g. a ``git worktree`` of an older
+  commit), so two versions are compared on the same backlog in the same run.
+
+The ratio worker / ceiling is what issue 11 measures (target >= 0.1 on 2 cores).
+Benchmark code: not part of the installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgpack
+from aiokafka import AIOKafkaConsumer
+
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.demo import encode_samples, labelled_samples
+from worker.tools.processes import mean_batch_size, spawn_worker
+from worker.tools.topics import Collector, produce_all
+
+_RUN_FROM = (
+    "import sys; sys.path.insert(0, {!r}); "
+    "from worker.__main__ import main; sys.exit(main(['run']))"
+)
+
+
+@dataclass
+class Drain:
+    name: str
+    records: int
+    seconds: float
+    mean_batch: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.records / self.seconds if self.seconds > 0 else 0.0
+
+
+async def drain_ceiling(bootstrap: str, topic: str, n: int, group: str) -> Drain:
+    """Decode-and-discard: fetch, ``msgpack.unpackb`` each value, nothing else."""
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=10,
+        max_partition_fetch_bytes=8 * 1024 * 1024,
+    )
+    await consumer.start()
+    seen, first = 0, None
+    try:
+        while seen < n:
+            fetched = await consumer.getmany(timeout_ms=200, max_records=10_000)
+            if fetched and first is None:
+                first = time.monotonic()
+            for records in fetched.values():
+                for record in records:
+                    msgpack.unpackb(record.value, raw=False)
+                seen += len(records)
+        last = time.monotonic()
+    finally:
+        await consumer.stop()
+    assert first is not None
+    return Drain("ceiling", seen, last - first)
+
+
+async def drain_worker(
+    bootstrap: str,
+    topics: dict[str, str],
+    n: int,
+    group: str,
+    extra_env: dict[str, str],
+    package_dir: str | None = None,
+) -> Drain:
+    collector = Collector(bootstrap, [topics["results"]])
+    await collector.start()
+    worker = spawn_worker(
+        bootstrap,
+        input_topics=[topics["requests"]],
+        output_topic=topics["results"],
+        dlq_topic=topics["dlq"],
+        group_id=group,
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **extra_env},
+        # ``python -m`` puts the working directory first on sys.path: another
+        # version of the package must be put in front of it explicitly.
+        argv=None if package_dir is None else [sys.executable, "-c", _RUN_FROM.format(package_dir)],
+    )
+    try:
+        ok = await collector.collect(lambda c: c.count() >= n, 600.0)
+        if not ok:
+            raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
+        m = worker.metrics()
+        exit_code = await asyncio.to_thread(worker.terminate)
+    finally:
+        worker.kill()
+        await collector.stop()
+    results = collector.records[topics["results"]]
+    bad = [r for r in results if r.result().status != "ok"]
+    if bad or exit_code != 0:
+        raise RuntimeError(f"{len(bad)} results not ok, worker exit {exit_code}")
+    first, last = results[0].received_at, results[-1].received_at
+    return Drain("worker", len(results), last - first, mean_batch_size(m))
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    samples = labelled_samples(max(1, -(-args.records // 360)))[: args.records]
+    records = encode_samples(samples)
+    baseline_path = args.baseline_path  # made absolute in main()
+    names = ["ceiling", "worker"] + (["baseline"] if args.baseline_path else [])
+    runs: dict[str, list[Drain]] = {name: [] for name in names}
+    env = dict(item.split("=", 1) for item in args.env)
+    with EmbeddedBroker() as broker:
+        topics = {"requests": "drain.requests", "results": "drain.results", "dlq": "drain.dlq"}
+        await create_topics(
+            broker.bootstrap,
+            {topics["requests"]: args.partitions, topics["results"]: args.partitions,
+             topics["dlq"]: 1},
+        )  # fmt: skip
+        await produce_all(
+            broker.bootstrap,
+            topics["requests"],
+            records,
+            partition_of=lambda i: i % args.partitions,
+        )
+        for i in range(args.repeat):
+            # Same records, fresh groups; alternate the order so neither always runs first.
+            order = names if i % 2 == 0 else names[::-1]
+            for name in order:
+                if name == "ceiling":
+                    d = await drain_ceiling(
+                        broker.bootstrap, topics["requests"], len(records), f"c{i}"
+                    )
+                else:
+                    # A fresh results topic per drain keeps the collector's count honest.
+                    topics["results"] = f"drain.results.{name}.{i}"
+                    await create_topics(broker.bootstrap, {topics["results"]: args.partitions})
+                    d = await drain_worker(
+                        broker.bootstrap, topics, len(records), f"{name}{i}", env,
+                        baseline_path if name == "baseline" else None,
+                    )  # fmt: skip
+                    d.name = name
+                runs[name].append(d)
+                print(f"  {name:8s} {d.rate:10,.0f} rec/s  ({d.records} in {d.seconds:.2f} s"
+                      + (f", mean batch {d.mean_batch:.1f})" if name != "ceiling" else ")"),
+                      file=sys.stderr, flush=True)  # fmt: skip
+    ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
+    summary: dict[str, object] = {
+        "records": len(records),
+        "partitions": args.partitions,
+        "env": env,
+        "ceiling_rec_s": [round(d.rate) for d in runs["ceiling"]],
+        "worker_rec_s": [round(d.rate) for d in runs["worker"]],
+        "worker_mean_batch": [round(d.mean_batch, 1) for d in runs["worker"]],
+        "ratio_worker_to_ceiling": [round(r, 4) for r in ratios],
+        "ratio_median": round(statistics.median(ratios), 4),
+        **(
+            {
+                "baseline_rec_s": [round(d.rate) for d in runs["baseline"]],
+                "ratio_worker_to_baseline_median": round(
+                    statistics.median(
+                        w.rate / b.rate
+                        for w, b in zip(runs["worker"], runs["baseline"], strict=True)
+                    ),
+                    2,
+                ),
+            }
+            if args.baseline_path
+            else {}
+        ),
+        "runs": {k: [asdict(d) for d in v] for k, v in runs.items()},
+    }
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=30_000)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3, help="drains of each, alternating")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="INFER_WORKER_X=V",
+        help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_BATCH_SIZE=128",
+    )
+    parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
+    parser.add_argument("--json", help="write the summary here")
+    args = parser.parse_args()
+    if args.baseline_path:
+        args.baseline_path = os.path.abspath(args.baseline_path)
+    summary = asyncio.run(run(args))
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
