@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -38,3 +41,35 @@ def configure(cfg: LoggingConfig) -> None:
         stream=sys.stderr,
         format="%(levelname)s %(name)s: %(message)s",
     )
+
+
+class RateLimited:
+    """Lets at most ``burst`` events through per ``interval`` seconds; the first
+    one let through after a quiet spell reports how many were held back.
+
+    For per-record events (rejected requests): a flood of bad input must not
+    become a flood of log lines, but the first of each spell is always seen."""
+
+    def __init__(
+        self, burst: int = 10, interval: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._burst = burst
+        self._interval = interval
+        self._clock = clock
+        self._window_start = -float("inf")
+        self._sent = 0
+        self.suppressed = 0
+
+    def __call__(self, emit: Callable[..., Any], event: str, **fields: Any) -> bool:
+        now = self._clock()
+        if now - self._window_start >= self._interval:
+            self._window_start, self._sent = now, 0
+        if self._sent >= self._burst:
+            self.suppressed += 1
+            return False
+        self._sent += 1
+        if self.suppressed:
+            fields["suppressed_since_last"] = self.suppressed
+            self.suppressed = 0
+        emit(event, **fields)
+        return True

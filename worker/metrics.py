@@ -9,6 +9,7 @@ deliver results), for Kubernetes probes and load balancers.
 
 from __future__ import annotations
 
+import errno
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,6 +21,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from worker.errors import ConfigError
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -128,8 +131,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_http(port: int, host: str) -> ThreadingHTTPServer:
-    """Serve /metrics, /healthz and /ready from a daemon thread."""
-    server = ThreadingHTTPServer((host, port), _Handler)
+    """Serve /metrics, /healthz and /ready from a daemon thread.
+
+    A port already taken (a second worker on the same host) is a configuration
+    error naming the setting, not a traceback."""
+    try:
+        server = ThreadingHTTPServer((host, port), _Handler)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(
+            f"metrics.port: {host}:{port} is already in use (another worker on this host?); "
+            "set INFER_WORKER_METRICS__PORT to a free port, or 0 to serve no metrics"
+        ) from exc
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

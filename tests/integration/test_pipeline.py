@@ -220,6 +220,22 @@ async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
     assert metrics["infer_dlq_produced_total"] == 2
     committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], 1)
     assert committed == {0: len(records)}
+    # Issue 12: every rejection is logged with code, source and id, never the payload.
+    import json
+
+    lines = [json.loads(x) for x in w.log_tail(400).splitlines() if x.startswith("{")]
+    rejected = [x for x in lines if x.get("event") == "request_rejected"]
+    assert sorted((x["code"], x["id"], x["offset"]) for x in rejected) == sorted(
+        [
+            ("undecodable", "", 1),
+            ("undecodable", "", 3),
+            ("invalid_request", "bad-dtype", 4),
+            ("invalid_request", "bad-len", 5),
+            ("deadline_exceeded", "late", 6),
+        ]
+    )
+    assert all(x["topic"] == names["requests"] and x["partition"] == 0 for x in rejected)
+    assert not any("this is not msgpack" in line for line in w.log_tail(400).splitlines())
 
 
 async def test_stale_backlog_is_answered_without_engine_time(

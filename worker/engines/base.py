@@ -40,6 +40,9 @@ class EngineInfo:
     input_name: str
     output_names: tuple[str, ...]
     max_batch_size: int | None  # None: any batch size
+    # Per-request input shape the model declares (no batch dim); None for a
+    # dimension it leaves free, or no shape at all when the model says nothing.
+    input_shape: tuple[int | None, ...] | None = None
 
 
 class Engine(Protocol):

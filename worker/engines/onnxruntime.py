@@ -43,6 +43,7 @@ class OnnxRuntimeEngine:
             input_name=self._input,
             output_names=outputs,
             max_batch_size=batch_dim if isinstance(batch_dim, int) else None,
+            input_shape=tuple(d if isinstance(d, int) else None for d in inputs[0].shape[1:]),
         )
         self._closed = False
 

@@ -21,7 +21,7 @@ import structlog
 from worker import metrics
 from worker.config import ModelConfig
 from worker.engines import Engine
-from worker.errors import InferenceFailed, WorkerError
+from worker.errors import ConfigError, InferenceFailed, WorkerError
 from worker.inference.postprocess import postprocess
 from worker.inference.preprocess import batch_shape, preprocess_into
 from worker.inference.triage import (
@@ -33,6 +33,27 @@ from worker.inference.triage import (
 )
 from worker.records import Answer, Batch, Completed, Job
 from worker.streams import end_of_stream
+
+
+def check_model_input(engine: Engine, model: ModelConfig) -> None:
+    """Refuse to start when preprocessing cannot produce what the model takes
+    (every request would otherwise fail at run time, after retries)."""
+    declared = engine.info.input_shape
+    if declared is None:
+        return
+    produced = batch_shape(model.preprocess, 1)[1:]
+    fits = len(declared) == len(produced) and all(
+        d is None or d == p for d, p in zip(declared, produced, strict=True)
+    )
+    if not fits:
+        shown = ["?" if d is None else d for d in declared]
+        pp = model.preprocess
+        raise ConfigError(
+            f"model.preprocess.size: the model's input {engine.info.input_name!r} takes "
+            f"[batch, {', '.join(map(str, shown))}] ({pp.layout}) but model.preprocess "
+            f"(size {list(pp.size)}, channels {pp.channels}, layout {pp.layout}) produces "
+            f"[batch, {', '.join(map(str, produced))}]"
+        )
 
 
 class InferenceStage:
@@ -48,6 +69,7 @@ class InferenceStage:
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
+        check_model_input(engine, model)
         self._source = source
         self._sink = sink
         self._engine = engine

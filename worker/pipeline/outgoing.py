@@ -45,6 +45,7 @@ class Outgoing:
     seq: int  # send order, so redelivery keeps the original order
     request_id: str = ""
     fallback: bool = False  # already the small replacement of a refused record
+    error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
 
     @property
     def size(self) -> int:
@@ -133,7 +134,8 @@ def outgoing(
             # refuses a record with neither key nor value (an AssertionError, not
             # a KafkaError), which killed the worker on it at every restart.
             value = b""
-        out = Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq)
+        error = ErrorInfo.from_error(job.failure)
+        out = Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
     elif answer.outputs is not None and answer.error is None and job.failure is None:
         # The common case, on the hot path: encoded straight from the output rows.
         request_id, meta = _echo(job)
@@ -154,6 +156,7 @@ def outgoing(
             result.status,
             seq,
             request_id=result.id,
+            error=result.error,
         )
     if out.size <= max_bytes:
         return out
@@ -170,7 +173,10 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
         headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
         headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
         # b"" rather than None: a record needs a key or a value.
-        return Outgoing(job, out.topic, out.key, b"", headers, "dlq", out.seq, fallback=True)
+        return Outgoing(
+            job, out.topic, out.key, b"", headers, "dlq", out.seq,
+            request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason[:1024]),
+        )  # fmt: skip
     result = Result(
         id=out.request_id,
         status="error",
@@ -188,4 +194,5 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
         out.seq,
         request_id=out.request_id,
         fallback=True,
+        error=result.error,
     )

@@ -25,6 +25,7 @@ from worker import metrics
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
 from worker.errors import DeliveryFailed, FailureBudgetExceeded
+from worker.logs import RateLimited
 from worker.pipeline.budget import FailureBudget
 from worker.pipeline.commit import Committer
 from worker.pipeline.kafka import client_kwargs
@@ -75,6 +76,7 @@ class ResultSink:
         self._undelivered: list[Outgoing] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
         self._seq = 0
+        self._rejections = RateLimited(burst=10, interval=10.0)
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
         self.producer: AIOKafkaProducer | None = None
 
@@ -94,6 +96,13 @@ class ResultSink:
             await producer.stop()
             raise
         self.producer = producer
+
+    async def existing_topics(self) -> set[str]:
+        """Topics the cluster has, from one metadata request for all topics (which,
+        unlike a request naming a topic, never auto-creates one)."""
+        assert self.producer is not None, "start() first"
+        cluster = await self.producer.client.fetch_all_metadata()
+        return set(cluster.topics())
 
     async def run(self) -> None:
         while (fut := await self._next()) is not None:
@@ -149,6 +158,8 @@ class ResultSink:
                     raise FailureBudgetExceeded(
                         f"halting: {reason}; last at {job.tp.topic}:{job.tp.partition}@{job.offset}"
                     )
+            if out.kind != "ok":
+                self._log_rejection(out)
             sent.append((out, await self._send(out)))
         if not sent:
             return
@@ -156,6 +167,25 @@ class ResultSink:
         task = asyncio.create_task(self._await_acks(sent))
         self._ack_tasks.add(task)
         task.add_done_callback(self._ack_tasks.discard)
+
+    def _log_rejection(self, out: Outgoing) -> None:
+        """Every request answered with an error or sent to the DLQ is logged (at
+        most ``burst`` lines per interval): code, where it came from and its id,
+        never its payload."""
+        job = out.job
+        error = out.error
+        code, message = (error.code, error.message) if error is not None else ("?", "")
+        self._rejections(
+            log.warning,
+            "request_rejected",
+            code=code,
+            message=message[:200],
+            topic=job.tp.topic,
+            partition=job.tp.partition,
+            offset=job.offset,
+            id=out.request_id,
+            sent_to="dlq" if out.kind == "dlq" else "result",
+        )
 
     async def _send(self, out: Outgoing) -> asyncio.Future[object]:
         """Hand one record to the producer; a failure to even enqueue it becomes a

@@ -26,7 +26,7 @@ from worker import metrics
 from worker.config import Settings
 from worker.contract import ModelInfo
 from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
-from worker.errors import BrokerUnavailable
+from worker.errors import BrokerUnavailable, ConfigError
 from worker.inference.cpu import InferenceStage
 from worker.pipeline.backpressure import Backpressure
 from worker.pipeline.batching import BatchPolicy, MicroBatcher
@@ -83,6 +83,7 @@ class Worker:
         try:
             stages = self._stages = await self._build(engine)
             await stages.sink.start()
+            await self._check_input_topics(stages.sink)
             await stages.source.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
@@ -113,6 +114,19 @@ class Worker:
             self._spawn(stages.committer.run(), "commit"),
             self._spawn(watch_broker(stages.source, probe_timeout), "probe"),
         ]
+
+    async def _check_input_topics(self, sink: ResultSink) -> None:
+        """A misspelt input topic must stop the worker with a clear message: the
+        consumer would otherwise wait on it silently (or a broker that creates
+        topics on demand would create it, empty)."""
+        existing = await sink.existing_topics()
+        missing = [t for t in self.settings.kafka.input_topics if t not in existing]
+        if missing:
+            raise ConfigError(
+                f"kafka.input_topics: {', '.join(missing)} not found on "
+                f"{self.settings.kafka.bootstrap_servers} (create them first; "
+                f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'})"
+            )
 
     async def _build(self, engine: Engine | GpuEngine) -> _Stages:
         s, b = self.settings, self.settings.batching

@@ -1,0 +1,87 @@
+"""Settings that cannot work stop the worker at start-up with exit 2 and a message
+naming the setting (issue 12), instead of a traceback or silent failures later."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from worker.tools.broker import EmbeddedBroker, create_topics
+
+pytestmark = pytest.mark.integration
+
+
+def run_worker(env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "run"],
+        env={**base, "INFER_WORKER_LOGGING__FORMAT": "json", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_preprocess_size_that_contradicts_the_model_exits_2() -> None:
+    """The bundled model takes 8x8; ``[28, 28]`` used to start and then fail every
+    request after two attempts each. Checked before Kafka is even contacted."""
+    proc = run_worker(
+        {
+            "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[28, 28]",
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "model.preprocess.size" in proc.stderr
+    assert "[batch, 1, 8, 8]" in proc.stderr and "[batch, 1, 28, 28]" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_metrics_port_in_use_exits_2_naming_the_setting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_worker(
+            {
+                "INFER_WORKER_METRICS__PORT": str(port),
+                "INFER_WORKER_METRICS__HOST": "127.0.0.1",
+                "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            }
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert "metrics.port" in proc.stderr and str(port) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+async def test_missing_input_topic_exits_2_and_is_not_created(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    await create_topics(broker.bootstrap, {names["results"]: 1, names["dlq"]: 1})
+    misspelt = names["requests"] + "-typo"
+    proc = run_worker(
+        {
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap,
+            "INFER_WORKER_KAFKA__INPUT_TOPICS": misspelt,
+            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+            "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "kafka.input_topics" in proc.stderr and misspelt in proc.stderr
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    await admin.start()
+    try:
+        assert misspelt not in await admin.list_topics()
+    finally:
+        await admin.close()
