@@ -326,6 +326,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from worker.tools import verify as verify_module
+    from worker.tools.verify import cli as verify_cli
 
     for name in [n for n in os.environ if n.startswith("INFER_WORKER_")]:
         monkeypatch.delenv(name)
@@ -344,7 +345,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
             (Reply(InputRecord("x", 0, 0), 0, 0, "result"),), (), True
         )
 
-    monkeypatch.setattr(verify_module, "read_topics", fake_read)
+    monkeypatch.setattr(verify_cli, "read_topics", fake_read)
     out = tmp_path / "report.json"
     code = run(
         parse(
@@ -381,6 +382,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
 def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.config import KafkaConfig
     from worker.tools import verify as verify_module
+    from worker.tools.verify import cli as verify_cli
 
     seen: list[tuple[str, list[str], str, str]] = []
 
@@ -390,7 +392,7 @@ def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) ->
         seen.append((bootstrap, list(inputs), output, dlq))
         return {}, verify_module.Observed((), (), True)
 
-    monkeypatch.setattr(verify_module, "read_topics", fake_read)
+    monkeypatch.setattr(verify_cli, "read_topics", fake_read)
     assert run(parse()) == 0
     k = KafkaConfig()
     assert seen == [(k.bootstrap_servers, list(k.input_topics), k.output_topic, k.dlq_topic)]
@@ -415,6 +417,7 @@ def test_cli_exit_codes(
     expected: int,
 ) -> None:
     from worker.tools import verify as verify_module
+    from worker.tools.verify import cli as verify_cli
 
     async def fake_read(*a: object, **kw: object) -> object:
         answers = tuple(
@@ -422,7 +425,7 @@ def test_cli_exit_codes(
         )
         return {"in": {0: [0, 1]}}, verify_module.Observed(answers, (), complete)
 
-    monkeypatch.setattr(verify_module, "read_topics", fake_read)
+    monkeypatch.setattr(verify_cli, "read_topics", fake_read)
     argv = ["--input-topics", "in", "--json", "-"]
     if strict:
         argv.append("--strict")
@@ -434,11 +437,11 @@ def test_cli_exit_codes(
 def test_cli_unreadable_topics_are_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker.tools import verify as verify_module
+    from worker.tools.verify import cli as verify_cli
 
     async def failing_read(*a: object, **kw: object) -> object:
         raise RuntimeError("topic in has no partitions")
 
-    monkeypatch.setattr(verify_module, "read_topics", failing_read)
+    monkeypatch.setattr(verify_cli, "read_topics", failing_read)
     assert run(parse("--input-topics", "in")) == 2
     assert "cannot read topics" in capsys.readouterr().err
