@@ -14,14 +14,14 @@ Precisions:
 - ``fp16``: ``BuilderFlag.FP16``.
 - ``int8``: ``BuilderFlag.INT8`` (+ FP16 for layers left unquantised), calibrated
   with ``IInt8EntropyCalibrator2`` on a sample ``.npz``: ``images`` (uint8
-  [N, H, W, C], preprocessed here with ``worker.preprocess``, the worker's own
+  [N, H, W, C], preprocessed with ``worker.inference.preprocess``, the worker's own
   contract) or ``inputs`` (already preprocessed float32).
 - ``fp8``: ``BuilderFlag.FP8`` (+ FP16), on GPUs that have FP8 (compute 8.9+).
   TensorRT quantises to FP8 only where the ONNX has Q/DQ nodes (e.g. from NVIDIA
   ModelOpt); there is no FP8 calibrator.
 
-``evaluate_accuracy`` runs a plan and the FP32 ONNX model (ONNX Runtime, CPU) on
-the same samples and reports top-1 agreement and accuracy, which is how a
+``evaluate_accuracy`` (in ``engine_checks``) runs a plan and the FP32 ONNX model
+(ONNX Runtime, CPU) on the same samples and reports top-1 agreement and accuracy, which is how a
 reduced-precision plan is accepted or rejected.
 
 TensorRT and CuPy are imported inside functions: this module imports anywhere,
@@ -33,10 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,9 +42,32 @@ from typing import Any, Final, Literal
 import numpy as np
 import structlog
 
-from worker.config import ModelConfig, PreprocessConfig, load_settings
+from worker.config import PreprocessConfig, load_settings
 from worker.errors import ConfigError, WorkerError
-from worker.inference.preprocess import preprocess
+from worker.tools.engine_checks import (
+    AccuracyReport,
+    calibration_sha256,
+    compare_outputs,
+    evaluate_accuracy,
+    load_samples,
+    make_calibrator,
+)
+from worker.tools.files import atomic_write, file_sha256
+
+__all__ = [
+    "PRECISIONS",
+    "AccuracyReport",
+    "EngineKey",
+    "add_arguments",
+    "build_engine",
+    "check_profile",
+    "compare_outputs",
+    "evaluate_accuracy",
+    "file_sha256",
+    "load_samples",
+    "main",
+    "run",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -75,55 +95,12 @@ class EngineKey:
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _calibration_sha256(path: Path, cfg: PreprocessConfig) -> str:
-    """The calibration data's identity: the samples file and, since ``images`` are
-    preprocessed here, the preprocessing that turns them into model inputs."""
-    digest = hashlib.sha256(file_sha256(path).encode())
-    digest.update(json.dumps(asdict(cfg), sort_keys=True).encode())
-    return digest.hexdigest()
-
-
 def check_profile(min_batch: int, opt_batch: int, max_batch: int) -> None:
     if not 1 <= min_batch <= opt_batch <= max_batch:
         raise ConfigError(
             f"batch profile must satisfy 1 <= min <= opt <= max, got "
             f"{min_batch}/{opt_batch}/{max_batch}"
         )
-
-
-def load_samples(path: Path, cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """Model inputs (float32, preprocessed) and labels (if present) from an npz with
-    ``images`` (uint8 [N, H, W, C], preprocessed here) or ``inputs``."""
-    with np.load(path) as npz:
-        labels = np.asarray(npz["labels"]) if "labels" in npz.files else None
-        if "inputs" in npz.files:
-            inputs = np.ascontiguousarray(npz["inputs"], dtype=np.float32)
-        elif "images" in npz.files:
-            images = np.asarray(npz["images"])
-            if images.dtype != np.uint8 or images.ndim not in (3, 4):
-                raise ConfigError(f"{path}: images must be uint8 [N, H, W(, C)]")
-            if images.ndim == 3:
-                images = images[..., None]
-            f32 = PreprocessConfig(**{**asdict(cfg), "dtype": "float32"})
-            inputs = preprocess(list(images), f32)
-        else:
-            raise ConfigError(f"{path}: needs an 'images' or an 'inputs' array")
-    if len(inputs) == 0:
-        raise ConfigError(f"{path}: no samples")
-    if labels is not None and len(labels) != len(inputs):
-        raise ConfigError(f"{path}: {len(labels)} labels for {len(inputs)} samples")
-    return inputs, labels
-
-
-# --- building ------------------------------------------------------------------------
 
 
 def gpu_name(device: int = 0) -> str:
@@ -139,19 +116,6 @@ def _compute_capability(device: int) -> tuple[int, int]:
 
     props = cupy.cuda.runtime.getDeviceProperties(device)
     return int(props["major"]), int(props["minor"])
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Readers see the old file or the whole new one, never a torn plan."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def build_engine(
@@ -189,6 +153,7 @@ def build_engine(
         raise ConfigError(f"profiles must be >= 1, got {profiles}")
     if precision == "int8" and calibration_npz is None:
         raise ConfigError("int8 needs --calibration SAMPLES.npz")
+    pp = preprocess_cfg or PreprocessConfig()
     key = EngineKey(
         onnx_sha256=file_sha256(onnx_path),
         tensorrt_version=str(trt.__version__),
@@ -199,7 +164,7 @@ def build_engine(
         max_batch=max_batch,
         profiles=profiles,
         calibration_sha256=(
-            _calibration_sha256(calibration_npz, preprocess_cfg or PreprocessConfig())
+            calibration_sha256(calibration_npz, pp)
             if precision == "int8" and calibration_npz is not None
             else None
         ),
@@ -213,207 +178,139 @@ def build_engine(
     logger = make_logger(trt)
     with cupy.cuda.Device(device):
         builder = trt.Builder(logger)
-        network = builder.create_network(0)  # TensorRT 10: networks are explicit-batch
-        parser = trt.OnnxParser(network, logger)
-        if not parser.parse_from_file(str(onnx_path)):
-            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise ConfigError(f"{onnx_path}: TensorRT cannot parse it: {errors}")
+        network, _parser, inp, dims = _parse_network(trt, builder, logger, onnx_path)
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
-        if network.num_inputs != 1:
-            raise ConfigError(f"{onnx_path}: expected one input, found {network.num_inputs}")
-        inp = network.get_input(0)
-        dims = tuple(int(d) for d in inp.shape)
-        if any(d < 0 for d in dims[1:]):
-            raise ConfigError(f"{onnx_path}: only the batch dimension may be dynamic ({dims})")
-        shapes = ((min_batch, *dims[1:]), (opt, *dims[1:]), (max_batch, *dims[1:]))
-        first_profile: Any = None
-        if dims[0] >= 0:  # a static batch: no profiles, every run has dims[0] rows
-            log.warning("engine_static_batch", batch=dims[0], ignored="min/opt/max batch")
-        for _ in range(profiles if dims[0] < 0 else 0):
-            profile = builder.create_optimization_profile()
-            profile.set_shape(inp.name, *shapes)
-            config.add_optimization_profile(profile)
-            if first_profile is None:
-                first_profile = profile
-
-        calibrator = None
-        if precision == "fp32":
-            # TensorRT enables TF32 (10-bit mantissa inputs to GEMMs/convolutions)
-            # by default; "fp32" promises no reduced precision.
-            config.clear_flag(trt.BuilderFlag.TF32)
-        if precision in ("fp16", "int8", "fp8"):
-            config.set_flag(trt.BuilderFlag.FP16)
+        first_profile = _add_profiles(
+            builder, config, inp, dims, (min_batch, opt, max_batch), profiles
+        )
+        calibration = None
         if precision == "int8":
             assert calibration_npz is not None
-            inputs, _ = load_samples(calibration_npz, preprocess_cfg or PreprocessConfig())
-            cache_file = out_dir / f"{digest}.calib"
-            # TensorRT 10 calibrates at the calibration profile's OPT shape (its MIN
-            # and MAX are overwritten by OPT; getBatchSize is a deprecated leftover of
-            # implicit batch), so every get_batch buffer must hold exactly that many
-            # rows, in the network input's type.
-            calib_batch = dims[0] if dims[0] >= 0 else opt
-            in_dtype = np.dtype(trt.nptype(inp.dtype))
-            calibrator = make_calibrator(trt, inputs, calib_batch, cache_file, in_dtype)
-            config.set_flag(trt.BuilderFlag.INT8)
-            config.int8_calibrator = calibrator
-            if first_profile is not None:
-                config.set_calibration_profile(first_profile)
-        if precision == "fp8":
-            if not hasattr(trt.BuilderFlag, "FP8"):
-                raise ConfigError(f"TensorRT {trt.__version__} has no FP8 builder flag")
-            if _compute_capability(device) < (8, 9):
-                raise ConfigError(
-                    f"{gpu_name(device)} has no FP8 (needs compute capability 8.9+: Ada, Hopper)"
-                )
-            config.set_flag(trt.BuilderFlag.FP8)
-
-        cache_bytes = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b""
-        cache = config.create_timing_cache(cache_bytes)
-        # set_timing_cache returns False (and the cache is not used) for one made on
-        # another GPU or TensorRT version: start a fresh one, which then replaces
-        # the stale file, rather than failing the build or serialising nothing.
-        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
-            log.warning("timing_cache_mismatch", path=str(timing_cache), action="rebuilt")
-            cache = config.create_timing_cache(b"")
-            config.set_timing_cache(cache, ignore_mismatch=False)
-
+            calibration = _Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
+        # Kept referenced until the build is done: TensorRT calls back into it.
+        _calibrator = _set_precision(
+            trt, config, precision, inp, dims, first_profile, calibration, device
+        )
+        cache = _attach_timing_cache(config, timing_cache)
         log.info("engine_build_started", onnx=str(onnx_path), precision=precision, key=digest)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise ConfigError(f"TensorRT failed to build {onnx_path}: {logger.last_errors()}")
         if timing_cache is not None:
-            _atomic_write(timing_cache, bytes(memoryview(cache.serialize())))
-    _atomic_write(plan_path, bytes(memoryview(serialized)))
+            atomic_write(timing_cache, bytes(memoryview(cache.serialize())))
+    atomic_write(plan_path, bytes(memoryview(serialized)))
     meta = {**asdict(key), "key": digest, "onnx": str(onnx_path)}
-    _atomic_write(out_dir / f"{digest}.json", json.dumps(meta, indent=2).encode())
+    atomic_write(out_dir / f"{digest}.json", json.dumps(meta, indent=2).encode())
     log.info("engine_built", plan=str(plan_path))
     return plan_path
 
 
-def make_calibrator(
-    trt: Any,
-    inputs: np.ndarray,
-    batch_size: int,
-    cache_file: Path,
-    dtype: np.dtype[Any] | None = None,
+def _parse_network(
+    trt: Any, builder: Any, logger: Any, onnx_path: Path
+) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """The ONNX model as a TensorRT network, its parser (which holds the weights
+    the network refers to: keep it until the build is done), its one input and
+    that input's dims."""
+    network = builder.create_network(0)  # TensorRT 10: networks are explicit-batch
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ConfigError(f"{onnx_path}: TensorRT cannot parse it: {errors}")
+    if network.num_inputs != 1:
+        raise ConfigError(f"{onnx_path}: expected one input, found {network.num_inputs}")
+    inp = network.get_input(0)
+    dims = tuple(int(d) for d in inp.shape)
+    if any(d < 0 for d in dims[1:]):
+        raise ConfigError(f"{onnx_path}: only the batch dimension may be dynamic ({dims})")
+    return network, parser, inp, dims
+
+
+def _add_profiles(
+    builder: Any,
+    config: Any,
+    inp: Any,
+    dims: tuple[int, ...],
+    batches: tuple[int, int, int],
+    profiles: int,
 ) -> Any:
-    """An ``IInt8EntropyCalibrator2`` over preprocessed float32 ``inputs``, fed in
-    batches of exactly ``batch_size`` rows (the calibration profile's OPT batch)
-    converted to the network input's ``dtype``; the calibration table is cached
-    next to the plan, so rebuilding skips calibration."""
-    import cupy
-
-    dt = np.dtype(np.float32) if dtype is None else np.dtype(dtype)
-
-    class _Calibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[misc]
-        def __init__(self) -> None:
-            trt.IInt8EntropyCalibrator2.__init__(self)
-            self._inputs = inputs
-            self._batch = batch_size
-            self._next = 0
-            self._device = cupy.empty((batch_size, *inputs.shape[1:]), dtype=dt)
-
-        def get_batch_size(self) -> int:
-            return self._batch
-
-        def get_batch(self, names: Sequence[str]) -> list[int] | None:
-            if self._next + self._batch > len(self._inputs):
-                return None  # TensorRT calibrates on whole batches only
-            chunk = self._inputs[self._next : self._next + self._batch]
-            self._next += self._batch
-            self._device.set(np.ascontiguousarray(chunk, dtype=dt))
-            cupy.cuda.runtime.deviceSynchronize()  # build time, not the serving path
-            return [int(self._device.data.ptr)]
-
-        def read_calibration_cache(self) -> bytes | None:
-            return cache_file.read_bytes() if cache_file.is_file() else None
-
-        def write_calibration_cache(self, cache: Any) -> None:
-            _atomic_write(cache_file, bytes(memoryview(cache)))
-
-    if len(inputs) < batch_size:
-        raise ConfigError(f"calibration needs at least {batch_size} samples, got {len(inputs)}")
-    return _Calibrator()
-
-
-# --- accuracy ------------------------------------------------------------------------
+    """``profiles`` identical optimization profiles over the batch range; returns
+    the first (None for a static batch, which takes no profiles)."""
+    shapes = tuple((b, *dims[1:]) for b in batches)
+    first_profile: Any = None
+    if dims[0] >= 0:  # a static batch: no profiles, every run has dims[0] rows
+        log.warning("engine_static_batch", batch=dims[0], ignored="min/opt/max batch")
+    for _ in range(profiles if dims[0] < 0 else 0):
+        profile = builder.create_optimization_profile()
+        profile.set_shape(inp.name, *shapes)
+        config.add_optimization_profile(profile)
+        if first_profile is None:
+            first_profile = profile
+    return first_profile
 
 
 @dataclass(frozen=True)
-class AccuracyReport:
-    samples: int
-    top1_agreement: float  # share of samples where engine and reference agree on top-1
-    accuracy: float | None  # engine top-1 vs labels, when the samples have labels
-    reference_accuracy: float | None
-    max_abs_diff: float  # largest |engine - reference| over the raw outputs
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+class _Calibration:
+    samples: Path
+    preprocess: PreprocessConfig
+    cache_file: Path
+    opt_batch: int
 
 
-def compare_outputs(
-    engine: np.ndarray, reference: np.ndarray, labels: np.ndarray | None = None
-) -> AccuracyReport:
-    """Top-1 agreement/accuracy of ``engine`` against ``reference`` outputs."""
-    if engine.shape != reference.shape:
-        raise ValueError(f"engine output {engine.shape} != reference {reference.shape}")
-    n = engine.shape[0]
-    e = engine.reshape(n, -1).astype(np.float32)
-    r = reference.reshape(n, -1).astype(np.float32)
-    top_e, top_r = e.argmax(axis=1), r.argmax(axis=1)
-    agree = float(np.mean(top_e == top_r)) if n else math.nan
-    acc = ref_acc = None
-    if labels is not None:
-        acc = float(np.mean(top_e == labels))
-        ref_acc = float(np.mean(top_r == labels))
-    diff = float(np.max(np.abs(e - r))) if e.size else 0.0
-    return AccuracyReport(n, agree, acc, ref_acc, diff)
-
-
-def evaluate_accuracy(
-    plan: Path,
-    samples_npz: Path,
-    *,
-    onnx_path: Path,
-    preprocess_cfg: PreprocessConfig | None = None,
-    reference: Literal["onnxruntime"] = "onnxruntime",
-    output: str | None = None,
-    device: int = 0,
-) -> AccuracyReport:
-    """Run ``plan`` and the FP32 ONNX model on the same samples and compare."""
-    import onnxruntime as ort
-
-    from worker.engines.tensorrt import TensorRTEngine
-
-    if reference != "onnxruntime":
-        raise ConfigError(f"unknown reference {reference!r}")
-    cfg = preprocess_cfg or PreprocessConfig()
-    inputs, labels = load_samples(samples_npz, cfg)
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    in_name = session.get_inputs()[0].name
-    out_name = output or session.get_outputs()[0].name
-    engine = TensorRTEngine(
-        plan, ModelConfig(path=str(plan), backend="tensorrt", preprocess=cfg), device=device
-    )
-    try:
-        if out_name not in engine.info.output_names:
+def _set_precision(
+    trt: Any,
+    config: Any,
+    precision: Precision,
+    inp: Any,
+    dims: tuple[int, ...],
+    first_profile: Any,
+    calibration: _Calibration | None,
+    device: int,
+) -> Any:
+    """Builder flags for ``precision``; returns the INT8 calibrator (or None)."""
+    calibrator = None
+    if precision == "fp32":
+        # TensorRT enables TF32 (10-bit mantissa inputs to GEMMs/convolutions)
+        # by default; "fp32" promises no reduced precision.
+        config.clear_flag(trt.BuilderFlag.TF32)
+    if precision in ("fp16", "int8", "fp8"):
+        config.set_flag(trt.BuilderFlag.FP16)
+    if precision == "int8":
+        assert calibration is not None
+        inputs, _ = load_samples(calibration.samples, calibration.preprocess)
+        # TensorRT 10 calibrates at the calibration profile's OPT shape (its MIN
+        # and MAX are overwritten by OPT; getBatchSize is a deprecated leftover of
+        # implicit batch), so every get_batch buffer must hold exactly that many
+        # rows, in the network input's type.
+        calib_batch = dims[0] if dims[0] >= 0 else calibration.opt_batch
+        in_dtype = np.dtype(trt.nptype(inp.dtype))
+        calibrator = make_calibrator(trt, inputs, calib_batch, calibration.cache_file, in_dtype)
+        config.set_flag(trt.BuilderFlag.INT8)
+        config.int8_calibrator = calibrator
+        if first_profile is not None:
+            config.set_calibration_profile(first_profile)
+    if precision == "fp8":
+        if not hasattr(trt.BuilderFlag, "FP8"):
+            raise ConfigError(f"TensorRT {trt.__version__} has no FP8 builder flag")
+        if _compute_capability(device) < (8, 9):
             raise ConfigError(
-                f"output {out_name!r} not in engine outputs {engine.info.output_names}"
+                f"{gpu_name(device)} has no FP8 (needs compute capability 8.9+: Ada, Hopper)"
             )
-        step = engine.max_batch_size
-        got: list[np.ndarray] = []
-        want: list[np.ndarray] = []
-        for start in range(0, len(inputs), step):
-            chunk = inputs[start : start + step]
-            pad = max(0, engine.min_batch_size - len(chunk))
-            padded = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)]) if pad else chunk
-            got.append(engine.run(padded.astype(engine.input.dtype))[out_name][: len(chunk)])
-            (ref,) = session.run([out_name], {in_name: chunk})
-            want.append(np.asarray(ref))
-    finally:
-        engine.close()
-    return compare_outputs(np.concatenate(got), np.concatenate(want), labels)
+        config.set_flag(trt.BuilderFlag.FP8)
+    return calibrator
+
+
+def _attach_timing_cache(config: Any, timing_cache: Path | None) -> Any:
+    cache_bytes = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    # set_timing_cache returns False (and the cache is not used) for one made on
+    # another GPU or TensorRT version: start a fresh one, which then replaces
+    # the stale file, rather than failing the build or serialising nothing.
+    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+        log.warning("timing_cache_mismatch", path=str(timing_cache), action="rebuilt")
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    return cache
 
 
 # --- CLI -----------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from worker.engines import load_engine
 from worker.inference.postprocess import softmax
 from worker.inference.preprocess import preprocess
 from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.processes import mean_batch_size, spawn_worker
-from worker.tools.topics import Collector, committed_offsets, produce_all
+from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_worker
+from worker.tools.topics import Collector, Produced, committed_offsets, produce_all
 
 
 @dataclass
@@ -185,45 +185,74 @@ async def _run_once(
     stats = RunStats(mode=mode, sent=len(samples))
     collector = Collector(broker.bootstrap, [topics["results"], topics["dlq"]])
     try:
-        if mode == "worker":
-            await asyncio.to_thread(
-                worker.wait_until,
-                lambda m: m.get("infer_assigned_partitions", 0) >= opts.partitions,
-                60.0,
-                "partition assignment",
-            )
-        await collector.start()
-        # Collect while producing, so each result is timestamped when it arrives.
-        collecting = asyncio.create_task(
-            collector.collect(
-                lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
-            )
-        )
-        produced = await produce_all(
-            broker.bootstrap,
-            topics["requests"],
-            encode_samples(samples),
-            partition_of=lambda i: i % opts.partitions,
-            rate=opts.rate,
-        )
-        sent_at = {p.key: p.sent_at for p in produced}
-        ok = await collecting
-        if not ok:
-            print(f"  {mode}: timed out; worker log:\n{worker.log_tail()}", file=sys.stderr)
-        if mode == "worker":
-            m = worker.metrics()
-            stats.mean_batch_size = mean_batch_size(m)
-            stats.batches = int(m.get("infer_batch_size_count", 0))
-            stats.worker_exit = await asyncio.to_thread(worker.terminate)
-        else:
-            stats.worker_exit = await asyncio.to_thread(worker.proc.wait, 60)
+        produced = await _send_and_collect(worker, collector, topics, samples, opts, mode)
+        await _stop(worker, stats, mode)
     finally:
         worker.kill()
         await collector.stop()
+    _score(stats, collector, topics, samples, produced)
+    offsets = await committed_offsets(broker.bootstrap, group, topics["requests"], opts.partitions)
+    stats.committed = sum(max(0, o) for o in offsets.values())
+    return stats
 
+
+async def _send_and_collect(
+    worker: WorkerProcess,
+    collector: Collector,
+    topics: dict[str, str],
+    samples: list[Sample],
+    opts: DemoOptions,
+    mode: str,
+) -> list[Produced]:
+    """Produce the samples while collecting, so each result is timestamped when
+    it arrives (the worker first owns every partition: no rebalance mid-run)."""
+    if mode == "worker":
+        await asyncio.to_thread(
+            worker.wait_until,
+            lambda m: m.get("infer_assigned_partitions", 0) >= opts.partitions,
+            60.0,
+            "partition assignment",
+        )
+    await collector.start()
+    collecting = asyncio.create_task(
+        collector.collect(
+            lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
+        )
+    )
+    produced = await produce_all(
+        collector.bootstrap,
+        topics["requests"],
+        encode_samples(samples),
+        partition_of=lambda i: i % opts.partitions,
+        rate=opts.rate,
+    )
+    if not await collecting:
+        print(f"  {mode}: timed out; worker log:\n{worker.log_tail()}", file=sys.stderr)
+    return produced
+
+
+async def _stop(worker: WorkerProcess, stats: RunStats, mode: str) -> None:
+    if mode == "worker":
+        m = worker.metrics()
+        stats.mean_batch_size = mean_batch_size(m)
+        stats.batches = int(m.get("infer_batch_size_count", 0))
+        stats.worker_exit = await asyncio.to_thread(worker.terminate)
+    else:
+        stats.worker_exit = await asyncio.to_thread(worker.proc.wait, 60)
+
+
+def _score(
+    stats: RunStats,
+    collector: Collector,
+    topics: dict[str, str],
+    samples: list[Sample],
+    produced: list[Produced],
+) -> None:
+    """Answers, accuracy, throughput and latency from what was collected."""
     results = collector.records[topics["results"]]
     stats.dlq = collector.count(topics["dlq"])
     stats.received = len(results) + stats.dlq
+    sent_at = {p.key: p.sent_at for p in produced}
     latencies = []
     labels = {s.id: s.label for s in samples}
     for rec in results:
@@ -245,9 +274,6 @@ async def _run_once(
     if latencies:
         p50, p95, p99 = np.percentile(np.array(latencies) * 1000, [50, 95, 99])
         stats.p50_ms, stats.p95_ms, stats.p99_ms = float(p50), float(p95), float(p99)
-    offsets = await committed_offsets(broker.bootstrap, group, topics["requests"], opts.partitions)
-    stats.committed = sum(max(0, o) for o in offsets.values())
-    return stats
 
 
 def _print_stats(s: RunStats, offline: int) -> None:

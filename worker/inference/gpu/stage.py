@@ -56,6 +56,17 @@ from worker.streams import end_of_stream
 log = structlog.get_logger(__name__)
 
 
+def _check_sizes(engine: GpuEngine, model: ModelConfig, max_batch_size: int, slots: int) -> None:
+    if max_batch_size > engine.max_batch_size:
+        raise ConfigError(
+            f"batching.max_batch_size ({max_batch_size}) exceeds the engine's "
+            f"maximum batch ({engine.max_batch_size})"
+        )
+    if slots < 1:
+        raise ConfigError("gpu.num_slots: must be >= 1")
+    check_engine_input(engine, model)
+
+
 class GpuInferenceStage:
     def __init__(
         self,
@@ -73,14 +84,7 @@ class GpuInferenceStage:
         """Allocates every slot now (start-up, not the hot path); may take a while
         (kernel compilation, engine contexts): construct it off the event loop."""
         gpu = gpu or GpuConfig()
-        if max_batch_size > engine.max_batch_size:
-            raise ConfigError(
-                f"batching.max_batch_size ({max_batch_size}) exceeds the engine's "
-                f"maximum batch ({engine.max_batch_size})"
-            )
-        if num_slots < 1:
-            raise ConfigError("gpu.num_slots: must be >= 1")
-        check_engine_input(engine, model)
+        _check_sizes(engine, model, max_batch_size, num_slots)
         self._cupy = import_cupy()
         self._source = source
         self._sink = sink
