@@ -15,7 +15,7 @@ from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from worker.contract import ErrorInfo, Request, Source
+from worker.contract import EncodedImage, ErrorInfo, Request, Source
 from worker.errors import RecordError
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
@@ -39,6 +39,7 @@ class Job:
     deadline: float | None  # monotonic: the earlier of deadline_ms and the record-age limit
     request: Request | None = None
     image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
+    encoded: EncodedImage | None = None  # an image file, until decoded into ``image``
     failure: RecordError | None = None  # answered without inference when set
     raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)

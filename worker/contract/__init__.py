@@ -8,6 +8,7 @@ decoded defensively under ``limits``), ``results`` (output records), and
 both would let a record choose what code runs or what objects get built.
 """
 
+from worker.contract.encoded import EncodedImage, sniff_format
 from worker.contract.images import check_image
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.requests import Request, decode_request, encode_request
@@ -28,6 +29,7 @@ __all__ = [
     "DTYPES",
     "ERROR_CODES",
     "SUPPORTED_VERSIONS",
+    "EncodedImage",
     "ErrorInfo",
     "Limits",
     "ModelInfo",
@@ -41,4 +43,5 @@ __all__ = [
     "encode_ok_result",
     "encode_request",
     "encode_result",
+    "sniff_format",
 ]

@@ -1,40 +1,73 @@
-"""The model's image input, as the contract allows it: uint8 ``[H, W, C]``.
+"""The model's image input, as the contract allows it: a uint8 ``[H, W, C]``
+tensor, or an image file (JPEG, PNG, WebP) as a msgpack bin.
 
 Checked once per request at intake, before any engine work, against the model's
 channel count and the pixel limit, so a bad image is answered with an error
-result naming the field instead of failing a whole batch later.
+result naming the field instead of failing a whole batch later. For a file only
+the header is read here (dimensions first: a 20 KB PNG that claims 40000x40000
+is refused without allocating its pixels); decoding happens later, off the
+event loop (``worker.inference.decode``).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import io
 
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from worker.contract.encoded import EncodedImage
 from worker.contract.requests import Request
 from worker.errors import InvalidRequest, TensorTooLarge
 
 
-def check_image(request: Request, input_name: str, channels: int, max_pixels: int) -> np.ndarray:
-    """Validate the model input of one request; returns the image as a read-only
-    uint8 [H, W, C] view (no copy)."""
-    tensor = request.inputs.get(input_name)
+def check_image(
+    request: Request, input_name: str, channels: int, max_pixels: int
+) -> np.ndarray | EncodedImage:
+    """Validate the model input of one request; returns a tensor as a read-only
+    uint8 [H, W, C] view (no copy), or a file whose header passed the checks."""
+    value = request.inputs.get(input_name)
 
     def bad(message: str, cls: type[InvalidRequest] = InvalidRequest) -> InvalidRequest:
         return cls(message, request_id=request.id, meta=request.meta)
 
-    if tensor is None:
+    if value is None:
         names = ", ".join(sorted(request.inputs)) or "none"
         raise bad(f"inputs.{input_name}: missing (got {names})")
     field = f"inputs.{input_name}"
-    if tensor.dtype != "uint8":
-        raise bad(f"{field}.dtype: expected uint8, got {tensor.dtype}")
-    shape = tensor.shape
+    if isinstance(value, EncodedImage):
+        problem = header_problem(value, max_pixels)
+        if problem is not None:
+            message, too_large = problem
+            raise bad(f"{field}: {message}", TensorTooLarge if too_large else InvalidRequest)
+        return value
+    if value.dtype != "uint8":
+        raise bad(f"{field}.dtype: expected uint8, got {value.dtype}")
+    shape = value.shape
     if len(shape) == 2 and channels == 1:
         shape = (*shape, 1)
     if len(shape) != 3 or shape[2] != channels:
-        raise bad(f"{field}.shape: expected [H, W, {channels}], got {list(tensor.shape)}")
+        raise bad(f"{field}.shape: expected [H, W, {channels}], got {list(value.shape)}")
     h, w, _ = shape
     if h < 1 or w < 1:
         raise bad(f"{field}.shape: height and width must be >= 1")
     if h * w > max_pixels:
         raise bad(f"{field}: {h}x{w} exceeds {max_pixels} pixels", TensorTooLarge)
-    return tensor.to_numpy().reshape(shape)
+    return value.to_numpy().reshape(shape)
+
+
+def header_problem(image: EncodedImage, max_pixels: int) -> tuple[str, bool] | None:
+    """What is wrong with the file's header (message, whether it is too large), or
+    None. Reads the header only: no pixel is decoded."""
+    try:
+        with Image.open(io.BytesIO(image.data)) as im:
+            w, h = im.size
+    except Image.DecompressionBombError as exc:
+        return f"{image.format} exceeds {max_pixels} pixels ({exc})", True
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        return f"{image.format} header cannot be read: {exc}", False
+    if h < 1 or w < 1:
+        return f"{image.format} of {w}x{h} pixels", False
+    if h * w > max_pixels:
+        return f"{image.format} of {h}x{w} exceeds {max_pixels} pixels", True
+    return None

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker.contract.encoded import EncodedImage, sniff_format
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.tensors import Tensor, decode_tensor
 from worker.contract.wire import (
@@ -29,7 +30,7 @@ from worker.contract.wire import (
     unpack_map,
     versions_text,
 )
-from worker.errors import InvalidRequest, RecordTooLarge, UndecodableRecord
+from worker.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Request:
 
     v: int
     id: str
-    inputs: Mapping[str, Tensor]
+    inputs: Mapping[str, Tensor | EncodedImage]
     deadline_ms: int | None = None
     meta: Mapping[str, Any] | None = None
 
@@ -90,7 +91,10 @@ def encode_request(req: Request) -> bytes:
     wire: dict[str, Any] = {
         "v": req.v,
         "id": req.id,
-        "inputs": {name: t.to_wire() for name, t in req.inputs.items()},
+        "inputs": {
+            name: t.data if isinstance(t, EncodedImage) else t.to_wire()
+            for name, t in req.inputs.items()
+        },
     }
     if req.deadline_ms is not None:
         wire["deadline_ms"] = int(req.deadline_ms)
@@ -132,7 +136,7 @@ def _decode_deadline(obj: dict[str, Any]) -> int | None:
     return int(d)
 
 
-def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor]:
+def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor | EncodedImage]:
     if "inputs" not in obj:
         raise InvalidRequest("inputs: missing")
     raw_inputs = obj["inputs"]
@@ -142,12 +146,32 @@ def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor]:
         raise InvalidRequest(
             f"inputs: expected 1 to {limits.max_inputs} tensors, got {len(raw_inputs)}"
         )
-    inputs: dict[str, Tensor] = {}
+    inputs: dict[str, Tensor | EncodedImage] = {}
     for name, raw in raw_inputs.items():
         if not isinstance(name, str):
             raise InvalidRequest(f"inputs: tensor names must be str, got {kind(name)}")
-        inputs[name] = decode_tensor(raw, f"inputs.{short_name(name)}", limits)
+        path = f"inputs.{short_name(name)}"
+        if isinstance(raw, bytes):
+            inputs[name] = _decode_encoded(raw, path, limits)
+        else:
+            inputs[name] = decode_tensor(raw, path, limits)
     return inputs
+
+
+def _decode_encoded(raw: bytes, path: str, limits: Limits) -> EncodedImage:
+    """A bin input is an image file: JPEG, PNG or WebP by its magic bytes."""
+    if len(raw) > limits.max_tensor_bytes:
+        raise TensorTooLarge(
+            f"{path}: encoded image of {len(raw)} bytes; the limit is {limits.max_tensor_bytes}"
+        )
+    fmt = sniff_format(raw)
+    if fmt is None:
+        raise InvalidRequest(
+            f"{path}: bin is not a JPEG, PNG or WebP file (starts with "
+            f"{raw[:8].hex() or 'nothing'}); send an image file or a tensor map "
+            "{dtype, shape, data}"
+        )
+    return EncodedImage(fmt, raw)
 
 
 def _id_problem(raw: object, limits: Limits) -> str | None:

@@ -80,7 +80,8 @@ class Tensor:
 def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
     if not isinstance(raw, dict):
         raise InvalidRequest(
-            f"{path}: expected a tensor map {{dtype, shape, data}}, got {kind(raw)}"
+            f"{path}: expected a tensor map {{dtype, shape, data}} or an image file (bin), "
+            f"got {kind(raw)}"
         )
     for key in TENSOR_FIELDS:
         if key not in raw:

@@ -22,6 +22,7 @@ from worker import metrics
 from worker.config import ModelConfig
 from worker.engines import Engine
 from worker.errors import ConfigError, InferenceFailed, WorkerError
+from worker.inference.decode import decode_pending
 from worker.inference.postprocess import postprocess
 from worker.inference.preprocess import batch_shape, preprocess_into
 from worker.inference.triage import (
@@ -96,6 +97,13 @@ class InferenceStage:
 
     async def run_batch(self, batch: Batch[Job]) -> Completed:
         completed, runnable = triage(batch, time.monotonic())
+        if any(a.job.encoded is not None for a in runnable):
+            loop = asyncio.get_running_loop()
+            pp, name = self._model.preprocess, self._model.input
+            runnable = await loop.run_in_executor(
+                self._pool, decode_pending, runnable, pp.channels, name
+            )
+            completed.engine_rows = len(runnable)
         if not runnable:
             return completed
         buf = await self._buffers.get()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from worker import metrics
 from worker.config import LimitsConfig, ModelConfig
-from worker.contract import Limits, check_image, decode_request
+from worker.contract import EncodedImage, Limits, check_image, decode_request
 from worker.errors import RecordError
 from worker.records import Job, TopicPartition
 
@@ -55,12 +55,16 @@ class JobFactory:
             request = decode_request(value, self._codec_limits)
             job.request = request
             self._set_deadline(job, request.deadline_ms, timestamp_ms)
-            job.image = check_image(
+            image = check_image(
                 request,
                 self._model.input,
                 self._model.preprocess.channels,
                 self._limits.max_image_pixels,
             )
+            if isinstance(image, EncodedImage):
+                job.encoded = image  # decoded off the event loop, in the inference stage
+            else:
+                job.image = image
         except RecordError as exc:
             job.failure = exc
             job.raw_value = value

@@ -16,6 +16,7 @@ import pytest
 from worker.contract import (
     DTYPES,
     ERROR_CODES,
+    EncodedImage,
     ErrorInfo,
     ModelInfo,
     Request,
@@ -74,6 +75,9 @@ REQUESTS = {
         },
         deadline_ms=1_700_000_000_000,
         meta={"trace": "abc", "blob": b"\x00\x01", "nested": {"k": [1, 2.5, None]}},
+    ),
+    "image file": Request(
+        v=1, id="f", inputs={"image": EncodedImage("jpeg", b"\xff\xd8\xff\xe0 a jpeg file")}
     ),
 }
 

@@ -46,6 +46,7 @@ from worker.contract import ErrorInfo
 from worker.engines.base import GpuEngine
 from worker.engines.cuda import event_completed, import_cupy, translate_gpu_error
 from worker.errors import ConfigError, EngineDead, WorkerError
+from worker.inference.decode import decode_pending
 from worker.inference.gpu.launch import Launcher
 from worker.inference.gpu.plan import check_engine_input, postprocess_plan
 from worker.inference.gpu.slots import Allocations, Slot, SlotLayout, SlotRing
@@ -92,6 +93,8 @@ class GpuInferenceStage:
         self._device = gpu.device
         self._max_rows = max_batch_size
         self._max_attempts = max_attempts
+        self._channels = model.preprocess.channels
+        self._input_name = model.input
         self._report = report_service_time(on_service_time)
         self._poll_interval_s = gpu.poll_interval_ms / 1000.0
         self._batch_timeout_s = gpu.batch_timeout_ms / 1000.0
@@ -219,6 +222,13 @@ class GpuInferenceStage:
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
             completed, runnable = triage(batch, time.monotonic())
+            if any(a.job.encoded is not None for a in runnable):
+                # Decoded on the host for now (nvJPEG on the slot's stream is not
+                # built yet): on the stage's threads, then staged like a tensor.
+                loop = asyncio.get_running_loop()
+                runnable = await loop.run_in_executor(
+                    self._pool, decode_pending, runnable, self._channels, self._input_name
+                )
             runnable = self._reject_oversized(runnable)
             completed.engine_rows = len(runnable)
             if runnable:
