@@ -646,7 +646,10 @@ INVALID: list[tuple[dict[str, Any], str]] = [
         "inputs: expected 1 to 8 tensors, got 9",
     ),
     (request_wire(inputs={b"image": tensor_wire(IMAGE)}), "inputs: tensor names must be str"),
-    (request_wire(inputs={"image": IMAGE.tobytes()}), "inputs.image: bin is not a JPEG, PNG or WebP file"),
+    (
+        request_wire(inputs={"image": IMAGE.tobytes()}),
+        "inputs.image: bin is not a JPEG, PNG or WebP file",
+    ),
     # tensor fields
     (image_wire(dtype=DROP), "inputs.image.dtype: missing"),
     (image_wire(shape=DROP), "inputs.image.shape: missing"),
