@@ -10,18 +10,25 @@ PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-demo: $(BIN)/python
+# Installs are stamped: a rerun installs again only when pyproject.toml changed
+# (the install is editable, so source edits need none).
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(PIP) -e '.[embedded]'
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(PIP) -e '.[embedded,dev]'
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	$(BIN)/infer-worker demo
 
-test: $(BIN)/python
-	$(PIP) -e '.[embedded,dev]'
+test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-bench: $(BIN)/python
-	$(PIP) -e '.[embedded]'
+bench: $(VENV)/.installed-demo
 	$(BIN)/infer-worker bench --repeat 20
 
 clean:

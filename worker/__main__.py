@@ -1,73 +1,106 @@
-"""Command line: ``infer-worker run | demo | bench | config | verify | build-engine``.
-
-settings -> logging -> asyncio.run; nothing else happens at import time.
-"""
+"""Command line: ``infer-worker run | produce | consume | demo | bench | config |
+verify | build-engine``. Nothing but argument parsing happens at import time."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
-import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from worker import __version__, logs
-from worker.config import Settings, load_settings, redacted
+from worker.config import KafkaConfig, Settings, load_settings, redacted
 from worker.errors import ConfigError, WorkerError
 
 log = structlog.get_logger("worker")
 
+DESCRIPTION = """\
+Serve a model to a Kafka stream: requests (msgpack: an image tensor or an image
+file) are read from input topics, batched, run, and answered on an output topic;
+records that cannot be answered go to a dead-letter topic. Input offsets are
+committed only after the answers were acknowledged by the broker."""
 
-async def serve(settings: Settings) -> int:
-    """Run one worker until SIGTERM/SIGINT (drain, commit, leave) or a fatal error.
+EPILOG = """\
+first steps, without Docker or Kafka (each in its own terminal):
+  infer-worker run --embedded       embedded broker + topics + a worker
+  infer-worker produce --samples 3  send 3 bundled digits, print their answers
+  infer-worker produce digit.png    send your own image (JPEG, PNG, WebP, .npy)
 
-    A second signal abandons the drain: in-flight work is not committed and will
-    be redelivered to the group.
-    """
-    from worker.pipeline.worker import Worker
+more:
+  infer-worker demo                          end-to-end self-check, prints a summary
+  infer-worker run --config worker.toml      serve against your Kafka
+  infer-worker verify --config worker.toml   were all requests answered?
 
-    if settings.metrics.port:
-        from worker.metrics import serve_http
+settings: a TOML file (--config) and/or INFER_WORKER_<SECTION>__<KEY> variables,
+e.g. INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS=kafka:9092; `infer-worker config`
+prints the result."""
 
-        serve_http(settings.metrics.port, settings.metrics.host)
+RUN_DESCRIPTION = """\
+Serve the configured model until SIGTERM or Ctrl-C, then drain: stop fetching,
+finish in-flight batches, await acknowledgements, commit and leave the group
+(within shutdown.drain_timeout_ms; a second signal gives up draining).
 
-    loop = asyncio.get_running_loop()
-    signals = 0
-    stop_requested = asyncio.Event()
-    worker = Worker(settings)
+Without --config, the built-in defaults apply (Kafka at localhost:9092, topics
+infer.requests -> infer.results, errors to infer.dlq, the bundled digits model
+on the CPU), each overridable by an INFER_WORKER_<SECTION>__<KEY> variable. The
+input topics must exist (--embedded creates them).
 
-    def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        log.info("signal", signal=signal.Signals(signum).name, count=signals)
-        stop_requested.set()
-        if signals > 1:
-            worker.abandon()
+exit status: 0 drained and stopped; 1 a stage failed (engine dead, delivery
+failed for good, failure budget exceeded); 2 a configuration error (the message
+names the setting) or a stop without draining."""
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
 
-    await worker.start()
-    waiter = asyncio.ensure_future(worker.wait())
-    stopper = asyncio.ensure_future(stop_requested.wait())
-    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    stopper.cancel()
-    drained = await worker.stop()
-    if worker.failure is not None:
-        log.error("worker_failed", error=repr(worker.failure))
-        return 1
-    return 0 if drained and signals <= 1 else 2
+def _kafka_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file to take Kafka settings and topics from")
+    parser.add_argument(
+        "--bootstrap-servers", help="host:port (default: the config's, else localhost:9092)"
+    )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(args.config)
+    if getattr(args, "bootstrap_servers", None):
+        kafka = dataclasses.replace(settings.kafka, bootstrap_servers=args.bootstrap_servers)
+        settings = dataclasses.replace(settings, kafka=kafka)
+    return settings
+
+
+# --- commands ------------------------------------------------------------------------
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     logs.configure(settings.logging)
-    log.info("starting", version=__version__, config=args.config)
+    log.info("starting", version=__version__, config=args.config, embedded=args.embedded)
+    if args.embedded:
+        from worker.tools.local import run_embedded
+
+        return run_embedded(settings, args.partitions)
+    from worker.pipeline.service import serve
+
     return asyncio.run(serve(settings))
+
+
+def _cmd_produce(args: argparse.Namespace) -> int:
+    from worker.tools.client import run_produce
+
+    s = _settings(args)
+    topic = args.topic or s.kafka.input_topics[0]
+    kafka = dataclasses.replace(s.kafka, input_topics=(topic,))
+    return run_produce(
+        kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json
+    )
+
+
+def _cmd_consume(args: argparse.Namespace) -> int:
+    from worker.tools.client import run_consume
+
+    kafka: KafkaConfig = _settings(args).kafka
+    return run_consume(kafka, args.id, args.timeout, args.json)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -110,70 +143,166 @@ def _cmd_build_engine(args: argparse.Namespace) -> int:
     return build_engine.run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infer-worker", description=__doc__)
-    parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# --- parsers -------------------------------------------------------------------------
 
-    run = sub.add_parser("run", help="serve the configured model to Kafka until SIGTERM")
-    run.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")
-    run.set_defaults(func=_cmd_run)
 
-    cfg = sub.add_parser("config", help="print the effective configuration (secrets masked)")
-    cfg.add_argument("--config", help="TOML file")
-    cfg.set_defaults(func=_cmd_config)
+def _add(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    description: str,
+    func: Callable[[argparse.Namespace], int],
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=func)
+    return parser
 
-    for name, func, helptext, repeat in (
-        ("demo", _cmd_demo, "embedded broker + worker + labelled samples; prints a summary", 10),
+
+def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _add(
+        sub, "run", "serve the model to Kafka until SIGTERM / Ctrl-C", RUN_DESCRIPTION, _cmd_run,
+        epilog="examples:\n  infer-worker run --embedded\n"
+        "  INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS=kafka:9092 infer-worker run\n"
+        "  infer-worker run --config worker.toml",
+    )  # fmt: skip
+    p.add_argument("--config", help="TOML file (INFER_WORKER_* variables override it)")
+    p.add_argument(
+        "--embedded",
+        action="store_true",
+        help="also start the embedded broker (localhost:9092, or a free port it names) "
+        "and create the configured topics; for trying the worker without Kafka",
+    )
+    p.add_argument(
+        "--partitions",
+        type=int,
+        default=4,
+        help="with --embedded: partitions of the input and output topics (default 4)",
+    )
+
+
+def _client_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _add(
+        sub, "produce", "send images as requests and print their answers",
+        "Send image files (JPEG, PNG or WebP as they are; .npy arrays as uint8 tensors) "
+        "or bundled digit samples to the input topic, each with a unique id, then wait for "
+        "their answers and print them (top classes, or the error).",
+        _cmd_produce,
+        epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg",
+    )  # fmt: skip
+    p.add_argument("files", nargs="*", metavar="IMAGE", help="image files or .npy arrays")
+    p.add_argument("--samples", type=int, default=0, help="also send N bundled digit samples")
+    p.add_argument("--topic", help="input topic (default: the config's first input topic)")
+    p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    p.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    _kafka_flags(p)
+    c = _add(
+        sub, "consume", "print results as they arrive",
+        "Print the results on the output topic (from its beginning; no consumer group "
+        "is joined, nothing is committed) and the DLQ's records, until --timeout or Ctrl-C. "
+        "With --id, only those results, and exit once all have arrived (1 if some did not).",
+        _cmd_consume,
+        epilog="examples:\n  infer-worker consume --timeout 10\n"
+        "  infer-worker consume --id sample-0-1a2b3c4d --timeout 30",
+    )  # fmt: skip
+    c.add_argument("--id", action="append", default=[], help="wait for this request id")
+    c.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    c.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    _kafka_flags(c)
+
+
+def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, summary, description, repeat in (
+        (
+            "demo",
+            "end-to-end self-check on the bundled model",
+            "Start the embedded broker and one worker process, stream the bundled model's "
+            "held-out labelled digits (at 8x8, 16x16 and 24x24), read every answer back, and "
+            "check the accuracy equals the model's offline accuracy and every offset was "
+            "committed. Exit 1 if anything is missing.",
+            10,
+        ),
         (
             "bench",
-            _cmd_demo,
-            "the demo, then a naive one-at-a-time baseline; prints the ratio",
+            "throughput and latency of the worker against a naive baseline",
+            "The demo's run, then the same requests through a naive one-at-a-time loop "
+            "(bench/naive.py of a repository checkout: run this from there), and the ratio. "
+            "For the backlog drain against the ingest ceiling see bench/drain.py.",
             20,
         ),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = _add(
+            sub, name, summary, description, _cmd_demo,
+            epilog=f"examples:\n  infer-worker {name}\n"
+            f"  infer-worker {name} --rate 300\n"
+            f"  infer-worker {name} --set batching.max_batch_size=16",
+        )  # fmt: skip
         p.add_argument(
-            "--repeat",
-            type=int,
-            default=repeat,
-            help="send the held-out sample set this many times (at varying sizes)",
-        )
+            "--repeat", type=int, default=repeat,
+            help=f"send the held-out sample set this many times (default {repeat})",
+        )  # fmt: skip
         p.add_argument("--partitions", type=int, default=4, help="input topic partitions")
         p.add_argument(
-            "--rate",
-            type=float,
-            default=0.0,
+            "--rate", type=float, default=0.0,
             help="requests per second (default: as fast as possible)",
-        )
+        )  # fmt: skip
         p.add_argument("--json", help="also write the summary as JSON to this file")
         p.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="SECTION.KEY=VALUE",
+            "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
             help="worker setting for this run, e.g. batching.max_batch_size=16",
-        )
-        p.set_defaults(func=func)
+        )  # fmt: skip
 
-    from worker.tools import verify
 
-    ver = sub.add_parser(
-        "verify",
-        help="read input, output and DLQ topics; report lost, duplicated and reordered answers",
-    )
+def _tool_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cfg = _add(
+        sub, "config", "print the effective configuration (secrets masked)",
+        "Print the settings the worker would run with: defaults, then --config, then "
+        "INFER_WORKER_* variables, as JSON with secrets masked.",
+        _cmd_config,
+    )  # fmt: skip
+    cfg.add_argument("--config", help="TOML file")
+
+    from worker.tools import build_engine, verify
+
+    ver = _add(
+        sub, "verify", "report lost, duplicated and reordered answers",
+        "Read the input, output and DLQ topics from the beginning (no consumer group) and "
+        "report, per input partition, requests without an answer, answered twice, or "
+        "answered out of order. Exit 0 all answered; 1 something lost (or duplicated "
+        "with --strict); 2 the check could not be made.",
+        verify.run,
+    )  # fmt: skip
     verify.add_arguments(ver)
-    ver.set_defaults(func=verify.run)
-
-    from worker.tools import build_engine
-
-    build = sub.add_parser(
-        "build-engine",
-        help="build a TensorRT plan from ONNX (optimisation profiles, precision, caches)",
-    )
+    build = _add(
+        sub, "build-engine", "build a TensorRT plan from ONNX (cached)",
+        "Build a TensorRT plan from an ONNX model with one optimisation profile per GPU "
+        "slot, at the given precision, cached under a key of the model, TensorRT version, "
+        "GPU, precision and batch range. Needs TensorRT 10 (exit 2 without it).",
+        _cmd_build_engine,
+    )  # fmt: skip
     build_engine.add_arguments(build)
-    build.set_defaults(func=_cmd_build_engine)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infer-worker",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _run_parser(sub)
+    _client_parsers(sub)
+    _demo_parsers(sub)
+    _tool_parsers(sub)
     return parser
 
 

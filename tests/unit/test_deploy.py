@@ -51,3 +51,14 @@ def test_dockerfile_copies_existing_paths() -> None:
         if line.startswith("COPY") and "--from" not in line:
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), src
+
+
+def test_a_configuration_error_does_not_restart_for_ever() -> None:
+    """Exit 2 means the settings are wrong: a plain ``on-failure`` loops for ever."""
+    restart = compose()["services"]["worker"]["restart"]
+    assert restart.startswith("on-failure:") and int(restart.split(":")[1]) <= 5
+
+
+def test_dockerignore_keeps_the_virtualenv_out_of_the_build_context() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv/" in ignored and ".git/" in ignored

@@ -45,6 +45,15 @@ def tansu_binary() -> Path:
     return path
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -61,6 +70,7 @@ class EmbeddedBroker:
         self._startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="tansu-", suffix=".log", delete=False)  # noqa: SIM115
+        self._keep_log = False  # kept only when the broker failed, for its message
 
     @property
     def bootstrap(self) -> str:
@@ -97,6 +107,7 @@ class EmbeddedBroker:
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                self._keep_log = True
                 raise BrokerError(
                     f"tansu exited with {self._proc.returncode} at start; log: {self.log_path}"
                 )
@@ -105,20 +116,24 @@ class EmbeddedBroker:
                     return self
             except OSError:
                 time.sleep(0.01)
+        self._keep_log = True
         self.stop()
-        raise BrokerError(f"tansu not accepting connections on {self.bootstrap}")
+        raise BrokerError(
+            f"tansu not accepting connections on {self.bootstrap}; log: {self.log_path}"
+        )
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._log.close()
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if not self._keep_log:
+            Path(self._log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

@@ -319,10 +319,14 @@ def _attach_timing_cache(config: Any, timing_cache: Path | None) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("onnx", type=Path, help="the ONNX model (FP32)")
     parser.add_argument("--out-dir", type=Path, default=Path("engines"), help="plan cache dir")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp16")
-    parser.add_argument("--min-batch", type=int, default=1)
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp16", help="default fp16; int8 needs samples"
+    )
+    parser.add_argument("--min-batch", type=int, default=1, help="smallest batch (default 1)")
     parser.add_argument("--opt-batch", type=int, default=None, help="default: --max-batch")
-    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument(
+        "--max-batch", type=int, default=64, help="largest batch (batching.max_batch_size)"
+    )
     parser.add_argument(
         "--profiles", type=int, default=4, help="optimization profiles = GPU slots it serves"
     )
@@ -332,8 +336,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timing-cache", type=Path, default=None, help="default: OUT_DIR/timing.cache"
     )
-    parser.add_argument("--workspace-mb", type=int, default=4096)
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument(
+        "--workspace-mb", type=int, default=4096, help="builder workspace (default 4096 MiB)"
+    )
+    parser.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     parser.add_argument(
         "--config", type=Path, default=None, help="worker TOML whose [model.preprocess] to use"
     )
