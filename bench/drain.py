@@ -94,6 +94,7 @@ async def drain_worker(
     group: str,
     extra_env: dict[str, str],
     package_dir: str | None = None,
+    procs: int = 1,
 ) -> Drain:
     collector = Collector(bootstrap, [topics["results"]])
     await collector.start()
@@ -107,6 +108,7 @@ async def drain_worker(
         # ``python -m`` puts the working directory first on sys.path: another
         # version of the package must be put in front of it explicitly.
         argv=None if package_dir is None else [sys.executable, "-c", _RUN_FROM.format(package_dir)],
+        command=("run", "--procs", str(procs)),
     )
     try:
         ok = await collector.collect(lambda c: c.count() >= n, 600.0)
@@ -160,6 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     d = await drain_worker(
                         broker.bootstrap, topics, len(records), f"{name}{i}", env,
                         baseline_path if name == "baseline" else None,
+                        1 if name == "baseline" else args.procs,
                     )  # fmt: skip
                     d.name = name
                 runs[name].append(d)
@@ -170,6 +173,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     summary: dict[str, object] = {
         "records": len(records),
         "partitions": args.partitions,
+        "procs": args.procs,
         "env": env,
         "ceiling_rec_s": [round(d.rate) for d in runs["ceiling"]],
         "worker_rec_s": [round(d.rate) for d in runs["worker"]],
@@ -207,6 +211,7 @@ def main() -> int:
         metavar="INFER_WORKER_X=V",
         help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_BATCH_SIZE=128",
     )
+    parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()

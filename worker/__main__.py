@@ -76,10 +76,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     logs.configure(settings.logging)
     log.info("starting", version=__version__, config=args.config, embedded=args.embedded)
+    if args.procs < 1:
+        raise ConfigError(f"--procs: must be >= 1, got {args.procs}")
     if args.embedded:
         from worker.tools.local import run_embedded
 
-        return run_embedded(settings, args.partitions)
+        return run_embedded(settings, args.partitions, args.procs, args.config)
+    if args.procs > 1:
+        from worker.pipeline.supervisor import supervise
+
+        return supervise(settings, args.procs, args.config)
     from worker.pipeline.service import serve
 
     return asyncio.run(serve(settings))
@@ -170,7 +176,7 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         sub, "run", "serve the model to Kafka until SIGTERM / Ctrl-C", RUN_DESCRIPTION, _cmd_run,
         epilog="examples:\n  infer-worker run --embedded\n"
         "  INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS=kafka:9092 infer-worker run\n"
-        "  infer-worker run --config worker.toml",
+        "  infer-worker run --config worker.toml --procs 4",
     )  # fmt: skip
     p.add_argument("--config", help="TOML file (INFER_WORKER_* variables override it)")
     p.add_argument(
@@ -178,6 +184,13 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="store_true",
         help="also start the embedded broker (localhost:9092, or a free port it names) "
         "and create the configured topics; for trying the worker without Kafka",
+    )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="worker processes in the group, on this host (default 1); metrics on "
+        "metrics.port + i. One process uses about one core for its per-record work",
     )
     p.add_argument(
         "--partitions",

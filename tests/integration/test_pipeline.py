@@ -280,3 +280,53 @@ async def test_stale_backlog_is_answered_without_engine_time(
             assert res.status == "ok", res.error
     assert metrics['infer_expired_total{rule="max_record_age"}'] == 10
     assert metrics["infer_batch_size_sum"] == 10  # only the fresh records ran
+
+
+async def test_procs_runs_one_group_of_members_and_stops_them_together(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    """``run --procs 2``: two members share the partitions, every request is
+    answered once, and one SIGTERM drains both (exit 0)."""
+    from worker.tools.processes import scrape
+
+    n, parts = 400, 4
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: 1, names["dlq"]: 1}
+    )
+    w = spawn_worker(
+        broker.bootstrap,
+        input_topics=[names["requests"]],
+        output_topic=names["results"],
+        dlq_topic=names["dlq"],
+        group_id=names["group"],
+        command=("run", "--procs", "2"),
+    )
+    try:
+
+        def assigned() -> list[float]:
+            out = []
+            for port in (w.metrics_port, w.metrics_port + 1):
+                try:
+                    out.append(scrape(port).get("infer_assigned_partitions", 0.0))
+                except OSError:
+                    out.append(0.0)
+            return out
+
+        deadline = time.monotonic() + 60
+        while sum(assigned()) < parts or 0 in assigned():
+            assert time.monotonic() < deadline, (assigned(), w.log_tail())
+            await asyncio.sleep(0.2)
+        await produce_all(
+            broker.bootstrap,
+            names["requests"],
+            [(f"k{i}".encode(), request_bytes(i)) for i in range(n)],
+            partition_of=lambda i: i % parts,
+        )
+        c = await collect(broker, [names["results"]], n)
+    finally:
+        code = w.terminate()
+    assert code == 0, w.log_tail()
+    ids = [r.result().id for r in c.records[names["results"]]]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(n))
+    committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], parts)
+    assert sum(committed.values()) == n

@@ -14,12 +14,13 @@ import sys
 
 from worker.config import Settings
 from worker.pipeline.service import serve
+from worker.pipeline.supervisor import supervise
 from worker.tools.broker import EmbeddedBroker, create_topics, port_is_free
 
 DEFAULT_PORT = 9092
 
 
-def run_embedded(settings: Settings, partitions: int) -> int:
+def run_embedded(settings: Settings, partitions: int, procs: int, config: str | None) -> int:
     k = settings.kafka
     port = DEFAULT_PORT if port_is_free(DEFAULT_PORT) else None
     with EmbeddedBroker(port=port) as broker:
@@ -31,6 +32,8 @@ def run_embedded(settings: Settings, partitions: int) -> int:
             settings, kafka=dataclasses.replace(k, bootstrap_servers=bootstrap)
         )
         _tell(settings, broker.port, partitions)
+        if procs > 1:
+            return supervise(settings, procs, config)
         return asyncio.run(serve(settings))
 
 
