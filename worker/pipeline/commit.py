@@ -82,7 +82,9 @@ class Committer:
         self._stopped = True
         self._wanted.set()
 
-    async def commit_now(self, only: Iterable[TopicPartition] | None = None) -> bool:
+    async def commit_now(
+        self, only: Iterable[TopicPartition] | None = None, timeout: float | None = None
+    ) -> bool:
         """Commit what is committable for owned partitions; True when nothing failed."""
         async with self._lock:
             owned = {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
@@ -96,7 +98,7 @@ class Committer:
                     self._consumer.commit(
                         {KafkaTP(tp.topic, tp.partition): off for tp, off in offsets.items()}
                     ),
-                    self._timeout,
+                    self._timeout if timeout is None else min(timeout, self._timeout),
                 )
             # CommitFailed, IllegalGeneration, broker unreachable...: retried later
             except (KafkaError, TimeoutError) as exc:

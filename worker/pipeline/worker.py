@@ -13,9 +13,8 @@ never hang silently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -251,33 +250,52 @@ class Worker:
             # by the whole drain timeout.
             timeout = 0.0
         started = time.monotonic()
+        deadline = started + timeout
+
+        def left(floor: float) -> float:
+            """What is left of the drain deadline, but at least ``floor`` seconds
+            for a step that must still be tried (a commit, closing sockets)."""
+            return max(floor, deadline - time.monotonic())
+
         _, pending = await asyncio.wait(self._pipeline, timeout=timeout)
         drained = not pending and self._failure is None
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        # Only acknowledged offsets are below the watermark, so this final commit
-        # is safe even when draining failed or timed out.
-        await stages.committer.commit_now()
+        # The commit loop may be waiting on a commit to an unreachable broker (a
+        # whole request timeout): cancel it; a commit either landed or did not.
         stages.committer.stop()
-        self._support[1].cancel()  # the broker probe
+        for task in self._support:  # the commit loop and the broker probe
+            task.cancel()
         await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
-        await self._close()
+        # Only acknowledged offsets are below the watermark, so this final commit
+        # is safe even when draining failed or timed out; bounded by the deadline.
+        await stages.committer.commit_now(timeout=left(0.5))
+        abandoned = 0 if drained else self.tracker.in_flight()
+        if abandoned:
+            # Read but not acknowledged: uncommitted, so the group reads them again.
+            log.warning("records_abandoned", records=abandoned, redelivered_to="the group")
+        await self._close(limit=left(1.0))
         log.info(
             "worker_stopped",
             drained=drained,
             drain_seconds=round(time.monotonic() - started, 3),
             uncommitted=self.tracker.in_flight(),
+            abandoned=abandoned,
         )
         return drained
 
-    async def _close(self) -> None:
-        """Close whatever was opened (idempotent; a half-started worker too)."""
+    async def _close(self, limit: float = 30.0) -> None:
+        """Close whatever was opened (idempotent; a half-started worker too), each
+        client within ``limit`` seconds: with the broker gone, leaving the group
+        and flushing the producer can otherwise wait for a request timeout."""
         stages = self._stages
         if stages is not None:
-            for closer in (stages.source.close, stages.sink.close):
-                with contextlib.suppress(Exception):
-                    await closer()
+            for name, closer in (
+                ("consumer", stages.source.close),
+                ("producer", stages.sink.close),
+            ):
+                await _close_within(name, closer, limit)
             await asyncio.to_thread(stages.infer.close)
             self._stages = None
         engine, self._engine = self._engine, None
@@ -302,3 +320,23 @@ class Worker:
             revoked, bound, lambda: self._failure is not None
         )
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
+
+
+async def _close_within(
+    name: str, closer: Callable[[], Coroutine[Any, Any, None]], limit: float
+) -> None:
+    """Run one client's close; failures and overruns are logged, never raised. A
+    CancelledError from inside the client (aiokafka's fetcher raises one while
+    it closes against an unreachable broker) is its failure, not ours, unless
+    this task itself is being cancelled."""
+    try:
+        await asyncio.wait_for(closer(), limit)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("close_interrupted", client=name)
+    except TimeoutError:
+        log.warning("close_timed_out", client=name, seconds=round(limit, 2))
+    except Exception as exc:  # boundary: whatever the client raises while closing
+        log.warning("close_failed", client=name, error=repr(exc))
