@@ -10,6 +10,7 @@ the tracker, which is what lets the committer move the watermark.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import structlog
@@ -279,7 +280,9 @@ class ResultSink:
                     )
             self._committer.notify()
             if failed:
-                await asyncio.sleep(backoff)
+                # Jittered: twenty workers that lost the broker together must not
+                # all come back to it in the same instant.
+                await asyncio.sleep(backoff * random.uniform(0.75, 1.25))
                 backoff = min(backoff * 2, 10.0)
         metrics.set_condition("delivery", True)
         log.info("delivery_recovered")

@@ -140,40 +140,101 @@ def build_engine(
     concurrently running execution contexts of a dynamic-shape engine use one
     profile each: the plan serves up to that many GPU slots (``gpu.num_slots``).
     """
-    from worker.engines.tensorrt import import_tensorrt, make_logger
+    from worker.engines.tensorrt import import_tensorrt
 
     trt = import_tensorrt()
-    import cupy
-
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     opt = max_batch if opt_batch is None else opt_batch
-    check_profile(min_batch, opt, max_batch)
-    if profiles < 1:
-        raise ConfigError(f"profiles must be >= 1, got {profiles}")
-    if precision == "int8" and calibration_npz is None:
-        raise ConfigError("int8 needs --calibration SAMPLES.npz")
+    batches = (min_batch, opt, max_batch)
+    _check_request(precision, batches, profiles, calibration_npz)
     pp = preprocess_cfg or PreprocessConfig()
-    key = EngineKey(
-        onnx_sha256=file_sha256(onnx_path),
-        tensorrt_version=str(trt.__version__),
-        gpu_name=gpu_name(device),
-        precision=precision,
-        min_batch=min_batch,
-        opt_batch=opt,
-        max_batch=max_batch,
-        profiles=profiles,
-        calibration_sha256=(
-            calibration_sha256(calibration_npz, pp)
-            if precision == "int8" and calibration_npz is not None
-            else None
-        ),
-    )
+    key = _engine_key(trt, onnx_path, precision, batches, profiles, calibration_npz, pp, device)
     digest = key.digest()
     plan_path = out_dir / f"{digest}.plan"
     if plan_path.is_file() and not force:
         log.info("engine_cache_hit", plan=str(plan_path))
         return plan_path
+
+    calibration = None
+    if precision == "int8":
+        assert calibration_npz is not None
+        calibration = _Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
+    plan = _build_serialized(
+        trt,
+        onnx_path,
+        key,
+        calibration=calibration,
+        timing_cache=timing_cache,
+        workspace_mb=workspace_mb,
+        device=device,
+    )
+    _write_plan(out_dir, key, onnx_path, plan)
+    log.info("engine_built", plan=str(plan_path))
+    return plan_path
+
+
+def _check_request(
+    precision: Precision,
+    batches: tuple[int, int, int],
+    profiles: int,
+    calibration_npz: Path | None,
+) -> None:
+    """Rejects what cannot build, before hashing the model or touching the GPU."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_profile(*batches)
+    if profiles < 1:
+        raise ConfigError(f"profiles must be >= 1, got {profiles}")
+    if precision == "int8" and calibration_npz is None:
+        raise ConfigError("int8 needs --calibration SAMPLES.npz")
+
+
+def _engine_key(
+    trt: Any,
+    onnx_path: Path,
+    precision: Precision,
+    batches: tuple[int, int, int],
+    profiles: int,
+    calibration_npz: Path | None,
+    preprocess_cfg: PreprocessConfig,
+    device: int,
+) -> EngineKey:
+    """The cache key of the plan these inputs would build."""
+    min_batch, opt_batch, max_batch = batches
+    return EngineKey(
+        onnx_sha256=file_sha256(onnx_path),
+        tensorrt_version=str(trt.__version__),
+        gpu_name=gpu_name(device),
+        precision=precision,
+        min_batch=min_batch,
+        opt_batch=opt_batch,
+        max_batch=max_batch,
+        profiles=profiles,
+        calibration_sha256=(
+            calibration_sha256(calibration_npz, preprocess_cfg)
+            if precision == "int8" and calibration_npz is not None
+            else None
+        ),
+    )
+
+
+def _build_serialized(
+    trt: Any,
+    onnx_path: Path,
+    key: EngineKey,
+    *,
+    calibration: _Calibration | None,
+    timing_cache: Path | None,
+    workspace_mb: int,
+    device: int,
+) -> bytes:
+    """Runs the TensorRT builder for ``key`` and returns the serialized plan; the
+    timing cache file, if given, is rewritten with what this build learned.
+
+    The plan is copied out of TensorRT's host memory here, while the builder,
+    network, parser and calibrator it came from are all still referenced."""
+    import cupy
+
+    from worker.engines.tensorrt import make_logger
 
     logger = make_logger(trt)
     with cupy.cuda.Device(device):
@@ -181,29 +242,30 @@ def build_engine(
         network, _parser, inp, dims = _parse_network(trt, builder, logger, onnx_path)
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
-        first_profile = _add_profiles(
-            builder, config, inp, dims, (min_batch, opt, max_batch), profiles
-        )
-        calibration = None
-        if precision == "int8":
-            assert calibration_npz is not None
-            calibration = _Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
+        batches = (key.min_batch, key.opt_batch, key.max_batch)
+        first_profile = _add_profiles(builder, config, inp, dims, batches, key.profiles)
         # Kept referenced until the build is done: TensorRT calls back into it.
         _calibrator = _set_precision(
-            trt, config, precision, inp, dims, first_profile, calibration, device
+            trt, config, key.precision, inp, dims, first_profile, calibration, device
         )
         cache = _attach_timing_cache(config, timing_cache)
-        log.info("engine_build_started", onnx=str(onnx_path), precision=precision, key=digest)
+        log.info(
+            "engine_build_started", onnx=str(onnx_path), precision=key.precision, key=key.digest()
+        )
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise ConfigError(f"TensorRT failed to build {onnx_path}: {logger.last_errors()}")
         if timing_cache is not None:
             atomic_write(timing_cache, bytes(memoryview(cache.serialize())))
-    atomic_write(plan_path, bytes(memoryview(serialized)))
+        return bytes(memoryview(serialized))
+
+
+def _write_plan(out_dir: Path, key: EngineKey, onnx_path: Path, plan: bytes) -> None:
+    """``<digest>.plan`` and, beside it, ``<digest>.json`` naming what it was built from."""
+    digest = key.digest()
+    atomic_write(out_dir / f"{digest}.plan", plan)
     meta = {**asdict(key), "key": digest, "onnx": str(onnx_path)}
     atomic_write(out_dir / f"{digest}.json", json.dumps(meta, indent=2).encode())
-    log.info("engine_built", plan=str(plan_path))
-    return plan_path
 
 
 def _parse_network(
