@@ -41,6 +41,10 @@ class KafkaConfig:
     output_topic: str = "infer.results"
     dlq_topic: str = "infer.dlq"
     group_id: str = "infer-worker"
+    # Static membership (KIP-345): a member restarting within session_timeout_ms
+    # keeps its partitions, so a rolling restart causes no rebalances. Unique per
+    # worker: set it from the pod name (e.g. "$(POD_NAME)"); empty = dynamic.
+    group_instance_id: str = ""
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     # OAUTHBEARER is not offered: it needs a token provider object, not a setting.
@@ -277,9 +281,12 @@ class ShutdownConfig:
 class MetricsConfig:
     port: int = 9108  # 0 disables the HTTP endpoint
     host: str = "0.0.0.0"
+    # /livez fails once the event loop has not ticked for this long.
+    liveness_timeout_ms: int = 10000
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "metrics.port", "must be 0..65535")
+        _check(self.liveness_timeout_ms > 0, "metrics.liveness_timeout_ms", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,23 @@ def configure(cfg: LoggingConfig) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    # aiokafka logs through stdlib logging: keep its warnings, in the same stream.
-    logging.basicConfig(
-        level=max(level, logging.WARNING),
-        stream=sys.stderr,
-        format="%(levelname)s %(name)s: %(message)s",
+    # aiokafka (and every other library) logs through the standard library: its
+    # records go through the same renderer, so the stream stays one JSON object
+    # per line in production. Libraries are kept at WARNING and above.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
     )
-
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.WARNING))
 
 class RateLimited:
     """Lets at most ``burst`` events through per ``interval`` seconds; the first

@@ -2,15 +2,23 @@
 
 Exposed in Prometheus text format on ``metrics.port`` (``/metrics``), which is also
 how the demo, the benchmarks and the tests read a worker process's counters. The
-same port answers ``/healthz`` (the process serves) and ``/ready`` (200 while the
-worker consumes and delivers normally, 503 while it starts, drains, or cannot
-deliver results), for Kubernetes probes and load balancers.
+same port answers, for Kubernetes probes and load balancers:
+
+* ``/livez`` (alias ``/healthz``): 200 while the event loop ticks; 503 once it
+  has not for ``metrics.liveness_timeout_ms`` (a stuck loop is not alive,
+  however well the HTTP thread still answers);
+* ``/readyz`` (alias ``/ready``): 200 while the worker consumes and delivers
+  normally, 503 while it starts, drains, cannot reach the broker or deliver.
+  A member that joined the group but was given no partition (more members than
+  partitions) is ready: it is a standby, and takes partitions on the next
+  rebalance.
 """
 
 from __future__ import annotations
 
 import errno
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
@@ -24,7 +32,12 @@ from prometheus_client import (
 
 from worker.errors import ConfigError
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# From 100 us: a GPU batch computes in a millisecond or two and must not land in
+# the first bucket.
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 RECORDS_CONSUMED = Counter("infer_records_consumed_total", "Records read from input topics")
@@ -42,6 +55,25 @@ RESULTS_PRODUCED = Counter(
 )
 DLQ_PRODUCED = Counter("infer_dlq_produced_total", "DLQ records acknowledged by the broker")
 BATCHES = Counter("infer_batches_total", "Batches sent to the engine", ["reason"])
+BUILD_INFO = Gauge(
+    "infer_build_info",
+    "Always 1; the labels say what runs (join other series on it for model and version)",
+    ["version", "model", "model_version", "backend", "device"],
+)
+QUEUE_SECONDS = Histogram(
+    "infer_queue_seconds",
+    "Per request: from its arrival in the worker to its batch being formed",
+    buckets=_LATENCY_BUCKETS,
+)
+RECORD_AGE_SECONDS = Histogram(
+    "infer_record_age_seconds",
+    "Per request: from the Kafka record's timestamp to its result's acknowledgement "
+    "(latency including lag and the producer's clock)",
+    buckets=_LATENCY_BUCKETS,
+)
+D2H_SECONDS = Histogram(
+    "infer_d2h_seconds", "GPU: device-to-host copy time per batch", buckets=_LATENCY_BUCKETS
+)
 BATCH_SIZE = Histogram("infer_batch_size", "Requests per engine batch", buckets=_SIZE_BUCKETS)
 INFER_SECONDS = Histogram(
     "infer_engine_seconds", "Engine run time per batch", buckets=_LATENCY_BUCKETS
@@ -99,6 +131,26 @@ def set_condition(name: str, ok: bool) -> None:
     READY.set(1 if ready else 0)
 
 
+# Liveness: the event loop ticks a monotonic timestamp; the HTTP thread judges it.
+_tick = [time.monotonic()]
+_live_timeout = [10.0]
+
+
+def loop_ticked() -> None:
+    """Called by the worker's event loop, about every second."""
+    _tick[0] = time.monotonic()
+
+
+def set_liveness_timeout(seconds: float) -> None:
+    _live_timeout[0] = seconds
+
+
+def _loop_stale() -> float | None:
+    """Seconds since the last tick when past the timeout, else None."""
+    age = time.monotonic() - _tick[0]
+    return age if age > _live_timeout[0] else None
+
+
 def conditions() -> dict[str, bool]:
     with _lock:
         return dict(_conditions)
@@ -109,9 +161,13 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-        elif path == "/healthz":
-            self._reply(200, b"ok\n")
-        elif path == "/ready":
+        elif path in ("/livez", "/healthz"):
+            stale = _loop_stale()
+            if stale is None:
+                self._reply(200, b"ok\n")
+            else:
+                self._reply(503, f"event loop has not ticked for {stale:.1f}s\n".encode())
+        elif path in ("/readyz", "/ready"):
             ok = _ready.is_set()
             failing = ", ".join(k for k, v in conditions().items() if not v)
             body = b"ready\n" if ok else f"not ready: {failing}\n".encode()

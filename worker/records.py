@@ -45,6 +45,7 @@ class Job:
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
     attempts: int = 0  # engine runs this request took part in that failed
     expiry: ExpiryRule | None = None  # which rule set ``deadline``
+    timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
 
     @property
     def source(self) -> Source:

@@ -18,3 +18,51 @@ def test_rate_limited_lets_a_burst_through_then_reports_what_it_held_back() -> N
     assert limit(emit, "x", n=5)
     assert [s["n"] for s in seen] == [0, 1, 5]
     assert seen[-1]["suppressed_since_last"] == 3 and "suppressed_since_last" not in seen[0]
+
+
+def test_library_log_records_come_out_as_json_lines(capsys: object) -> None:
+    """aiokafka logs through the standard library; with ``format = "json"`` its
+    lines must be JSON objects like the worker's own (issue 13)."""
+    import json
+    import logging
+
+    import pytest
+    import structlog
+
+    from worker.config import LoggingConfig
+    from worker.logs import configure
+
+    assert isinstance(capsys, pytest.CaptureFixture)
+    try:
+        configure(LoggingConfig(format="json", level="info"))
+        logging.getLogger("aiokafka.consumer").warning("heartbeat failed: %s", "Error 15")
+        structlog.get_logger("worker").info("own_event", n=1)
+        logging.getLogger("aiokafka").info("below the library threshold")
+        lines = capsys.readouterr().err.strip().splitlines()
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers.clear()
+    events = [json.loads(line) for line in lines]  # every line is JSON
+    assert len(events) == 2
+    foreign, own = events
+    assert foreign["event"] == "heartbeat failed: Error 15"
+    assert foreign["level"] == "warning" and foreign["logger"] == "aiokafka.consumer"
+    assert "timestamp" in foreign and own["event"] == "own_event"
+
+
+def test_liveness_fails_once_the_loop_stops_ticking() -> None:
+    import time
+
+    from worker import metrics
+
+    metrics.set_liveness_timeout(0.05)
+    try:
+        metrics.loop_ticked()
+        assert metrics._loop_stale() is None
+        time.sleep(0.1)
+        stale = metrics._loop_stale()
+        assert stale is not None and stale >= 0.1
+        metrics.loop_ticked()
+        assert metrics._loop_stale() is None
+    finally:
+        metrics.set_liveness_timeout(10.0)

@@ -48,7 +48,9 @@ def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
     runnable: list[Answer] = []
     for answer in answers:
         job = answer.job
-        answer.timing_us["queue"] = micros(batch.formed_at - job.arrived)
+        queued = batch.formed_at - job.arrived
+        answer.timing_us["queue"] = micros(queued)
+        metrics.QUEUE_SECONDS.observe(queued)
         if job.failure is not None:
             continue
         if job.deadline is not None and now >= job.deadline:

@@ -51,6 +51,7 @@ class JobFactory:
         ``batching.max_record_age_ms`` is measured from."""
         now = time.monotonic()
         job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
+        job.timestamp_ms = timestamp_ms
         try:
             request = decode_request(value, self._codec_limits)
             job.request = request

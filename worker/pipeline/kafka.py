@@ -13,6 +13,7 @@ def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
     would skip requests produced before the group first joined)."""
     return {
         "group_id": k.group_id,
+        "group_instance_id": k.group_instance_id or None,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
         "session_timeout_ms": k.session_timeout_ms,

@@ -229,12 +229,15 @@ class ResultSink:
             self._ack_slots.release()
 
     def _acknowledged(self, acked: list[Outgoing]) -> None:
-        now = time.monotonic()
+        now, wall_ms = time.monotonic(), time.time() * 1000.0
         kinds: dict[str, int] = {}
         for out in acked:
             job = out.job
             self._tracker.done(job.tp, job.offset, job.epoch)
             metrics.REQUEST_SECONDS.observe(now - job.arrived)
+            if job.timestamp_ms is not None and job.timestamp_ms > 0:
+                # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
+                metrics.RECORD_AGE_SECONDS.observe(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
             kinds[out.kind] = kinds.get(out.kind, 0) + 1
         for kind, count in kinds.items():  # counters per batch, not per record
             if kind == "dlq":

@@ -11,6 +11,7 @@ import signal
 
 import structlog
 
+from worker import metrics
 from worker.config import Settings
 
 log = structlog.get_logger("worker")
@@ -32,6 +33,8 @@ async def serve(settings: Settings) -> int:
         from worker.metrics import serve_http
 
         serve_http(settings.metrics.port, settings.metrics.host)
+    metrics.set_liveness_timeout(settings.metrics.liveness_timeout_ms / 1000.0)
+    ticker = asyncio.create_task(_tick(), name="liveness")
 
     loop = asyncio.get_running_loop()
     signals = 0
@@ -56,7 +59,15 @@ async def serve(settings: Settings) -> int:
     waiter.cancel()
     stopper.cancel()
     drained = await worker.stop()
+    ticker.cancel()
     if worker.failure is not None:
         log.error("worker_failed", error=repr(worker.failure))
         return EXIT_FAILED
     return EXIT_OK if drained and signals <= 1 else EXIT_UNDRAINED
+
+
+async def _tick(interval: float = 1.0) -> None:
+    """Proof of a live event loop for ``/livez``: a blocked loop stops ticking."""
+    while True:
+        metrics.loop_ticked()
+        await asyncio.sleep(interval)

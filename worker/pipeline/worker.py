@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 from aiokafka.errors import KafkaError
 
-from worker import metrics
+from worker import __version__, metrics
 from worker.config import Settings
 from worker.contract import ModelInfo
 from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
@@ -102,6 +102,14 @@ class Worker:
             group=s.kafka.group_id,
         )
         metrics.set_condition("started", True)
+        device = f"cuda:{s.gpu.device}" if is_gpu_backend(s.model.backend) else "cpu"
+        metrics.BUILD_INFO.labels(
+            version=__version__,
+            model=engine.info.name,
+            model_version=engine.info.version,
+            backend=engine.info.backend,
+            device=device,
+        ).set(1)
         self._pipeline = [
             self._spawn(stages.source.run(), "consume"),
             self._spawn(stages.batcher.run(), "batch"),

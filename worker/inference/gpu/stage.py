@@ -324,6 +324,7 @@ class GpuInferenceStage:
         metrics.BATCH_SIZE.observe(len(answers))
         metrics.PREPROCESS_SECONDS.observe(timing["preprocess"] / 1e6)
         metrics.INFER_SECONDS.observe(timing["infer"] / 1e6)
+        metrics.D2H_SECONDS.observe(timing["d2h"] / 1e6)
         return outputs, timing
 
     async def _await_slot_event(self, slot: Slot, woken: asyncio.Future[None]) -> None:

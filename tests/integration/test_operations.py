@@ -1,0 +1,47 @@
+"""What an operator scrapes and probes (issue 13), from a real worker process."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.integration.test_pipeline import collect, request_bytes, start_worker
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.topics import produce_all
+
+pytestmark = pytest.mark.integration
+
+
+def status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+async def test_probes_build_info_and_latency_histograms(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    topics = {names["requests"]: 2, names["results"]: 1, names["dlq"]: 1}
+    await create_topics(broker.bootstrap, topics)
+    # Static membership on: the worker must join and work with it.
+    w = await start_worker(broker, names, 2, INFER_WORKER_KAFKA__GROUP_INSTANCE_ID="pod-0")
+    try:
+        records = [(f"k{i}".encode(), request_bytes(i)) for i in range(50)]
+        await produce_all(broker.bootstrap, names["requests"], records)
+        await collect(broker, [names["results"]], 50)
+        m = w.wait_until(lambda m: m.get("infer_record_age_seconds_count", 0) >= 50, 30.0, "acks")
+        probes = {p: status(w.metrics_port, p) for p in ("/livez", "/healthz", "/readyz", "/ready")}
+    finally:
+        assert w.terminate() == 0
+    assert probes == {"/livez": 200, "/healthz": 200, "/readyz": 200, "/ready": 200}
+    info = [k for k in m if k.startswith("infer_build_info{")]
+    assert len(info) == 1 and m[info[0]] == 1.0
+    assert 'model="digits"' in info[0] and 'backend="onnxruntime"' in info[0]
+    assert 'device="cpu"' in info[0] and 'model_version="' in info[0]
+    assert m["infer_queue_seconds_count"] == 50
+    # Buckets start at 100 us, so fast batches are not all in the first one.
+    assert 'infer_engine_seconds_bucket{le="0.0001"}' in m
