@@ -95,6 +95,7 @@ async def drain_worker(
     extra_env: dict[str, str],
     package_dir: str | None = None,
     procs: int = 1,
+    peer: str | None = None,
 ) -> Drain:
     collector = Collector(bootstrap, [topics["results"]])
     await collector.start()
@@ -107,15 +108,23 @@ async def drain_worker(
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **extra_env},
         # ``python -m`` puts the working directory first on sys.path: another
         # version of the package must be put in front of it explicitly.
-        argv=None if package_dir is None else [sys.executable, "-c", _RUN_FROM.format(package_dir)],
+        argv=(
+            [sys.executable, str(Path(__file__).parent / "peers" / f"{peer}.py")]
+            if peer
+            else None
+            if package_dir is None
+            else [sys.executable, "-c", _RUN_FROM.format(package_dir)]
+        ),
         command=("run", "--procs", str(procs)),
     )
     try:
         ok = await collector.collect(lambda c: c.count() >= n, 600.0)
         if not ok:
             raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
-        m = worker.metrics()
+        m = {} if peer else worker.metrics()
         exit_code = await asyncio.to_thread(worker.terminate)
+        if peer:
+            exit_code = 0  # peers stop on SIGTERM without a drain protocol
     finally:
         worker.kill()
         await collector.stop()
@@ -132,6 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     records = encode_samples(samples)
     baseline_path = args.baseline_path  # made absolute in main()
     names = ["ceiling", "worker"] + (["baseline"] if args.baseline_path else [])
+    names += list(args.peers)
     runs: dict[str, list[Drain]] = {name: [] for name in names}
     env = dict(item.split("=", 1) for item in args.env)
     with EmbeddedBroker() as broker:
@@ -163,6 +173,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                         broker.bootstrap, topics, len(records), f"{name}{i}", env,
                         baseline_path if name == "baseline" else None,
                         1 if name == "baseline" else args.procs,
+                        name if name in args.peers else None,
                     )  # fmt: skip
                     d.name = name
                 runs[name].append(d)
@@ -180,6 +191,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "worker_mean_batch": [round(d.mean_batch, 1) for d in runs["worker"]],
         "ratio_worker_to_ceiling": [round(r, 4) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 4),
+        **{f"{peer}_rec_s": [round(d.rate) for d in runs[peer]] for peer in args.peers},
+        **{
+            f"ratio_worker_to_{peer}_median": round(
+                statistics.median(
+                    w.rate / p.rate for w, p in zip(runs["worker"], runs[peer], strict=True)
+                ),
+                2,
+            )
+            for peer in args.peers
+        },
         **(
             {
                 "baseline_rec_s": [round(d.rate) for d in runs["baseline"]],
@@ -210,6 +231,9 @@ def main() -> int:
         default=[],
         metavar="INFER_WORKER_X=V",
         help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_BATCH_SIZE=128",
+    )
+    parser.add_argument(
+        "--peers", nargs="*", default=["tight_loop"], help="bench/peers/NAME.py contenders"
     )
     parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")

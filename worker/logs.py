@@ -53,6 +53,7 @@ def configure(cfg: LoggingConfig) -> None:
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
 
+
 class RateLimited:
     """Lets at most ``burst`` events through per ``interval`` seconds; the first
     one let through after a quiet spell reports how many were held back.

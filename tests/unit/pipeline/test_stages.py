@@ -45,13 +45,40 @@ class FakeGroup:
         self.commits.append(offsets)
 
 
+class FakeBatch:
+    """aiokafka's ``BatchBuilder``: collects records until closed."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[bytes | None, bytes | None]] = []
+
+    def append(
+        self, *, timestamp: Any, key: bytes | None, value: bytes | None, headers: Any
+    ) -> bool:
+        assert not (value is None and key is None), "Need at least one: key or value"
+        self.records.append((key, value))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 class FakeProducer:
-    """aiokafka's ``send()``: enqueue and return the ack future. The first
-    ``fail`` records are not acknowledged (as when the broker is unreachable)."""
+    """aiokafka's ``send()`` and ``send_batch()``: enqueue and return the ack
+    future. The first ``fail`` sends (a record or a batch) are not acknowledged
+    (as when the broker is unreachable)."""
 
     def __init__(self, fail: int = 0) -> None:
         self.fail = fail
         self.acked: list[tuple[str, bytes | None, bytes | None]] = []
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return {0}
+
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch()
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
+        return self._ack([(topic, k, v) for k, v in batch.records])
 
     async def send(
         self,
@@ -61,12 +88,15 @@ class FakeProducer:
         headers: Any = None,
     ) -> asyncio.Future[object]:
         assert not (value is None and key is None), "Need at least one: key or value"
+        return self._ack([(topic, key, value)])
+
+    def _ack(self, records: list[tuple[str, bytes | None, bytes | None]]) -> Any:
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         if self.fail > 0:
             self.fail -= 1
             fut.set_exception(KafkaTimeoutError())
         else:
-            self.acked.append((topic, key, value))
+            self.acked.extend(records)
             fut.set_result(None)
         return fut
 
