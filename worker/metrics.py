@@ -74,6 +74,21 @@ RECORD_AGE_SECONDS = Histogram(
 D2H_SECONDS = Histogram(
     "infer_d2h_seconds", "GPU: device-to-host copy time per batch", buckets=_LATENCY_BUCKETS
 )
+REBALANCES = Counter(
+    "infer_rebalances_total",
+    "Group rebalance callbacks this member received, by kind (assigned, revoked)",
+    ["kind"],
+)
+PARTITION_LAG = Gauge(
+    "infer_partition_lag_records",
+    "Per owned input partition: the broker's high watermark minus the committed offset",
+    ["topic", "partition"],
+)
+PARTITION_COMMIT_AGE = Gauge(
+    "infer_partition_last_commit_age_seconds",
+    "Per owned input partition: seconds since this member last committed it",
+    ["topic", "partition"],
+)
 BATCH_SIZE = Histogram("infer_batch_size", "Requests per engine batch", buckets=_SIZE_BUCKETS)
 INFER_SECONDS = Histogram(
     "infer_engine_seconds", "Engine run time per batch", buckets=_LATENCY_BUCKETS

@@ -34,6 +34,15 @@ async def test_probes_build_info_and_latency_histograms(
         await produce_all(broker.bootstrap, names["requests"], records)
         await collect(broker, [names["results"]], 50)
         m = w.wait_until(lambda m: m.get("infer_record_age_seconds_count", 0) >= 50, 30.0, "acks")
+        lag = w.wait_until(
+            lambda m: (
+                sum(1 for k in m if k.startswith("infer_partition_lag_records{")) == 2
+                and sum(v for k, v in m.items() if k.startswith("infer_partition_lag_records{"))
+                == 0
+            ),
+            30.0,
+            "per-partition lag of 0 on both partitions",
+        )
         probes = {p: status(w.metrics_port, p) for p in ("/livez", "/healthz", "/readyz", "/ready")}
     finally:
         assert w.terminate() == 0
@@ -45,3 +54,6 @@ async def test_probes_build_info_and_latency_histograms(
     assert m["infer_queue_seconds_count"] == 50
     # Buckets start at 100 us, so fast batches are not all in the first one.
     assert 'infer_engine_seconds_bucket{le="0.0001"}' in m
+    assert lag['infer_rebalances_total{kind="assigned"}'] >= 1
+    ages = [v for k, v in lag.items() if k.startswith("infer_partition_last_commit_age_seconds{")]
+    assert len(ages) == 2 and all(0 <= a < 60 for a in ages)

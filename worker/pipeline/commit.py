@@ -53,6 +53,8 @@ class Committer:
         self._lock = asyncio.Lock()
         self._stopped = False
         self._waiters: list[asyncio.Future[None]] = []
+        # When each partition was last committed (monotonic), for the age gauge.
+        self.last_commit: dict[TopicPartition, float] = {}
 
     def notify(self) -> None:
         """Called when offsets were marked done: wakes the commit loop and waiters."""
@@ -106,6 +108,9 @@ class Committer:
                 log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
                 return False
             self._tracker.mark_committed(offsets)
+            now = time.monotonic()
+            for tp in offsets:
+                self.last_commit[tp] = now
             metrics.COMMITS.inc()
             return True
 

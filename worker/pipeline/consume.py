@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -51,7 +52,12 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: Iterable[KafkaTP]) -> None:
         tps = {TopicPartition(tp.topic, tp.partition) for tp in revoked}
+        metrics.REBALANCES.labels(kind="revoked").inc()
         metrics.ASSIGNED_PARTITIONS.set(0)
+        for tp in tps:  # their series would otherwise report a stale lag for ever
+            with contextlib.suppress(KeyError):
+                metrics.PARTITION_LAG.remove(tp.topic, str(tp.partition))
+                metrics.PARTITION_COMMIT_AGE.remove(tp.topic, str(tp.partition))
         if not tps:
             return
         self._source.revoking()
@@ -70,6 +76,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             metrics.LISTENER_ERRORS.inc()
             log.error("rebalance_assign_failed", error=repr(exc))
         metrics.ASSIGNED_PARTITIONS.set(len(names))
+        metrics.REBALANCES.labels(kind="assigned").inc()
         log.info("partitions_assigned", partitions=names)
 
 
@@ -283,4 +290,31 @@ async def watch_broker(source: KafkaSource, timeout: float, interval: float = 1.
             log.warning("broker_reachable" if ok else "broker_unreachable")
             up = ok
         metrics.set_condition("broker", ok)
+        await asyncio.sleep(interval)
+
+
+async def report_partitions(
+    source: KafkaSource,
+    committed: Callable[[TopicPartition], int | None],
+    last_commit: dict[TopicPartition, float],
+    interval: float = 5.0,
+) -> None:
+    """Per-partition lag and commit age for the partitions this member owns.
+
+    Lag is the high watermark the last fetch saw minus the committed offset: what
+    the group still has to answer on this partition, as the broker's own
+    consumer-group lag would say (``end_offsets`` is not used: the embedded
+    broker answers it wrongly)."""
+    while True:
+        consumer = source.consumer
+        now = time.monotonic()
+        if consumer is not None:
+            for ktp in consumer.assignment():
+                tp = TopicPartition(ktp.topic, ktp.partition)
+                labels = (tp.topic, str(tp.partition))
+                high, done = consumer.highwater(ktp), committed(tp)
+                if high is not None and done is not None:
+                    metrics.PARTITION_LAG.labels(*labels).set(max(0, high - done))
+                if tp in last_commit:
+                    metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
         await asyncio.sleep(interval)

@@ -126,6 +126,11 @@ class OffsetTracker:
             if state is not None:
                 state.committed = offset
 
+    def committed(self, tp: TopicPartition) -> int | None:
+        """The last offset committed for ``tp`` by this member, if any."""
+        state = self._parts.get(tp)
+        return None if state is None else state.committed
+
     def forget(self, tps: Iterable[TopicPartition]) -> None:
         """Drop revoked partitions: results still arriving for them are stale."""
         for tp in tps:

@@ -31,7 +31,7 @@ from worker.pipeline.backpressure import Backpressure
 from worker.pipeline.batching import BatchPolicy, MicroBatcher
 from worker.pipeline.budget import FailureBudget
 from worker.pipeline.commit import Committer
-from worker.pipeline.consume import KafkaSource, watch_broker
+from worker.pipeline.consume import KafkaSource, report_partitions, watch_broker
 from worker.pipeline.intake import JobFactory
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.produce import ResultSink
@@ -120,6 +120,12 @@ class Worker:
         self._support = [
             self._spawn(stages.committer.run(), "commit"),
             self._spawn(watch_broker(stages.source, probe_timeout), "probe"),
+            self._spawn(
+                report_partitions(
+                    stages.source, self.tracker.committed, stages.committer.last_commit
+                ),
+                "partitions",
+            ),
         ]
 
     async def _check_input_topics(self, sink: ResultSink) -> None:
@@ -273,7 +279,7 @@ class Worker:
         # The commit loop may be waiting on a commit to an unreachable broker (a
         # whole request timeout): cancel it; a commit either landed or did not.
         stages.committer.stop()
-        for task in self._support:  # the commit loop and the broker probe
+        for task in self._support:  # the commit loop, the broker probe, the reporter
             task.cancel()
         await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
         # Only acknowledged offsets are below the watermark, so this final commit
