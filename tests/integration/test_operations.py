@@ -57,3 +57,48 @@ async def test_probes_build_info_and_latency_histograms(
     assert lag['infer_rebalances_total{kind="assigned"}'] >= 1
     ages = [v for k, v in lag.items() if k.startswith("infer_partition_last_commit_age_seconds{")]
     assert len(ages) == 2 and all(0 <= a < 60 for a in ages)
+
+
+async def test_async_client_request_response_with_many_calls_in_flight(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    """``worker.client.InferenceClient``: concurrent calls each get their own
+    answer; a call nobody answers times out."""
+    import asyncio
+
+    import numpy as np
+
+    from tests.images import encode
+    from worker.client import InferenceClient
+    from worker.tools.demo import labelled_samples
+
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
+    )
+    samples = labelled_samples(1)[:20]
+    async with InferenceClient(
+        broker.bootstrap, input_topic=names["requests"], output_topic=names["results"]
+    ) as client:
+        with pytest.raises(TimeoutError):  # no worker yet
+            await client.infer(samples[0].image, timeout=0.5)
+        w = await start_worker(broker, names, 2)
+        try:
+            calls = [client.infer(s.image, timeout=30) for s in samples[:10]]
+            calls += [client.infer(encode(s.image, "PNG"), timeout=30) for s in samples[10:]]
+            results = await asyncio.gather(*calls)
+        finally:
+            assert w.terminate() == 0
+    assert len({r.id for r in results}) == 20
+    for sample, result in zip(samples, results, strict=True):
+        assert result.status == "ok", result.error
+        top = int(np.asarray(result.outputs["topk_indices"].to_numpy())[0])
+        # The model's own answer for this digit (97.5% accurate): most match the label.
+        sample_ok = top == sample.label
+        assert sample_ok or top in range(10)
+    assert (
+        sum(
+            int(r.outputs["topk_indices"].to_numpy()[0]) == s.label
+            for s, r in zip(samples, results, strict=True)
+        )
+        >= 18
+    )

@@ -1,0 +1,159 @@
+"""An async client for applications that call the worker from Python.
+
+    async with InferenceClient("kafka:9092") as client:
+        result = await client.infer(Path("cat.jpg").read_bytes(), timeout=10)
+        print(result.status, result.outputs["topk_indices"].to_numpy())
+
+Request/response over Kafka: each call sends one request with a fresh id and
+waits for the result carrying that id (matched on the ``id`` header, without
+decoding other results). Many calls may be in flight at once; one reader task
+resolves them. The reader joins no consumer group and commits nothing: it reads
+every partition of the output topic from the beginning when it starts, skipping
+other results by header, so no answer produced after a request was sent can be
+missed (a broker that answers ``seek_to_end`` correctly would allow starting at
+the end; the embedded one does not). On a long output topic, give each
+application its own output topic or expect that first read to take a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from worker.contract import (
+    EncodedImage,
+    Request,
+    Result,
+    Tensor,
+    decode_result,
+    encode_request,
+    sniff_format,
+)
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        input_topic: str = "infer.requests",
+        output_topic: str = "infer.results",
+        input_name: str = "image",
+        max_request_size: int = 8 * 1024 * 1024 + 64 * 1024,
+    ) -> None:
+        self._bootstrap = bootstrap_servers
+        self._input_topic = input_topic
+        self._output_topic = output_topic
+        self._input_name = input_name
+        self._max_request_size = max_request_size
+        self._waiting: dict[str, asyncio.Future[Result]] = {}
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            self._producer = AIOKafkaProducer(
+                bootstrap_servers=self._bootstrap, max_request_size=self._max_request_size
+            )
+            await self._producer.start()
+            self._consumer = AIOKafkaConsumer(
+                bootstrap_servers=self._bootstrap, enable_auto_commit=False
+            )
+            await self._consumer.start()
+            await self._consumer.topics()  # metadata of every topic
+            parts = self._consumer.partitions_for_topic(self._output_topic)
+            if not parts:
+                raise LookupError(f"output topic {self._output_topic!r} does not exist")
+            tps = [TopicPartition(self._output_topic, p) for p in sorted(parts)]
+            self._consumer.assign(tps)
+            await self._consumer.seek_to_beginning(*tps)
+            self._reader = asyncio.create_task(self._read(), name="infer-client-reader")
+        except BaseException:
+            await self.stop()  # a half-started client closes what it opened
+            raise
+
+    async def stop(self) -> None:
+        """Idempotent; calls still waiting get ``asyncio.CancelledError``."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        for fut in self._waiting.values():
+            fut.cancel()
+        self._waiting.clear()
+        for client in (self._producer, self._consumer):
+            if client is not None:
+                await client.stop()
+        self._producer = self._consumer = None
+
+    async def __aenter__(self) -> InferenceClient:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def infer(
+        self,
+        image: np.ndarray | bytes,
+        *,
+        timeout: float = 30.0,
+        meta: Mapping[str, Any] | None = None,
+        key: bytes | None = None,
+    ) -> Result:
+        """Send one image (a uint8 array, or a JPEG/PNG/WebP file's bytes) and
+        return its result; an error result is returned, not raised. Raises
+        ``TimeoutError`` when no result arrives within ``timeout`` seconds (the
+        request's ``deadline_ms`` is set to the same moment, so a worker that
+        gets to it later answers ``deadline_exceeded`` without computing it)."""
+        assert self._producer is not None, "start() first"
+        request_id = uuid.uuid4().hex
+        value: Tensor | EncodedImage
+        if isinstance(image, bytes):
+            fmt = sniff_format(image)
+            if fmt is None:
+                raise ValueError("image bytes are not a JPEG, PNG or WebP file")
+            value = EncodedImage(fmt, image)
+        else:
+            value = Tensor.from_numpy(np.ascontiguousarray(image, dtype=np.uint8))
+        deadline_ms = int((time.time() + timeout) * 1000)
+        request = Request(
+            v=1, id=request_id, inputs={self._input_name: value}, deadline_ms=deadline_ms,
+            meta=meta,
+        )  # fmt: skip
+        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        try:
+            await self._producer.send_and_wait(
+                self._input_topic, encode_request(request), key=key or request_id.encode()
+            )
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def _read(self) -> None:
+        assert self._consumer is not None
+        while True:
+            fetched = await self._consumer.getmany(timeout_ms=500)
+            for records in fetched.values():
+                for record in records:
+                    rid = dict(record.headers or ()).get("id", b"").decode(errors="replace")
+                    fut = self._waiting.get(rid)
+                    if fut is not None and not fut.done():
+                        try:
+                            fut.set_result(decode_result(record.value))
+                        except Exception as exc:  # boundary: a corrupt record is its caller's error
+                            fut.set_exception(exc)
