@@ -66,8 +66,6 @@ async def test_async_client_request_response_with_many_calls_in_flight(
     answer; a call nobody answers times out."""
     import asyncio
 
-    import numpy as np
-
     from tests.images import encode
     from worker.client import InferenceClient
     from worker.tools.demo import labelled_samples
@@ -89,12 +87,9 @@ async def test_async_client_request_response_with_many_calls_in_flight(
         finally:
             assert w.terminate() == 0
     assert len({r.id for r in results}) == 20
-    for sample, result in zip(samples, results, strict=True):
-        assert result.status == "ok", result.error
-        top = int(np.asarray(result.outputs["topk_indices"].to_numpy())[0])
-        # The model's own answer for this digit (97.5% accurate): most match the label.
-        sample_ok = top == sample.label
-        assert sample_ok or top in range(10)
+    assert all(r.status == "ok" for r in results), [r.error for r in results]
+    # Each call got its own image's answer: the model (97.5% accurate) names the
+    # labels of nearly all these digits.
     assert (
         sum(
             int(r.outputs["topk_indices"].to_numpy()[0]) == s.label
