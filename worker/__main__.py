@@ -264,7 +264,8 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         p.add_argument("--partitions", type=int, default=4, help="input topic partitions")
         p.add_argument(
             "--rate", type=float, default=0.0,
-            help="requests per second (default: as fast as possible)",
+            help="open-loop Poisson arrivals at this mean rate, requests/s "
+            "(default: as fast as possible)",
         )  # fmt: skip
         p.add_argument("--json", help="also write the summary as JSON to this file")
         p.add_argument(

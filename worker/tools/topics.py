@@ -8,6 +8,7 @@ broker can show a tailing reader (see ``OffsetGaps``).
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,19 +36,27 @@ async def produce_all(
     *,
     partition_of: Any = None,
     rate: float = 0.0,
+    seed: int = 0,
 ) -> list[Produced]:
-    """Produce records (optionally paced at ``rate`` per second) and wait for all
-    acks; returns each record's partition/offset and the time it was handed over."""
+    """Produce records and wait for all acks; returns each record's partition/offset
+    and the time it was handed over.
+
+    With ``rate`` > 0 the records are sent open-loop as a Poisson process of that
+    mean rate (exponential gaps, seeded), whatever the answers do: a sender that
+    waits for answers would slow down exactly when the worker queues, and hide
+    the queueing it is meant to measure."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
     )
     await producer.start()
     try:
         pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
-        start = time.monotonic()
+        gaps = random.Random(seed)
+        due = time.monotonic()
         for i, (key, value) in enumerate(records):
             if rate > 0:
-                delay = start + i / rate - time.monotonic()
+                due += gaps.expovariate(rate)
+                delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
             part = partition_of(i) if partition_of is not None else None
