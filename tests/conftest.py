@@ -27,4 +27,5 @@ def names(request: pytest.FixtureRequest) -> dict[str, str]:
         "results": f"{base}.results",
         "dlq": f"{base}.dlq",
         "group": f"{base}.group",
+        "guard": f"{base}.guard",
     }

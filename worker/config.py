@@ -45,6 +45,8 @@ class KafkaConfig:
     # keeps its partitions, so a rolling restart causes no rebalances. Unique per
     # worker: set it from the pod name (e.g. "$(POD_NAME)"); empty = dynamic.
     group_instance_id: str = ""
+    # Where crash-loop marks live (compacted; one key per group and partition).
+    crash_guard_topic: str = "infer.crash-guard"
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     # OAUTHBEARER is not offered: it needs a token provider object, not a setting.
@@ -244,8 +246,13 @@ class LimitsConfig:
     max_record_bytes: int = 8 * 1024 * 1024
     max_tensor_bytes: int = 4 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    # Crashes of whole processes with the same record at the head of a partition
+    # before that record is quarantined to the DLQ (crash_loop); 0 disables.
+    # Needs kafka.crash_guard_topic to exist.
+    max_crash_attempts: int = 3
 
     def __post_init__(self) -> None:
+        _check(self.max_crash_attempts >= 0, "limits.max_crash_attempts", "must be >= 0")
         _check(self.max_record_bytes > 0, "limits.max_record_bytes", "must be > 0")
         _check(self.max_tensor_bytes > 0, "limits.max_tensor_bytes", "must be > 0")
         _check(self.max_image_pixels > 0, "limits.max_image_pixels", "must be > 0")

@@ -42,6 +42,13 @@ class RecordTooLarge(UndecodableRecord):
     code = "too_large"
 
 
+class CrashLoop(UndecodableRecord):
+    """Whole worker processes died, again and again, with this record at the head
+    of its partition: it is sent to the DLQ unrun (see pipeline/crashguard.py)."""
+
+    code = "crash_loop"
+
+
 class InvalidRequest(RecordError):
     """The record decoded but breaks the contract. The client gets an error
     result, echoing whatever id/meta could be recovered."""

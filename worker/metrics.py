@@ -74,6 +74,10 @@ RECORD_AGE_SECONDS = Histogram(
 D2H_SECONDS = Histogram(
     "infer_d2h_seconds", "GPU: device-to-host copy time per batch", buckets=_LATENCY_BUCKETS
 )
+CRASH_LOOPS = Counter(
+    "infer_crash_loop_quarantined_total",
+    "Records sent to the DLQ unrun after whole processes died with them at the head",
+)
 REBALANCES = Counter(
     "infer_rebalances_total",
     "Group rebalance callbacks this member received, by kind (assigned, revoked)",

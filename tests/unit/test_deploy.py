@@ -37,6 +37,7 @@ def test_topics_service_creates_the_worker_topics() -> None:
         settings.kafka.output_topic,
         settings.kafka.dlq_topic,
     } <= created
+    assert "infer.crash-guard" in script and "cleanup.policy=compact" in script
 
 
 def test_kafka_runs_kraft_from_the_official_image() -> None:

@@ -42,6 +42,7 @@ ERROR_CODES: Final = frozenset(
         "inference_failed",
         "too_large",
         "undecodable",
+        "crash_loop",
         "internal",
     }
 )

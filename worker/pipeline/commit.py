@@ -55,6 +55,7 @@ class Committer:
         self._waiters: list[asyncio.Future[None]] = []
         # When each partition was last committed (monotonic), for the age gauge.
         self.last_commit: dict[TopicPartition, float] = {}
+        self.last_offsets: dict[TopicPartition, int] = {}  # what this member committed last
 
     def notify(self) -> None:
         """Called when offsets were marked done: wakes the commit loop and waiters."""
@@ -109,8 +110,9 @@ class Committer:
                 return False
             self._tracker.mark_committed(offsets)
             now = time.monotonic()
-            for tp in offsets:
+            for tp, offset in offsets.items():
                 self.last_commit[tp] = now
+                self.last_offsets[tp] = offset
             metrics.COMMITS.inc()
             return True
 
@@ -133,3 +135,10 @@ class Committer:
         metrics.REVOKE_FENCED.inc(fenced)
         self._tracker.forget(revoked)
         return fenced
+
+    async def settled(self, tp: TopicPartition) -> None:
+        """Until every record of ``tp`` read so far is answered and committed (the
+        crash guard's cautious mode reads the next record only then)."""
+        while self._tracker.in_flight(tp) and not self._stopped:
+            await self.progress()
+        await self.commit_now(only={tp})

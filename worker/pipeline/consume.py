@@ -22,7 +22,9 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker import metrics
 from worker.config import KafkaConfig
+from worker.errors import CrashLoop
 from worker.pipeline.backpressure import Backpressure
+from worker.pipeline.crashguard import CrashGuard, decide
 from worker.pipeline.intake import JobFactory
 from worker.pipeline.kafka import group_consumer_kwargs
 from worker.pipeline.offsets import OffsetTracker
@@ -102,6 +104,14 @@ class KafkaSource:
         self._stopping = asyncio.Event()
         # Counts revocations: records fetched before one are not tracked after it.
         self._revocations = 0
+        # Crash-loop protection (set by the worker when the guard topic exists).
+        self.guard: CrashGuard | None = None
+        self._max_crashes = 0
+        self._cautious_window = 0
+        self._settled: Callable[[TopicPartition], Awaitable[None]] | None = None
+        self._cautious: dict[TopicPartition, int] = {}
+        self._quarantine: dict[TopicPartition, int] = {}
+        self._deciding: dict[TopicPartition, asyncio.Event] = {}
         self.consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
@@ -123,6 +133,20 @@ class KafkaSource:
         keep a fetch position from before a rebalance, which skips records when
         the broker lost its log (the embedded broker after a restart)."""
         assert self.consumer is not None
+        deciding = {TopicPartition(t.topic, t.partition): asyncio.Event() for t in tps}
+        if self.guard is not None:
+            # Set before the first await: the fetcher may hand out records of these
+            # partitions while this listener still runs, and none may be queued
+            # before the crash guard has decided how to treat the partition.
+            self._deciding.update(deciding)
+        try:
+            await self._position_and_guard(tps)
+        finally:
+            for event in deciding.values():
+                event.set()
+
+    async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
+        assert self.consumer is not None
         fresh = []
         for tp in tps:
             committed = await self.consumer.committed(tp)
@@ -132,6 +156,40 @@ class KafkaSource:
                 self.consumer.seek(tp, committed)
         if fresh:
             await self.consumer.seek_to_beginning(*fresh)
+        if self.guard is not None and tps:
+            heads = {
+                TopicPartition(t.topic, t.partition): await self.consumer.position(t) for t in tps
+            }
+            await self._check_crash_loops(heads)
+
+    async def _check_crash_loops(self, heads: dict[TopicPartition, int]) -> None:
+        """Claim each partition at its head, and act on previous owners that died
+        there (see ``worker.pipeline.crashguard``)."""
+        assert self.guard is not None
+        marks = await self.guard.read(heads)
+        for tp, head in heads.items():
+            d = decide(marks.get(tp), head, self._max_crashes)
+            await self.guard.claim(tp, head, d.claims)
+            where = f"{tp.topic}:{tp.partition}@{head}"
+            if d.quarantine:
+                self._quarantine[tp] = head
+                metrics.CRASH_LOOPS.inc()
+                log.error("crash_loop_quarantine", record=where, crashes=d.crashes)
+            elif d.cautious:
+                # One record at a time over the window a dead batch could hold.
+                self._cautious[tp] = self._cautious_window
+                log.warning("crash_suspected", head=where, crashes=d.crashes, mode="one by one")
+
+    def protect(
+        self,
+        guard: CrashGuard,
+        max_crashes: int,
+        window: int,
+        settled: Callable[[TopicPartition], Awaitable[None]],
+    ) -> None:
+        """Turn on crash-loop protection (before ``start``)."""
+        self.guard, self._max_crashes, self._cautious_window = guard, max_crashes, window
+        self._settled = settled
 
     def stop_fetching(self) -> None:
         self._stopping.set()
@@ -222,6 +280,15 @@ class KafkaSource:
                     # (start_at_committed), so whoever owns these offsets next
                     # reads them again.
                     return
+                tp = TopicPartition(record.topic, record.partition)
+                deciding = self._deciding.get(tp)
+                if deciding is not None and not deciding.is_set():
+                    await deciding.wait()
+                if tp in self._cautious and self._settled is not None:
+                    await self._settled(tp)  # everything before it answered and committed
+                    self._cautious[tp] -= 1
+                    if self._cautious[tp] <= 0:
+                        del self._cautious[tp]
                 job = self._job(record)
                 if self._sink.full():
                     await self._sink.put(job)
@@ -250,6 +317,14 @@ class KafkaSource:
             record.timestamp,
         )
         job.epoch = epoch
+        if self._quarantine.get(tp) == record.offset:
+            del self._quarantine[tp]
+            job.request = job.image = job.encoded = None
+            job.raw_value = record.value
+            job.failure = CrashLoop(
+                f"worker processes died {self._max_crashes} times with this record at the "
+                "head of its partition; not run again (limits.max_crash_attempts)"
+            )
         return job
 
     async def commit(self, offsets: dict[KafkaTP, int]) -> None:

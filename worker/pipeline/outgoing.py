@@ -20,7 +20,7 @@ from worker.contract import (
     encode_ok_result,
     encode_result,
 )
-from worker.errors import InvalidRequest, UndecodableRecord
+from worker.errors import CrashLoop, InvalidRequest, UndecodableRecord
 from worker.records import Answer, Job
 
 # Room for the record batch framing around one record, so a result that passes
@@ -127,7 +127,8 @@ def outgoing(
     ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback."""
     job = answer.job
     if isinstance(job.failure, UndecodableRecord):
-        headers = dlq_headers(job, job.failure.code, str(job.failure), "decode")
+        stage = "crash_loop" if isinstance(job.failure, CrashLoop) else "decode"
+        headers = dlq_headers(job, job.failure.code, str(job.failure), stage)
         value = job.raw_value
         if value is None and job.key is None:
             # A null-key tombstone (other clients may produce one): the producer

@@ -32,6 +32,7 @@ from worker.pipeline.batching import BatchPolicy, MicroBatcher
 from worker.pipeline.budget import FailureBudget
 from worker.pipeline.commit import Committer
 from worker.pipeline.consume import KafkaSource, report_partitions, watch_broker
+from worker.pipeline.crashguard import CrashGuard
 from worker.pipeline.intake import JobFactory
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.produce import ResultSink
@@ -65,6 +66,7 @@ class Worker:
         self._failure: BaseException | None = None
         self._stopped = asyncio.Event()
         self._started = False
+        self._guard: CrashGuard | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -82,7 +84,8 @@ class Worker:
         try:
             stages = self._stages = await self._build(engine)
             await stages.sink.start()
-            await self._check_input_topics(stages.sink)
+            existing = await self._check_input_topics(stages.sink)
+            self._guard = self._crash_guard(stages, existing)
             await stages.source.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
@@ -128,7 +131,29 @@ class Worker:
             ),
         ]
 
-    async def _check_input_topics(self, sink: ResultSink) -> None:
+    def _crash_guard(self, stages: _Stages, existing: set[str]) -> CrashGuard | None:
+        """Crash-loop protection when configured and its topic exists."""
+        s = self.settings
+        if s.limits.max_crash_attempts == 0:
+            return None
+        if s.kafka.crash_guard_topic not in existing:
+            log.warning(
+                "crash_loop_protection_off",
+                reason=f"topic {s.kafka.crash_guard_topic} does not exist",
+                fix="create it (compacted, 1 partition), or set limits.max_crash_attempts = 0",
+            )
+            return None
+        assert stages.sink.producer is not None
+        guard = CrashGuard(
+            s.kafka.bootstrap_servers, s.kafka.crash_guard_topic, s.kafka.group_id,
+            stages.sink.producer,
+        )  # fmt: skip
+        b = s.batching
+        window = b.max_batch_size * b.max_inflight_batches + s.kafka.max_poll_records
+        stages.source.protect(guard, s.limits.max_crash_attempts, window, stages.committer.settled)
+        return guard
+
+    async def _check_input_topics(self, sink: ResultSink) -> set[str]:
         """A misspelt input topic must stop the worker with a clear message: the
         consumer would otherwise wait on it silently (or a broker that creates
         topics on demand would create it, empty)."""
@@ -140,6 +165,7 @@ class Worker:
                 f"{self.settings.kafka.bootstrap_servers} (create them first; "
                 f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'})"
             )
+        return existing
 
     async def _build(self, engine: Engine | GpuEngine) -> _Stages:
         s, b = self.settings, self.settings.batching
@@ -285,6 +311,10 @@ class Worker:
         # Only acknowledged offsets are below the watermark, so this final commit
         # is safe even when draining failed or timed out; bounded by the deadline.
         await stages.committer.commit_now(timeout=left(0.5))
+        if self._guard is not None:
+            last = stages.committer.last_offsets
+            heads = {tp: last.get(tp) for tp in self._guard.claimed}
+            await self._guard.release(heads, timeout=left(0.5))
         abandoned = 0 if drained else self.tracker.in_flight()
         if abandoned:
             # Read but not acknowledged: uncommitted, so the group reads them again.
@@ -333,6 +363,10 @@ class Worker:
         fenced = await self._stages.committer.settle_revoked(
             revoked, bound, lambda: self._failure is not None
         )
+        if self._guard is not None:  # a clean hand-over: not a crash
+            committer = self._stages.committer
+            heads = {tp: committer.last_offsets.get(tp) for tp in revoked}
+            await self._guard.release(heads, timeout=2.0)
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
 
 

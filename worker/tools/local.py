@@ -25,7 +25,7 @@ def run_embedded(settings: Settings, partitions: int, procs: int, config: str | 
     port = DEFAULT_PORT if port_is_free(DEFAULT_PORT) else None
     with EmbeddedBroker(port=port) as broker:
         topics = {t: partitions for t in k.input_topics}
-        topics |= {k.output_topic: partitions, k.dlq_topic: 1}
+        topics |= {k.output_topic: partitions, k.dlq_topic: 1, k.crash_guard_topic: 1}
         asyncio.run(create_topics(broker.bootstrap, topics))
         bootstrap = f"localhost:{broker.port}"
         settings = dataclasses.replace(
