@@ -361,3 +361,55 @@ async def test_stopped_committer_makes_no_further_commit() -> None:
     committer.stop()
     await asyncio.wait_for(task, 5)
     assert group.commits == []
+
+
+class SlowlyFailingProducer(FakeProducer):
+    """The first batch's delivery fails only after a while (as a request timeout
+    does, with the broker unreachable for that partition), while later batches
+    are acknowledged at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            return self._ack([(topic, k, v) for k, v in batch.records])
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, fut.set_exception, KafkaTimeoutError())
+        return fut
+
+
+async def test_redelivery_after_a_late_failure_can_reorder_and_verify_reports_it() -> None:
+    """Issue 10: the documented exception to per-partition order. Results in flight
+    behind a batch whose delivery fails late reach the topic before it is re-sent;
+    nothing is lost, the offsets commit only once all are acknowledged, and
+    ``verify`` reports the step backwards."""
+    from worker.tools.verify import InputRecord, Reply, check
+
+    tracker = OffsetTracker()
+    epoch = tracker.track(A, 0, 10)
+    for offset in (1, 2, 3):
+        tracker.track(A, offset, 10)
+
+    def answer(offset: int) -> Answer:
+        job = Job(A, offset, f"k{offset}".encode(), time.monotonic(), None, epoch=epoch)
+        return Answer(job, error=ErrorInfo("deadline_exceeded", "late"))
+
+    producer = SlowlyFailingProducer()
+    sink, source, committer = make_sink(tracker, producer)
+    source.put_nowait(completed(answer(0), answer(1)))
+    source.put_nowait(completed(answer(2), answer(3)))
+    task = asyncio.create_task(sink.run())
+    try:
+        await until_done(tracker, committer, A)
+    finally:
+        source.put_nowait(None)
+        await asyncio.wait_for(task, 5)
+    order = [int(key.decode()[1:]) for _, key, _ in producer.acked if key]
+    assert sorted(order) == [0, 1, 2, 3] and order == [2, 3, 0, 1]
+    assert tracker.committable() == {A: 4}
+    replies = [Reply(InputRecord(A.topic, 0, o), 0, i, "result") for i, o in enumerate(order)]
+    report = check({A.topic: {0: [0, 1, 2, 3]}}, replies)
+    assert report.ok and report.totals.ordering_violations == 1
