@@ -46,6 +46,9 @@ _RUN_FROM = (
 )
 
 
+_PEER_ARGS = {"faust_take": ("worker", "--loglevel", "warn")}
+
+
 @dataclass
 class Drain:
     name: str
@@ -109,7 +112,7 @@ async def drain_worker(
         # ``python -m`` puts the working directory first on sys.path: another
         # version of the package must be put in front of it explicitly.
         argv=(
-            [sys.executable, str(Path(__file__).parent / "peers" / f"{peer}.py")]
+            [sys.executable, "-m", f"bench.peers.{peer}", *_PEER_ARGS.get(peer, ())]
             if peer
             else None
             if package_dir is None
@@ -118,8 +121,11 @@ async def drain_worker(
         command=("run", "--procs", str(procs)),
     )
     try:
-        ok = await collector.collect(lambda c: c.count() >= n, 600.0)
-        if not ok:
+        # Stop waiting as soon as the process is gone: its log says why.
+        await collector.collect(
+            lambda c: c.count() >= n or worker.proc.poll() is not None, 600.0
+        )
+        if collector.count() < n:
             raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
         m = {} if peer else worker.metrics()
         exit_code = await asyncio.to_thread(worker.terminate)

@@ -49,8 +49,12 @@ class KafkaConfig:
     crash_guard_topic: str = "infer.crash-guard"
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    # OAUTHBEARER is not offered: it needs a token provider object, not a setting.
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI"] = "PLAIN"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = (
+        "PLAIN"
+    )
+    # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
+    # factory returning an aiokafka AbstractTokenProvider (see README).
+    sasl_oauth_token_provider: str | None = None
     sasl_plain_username: str | None = None
     sasl_plain_password: str | None = None
     ssl_cafile: str | None = None
@@ -74,6 +78,11 @@ class KafkaConfig:
     # results (doubling up to 10 s) while the broker is unreachable.
     retry_backoff_ms: int = 200
     metadata_max_age_ms: int = 300000
+    # Any other aiokafka consumer/producer argument, passed through as given
+    # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
+    # Arguments the worker sets itself are refused: they carry its guarantees.
+    consumer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
+    producer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(bool(self.bootstrap_servers.strip()), "kafka.bootstrap_servers", "must not be empty")
@@ -106,6 +115,12 @@ class KafkaConfig:
                 self.sasl_plain_username is not None and self.sasl_plain_password is not None,
                 "kafka.sasl_plain_username",
                 f"{self.security_protocol} with {self.sasl_mechanism} needs username and password",
+            )
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism == "OAUTHBEARER":
+            _check(
+                ":" in (self.sasl_oauth_token_provider or ""),
+                "kafka.sasl_oauth_token_provider",
+                "OAUTHBEARER needs a token provider factory as 'module:callable'",
             )
 
 
@@ -412,6 +427,10 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
                 for i, (a, v) in enumerate(zip(args, value, strict=True))
             )
         return tuple(_convert(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name}: expected a table, got {type(value).__name__}")
+        return {str(k): _option(v, f"{name}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: expected true/false, got {value!r}")
@@ -429,6 +448,19 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{name}: unsupported setting type {tp!r}")  # pragma: no cover
+
+
+def _option(value: Any, name: str) -> str | int | float | bool:
+    """A passed-through client argument: a TOML scalar as written; from the
+    environment, a TOML literal where one parses (``true``, ``5``), else the text."""
+    if isinstance(value, _EnvValue):
+        try:
+            value = tomllib.loads(f"v = {value.raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = value.raw
+    if not isinstance(value, str | int | float | bool):
+        raise ConfigError(f"{name}: expected a string, number or boolean, got {value!r}")
+    return value
 
 
 def _parse_env(tp: Any, raw: str) -> Any:

@@ -39,6 +39,9 @@ _LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The served model's name and version, on every inference metric (as Triton labels
+# them), so a fleet serving several models or a canary version splits cleanly.
+_MODEL = ("model", "version")
 
 RECORDS_CONSUMED = Counter("infer_records_consumed_total", "Records read from input topics")
 REQUESTS_REJECTED = Counter(
@@ -51,10 +54,10 @@ EXPIRED = Counter(
     ["rule"],
 )
 RESULTS_PRODUCED = Counter(
-    "infer_results_produced_total", "Results acknowledged by the broker", ["status"]
+    "infer_results_produced_total", "Results acknowledged by the broker", [*_MODEL, "status"]
 )
 DLQ_PRODUCED = Counter("infer_dlq_produced_total", "DLQ records acknowledged by the broker")
-BATCHES = Counter("infer_batches_total", "Batches sent to the engine", ["reason"])
+BATCHES = Counter("infer_batches_total", "Batches sent to the engine", [*_MODEL, "reason"])
 BUILD_INFO = Gauge(
     "infer_build_info",
     "Always 1; the labels say what runs (join other series on it for model and version)",
@@ -63,6 +66,7 @@ BUILD_INFO = Gauge(
 QUEUE_SECONDS = Histogram(
     "infer_queue_seconds",
     "Per request: from its arrival in the worker to its batch being formed",
+    _MODEL,
     buckets=_LATENCY_BUCKETS,
 )
 RECORD_AGE_SECONDS = Histogram(
@@ -72,7 +76,10 @@ RECORD_AGE_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 D2H_SECONDS = Histogram(
-    "infer_d2h_seconds", "GPU: device-to-host copy time per batch", buckets=_LATENCY_BUCKETS
+    "infer_d2h_seconds",
+    "GPU: device-to-host copy time per batch",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
 )
 CRASH_LOOPS = Counter(
     "infer_crash_loop_quarantined_total",
@@ -93,19 +100,25 @@ PARTITION_COMMIT_AGE = Gauge(
     "Per owned input partition: seconds since this member last committed it",
     ["topic", "partition"],
 )
-BATCH_SIZE = Histogram("infer_batch_size", "Requests per engine batch", buckets=_SIZE_BUCKETS)
+BATCH_SIZE = Histogram(
+    "infer_batch_size", "Requests per engine batch", _MODEL, buckets=_SIZE_BUCKETS
+)
 INFER_SECONDS = Histogram(
-    "infer_engine_seconds", "Engine run time per batch", buckets=_LATENCY_BUCKETS
+    "infer_engine_seconds",
+    "Engine run time per batch (the compute; GPU: kernel to D2H on the stream)",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
 )
 PREPROCESS_SECONDS = Histogram(
-    "infer_preprocess_seconds", "Preprocessing time per batch", buckets=_LATENCY_BUCKETS
+    "infer_preprocess_seconds", "Preprocessing time per batch", _MODEL, buckets=_LATENCY_BUCKETS
 )
 REQUEST_SECONDS = Histogram(
     "infer_request_seconds",
     "Time from a record's arrival in the worker to its result's acknowledgement",
+    _MODEL,
     buckets=_LATENCY_BUCKETS,
 )
-BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on")
+BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on", _MODEL)
 QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
 INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
 COMMITS = Counter("infer_commits_total", "Successful offset commits")
@@ -125,11 +138,64 @@ DELIVERY_RETRIES = Counter(
     "infer_delivery_retries_total", "Result/DLQ records re-sent after a failed delivery"
 )
 ISOLATION_RUNS = Counter(
-    "infer_isolation_runs_total", "Engine re-runs of split batches to isolate a poison request"
+    "infer_isolation_runs_total",
+    "Engine re-runs of split batches to isolate a poison request",
+    _MODEL,
 )
 PARTITION_RESETS = Counter(
     "infer_partition_resets_total", "Partitions whose offsets moved backwards (log reset)"
 )
+
+GPU_SLOTS = Gauge("infer_gpu_slots", "GPU: slots (streams with preallocated buffers)", _MODEL)
+GPU_SLOTS_BUSY = Gauge(
+    "infer_gpu_slots_busy",
+    "GPU: slots holding a batch now (all busy and batches waiting: the device is the limit)",
+    _MODEL,
+)
+GPU_MEMORY_USED = Gauge(
+    "infer_gpu_memory_used_bytes",
+    "GPU memory in use on the worker's device, all processes (NVML)",
+    ["device"],
+)
+GPU_MEMORY_TOTAL = Gauge(
+    "infer_gpu_memory_total_bytes", "GPU memory of the worker's device (NVML)", ["device"]
+)
+GPU_UTILIZATION = Gauge(
+    "infer_gpu_utilization_ratio",
+    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1)",
+    ["device"],
+)
+
+
+class ModelMetrics:
+    """The inference metrics of the one model a process serves, bound to its
+    ``model`` and ``version`` labels once (at stage construction) so the hot
+    path does no label lookups."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self._labels = (model, version)
+        self.queue_seconds = QUEUE_SECONDS.labels(model, version)
+        self.preprocess_seconds = PREPROCESS_SECONDS.labels(model, version)
+        self.engine_seconds = INFER_SECONDS.labels(model, version)
+        self.d2h_seconds = D2H_SECONDS.labels(model, version)
+        self.request_seconds = REQUEST_SECONDS.labels(model, version)
+        self.batch_size = BATCH_SIZE.labels(model, version)
+        self.batch_failures = BATCH_FAILURES.labels(model, version)
+        self.isolation_runs = ISOLATION_RUNS.labels(model, version)
+        self.gpu_slots = GPU_SLOTS.labels(model, version)
+        self.gpu_slots_busy = GPU_SLOTS_BUSY.labels(model, version)
+        self._batches: dict[str, Counter] = {}
+        self._results: dict[str, Counter] = {}
+
+    def batches(self, reason: str) -> Counter:
+        if (found := self._batches.get(reason)) is None:
+            found = self._batches[reason] = BATCHES.labels(*self._labels, reason)
+        return found
+
+    def results(self, status: str) -> Counter:
+        if (found := self._results.get(status)) is None:
+            found = self._results[status] = RESULTS_PRODUCED.labels(*self._labels, status)
+        return found
 
 
 _ready = threading.Event()

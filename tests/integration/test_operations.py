@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.error
 import urllib.request
 
@@ -22,13 +23,26 @@ def status(port: int, path: str) -> int:
         return int(exc.code)
 
 
+def exposition(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
 async def test_probes_build_info_and_latency_histograms(
     broker: EmbeddedBroker, names: dict[str, str]
 ) -> None:
     topics = {names["requests"]: 2, names["results"]: 1, names["dlq"]: 1}
     await create_topics(broker.bootstrap, topics)
-    # Static membership on: the worker must join and work with it.
-    w = await start_worker(broker, names, 2, INFER_WORKER_KAFKA__GROUP_INSTANCE_ID="pod-0")
+    # Static membership and pass-through client options: the worker must join
+    # and work with them.
+    w = await start_worker(
+        broker,
+        names,
+        2,
+        INFER_WORKER_KAFKA__GROUP_INSTANCE_ID="pod-0",
+        INFER_WORKER_KAFKA__CONSUMER_OPTIONS__ISOLATION_LEVEL="read_committed",
+        INFER_WORKER_KAFKA__PRODUCER_OPTIONS__CONNECTIONS_MAX_IDLE_MS="60000",
+    )
     try:
         records = [(f"k{i}".encode(), request_bytes(i)) for i in range(50)]
         await produce_all(broker.bootstrap, names["requests"], records)
@@ -44,6 +58,7 @@ async def test_probes_build_info_and_latency_histograms(
             "per-partition lag of 0 on both partitions",
         )
         probes = {p: status(w.metrics_port, p) for p in ("/livez", "/healthz", "/readyz", "/ready")}
+        raw = exposition(w.metrics_port)
     finally:
         assert w.terminate() == 0
     assert probes == {"/livez": 200, "/healthz": 200, "/readyz": 200, "/ready": 200}
@@ -52,6 +67,12 @@ async def test_probes_build_info_and_latency_histograms(
     assert 'model="digits"' in info[0] and 'backend="onnxruntime"' in info[0]
     assert 'device="cpu"' in info[0] and 'model_version="' in info[0]
     assert m["infer_queue_seconds_count"] == 50
+    # Inference metrics carry the served model's name and version (the scrape
+    # above folds them away, as one process serves one model).
+    for series in ("infer_queue_seconds_count", "infer_batch_size_count", "infer_batches_total"):
+        assert re.search(series + r'\{model="digits",(.*,)?version="[^"]+"', raw), series
+    ok = r'infer_results_produced_total\{model="digits",status="ok",version="[^"]+"\} 50'
+    assert re.search(ok, raw)
     # Buckets start at 100 us, so fast batches are not all in the first one.
     assert 'infer_engine_seconds_bucket{le="0.0001"}' in m
     assert lag['infer_rebalances_total{kind="assigned"}'] >= 1

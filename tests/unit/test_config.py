@@ -134,9 +134,15 @@ def test_gpu_preprocessing_needs_a_gpu_backend() -> None:
     assert s.model.preprocess.device == "gpu"
 
 
-def test_oauthbearer_is_refused_at_start_up() -> None:
-    with pytest.raises(ConfigError, match=r"kafka\.sasl_mechanism"):
-        load_settings(env={"INFER_WORKER_KAFKA__SASL_MECHANISM": "OAUTHBEARER"})
+def test_client_options_tables_take_toml_scalars_only(tmp_path: Path) -> None:
+    path = tmp_path / "w.toml"
+    path.write_text('[kafka.consumer_options]\nisolation_level = "read_committed"\n')
+    assert load_settings(path, env={}).kafka.consumer_options == {
+        "isolation_level": "read_committed"
+    }
+    path.write_text("[kafka.producer_options]\nenable_idempotence = [1]\n")
+    with pytest.raises(ConfigError, match=r"kafka\.producer_options\.enable_idempotence"):
+        load_settings(path, env={})
 
 
 def _numeric_fields() -> list[tuple[str, str, object]]:

@@ -85,18 +85,19 @@ class InferenceStage:
         for _ in range(max_inflight):
             self._buffers.put_nowait(np.empty(shape, dtype=np.dtype(model.preprocess.dtype)))
         self._raw_name = model.output or engine.info.output_names[0]
+        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
 
     async def run(self) -> None:
         async with end_of_stream(self._sink):
             while (batch := await self._source.get()) is not None:
-                metrics.BATCHES.labels(reason=batch.reason).inc()
+                self._metrics.batches(batch.reason).inc()
                 fut = asyncio.ensure_future(self.run_batch(batch))
                 fut.add_done_callback(self._report)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
 
     async def run_batch(self, batch: Batch[Job]) -> Completed:
-        completed, runnable = triage(batch, time.monotonic())
+        completed, runnable = triage(batch, time.monotonic(), self._metrics)
         if any(a.job.encoded is not None for a in runnable):
             loop = asyncio.get_running_loop()
             pp, name = self._model.preprocess, self._model.input
@@ -115,7 +116,7 @@ class InferenceStage:
             ):
                 started = time.monotonic()
                 run = functools.partial(self._run_in_thread, buf)
-                await run_isolating(runnable, run, self._max_attempts)
+                await run_isolating(runnable, run, self._max_attempts, self._metrics)
                 completed.service_s = time.monotonic() - started
         finally:
             self._buffers.put_nowait(buf)
@@ -157,9 +158,10 @@ class InferenceStage:
             if arr.shape[0] != n:  # a model that does not return a row per request
                 raise InferenceFailed(f"output {name} has {arr.shape[0]} rows for {n} requests")
         t2 = time.monotonic()
-        metrics.BATCH_SIZE.observe(n)
-        metrics.PREPROCESS_SECONDS.observe(t1 - t0)
-        metrics.INFER_SECONDS.observe(t2 - t1)
+        m = self._metrics
+        m.batch_size.observe(n)
+        m.preprocess_seconds.observe(t1 - t0)
+        m.engine_seconds.observe(t2 - t1)
         timing = {"preprocess": micros(t1 - t0), "infer": micros(t2 - t1), "d2h": 0}
         for i, a in enumerate(answers):
             a.outputs = {name: arr[i] for name, arr in out.items()}

@@ -39,7 +39,9 @@ def micros(seconds: float) -> int:
     return round(seconds * 1e6)
 
 
-def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
+def triage(
+    batch: Batch[Job], now: float, m: metrics.ModelMetrics
+) -> tuple[Completed, list[Answer]]:
     """One answer per job, in batch order, and the answers that need the engine.
 
     Jobs that failed at intake pass through with their failure; jobs past their
@@ -50,7 +52,7 @@ def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
         job = answer.job
         queued = batch.formed_at - job.arrived
         answer.timing_us["queue"] = micros(queued)
-        metrics.QUEUE_SECONDS.observe(queued)
+        m.queue_seconds.observe(queued)
         if job.failure is not None:
             continue
         if job.deadline is not None and now >= job.deadline:
@@ -62,7 +64,9 @@ def triage(batch: Batch[Job], now: float) -> tuple[Completed, list[Answer]]:
     return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable)), runnable
 
 
-async def run_isolating(answers: list[Answer], run: RowRunner, max_attempts: int) -> None:
+async def run_isolating(
+    answers: list[Answer], run: RowRunner, max_attempts: int, m: metrics.ModelMetrics
+) -> None:
     """Run ``answers``; when the engine fails on them, split them in halves and run
     each, until the failing requests are alone. A request that fails alone is
     retried until it took part in ``max_attempts`` failed runs, then answered
@@ -72,20 +76,20 @@ async def run_isolating(answers: list[Answer], run: RowRunner, max_attempts: int
         await run(answers)
         return
     except InferenceFailed as exc:
-        metrics.BATCH_FAILURES.inc()
+        m.batch_failures.inc()
         log.warning("batch_failed", size=len(answers), error=str(exc))
         failure = exc
     if len(answers) > 1:
         half = len(answers) // 2
         for part in (answers[:half], answers[half:]):
-            metrics.ISOLATION_RUNS.inc()
-            await run_isolating(part, run, max_attempts)
+            m.isolation_runs.inc()
+            await run_isolating(part, run, max_attempts, m)
         return
     job = answers[0].job
     job.attempts += 1
     if job.attempts < max_attempts:
-        metrics.ISOLATION_RUNS.inc()
-        await run_isolating(answers, run, max_attempts)
+        m.isolation_runs.inc()
+        await run_isolating(answers, run, max_attempts, m)
         return
     answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
 

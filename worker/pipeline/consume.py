@@ -96,6 +96,7 @@ class KafkaSource:
         backpressure: Backpressure,
     ) -> None:
         self._kafka = kafka
+        self.missing_topics: list[str] = []  # input topics the last probe did not find
         self._backpressure = backpressure
         self._make_job = make_job
         self._sink = sink
@@ -333,16 +334,26 @@ class KafkaSource:
         await self.consumer.commit(offsets)
 
     async def probe(self, timeout: float) -> bool:
-        """True when the cluster answers a metadata request within ``timeout``. The
-        consumer hides connection loss (it reconnects quietly and returns empty
-        fetches), so readiness needs an explicit round trip."""
+        """True when the cluster answers a metadata request for the input topics
+        within ``timeout``; ``missing_topics`` then lists those it does not know
+        (deleted since start-up). The consumer hides
+        connection loss (it reconnects quietly and returns empty fetches), so
+        readiness needs an explicit round trip; it asks for the subscribed topics
+        only (the consumer's own metadata refresh), not the whole cluster's, which
+        twenty workers probing every second would make the brokers pay for."""
         if self.consumer is None:
             return False
+        # aiokafka has no public per-topic metadata call; this is the refresh the
+        # consumer runs every metadata_max_age_ms, brought forward.
+        client = self.consumer._client
         try:
-            await asyncio.wait_for(self.consumer.topics(), timeout)
+            updated = await asyncio.wait_for(client.force_metadata_update(), timeout)
         except (KafkaError, TimeoutError, OSError):
             return False
-        return True
+        if updated:
+            known = client.cluster.topics()
+            self.missing_topics = [t for t in self._kafka.input_topics if t not in known]
+        return bool(updated)
 
     def assignment(self) -> set[TopicPartition]:
         if self.consumer is None:
@@ -357,14 +368,25 @@ class KafkaSource:
 
 
 async def watch_broker(source: KafkaSource, timeout: float, interval: float = 1.0) -> None:
-    """Keep the "broker" readiness condition current while the worker runs."""
-    up = True
+    """Keep the "broker" and "topics" readiness conditions current while the
+    worker runs: an input topic deleted under a running worker makes it not
+    ready, where the cluster does not create topics on demand (with
+    ``auto.create.topics.enable=true``, and on the embedded broker, aiokafka's
+    own metadata refresh re-creates it at once, empty: measured)."""
+    up, missing = True, list[str]()
     while True:
         ok = await source.probe(timeout)
         if ok != up:
             log.warning("broker_reachable" if ok else "broker_unreachable")
             up = ok
+        if source.missing_topics != missing:
+            missing = source.missing_topics
+            if missing:
+                log.error("input_topics_missing", topics=missing)
+            else:
+                log.info("input_topics_found")
         metrics.set_condition("broker", ok)
+        metrics.set_condition("topics", not missing)
         await asyncio.sleep(interval)
 
 

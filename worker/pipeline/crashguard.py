@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +81,16 @@ def _key(group: str, tp: TopicPartition) -> bytes:
 
 
 class CrashGuard:
-    def __init__(self, bootstrap: str, topic: str, group: str, producer: AIOKafkaProducer) -> None:
-        self._bootstrap = bootstrap
+    def __init__(
+        self,
+        connection: Mapping[str, Any],
+        topic: str,
+        group: str,
+        producer: AIOKafkaProducer,
+    ) -> None:
+        """``connection``: aiokafka bootstrap and security arguments (the guard
+        reads its topic with a consumer of its own, on the same cluster)."""
+        self._connection = dict(connection)
         self._topic = topic
         self._group = group
         self._producer = producer
@@ -95,7 +103,7 @@ class CrashGuard:
         beginning without a group: it holds one live key per partition)."""
         wanted = {_key(self._group, tp): tp for tp in tps}
         found: dict[TopicPartition, Mark] = {}
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(**self._connection, enable_auto_commit=False)
         await consumer.start()
         try:
             await consumer.topics()

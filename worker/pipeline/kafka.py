@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
 from worker.config import KafkaConfig
+from worker.errors import ConfigError
+
+# Never passed through: (de)serialisers would change what the worker reads and
+# writes, auto-commit and transactions would break "commit after the ack".
+_NEVER = frozenset({
+    "loop", "key_serializer", "value_serializer", "key_deserializer", "value_deserializer",
+    "enable_auto_commit", "auto_commit_interval_ms", "transactional_id",
+})  # fmt: skip
 
 
 def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
     """aiokafka consumer arguments for a worker in the group: manual commits only,
     and a new group starts at the earliest offset (for a work queue, "latest"
     would skip requests produced before the group first joined)."""
-    return {
+    managed = {
         "group_id": k.group_id,
         "group_instance_id": k.group_instance_id or None,
         "enable_auto_commit": False,
@@ -25,6 +38,42 @@ def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
         "max_partition_fetch_bytes": k.max_partition_fetch_bytes,
         **client_kwargs(k),
     }
+    return with_options(managed, k.consumer_options, AIOKafkaConsumer, "consumer_options")
+
+
+def producer_kwargs(k: KafkaConfig) -> dict[str, Any]:
+    """aiokafka producer arguments for results and DLQ records: acknowledged by
+    every in-sync replica, since offsets are committed on that acknowledgement."""
+    managed = {
+        "acks": "all",
+        "max_request_size": k.max_request_size,
+        "compression_type": None if k.compression_type == "none" else k.compression_type,
+        "linger_ms": k.linger_ms,
+        "retry_backoff_ms": k.retry_backoff_ms,
+        # One record batch per output partition per completed batch: room for a
+        # full batch of results (the producer's default is 16 KiB).
+        "max_batch_size": min(k.max_request_size, 1 << 20),
+        **client_kwargs(k),
+    }
+    return with_options(managed, k.producer_options, AIOKafkaProducer, "producer_options")
+
+
+def with_options(
+    managed: Mapping[str, Any], options: Mapping[str, Any], client: type[Any], section: str
+) -> dict[str, Any]:
+    """``managed`` plus the operator's pass-through ``options``, refusing (with the
+    setting's name) arguments the worker sets itself and ones aiokafka lacks, so
+    a typo stops the worker at start-up instead of a TypeError deep in a stage."""
+    for key in options:
+        name = f"kafka.{section}.{key}"
+        if key in managed or key in _NEVER:
+            raise ConfigError(
+                f"{name}: set by the worker itself (use the kafka.* setting where one "
+                "exists; serialisers, auto-commit and transactions are not configurable)"
+            )
+        if key not in inspect.signature(client).parameters:
+            raise ConfigError(f"{name}: not an argument of aiokafka's {client.__name__}")
+    return {**managed, **options}
 
 
 def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
@@ -44,6 +93,29 @@ def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
         )
     if k.security_protocol.startswith("SASL"):
         kwargs["sasl_mechanism"] = k.sasl_mechanism
-        kwargs["sasl_plain_username"] = k.sasl_plain_username
-        kwargs["sasl_plain_password"] = k.sasl_plain_password
+        if k.sasl_mechanism == "OAUTHBEARER":
+            kwargs["sasl_oauth_token_provider"] = token_provider(k.sasl_oauth_token_provider)
+        else:
+            kwargs["sasl_plain_username"] = k.sasl_plain_username
+            kwargs["sasl_plain_password"] = k.sasl_plain_password
     return kwargs
+
+
+def token_provider(spec: str | None) -> Any:
+    """Call the ``module:callable`` factory named by kafka.sasl_oauth_token_provider
+    and check that it returned an aiokafka ``AbstractTokenProvider``."""
+    from aiokafka.abc import AbstractTokenProvider
+
+    name = "kafka.sasl_oauth_token_provider"
+    module_name, _, attr = (spec or "").partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{name}: cannot import {spec!r}: {exc}") from exc
+    provider = factory()
+    if not isinstance(provider, AbstractTokenProvider):
+        raise ConfigError(
+            f"{name}: {spec} returned {type(provider).__name__}, not an "
+            "aiokafka.abc.AbstractTokenProvider"
+        )
+    return provider

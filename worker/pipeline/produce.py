@@ -31,7 +31,7 @@ from worker.errors import DeliveryFailed, FailureBudgetExceeded
 from worker.logs import RateLimited
 from worker.pipeline.budget import FailureBudget
 from worker.pipeline.commit import Committer
-from worker.pipeline.kafka import client_kwargs
+from worker.pipeline.kafka import producer_kwargs
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.outgoing import FallbackCode, Outgoing, Topics, fallback, outgoing
 from worker.records import Completed
@@ -71,6 +71,7 @@ class ResultSink:
         self._source = source
         self._kafka = kafka
         self._model = model
+        self._metrics = metrics.ModelMetrics(model.name, model.version)
         self._tracker = tracker
         self._committer = committer
         self._budget = budget
@@ -85,18 +86,7 @@ class ResultSink:
         self.producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
-        k = self._kafka
-        producer = AIOKafkaProducer(
-            acks="all",
-            max_request_size=k.max_request_size,
-            compression_type=None if k.compression_type == "none" else k.compression_type,
-            linger_ms=k.linger_ms,
-            retry_backoff_ms=k.retry_backoff_ms,
-            # One record batch per output partition per completed batch: room for a
-            # full batch of results (the producer's default is 16 KiB).
-            max_batch_size=min(k.max_request_size, 1 << 20),
-            **client_kwargs(k),
-        )
+        producer = AIOKafkaProducer(**producer_kwargs(self._kafka))
         try:
             await producer.start()
         except BaseException:
@@ -298,7 +288,7 @@ class ResultSink:
         for out in acked:
             job = out.job
             self._tracker.done(job.tp, job.offset, job.epoch)
-            metrics.REQUEST_SECONDS.observe(now - job.arrived)
+            self._metrics.request_seconds.observe(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
                 metrics.RECORD_AGE_SECONDS.observe(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
@@ -307,7 +297,7 @@ class ResultSink:
             if kind == "dlq":
                 metrics.DLQ_PRODUCED.inc(count)
             else:
-                metrics.RESULTS_PRODUCED.labels(status=kind).inc(count)
+                self._metrics.results(kind).inc(count)
 
     async def _settle(self) -> None:
         """Wait for every outstanding acknowledgement."""

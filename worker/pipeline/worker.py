@@ -34,6 +34,7 @@ from worker.pipeline.commit import Committer
 from worker.pipeline.consume import KafkaSource, report_partitions, watch_broker
 from worker.pipeline.crashguard import CrashGuard
 from worker.pipeline.intake import JobFactory
+from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs, producer_kwargs
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.produce import ResultSink
 from worker.records import Batch, Completed, Job, TopicPartition
@@ -72,6 +73,10 @@ class Worker:
 
     async def start(self) -> None:
         s = self.settings
+        # Client arguments (pass-through options, the OAuth token provider) are
+        # checked before the engine loads or Kafka is contacted: a typo is exit 2.
+        group_consumer_kwargs(s.kafka)
+        producer_kwargs(s.kafka)
         if self._engine is None:
             self._engine = await asyncio.to_thread(
                 load_engine,
@@ -130,6 +135,10 @@ class Worker:
                 "partitions",
             ),
         ]
+        if is_gpu_backend(s.model.backend):
+            from worker.inference.gpu.monitor import watch_gpu
+
+            self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
     def _crash_guard(self, stages: _Stages, existing: set[str]) -> CrashGuard | None:
         """Crash-loop protection when configured and its topic exists."""
@@ -145,7 +154,7 @@ class Worker:
             return None
         assert stages.sink.producer is not None
         guard = CrashGuard(
-            s.kafka.bootstrap_servers, s.kafka.crash_guard_topic, s.kafka.group_id,
+            client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id,
             stages.sink.producer,
         )  # fmt: skip
         b = s.batching

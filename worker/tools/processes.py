@@ -8,6 +8,7 @@ metrics out, signals to stop it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,20 +149,44 @@ def spawn_worker(
     return WorkerProcess(proc, port, log.name)
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
 def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value} (comments skipped)."""
+    """Prometheus text format -> {'name{labels}': value} (comments skipped).
+
+    One process serves one model, so the inference metrics' ``model`` and
+    ``version`` labels are folded away (series differing only in them are
+    summed): readers ask for ``infer_batches_total{reason="full"}`` whatever
+    model runs."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        name, _, value = line.rpartition(" ")
+        series, _, value = line.rpartition(" ")
         try:
-            out[name] = float(value)
+            number = float(value)
         except ValueError:
             continue
+        key = _fold_model_labels(series)
+        out[key] = out.get(key, 0.0) + number
     return out
+
+
+def _fold_model_labels(series: str) -> str:
+    """Drop the ``model``/``version`` labels every inference metric carries
+    (``metrics.ModelMetrics``); an ``*_info`` series, whose labels are the
+    information itself, stays whole."""
+    name, brace, labels = series.partition("{")
+    if not brace or name.endswith("_info"):
+        return series
+    pairs = _LABEL.findall(labels)
+    kept = [f'{k}="{v}"' for k, v in pairs if k not in ("model", "version")]
+    if len(kept) == len(pairs):
+        return series
+    return f"{name}{{{','.join(kept)}}}" if kept else name
 
 
 def mean_batch_size(m: Mapping[str, float]) -> float:

@@ -194,3 +194,20 @@ def test_slot_layout_accounting_and_validation() -> None:
         SlotLayout(0, 4, layout.engine_input, layout.engine_outputs, copy_back=("nope",))
     with pytest.raises(ValueError, match="collide"):
         SlotLayout(0, 4, layout.engine_input, layout.engine_outputs, results=layout.engine_outputs)
+
+
+async def test_occupancy_is_reported_on_every_change() -> None:
+    """The busy-slot gauge follows acquire and release; a slot handed straight to
+    a waiting batch stays busy (no dip that would hide a saturated device)."""
+    seen: list[int] = []
+    allocations = Allocations()
+    ring = SlotRing([fake_slot(i, allocations) for i in range(2)], allocations, seen.append)
+    a = await ring.acquire()
+    b = await ring.acquire()
+    waiting = asyncio.ensure_future(ring.acquire())
+    await asyncio.sleep(0)
+    ring.release(a)  # handed to the waiter: still 2 busy
+    c = await waiting
+    ring.release(b)
+    ring.release(c)
+    assert seen == [0, 1, 2, 1, 0]

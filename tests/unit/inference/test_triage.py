@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from worker.config import ModelConfig
 from worker.engines import load_engine
@@ -14,6 +15,7 @@ from worker.engines.base import EngineInfo
 from worker.errors import EngineDead, InferenceFailed, InvalidRequest
 from worker.inference.cpu import InferenceStage
 from worker.inference.triage import run_isolating, triage
+from worker.metrics import ModelMetrics
 from worker.records import Answer, Batch, Job, TopicPartition
 
 
@@ -102,7 +104,12 @@ async def test_the_bisection_is_shared_and_runs_any_row_runner() -> None:
         for a in part:
             a.outputs = {"x": np.zeros(1)}
 
-    await run_isolating(answers, run, max_attempts=2)
+    labels = {"model": "isolation-test", "version": "7"}
+    await run_isolating(answers, run, 2, ModelMetrics(*labels.values()))
+    # Counted under the served model's labels (what an operator's alert joins on).
+    assert REGISTRY.get_sample_value("infer_isolation_runs_total", labels) == len(runs) - 1
+    failed_runs = sum(1 for r in runs if 5 in r)
+    assert REGISTRY.get_sample_value("infer_batch_failures_total", labels) == failed_runs
     assert [a.job.offset for a in answers if a.error is not None] == [5]
     assert answers[5].error is not None and "after 2 attempts" in answers[5].error.message
     assert all(a.outputs is not None for a in answers if a.job.offset != 5)
@@ -123,7 +130,7 @@ async def test_engine_dead_is_not_isolated() -> None:
         raise EngineDead("device lost")
 
     with pytest.raises(EngineDead):
-        await run_isolating(answers, run, max_attempts=3)
+        await run_isolating(answers, run, 3, ModelMetrics("t", "1"))
     assert calls == 1
 
 
@@ -132,7 +139,10 @@ def test_triage_answers_failed_and_expired_jobs_without_the_engine() -> None:
     ok, expired, failed = jobs(3, set())
     expired.deadline = now - 1.0
     failed.failure = InvalidRequest("inputs.image: missing")
-    completed, runnable = triage(Batch([ok, expired, failed], now, "delay", seq=3), now)
+    labels = {"model": "triage-test", "version": "1"}
+    batch = Batch([ok, expired, failed], now, "delay", seq=3)
+    completed, runnable = triage(batch, now, ModelMetrics(*labels.values()))
+    assert REGISTRY.get_sample_value("infer_queue_seconds_count", labels) == 3
     assert [a.job for a in runnable] == [ok]
     assert completed.seq == 3 and completed.engine_rows == 1
     assert [a.job for a in completed.answers] == [ok, expired, failed]  # batch order kept

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -57,7 +57,14 @@ class SlotRing(Generic[S]):
     its slots are all created at start-up.
     """
 
-    def __init__(self, slots: Sequence[S], allocations: Allocations | None = None) -> None:
+    def __init__(
+        self,
+        slots: Sequence[S],
+        allocations: Allocations | None = None,
+        on_busy: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_busy`` is told the number of busy slots whenever it changes (the
+        occupancy gauge: all busy with batches waiting means the device binds)."""
         if not slots:
             raise ValueError("a slot ring needs at least one slot")
         self.slots: tuple[S, ...] = tuple(slots)
@@ -69,6 +76,9 @@ class SlotRing(Generic[S]):
         self._busy: set[int] = set()
         self._waiters: deque[asyncio.Future[S]] = deque()
         self._closed: WorkerError | None = None
+        self._on_busy = on_busy
+        if on_busy is not None:
+            on_busy(0)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -91,6 +101,8 @@ class SlotRing(Generic[S]):
         if self._free and not self._waiters:
             slot = self._free.popleft()
             self._busy.add(id(slot))
+            if self._on_busy is not None:
+                self._on_busy(len(self._busy))
             return slot
         return None
 
@@ -126,6 +138,8 @@ class SlotRing(Generic[S]):
                 return
         self._busy.discard(key)
         self._free.append(slot)
+        if self._on_busy is not None:
+            self._on_busy(len(self._busy))
 
     def close(self, reason: WorkerError | None = None) -> None:
         """Fail every waiter and every later acquire with ``reason``."""

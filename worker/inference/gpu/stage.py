@@ -96,6 +96,7 @@ class GpuInferenceStage:
         self._channels = model.preprocess.channels
         self._input_name = model.input
         self._report = report_service_time(on_service_time)
+        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
         self._poll_interval_s = gpu.poll_interval_ms / 1000.0
         self._batch_timeout_s = gpu.batch_timeout_ms / 1000.0
         gpu_preprocess = model.preprocess.device == "gpu"
@@ -115,7 +116,10 @@ class GpuInferenceStage:
             host_input=not gpu_preprocess,
         )
         self.allocations = Allocations()
-        self._ring: SlotRing[Slot] = SlotRing(self._make_slots(num_slots), self.allocations)
+        self._metrics.gpu_slots.set(num_slots)
+        self._ring: SlotRing[Slot] = SlotRing(
+            self._make_slots(num_slots), self.allocations, self._metrics.gpu_slots_busy.set
+        )
         self._pool = ThreadPoolExecutor(max_workers=num_slots, thread_name_prefix="gpu")
         self._dead: EngineDead | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -162,7 +166,7 @@ class GpuInferenceStage:
             while (batch := await self._source.get()) is not None:
                 if self._dead is not None:
                     raise self._dead
-                metrics.BATCHES.labels(reason=batch.reason).inc()
+                self._metrics.batches(batch.reason).inc()
                 fut: asyncio.Future[Completed]
                 if any(job.failure is None for job in batch.items):
                     slot = await self._ring.acquire()
@@ -170,7 +174,7 @@ class GpuInferenceStage:
                     fut.add_done_callback(functools.partial(self._batch_done, slot))
                 else:  # nothing to run: answered without a slot
                     fut = loop.create_future()
-                    fut.set_result(triage(batch, time.monotonic())[0])
+                    fut.set_result(triage(batch, time.monotonic(), self._metrics)[0])
                 fut.add_done_callback(self._report)
                 metrics.INFLIGHT_BATCHES.inc()
                 await self._sink.put(fut)
@@ -221,7 +225,7 @@ class GpuInferenceStage:
 
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
-            completed, runnable = triage(batch, time.monotonic())
+            completed, runnable = triage(batch, time.monotonic(), self._metrics)
             if any(a.job.encoded is not None for a in runnable):
                 # Decoded on the host for now (nvJPEG on the slot's stream is not
                 # built yet): on the stage's threads, then staged like a tensor.
@@ -234,7 +238,7 @@ class GpuInferenceStage:
             if runnable:
                 started = time.monotonic()
                 run = functools.partial(self.run_rows, slot)
-                await run_isolating(runnable, run, self._max_attempts)
+                await run_isolating(runnable, run, self._max_attempts, self._metrics)
                 completed.service_s = time.monotonic() - started
             return completed
 
@@ -321,10 +325,11 @@ class GpuInferenceStage:
             )
         except Exception as exc:  # boundary: reading events can report a device error
             raise self._die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
-        metrics.BATCH_SIZE.observe(len(answers))
-        metrics.PREPROCESS_SECONDS.observe(timing["preprocess"] / 1e6)
-        metrics.INFER_SECONDS.observe(timing["infer"] / 1e6)
-        metrics.D2H_SECONDS.observe(timing["d2h"] / 1e6)
+        m = self._metrics
+        m.batch_size.observe(len(answers))
+        m.preprocess_seconds.observe(timing["preprocess"] / 1e6)
+        m.engine_seconds.observe(timing["infer"] / 1e6)
+        m.d2h_seconds.observe(timing["d2h"] / 1e6)
         return outputs, timing
 
     async def _await_slot_event(self, slot: Slot, woken: asyncio.Future[None]) -> None:

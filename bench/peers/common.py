@@ -1,0 +1,57 @@
+"""What every peer shares: the same model, preprocessing and wire format as the
+worker, so a peer differs from it only in how records flow. Benchmark code."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import onnxruntime as ort
+
+from worker.config import Settings, load_settings
+from worker.engines.base import resolve_model_path
+from worker.inference.postprocess import postprocess
+from worker.inference.preprocess import preprocess
+
+
+class Model:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = s = settings or load_settings()
+        self._session = ort.InferenceSession(
+            str(resolve_model_path(s.model.path)), providers=["CPUExecutionProvider"]
+        )
+        self._in = self._session.get_inputs()[0].name
+        self._out = s.model.output or self._session.get_outputs()[0].name
+
+    def answer(
+        self, values: Sequence[bytes], sources: Sequence[tuple[str, int, int]]
+    ) -> list[tuple[str, bytes]]:
+        """msgpack requests in, (id, msgpack result) out, one batched model run."""
+        started = time.monotonic()
+        requests = [msgpack.unpackb(v, raw=False) for v in values]
+        images = []
+        for req in requests:
+            t = req["inputs"]["image"]
+            images.append(np.frombuffer(t["data"], np.uint8).reshape(t["shape"]))
+        m = self.settings.model
+        batch = preprocess(images, m.preprocess)
+        raw = self._session.run([self._out], {self._in: batch})[0]
+        out = postprocess(raw, m.postprocess, self._out)
+        total = round((time.monotonic() - started) * 1e6)
+        results = []
+        for i, (req, (topic, partition, offset)) in enumerate(zip(requests, sources, strict=True)):
+            outputs: dict[str, Any] = {
+                name: {"dtype": a.dtype.name, "shape": list(a.shape[1:]), "data": a[i].tobytes()}
+                for name, a in out.items()
+            }
+            result = {
+                "v": 1, "id": req["id"], "status": "ok", "outputs": outputs,
+                "model": {"name": m.name, "version": "peer"},
+                "source": {"topic": topic, "partition": partition, "offset": offset},
+                "timing_us": {"total": total},
+            }  # fmt: skip
+            results.append((req["id"], msgpack.packb(result)))
+        return results
