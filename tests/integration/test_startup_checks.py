@@ -85,3 +85,16 @@ async def test_missing_input_topic_exits_2_and_is_not_created(
         assert misspelt not in await admin.list_topics()
     finally:
         await admin.close()
+
+
+def test_a_client_option_the_worker_owns_exits_2_naming_it() -> None:
+    proc = run_worker(
+        {
+            "INFER_WORKER_KAFKA__CONSUMER_OPTIONS__ENABLE_AUTO_COMMIT": "true",
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "kafka.consumer_options.enable_auto_commit" in proc.stderr
+    assert "Traceback" not in proc.stderr
