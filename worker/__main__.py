@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
@@ -52,6 +53,22 @@ input topics must exist (--embedded creates them).
 exit status: 0 drained and stopped; 1 a stage failed (engine dead, delivery
 failed for good, failure budget exceeded); 2 a configuration error (the message
 names the setting) or a stop without draining."""
+
+
+SWEEP_DESCRIPTION = """\
+With --sweep (the tuning loop): one worker process per batching setting
+(batching.max_batch_size x batching.max_queue_delay_ms), each sent open-loop
+Poisson arrivals at every --rates value for --duration seconds, on one embedded
+broker. A rate is sustained when every request was answered ok and answers/s
+kept within 5% of the offered rate. The recommended setting sustains the highest
+rate with p99 <= --slo-p99-ms there and at every lower rate (ties: the lower
+p99); its [batching] TOML lines and INFER_WORKER_BATCHING__* variables are
+printed. The p99/p50 latency vs throughput curves go to --plot (matplotlib), the
+points to --json. Exit 1 when no setting meets the SLO (the closest is printed)."""
+
+SWEEP_EXAMPLES = """
+  infer-worker bench --sweep --slo-p99-ms 20 --plot sweep.png --json sweep.json
+  infer-worker bench --sweep --delays 0,2,5,10 --batch-sizes 32,64 --rates 200,1000,3000"""
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +144,8 @@ def _parse_sets(items: list[str]) -> dict[str, str]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """``demo``, and ``bench`` (the same run, then the naive baseline)."""
+    if getattr(args, "sweep", False):
+        return _cmd_sweep(args)
     from worker.tools.demo import DemoOptions, run_demo
 
     return run_demo(
@@ -139,6 +158,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             overrides=_parse_sets(args.set),
         )
     )
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """``bench --sweep``: the batching grid at several rates, and the setting to use."""
+    from worker.tools.sweep import SweepOptions, run_sweep
+
+    if args.rate:
+        raise ConfigError("--rate: not with --sweep (give the rates to sweep as --rates)")
+    opts = SweepOptions(
+        delays=args.delays,
+        rates=args.rates,
+        duration=args.duration,
+        slo_p99_ms=args.slo_p99_ms,
+        plot=args.plot or None,
+        json_out=args.json,
+        partitions=args.partitions,
+        overrides=_parse_sets(args.set),
+    )
+    if args.batch_sizes is not None:
+        opts.batch_sizes = args.batch_sizes
+    return run_sweep(opts)
 
 
 def _cmd_build_engine(args: argparse.Namespace) -> int:
@@ -247,7 +287,8 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "throughput and latency of the worker against a naive baseline",
             "The demo's run, then the same requests through a naive one-at-a-time loop "
             "(bench/naive.py of a repository checkout: run this from there), and the ratio. "
-            "For the backlog drain against the ingest ceiling see bench/drain.py.",
+            "For the backlog drain against the ingest ceiling see bench/drain.py.\n\n"
+            + SWEEP_DESCRIPTION,
             20,
         ),
     ):
@@ -255,7 +296,8 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             sub, name, summary, description, _cmd_demo,
             epilog=f"examples:\n  infer-worker {name}\n"
             f"  infer-worker {name} --rate 300\n"
-            f"  infer-worker {name} --set batching.max_batch_size=16",
+            f"  infer-worker {name} --set batching.max_batch_size=16"
+            + (SWEEP_EXAMPLES if name == "bench" else ""),
         )  # fmt: skip
         p.add_argument(
             "--repeat", type=int, default=repeat,
@@ -272,6 +314,56 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
             help="worker setting for this run, e.g. batching.max_batch_size=16",
         )  # fmt: skip
+        if name == "bench":
+            _sweep_arguments(p)
+
+
+def _number_list(kind: Callable[[str], float]) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {exc}") from exc
+
+    return parse
+
+
+def _sweep_arguments(p: argparse.ArgumentParser) -> None:
+    from worker.config import BatchingConfig
+
+    default_batch = BatchingConfig().max_batch_size
+    p.add_argument(
+        "--sweep", action="store_true",
+        help="run the batching grid at several rates and print the setting to use "
+        "(--repeat and --rate do not apply)",
+    )  # fmt: skip
+    p.add_argument(
+        "--delays", type=_number_list(float), default=[0.0, 2.0, 5.0, 10.0], metavar="MS,...",
+        help="with --sweep: batching.max_queue_delay_ms values (default 0,2,5,10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-sizes", type=_number_list(int), default=None, metavar="N,...",
+        help=f"with --sweep: batching.max_batch_size values (default {default_batch}, "
+        "the worker's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rates", type=_number_list(float), default=[200.0, 1000.0, 3000.0], metavar="R,...",
+        help="with --sweep: open-loop Poisson arrival rates, requests/s "
+        "(default 200,1000,3000)",
+    )  # fmt: skip
+    p.add_argument(
+        "--duration", type=float, default=5.0,
+        help="with --sweep: seconds of arrivals per rate and setting (default 5)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo-p99-ms", type=float, default=50.0,
+        help="with --sweep: the p99 end-to-end latency to meet, ms (default 50)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plot", default="sweep.png",
+        help="with --sweep: the PNG to draw the curves to; needs matplotlib "
+        "(default sweep.png; '' for none)",
+    )  # fmt: skip
 
 
 def _tool_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
