@@ -1,6 +1,6 @@
 """Backlog drain on the CPU: the worker against the ingest ceiling, same run.
 
-    .venv/bin/python bench/drain.py --records 30000 [--repeat 3] [--json out.json]
+    .venv/bin/python -m bench.drain --records 30000 [--repeat 3] [--peers ...] [--json out.json]
 
 Starts the embedded broker, produces a backlog of the bundled model's digit
 requests (8x8, 16x16 and 24x24, as the demo sends them) over ``--partitions``,
@@ -35,6 +35,8 @@ from pathlib import Path
 import msgpack
 from aiokafka import AIOKafkaConsumer
 
+from bench.peers import NAMES as PEERS
+from bench.peers import argv as peer_argv
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import encode_samples, labelled_samples
 from worker.tools.processes import mean_batch_size, spawn_worker
@@ -44,9 +46,6 @@ _RUN_FROM = (
     "import sys; sys.path.insert(0, {!r}); "
     "from worker.__main__ import main; sys.exit(main(['run']))"
 )
-
-
-_PEER_ARGS = {"faust_take": ("worker", "--loglevel", "warn")}
 
 
 @dataclass
@@ -112,7 +111,7 @@ async def drain_worker(
         # ``python -m`` puts the working directory first on sys.path: another
         # version of the package must be put in front of it explicitly.
         argv=(
-            [sys.executable, "-m", f"bench.peers.{peer}", *_PEER_ARGS.get(peer, ())]
+            peer_argv(peer)
             if peer
             else None
             if package_dir is None
@@ -122,9 +121,7 @@ async def drain_worker(
     )
     try:
         # Stop waiting as soon as the process is gone: its log says why.
-        await collector.collect(
-            lambda c: c.count() >= n or worker.proc.poll() is not None, 600.0
-        )
+        await collector.collect(lambda c: c.count() >= n or worker.proc.poll() is not None, 600.0)
         if collector.count() < n:
             raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
         m = {} if peer else worker.metrics()
@@ -239,7 +236,11 @@ def main() -> int:
         help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_BATCH_SIZE=128",
     )
     parser.add_argument(
-        "--peers", nargs="*", default=["tight_loop"], help="bench/peers/NAME.py contenders"
+        "--peers",
+        nargs="*",
+        default=["tight_loop"],
+        choices=PEERS,
+        help="bench/peers/NAME.py contenders (install the bench extra for faust and quix)",
     )
     parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")

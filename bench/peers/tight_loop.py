@@ -14,28 +14,17 @@ benchmark starts it the same way. Benchmark code, not shipped.
 from __future__ import annotations
 
 import asyncio
-import time
 
-import msgpack
-import numpy as np
-import onnxruntime as ort
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from worker.config import load_settings
-from worker.engines.base import resolve_model_path
-from worker.inference.postprocess import postprocess
-from worker.inference.preprocess import preprocess
+from bench.peers.common import Model
 
 
 async def main() -> None:
-    s = load_settings()
-    k, m = s.kafka, s.model
-    session = ort.InferenceSession(
-        str(resolve_model_path(m.path)), providers=["CPUExecutionProvider"]
-    )
-    in_name = session.get_inputs()[0].name
-    out_name = m.output or session.get_outputs()[0].name
+    model = Model()
+    s = model.settings
+    k = s.kafka
     consumer = AIOKafkaConsumer(
         *k.input_topics,
         bootstrap_servers=k.bootstrap_servers,
@@ -54,38 +43,15 @@ async def main() -> None:
             records = [r for batch in fetched.values() for r in batch]
             if not records:
                 continue
-            started = time.monotonic()
-            requests = [msgpack.unpackb(r.value, raw=False) for r in records]
-            images = []
-            for req in requests:
-                t = req["inputs"]["image"]
-                images.append(np.frombuffer(t["data"], np.uint8).reshape(t["shape"]))
-            batch = preprocess(images, m.preprocess)
-            raw = session.run([out_name], {in_name: batch})[0]
-            out = postprocess(raw, m.postprocess, out_name)
-            total = round((time.monotonic() - started) * 1e6)
-            acks = []
-            for i, (record, req) in enumerate(zip(records, requests, strict=True)):
-                result = {
-                    "v": 1,
-                    "id": req["id"],
-                    "status": "ok",
-                    "outputs": {
-                        name: {"dtype": arr.dtype.name, "shape": list(arr.shape[1:]),
-                               "data": arr[i].tobytes()}
-                        for name, arr in out.items()
-                    },
-                    "model": {"name": m.name, "version": "peer"},
-                    "source": {"topic": record.topic, "partition": record.partition,
-                               "offset": record.offset},
-                    "timing_us": {"total": total},
-                }  # fmt: skip
-                acks.append(
-                    await producer.send(
-                        k.output_topic, msgpack.packb(result), key=record.key,
-                        headers=[("id", req["id"].encode())],
-                    )
-                )  # fmt: skip
+            answers = model.answer(
+                [r.value for r in records], [(r.topic, r.partition, r.offset) for r in records]
+            )
+            acks = [
+                await producer.send(
+                    k.output_topic, value, key=record.key, headers=[("id", rid.encode())]
+                )
+                for record, (rid, value) in zip(records, answers, strict=True)
+            ]
             await asyncio.gather(*acks)
             offsets = {}
             for tp, batch_records in fetched.items():

@@ -1,0 +1,161 @@
+"""Open-loop latency: the worker and its peers at the same Poisson request rate.
+
+    .venv/bin/python -m bench.latency --rate 500 --records 5000 \\
+        --peers tight_loop faust_take quix_apply [--json out.json]
+
+One embedded broker; each contender gets fresh topics and a fresh group, is
+warmed up (a few requests answered before the clock starts: start-up, model
+loading and the first group join are not latency), then is sent ``--records``
+requests as an open-loop Poisson process of mean rate ``--rate``, seeded, the
+same sequence for every contender, whatever the answers do (a closed-loop
+sender would slow down with the system and hide its queueing). Latency is a
+result's arrival at the collecting client minus its request's send time, both
+on this host's monotonic clock. A contender *sustains* the rate when it answers
+every request ``ok`` and its throughput is at least 95% of the offered rate.
+
+Benchmark code: not part of the installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.peers import NAMES as PEERS
+from bench.peers import argv as peer_argv
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.demo import encode_samples, labelled_samples
+from worker.tools.processes import spawn_worker
+from worker.tools.topics import Collector, produce_all
+
+_WARM_UP = 32
+
+
+@dataclass
+class Latency:
+    name: str
+    offered_rate: float
+    sent: int
+    answered: int
+    throughput: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+
+    @property
+    def sustained(self) -> bool:
+        return self.answered == self.sent and self.throughput >= 0.95 * self.offered_rate
+
+
+async def measure(
+    bootstrap: str, name: str, records: list[tuple[bytes | None, bytes]], rate: float, parts: int
+) -> Latency:
+    topics = {"requests": f"lat.{name}.req", "results": f"lat.{name}.res", "dlq": f"lat.{name}.dlq"}
+    await create_topics(
+        bootstrap, {topics["requests"]: parts, topics["results"]: parts, topics["dlq"]: 1}
+    )
+    proc = spawn_worker(
+        bootstrap,
+        input_topics=[topics["requests"]],
+        output_topic=topics["results"],
+        dlq_topic=topics["dlq"],
+        group_id=f"lat-{name}",
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning"},
+        argv=None if name == "worker" else peer_argv(name),
+    )
+    collector = Collector(bootstrap, [topics["results"]])
+    await collector.start()
+    try:
+        warm = [(f"warm-{i}".encode(), v) for i, (_, v) in enumerate(records[:_WARM_UP])]
+        await produce_all(bootstrap, topics["requests"], warm, partition_of=lambda i: i % parts)
+        gone = lambda: proc.proc.poll() is not None  # noqa: E731 - stop waiting on a dead process
+        await collector.collect(lambda c: c.count() >= _WARM_UP or gone(), 120)
+        if collector.count() < _WARM_UP:
+            raise RuntimeError(f"{name}: not answering the warm-up:\n{proc.log_tail()}")
+        done = _WARM_UP + len(records)
+        collecting = asyncio.create_task(
+            collector.collect(
+                lambda c: c.count() >= done or gone(),
+                len(records) / rate + 60.0,
+            )
+        )
+        produced = await produce_all(
+            bootstrap,
+            topics["requests"],
+            records,
+            partition_of=lambda i: i % parts,
+            rate=rate,
+        )
+        await collecting
+    finally:
+        proc.kill()
+        await collector.stop()
+    sent_at = {p.key: p.sent_at for p in produced}
+    got = [r for r in collector.records[topics["results"]] if r.record_key in sent_at]
+    bad = [r for r in got if r.result().status != "ok"]
+    if bad:
+        raise RuntimeError(f"{name}: {len(bad)} results not ok")
+    latencies = np.array([r.received_at - sent_at[r.record_key] for r in got]) * 1000.0
+    first = min(p.sent_at for p in produced)
+    span = max(r.received_at for r in got) - first if got else 0.0
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if got else (0.0, 0.0, 0.0)
+    return Latency(
+        name=name,
+        offered_rate=rate,
+        sent=len(records),
+        answered=len(got),
+        throughput=round(len(got) / span, 1) if span > 0 else 0.0,
+        p50_ms=round(float(p50), 2),
+        p95_ms=round(float(p95), 2),
+        p99_ms=round(float(p99), 2),
+        max_ms=round(float(latencies.max()), 2) if got else 0.0,
+    )
+
+
+async def run(args: argparse.Namespace) -> list[Latency]:
+    samples = labelled_samples(max(1, -(-args.records // 360)))[: args.records]
+    records = encode_samples(samples)  # unique keys: latency is matched by key
+    out = []
+    with EmbeddedBroker() as broker:
+        for name in ["worker", *args.peers]:
+            lat = await measure(broker.bootstrap, name, records, args.rate, args.partitions)
+            out.append(lat)
+            print(
+                f"  {name:10s} {lat.throughput:8,.0f} rec/s of {args.rate:,.0f} offered, "
+                f"p50 {lat.p50_ms:.1f} p95 {lat.p95_ms:.1f} p99 {lat.p99_ms:.1f} "
+                f"max {lat.max_ms:.1f} ms{'' if lat.sustained else '  (NOT sustained)'}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=500.0, help="requests/s, Poisson")
+    parser.add_argument("--records", type=int, default=5000)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    summary = {
+        "rate": args.rate,
+        "records": args.records,
+        "results": [{**asdict(r), "sustained": r.sustained} for r in results],
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
