@@ -11,9 +11,11 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # GPU image: the worker with extras [gpu,torch] (CuPy kernels, the torch engine on
 # the CUDA-stream slot ring) on the CUDA runtime (NVRTC, which CuPy compiles the
-# kernels with at start-up; torch brings its own cuDNN and cuBLAS). Ubuntu 24.04's
-# Python is 3.12, as in the CPU image. Run it with a GPU (`docker run --gpus 1`,
-# or the compose profile `gpu`) and INFER_WORKER_MODEL__BACKEND=torch.
+# kernels with at start-up; torch's wheels bring their own CUDA libraries, so the
+# host driver must support both CUDA 12.6 and the CUDA release of the torch wheel
+# pip picks). Ubuntu 24.04's Python is 3.12, as in the CPU image. Run it with a
+# GPU (`docker run --gpus 1`, or the compose profile `gpu`) and
+# INFER_WORKER_MODEL__BACKEND=torch.
 FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04 AS gpu
 ENV PATH=/opt/venv/bin:$PATH
 RUN apt-get update \
