@@ -55,7 +55,12 @@ class Latency:
 
 
 async def measure(
-    bootstrap: str, name: str, records: list[tuple[bytes | None, bytes]], rate: float, parts: int
+    bootstrap: str,
+    name: str,
+    records: list[tuple[bytes | None, bytes]],
+    rate: float,
+    parts: int,
+    env: dict[str, str],
 ) -> Latency:
     topics = {"requests": f"lat.{name}.req", "results": f"lat.{name}.res", "dlq": f"lat.{name}.dlq"}
     await create_topics(
@@ -67,7 +72,7 @@ async def measure(
         output_topic=topics["results"],
         dlq_topic=topics["dlq"],
         group_id=f"lat-{name}",
-        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning"},
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **env},
         argv=None if name == "worker" else peer_argv(name),
     )
     collector = Collector(bootstrap, [topics["results"]])
@@ -125,7 +130,8 @@ async def run(args: argparse.Namespace) -> list[Latency]:
     out = []
     with EmbeddedBroker() as broker:
         for name in ["worker", *args.peers]:
-            lat = await measure(broker.bootstrap, name, records, args.rate, args.partitions)
+            env = dict(item.split("=", 1) for item in args.env) if name == "worker" else {}
+            lat = await measure(broker.bootstrap, name, records, args.rate, args.partitions, env)
             out.append(lat)
             print(
                 f"  {name:10s} {lat.throughput:8,.0f} rec/s of {args.rate:,.0f} offered, "
@@ -143,12 +149,20 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=5000)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="INFER_WORKER_X=V",
+        help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS=0",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = asyncio.run(run(args))
     summary = {
         "rate": args.rate,
         "records": args.records,
+        "worker_env": args.env,
         "results": [{**asdict(r), "sustained": r.sustained} for r in results],
     }
     print(json.dumps(summary, indent=2))

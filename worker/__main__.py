@@ -287,8 +287,8 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "throughput and latency of the worker against a naive baseline",
             "The demo's run, then the same requests through a naive one-at-a-time loop "
             "(bench/naive.py of a repository checkout: run this from there), and the ratio. "
-            "For the backlog drain against the ingest ceiling see bench/drain.py.\n\n"
-            + SWEEP_DESCRIPTION,
+            "For the backlog drain against the ingest ceiling and the peers see "
+            "python -m bench.drain and python -m bench.latency.\n\n" + SWEEP_DESCRIPTION,
             20,
         ),
     ):

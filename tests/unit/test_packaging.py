@@ -25,6 +25,7 @@ def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -
                         path, context / src, ignore=shutil.ignore_patterns("__pycache__")
                     )
                 else:
+                    (context / src).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(path, context / src)
     proc = subprocess.run(
         [
