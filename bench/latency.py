@@ -29,9 +29,9 @@ import numpy as np
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import EmbeddedBroker
 from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.processes import spawn_worker
+from worker.tools.processes import spawn_on_fresh_topics
 from worker.tools.topics import Collector, produce_all
 
 _WARM_UP = 32
@@ -62,15 +62,10 @@ async def measure(
     parts: int,
     env: dict[str, str],
 ) -> Latency:
-    topics = {"requests": f"lat.{name}.req", "results": f"lat.{name}.res", "dlq": f"lat.{name}.dlq"}
-    await create_topics(
-        bootstrap, {topics["requests"]: parts, topics["results"]: parts, topics["dlq"]: 1}
-    )
-    proc = spawn_worker(
+    topics, proc = await spawn_on_fresh_topics(
         bootstrap,
-        input_topics=[topics["requests"]],
-        output_topic=topics["results"],
-        dlq_topic=topics["dlq"],
+        f"lat.{name}",
+        parts,
         group_id=f"lat-{name}",
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **env},
         argv=None if name == "worker" else peer_argv(name),

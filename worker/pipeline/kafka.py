@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Mapping
@@ -101,9 +102,12 @@ def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
     return kwargs
 
 
+@functools.cache
 def token_provider(spec: str | None) -> Any:
     """Call the ``module:callable`` factory named by kafka.sasl_oauth_token_provider
-    and check that it returned an aiokafka ``AbstractTokenProvider``."""
+    and check that it returned an aiokafka ``AbstractTokenProvider``. Called once
+    per process: the consumer, the producer and the crash guard share the one
+    provider (a factory may open sessions or start refresh tasks)."""
     from aiokafka.abc import AbstractTokenProvider
 
     name = "kafka.sasl_oauth_token_provider"

@@ -28,8 +28,8 @@ from worker.contract import Request, Tensor, encode_request
 from worker.engines import load_engine
 from worker.inference.postprocess import softmax
 from worker.inference.preprocess import preprocess
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_worker
+from worker.tools.broker import EmbeddedBroker
+from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_on_fresh_topics
 from worker.tools.topics import Collector, Produced, committed_offsets, produce_all
 
 
@@ -164,21 +164,11 @@ class Progress:
 async def _run_once(
     broker: EmbeddedBroker, mode: str, samples: list[Sample], opts: DemoOptions
 ) -> RunStats:
-    topics = {
-        "requests": f"demo.{mode}.requests",
-        "results": f"demo.{mode}.results",
-        "dlq": f"demo.{mode}.dlq",
-    }
-    await create_topics(
-        broker.bootstrap,
-        {topics["requests"]: opts.partitions, topics["results"]: opts.partitions, topics["dlq"]: 1},
-    )
     group = f"demo-{mode}"
-    worker = spawn_worker(
+    topics, worker = await spawn_on_fresh_topics(
         broker.bootstrap,
-        input_topics=[topics["requests"]],
-        output_topic=topics["results"],
-        dlq_topic=topics["dlq"],
+        f"demo.{mode}",
+        opts.partitions,
         group_id=group,
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **override_env(opts.overrides)},
         argv=None if mode == "worker" else naive_argv(len(samples)),

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.tools.broker import free_port
+from worker.tools.broker import create_topics, free_port
 
 
 @dataclass
@@ -147,6 +147,35 @@ def spawn_worker(
         stderr=subprocess.STDOUT,
     )
     return WorkerProcess(proc, port, log.name)
+
+
+async def spawn_on_fresh_topics(
+    bootstrap: str,
+    prefix: str,
+    partitions: int,
+    *,
+    group_id: str,
+    extra_env: Mapping[str, str] | None = None,
+    argv: Sequence[str] | None = None,
+) -> tuple[dict[str, str], WorkerProcess]:
+    """Create ``PREFIX.requests`` and ``PREFIX.results`` (``partitions`` each) and
+    ``PREFIX.dlq``, and start a worker (or ``argv``) on them: one contender of a
+    demo, sweep or benchmark, isolated from the others on one broker."""
+    topics = {kind: f"{prefix}.{kind}" for kind in ("requests", "results", "dlq")}
+    await create_topics(
+        bootstrap,
+        {topics["requests"]: partitions, topics["results"]: partitions, topics["dlq"]: 1},
+    )
+    worker = spawn_worker(
+        bootstrap,
+        input_topics=[topics["requests"]],
+        output_topic=topics["results"],
+        dlq_topic=topics["dlq"],
+        group_id=group_id,
+        extra_env=extra_env,
+        argv=argv,
+    )
+    return topics, worker
 
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

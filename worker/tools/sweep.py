@@ -28,9 +28,9 @@ import numpy as np
 from worker.config import BatchingConfig, Settings, load_settings
 from worker.contract import Request, Tensor, encode_request
 from worker.errors import ConfigError, WorkerError
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import EmbeddedBroker
 from worker.tools.demo import labelled_samples, override_env
-from worker.tools.processes import WorkerProcess, spawn_worker
+from worker.tools.processes import WorkerProcess, spawn_on_fresh_topics
 from worker.tools.topics import Collected, Collector, Produced, produce_all
 
 # A rate is sustained when everything was answered ok and the answers kept up
@@ -336,20 +336,10 @@ async def _sweep_setting(
     opts: SweepOptions,
     report: Callable[[SweepPoint], None],
 ) -> tuple[list[SweepPoint], list[Skipped]]:
-    topics = {
-        "requests": f"sweep.{index}.requests",
-        "results": f"sweep.{index}.results",
-        "dlq": f"sweep.{index}.dlq",
-    }
-    await create_topics(
+    topics, worker = await spawn_on_fresh_topics(
         broker.bootstrap,
-        {topics["requests"]: opts.partitions, topics["results"]: opts.partitions, topics["dlq"]: 1},
-    )
-    worker = spawn_worker(
-        broker.bootstrap,
-        input_topics=[topics["requests"]],
-        output_topic=topics["results"],
-        dlq_topic=topics["dlq"],
+        f"sweep.{index}",
+        opts.partitions,
         group_id=f"sweep-{index}",
         extra_env={
             "INFER_WORKER_LOGGING__LEVEL": "warning",

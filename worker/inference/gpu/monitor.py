@@ -82,7 +82,8 @@ async def watch_gpu(device: int, interval: float = 2.0) -> None:
     """Publish the device's memory and utilisation every ``interval`` seconds."""
     label = str(device)
     try:
-        nvml = await asyncio.to_thread(NvmlDevice, device, cuda_pci_bus_id(device))
+        # Off the loop: both the CUDA query and NVML's initialisation can block.
+        nvml = await asyncio.to_thread(lambda: NvmlDevice(device, cuda_pci_bus_id(device)))
     except NvmlUnavailable as exc:
         log.warning("gpu_metrics_unavailable", device=device, reason=str(exc))
         return
