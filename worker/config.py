@@ -213,6 +213,30 @@ class PostprocessConfig:
 
 
 @dataclass(frozen=True)
+class TorchConfig:
+    """How the torch backend runs its model (``[model.torch]``).
+
+    Batches are padded up to a bucket (``batching.preferred_batch_sizes``, else
+    powers of two up to ``batching.max_batch_size``), and every bucket is run
+    (compiled, and captured as a CUDA graph per slot) before the worker joins
+    its consumer group, so no request waits on compilation or a new shape.
+    """
+
+    # torch.compile mode for exported programs (.pt2); TorchScript files run as
+    # they are. "off" runs the module eagerly. CUDA graphs are captured by the
+    # engine itself (cuda_graphs), which is why the "reduce-overhead" mode (its
+    # own graphs, per thread) is not offered.
+    compile: Literal["off", "default", "max-autotune-no-cudagraphs"] = "default"
+    # The dtype the model computes in; "auto" = model.preprocess.dtype. bf16 casts
+    # the preprocessed input on the device, inside the captured graph.
+    precision: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    channels_last: bool = True  # 4-D inputs and weights in NHWC memory order
+    # One CUDA graph per (slot, bucket), replayed on the slot's stream. A model
+    # that cannot be captured logs torch_cuda_graph_unavailable and runs without.
+    cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "digits"
     path: str = "builtin:digits"
@@ -222,6 +246,7 @@ class ModelConfig:
     intra_op_threads: int = 1
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)
+    torch: TorchConfig = field(default_factory=TorchConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name", "must not be empty")
@@ -245,6 +270,10 @@ class GpuConfig:
     # Packed uint8 image bytes one slot stages for GPU preprocessing.
     max_input_bytes: int = 32 * 1024 * 1024
     cuda_graphs: bool = False  # TensorRT: capture one CUDA graph per batch size
+    # Where encoded JPEGs are decoded: "host" (Pillow on the stage's threads) or
+    # "nvjpeg" (torchvision's batched nvJPEG on the slot's stream, straight into
+    # device memory; PNG, WebP and JPEGs nvJPEG refuses are decoded on the host).
+    decode: Literal["host", "nvjpeg"] = "host"
     poll_interval_ms: float = 50.0  # safety net behind the completion callback
     batch_timeout_ms: int = 60000  # a batch still running after this: device hung
 
