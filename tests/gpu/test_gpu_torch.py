@@ -185,3 +185,106 @@ async def test_resized_inputs_agree_with_cpu(
         np.testing.assert_allclose(
             g.outputs["topk_scores"], c.outputs["topk_scores"], atol=SCORE_ATOL
         )
+
+
+# --- the compiled path: exported program, buckets, warm-up, CUDA graphs -------------
+
+
+@pytest.fixture(scope="module")
+def digits_program(
+    torch: Any, digits_torchscript: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The same MLP as an exported program with a dynamic batch (what build-engine
+    --backend torch writes), so the engine compiles it."""
+    scripted = torch.jit.load(str(digits_torchscript))
+    first, second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+    with torch.no_grad():
+        first.weight.copy_(scripted.state_dict()["1.weight"])
+        first.bias.copy_(scripted.state_dict()["1.bias"])
+        second.weight.copy_(scripted.state_dict()["3.weight"])
+        second.bias.copy_(scripted.state_dict()["3.bias"])
+    mlp = torch.nn.Sequential(torch.nn.Flatten(1), first, torch.nn.ReLU(), second).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(mlp, (torch.zeros(2, 1, 8, 8),), dynamic_shapes=({0: batch},))
+    path = tmp_path_factory.mktemp("torch") / "digits.pt2"
+    torch.export.save(program, str(path))
+    return path
+
+
+def _dynamo_counts(torch: Any) -> dict[str, dict[str, int]]:
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items() if k in ("stats", "frames")}
+
+
+async def test_compiled_program_with_graphs_equals_cpu_stage(
+    torch: Any, digits_program: Path, samples: tuple[list[np.ndarray], np.ndarray]
+) -> None:
+    """torch.compile + one CUDA graph per (slot, bucket), batches padded to buckets
+    (17 -> 32, 33 -> 64): the CPU pipeline's answers, and nothing compiled once the
+    stage is built (every bucket was warmed before the first batch)."""
+    from worker.engines.torch import TorchEngine
+
+    images, _ = samples
+    sizes = [1, 64, 17, 64, 33, 3]
+    model = dataclasses.replace(
+        _torch_model(digits_program),
+        preprocess=dataclasses.replace(ModelConfig().preprocess, device="gpu"),
+    )
+    engine = TorchEngine(digits_program, model, max_batch_size=64)
+    source, sink = queues()
+    stage = GpuInferenceStage(source, sink, engine, model, 64, 3)
+    try:
+        for slot in stage.slots:
+            assert sorted(slot.context.graphs) == list(engine.buckets) == [1, 2, 4, 8, 16, 32, 64]
+        before = _dynamo_counts(torch)
+        done = await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
+        assert _dynamo_counts(torch) == before, "something compiled on the hot path"
+    finally:
+        stage.close()
+        engine.close()
+    gpu = [a for c in done for a in c.answers]
+    cpu = [a for c in await _cpu_results(images, sizes) for a in c.answers]
+    assert len(gpu) == len(cpu) == sum(sizes)
+    for c, g in zip(cpu, gpu, strict=True):
+        assert g.error is None and g.outputs is not None and c.outputs is not None
+        assert g.outputs["topk_indices"][0] == c.outputs["topk_indices"][0]
+        np.testing.assert_allclose(
+            g.outputs["topk_scores"], c.outputs["topk_scores"], atol=SCORE_ATOL
+        )
+
+
+async def test_a_model_that_cannot_be_captured_runs_without_graphs(
+    torch: Any, tmp_path: Path, samples: tuple[list[np.ndarray], np.ndarray]
+) -> None:
+    """A host sync inside forward makes capture fail: the engine logs it and runs
+    the module eagerly, with the same answers as the capturable model."""
+    from worker.engines.torch import TorchEngine
+
+    class Syncing(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 10)
+
+        def forward(self, x: Any) -> Any:
+            y = self.fc(x.flatten(1))
+            if bool(y.sum() > 1e30):  # reads a device value: not capturable
+                y = y * 0
+            return y
+
+    torch.manual_seed(0)
+    path = tmp_path / "syncing.pt"
+    torch.jit.script(Syncing().eval()).save(str(path))
+    model = _torch_model(path)
+    engine = TorchEngine(path, model, max_batch_size=8)
+    source, sink = queues()
+    stage = GpuInferenceStage(source, sink, engine, model, 8, 2)
+    try:
+        assert all(not slot.context.graphs for slot in stage.slots)
+        images, _ = samples
+        done = await run_stage(stage, source, sink, batches_of(make_jobs(images[:11]), [8, 3]))
+    finally:
+        stage.close()
+        engine.close()
+    answers = [a for c in done for a in c.answers]
+    assert len(answers) == 11 and all(a.error is None for a in answers)

@@ -7,6 +7,8 @@ be installed. Concrete engines import ``base`` and ``cuda`` only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from worker.config import ModelConfig
 from worker.engines.base import Engine, EngineInfo, GpuEngine, resolve_model_path
 from worker.errors import ConfigError
@@ -19,11 +21,17 @@ def is_gpu_backend(backend: str) -> bool:
 
 
 def load_engine(
-    cfg: ModelConfig, *, device: int = 0, max_batch_size: int = 64, cuda_graphs: bool = False
+    cfg: ModelConfig,
+    *,
+    device: int = 0,
+    max_batch_size: int = 64,
+    cuda_graphs: bool = False,
+    buckets: Sequence[int] = (),
 ) -> Engine | GpuEngine:
     """The engine for ``cfg.backend``: a CPU ``Engine`` for ``onnxruntime``, a
     ``GpuEngine`` for ``tensorrt`` and ``torch`` (``device``, ``max_batch_size``
-    and ``cuda_graphs`` apply to those)."""
+    apply to those; ``cuda_graphs`` to TensorRT; ``buckets``, the padded batch
+    sizes, to torch, which takes its other settings from ``cfg.torch``)."""
     path = resolve_model_path(cfg.path)
     if cfg.backend == "onnxruntime":
         from worker.engines.onnxruntime import OnnxRuntimeEngine
@@ -36,7 +44,9 @@ def load_engine(
     if cfg.backend == "torch":
         from worker.engines.torch import TorchEngine
 
-        return TorchEngine(path, cfg, device=device, max_batch_size=max_batch_size)
+        return TorchEngine(
+            path, cfg, device=device, max_batch_size=max_batch_size, buckets=buckets or None
+        )
     raise ConfigError(
         f"model.backend: {cfg.backend!r} is not available in this build of the worker"
     )

@@ -25,6 +25,7 @@ from worker import __version__, metrics
 from worker.config import Settings
 from worker.contract import ModelInfo
 from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.engines.buckets import bucket_sizes
 from worker.errors import BrokerUnavailable, ConfigError
 from worker.inference.cpu import InferenceStage
 from worker.pipeline.backpressure import Backpressure
@@ -84,6 +85,7 @@ class Worker:
                 device=s.gpu.device,
                 max_batch_size=s.batching.max_batch_size,
                 cuda_graphs=s.gpu.cuda_graphs,
+                buckets=bucket_sizes(s.batching.max_batch_size, s.batching.preferred_batch_sizes),
             )
         engine = self._engine
         try:

@@ -379,8 +379,19 @@ def _attach_timing_cache(config: Any, timing_cache: Path | None) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("onnx", type=Path, help="the ONNX model (FP32)")
-    parser.add_argument("--out-dir", type=Path, default=Path("engines"), help="plan cache dir")
+    parser.add_argument(
+        "model",
+        help="tensorrt: the ONNX model (FP32); torch: torchvision:NAME, FILE.py:CALLABLE "
+        "or package.module:CALLABLE (a zero-argument factory returning an nn.Module)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("tensorrt", "torch"),
+        default="tensorrt",
+        help="tensorrt: a plan (default); torch: an exported program (.pt2) for model.backend "
+        "= 'torch' (--max-batch, --config, --out-dir and --force apply)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("engines"), help="cache dir")
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="fp16", help="default fp16; int8 needs samples"
     )
@@ -408,10 +419,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--evaluate", type=Path, default=None, help="samples npz: compare with ONNX Runtime"
     )
+    parser.add_argument(
+        "--input-shape",
+        type=_shape,
+        default=None,
+        help="torch: one request's model input without the batch, e.g. 3,224,224 "
+        "(default: what --config's [model.preprocess] produces)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes, got {text!r}") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return dims
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.backend == "torch":
+        from worker.tools.build_torch import input_shape_of, run_cli, torch_missing
+
+        if torch_missing():
+            return EXIT_UNAVAILABLE
+        try:
+            shape = args.input_shape or (
+                input_shape_of(load_settings(args.config).model.preprocess) if args.config else None
+            )
+            if shape is None:
+                raise ConfigError("--backend torch needs --input-shape or --config")
+            return run_cli(args.model, args.out_dir, args.max_batch, shape, args.force)
+        except WorkerError as exc:
+            print(f"build-engine: {exc}", file=sys.stderr)
+            return 1
     try:
         import tensorrt  # noqa: F401
     except ImportError:
@@ -425,8 +468,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     try:
         cfg = load_settings(args.config).model.preprocess if args.config else PreprocessConfig()
+        onnx = Path(args.model)
         plan = build_engine(
-            args.onnx,
+            onnx,
             args.out_dir,
             precision=args.precision,
             min_batch=args.min_batch,
@@ -443,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
         print(plan)
         if args.evaluate is not None:
             report = evaluate_accuracy(
-                plan, args.evaluate, onnx_path=args.onnx, preprocess_cfg=cfg, device=args.device
+                plan, args.evaluate, onnx_path=onnx, preprocess_cfg=cfg, device=args.device
             )
             print(json.dumps(report.to_dict(), indent=2))
     except WorkerError as exc:
@@ -454,7 +498,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="infer-worker build-engine", description="Build a TensorRT plan from ONNX"
+        prog="infer-worker build-engine",
+        description="Build a TensorRT plan from ONNX, or a torch exported program",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

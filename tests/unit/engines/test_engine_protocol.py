@@ -327,8 +327,8 @@ def test_cli_arguments() -> None:
     args = parser.parse_args(
         ["model.onnx", "--precision", "int8", "--max-batch", "32", "--calibration", "s.npz"]
     )
-    assert (args.onnx, args.precision, args.max_batch, args.opt_batch) == (
-        Path("model.onnx"),
+    assert (args.model, args.precision, args.max_batch, args.opt_batch) == (
+        "model.onnx",
         "int8",
         32,
         None,
