@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from worker.contract import EncodedImage, sniff_format
 from worker.engines.base import EngineInfo, EngineSlot, TensorSpec
 from worker.errors import InferenceFailed
 from worker.records import Batch, Completed, Job, TopicPartition
@@ -22,19 +23,23 @@ from worker.records import Batch, Completed, Job, TopicPartition
 F32 = np.dtype(np.float32)
 
 
-def make_jobs(images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[Job]:
+def make_jobs(images: Sequence[np.ndarray | bytes], *, deadline: float | None = None) -> list[Job]:
+    """One job per image: a uint8 [H, W, C] tensor, or an image file (bytes) as the
+    contract carries it (format from its magic bytes)."""
     now = time.monotonic()
-    return [
-        Job(
-            tp=TopicPartition("gpu-test", 0),
-            offset=i,
-            key=None,
-            arrived=now,
-            deadline=deadline,
-            image=image,
+    jobs = []
+    for i, image in enumerate(images):
+        job = Job(
+            tp=TopicPartition("gpu-test", 0), offset=i, key=None, arrived=now, deadline=deadline
         )
-        for i, image in enumerate(images)
-    ]
+        if isinstance(image, bytes):
+            fmt = sniff_format(image)
+            assert fmt is not None, "not an image file"
+            job.encoded = EncodedImage(fmt, image)
+        else:
+            job.image = image
+        jobs.append(job)
+    return jobs
 
 
 def batches_of(jobs: Sequence[Job], sizes: Sequence[int]) -> list[Batch[Job]]:
@@ -200,6 +205,37 @@ class SpinEngine:
 
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         raise InferenceFailed("spin engine has no host path")
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class IdentityEngine:
+    """Outputs its input row ("pixels", flattened, float32): a test reads back exactly
+    what preprocessing produced on the device. A device copy on the slot's stream."""
+
+    row_shape: tuple[int, ...]
+    max_batch_size: int = 64
+    device: int = 0
+    min_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = int(np.prod(self.row_shape))
+        self.input = TensorSpec("image", F32, self.row_shape)
+        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("pixels", F32, (size,)),)
+        self.info = EngineInfo("cupy", "identity", "0", "image", ("pixels",), self.max_batch_size)
+
+    def create_context(self, slot: EngineSlot) -> None:
+        return None
+
+    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+        src = slot.engine_input[:batch_size].reshape(batch_size, -1)
+        with slot.stream:
+            slot.engine_outputs["pixels"][:batch_size] = src
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        return {"pixels": batch.reshape(batch.shape[0], -1).astype(np.float32)}
 
     def close(self) -> None:
         pass

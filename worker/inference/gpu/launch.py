@@ -4,7 +4,8 @@ Runs on the stage's worker threads, because packing bytes into pinned staging
 and a model's launch calls cost host time the event loop must not pay. All of a
 chunk's GPU work is enqueued on its slot's stream in one go:
 
-    pack images into pinned staging -> H2D -> preprocess kernel -> engine
+    pack images into pinned staging -> H2D (+ device copies of JPEGs nvJPEG
+    decoded, ``nvjpeg``) -> preprocess kernel -> engine
     -> softmax/top-k kernel -> D2H into pinned outputs -> event + host callback
 
 so the host never waits between steps and chunks on different slots overlap.
@@ -12,7 +13,8 @@ Touches no asyncio object except through ``call_soon_threadsafe`` in the host
 callback: the stage, on the loop, decides what a failure means.
 
 Timings come from CUDA events on the slot's stream: ``preprocess`` = packing
-+ H2D + preprocess kernel (host preprocessing + H2D when it runs on the CPU),
++ H2D + device copies + preprocess kernel (host preprocessing + H2D when it
+runs on the CPU; the stage adds the nvJPEG decode, which runs before),
 ``infer`` = engine + postprocess kernels (the CPU stage also counts
 postprocessing in ``infer``), ``d2h`` = the copies back.
 """
@@ -31,8 +33,9 @@ from worker.engines.base import GpuEngine
 from worker.engines.cuda import translate_gpu_error
 from worker.errors import EngineDead, WorkerError
 from worker.inference.gpu import kernels
+from worker.inference.gpu.nvjpeg import NvJpeg
 from worker.inference.gpu.plan import PostprocessPlan
-from worker.inference.gpu.slots import Slot, pack_images
+from worker.inference.gpu.slots import Slot, StagedImage, pack_batch
 from worker.inference.postprocess import postprocess
 from worker.inference.preprocess import preprocess_into
 
@@ -64,12 +67,18 @@ class Launcher:
     """Enqueues chunks and collects their results for one GPU stage."""
 
     def __init__(
-        self, cupy: Any, engine: GpuEngine, model: ModelConfig, plan: PostprocessPlan
+        self,
+        cupy: Any,
+        engine: GpuEngine,
+        model: ModelConfig,
+        plan: PostprocessPlan,
+        nvjpeg: NvJpeg | None = None,
     ) -> None:
         self._cupy = cupy
         self._engine = engine
         self._model = model
         self._plan = plan
+        self._nvjpeg = nvjpeg
         self._gpu_preprocess = model.preprocess.device == "gpu"
 
     def warm_kernels(self, device: int) -> None:
@@ -90,7 +99,7 @@ class Launcher:
             kernels.load_module("postprocess.cu", defines, device)
 
     def submit(
-        self, slot: Slot, images: list[np.ndarray | None], wake: Wake
+        self, slot: Slot, images: list[StagedImage], wake: Wake
     ) -> tuple[float, WorkerError | None]:
         """Enqueue the whole chunk on the slot's stream.
 
@@ -115,7 +124,7 @@ class Launcher:
                 raise (dead if isinstance(dead, EngineDead) else EngineDead(str(dead))) from exc
         return host_seconds, error
 
-    def _enqueue(self, slot: Slot, images: list[np.ndarray | None]) -> float:
+    def _enqueue(self, slot: Slot, images: list[StagedImage]) -> float:
         stream = slot.stream
         n = len(images)
         if self._gpu_preprocess:
@@ -133,24 +142,33 @@ class Launcher:
             memcpy(dst.ctypes.data, src.data.ptr, slot.rows_nbytes(name, n), _D2H, stream.ptr)
         return host_seconds
 
-    def _stage_packed(self, slot: Slot, images: list[np.ndarray | None]) -> float:
-        """Raw uint8 pixels to the device, preprocessed there by the kernel."""
+    def _stage_packed(self, slot: Slot, images: list[StagedImage]) -> float:
+        """Raw uint8 pixels to the device, preprocessed there by the kernel. Host
+        images go through pinned staging; images nvJPEG decoded are copied there
+        on the device, after the host ones (``pack_batch``)."""
         memcpy = self._cupy.cuda.runtime.memcpyAsync
         stream = slot.stream
         n = len(images)
         slot.events.start.record(stream)  # packing into pinned staging counts as preprocess
         packed, table = slot.host_packed, slot.host_table
         assert packed is not None and table is not None
-        offset = pack_images(images, packed, table)  # type: ignore[arg-type]
-        memcpy(slot.dev_packed.data.ptr, packed.ctypes.data, offset, _H2D, stream.ptr)
+        packing = pack_batch(images, packed, table)
+        if packing.host_bytes:
+            memcpy(
+                slot.dev_packed.data.ptr, packed.ctypes.data, packing.host_bytes, _H2D, stream.ptr
+            )
         memcpy(slot.dev_table.data.ptr, table.ctypes.data, n * 3 * 8, _H2D, stream.ptr)
+        if packing.on_device:
+            if self._nvjpeg is None:
+                raise ValueError("device images staged without an nvJPEG decoder")
+            self._nvjpeg.place(slot, packing.on_device)
         kernels.preprocess_batch(
             slot.dev_packed, slot.dev_table, n, slot.engine_input,
             cfg=self._model.preprocess, stream=stream, device=slot.device,
         )  # fmt: skip
         return 0.0
 
-    def _stage_preprocessed(self, slot: Slot, images: list[np.ndarray | None]) -> float:
+    def _stage_preprocessed(self, slot: Slot, images: list[StagedImage]) -> float:
         """Preprocessed on the host (NumPy reference), then copied to the device."""
         host = slot.host_input
         assert host is not None

@@ -6,6 +6,10 @@ that come back, device buffers sized for the largest batch, and the engine's
 execution context for that stream. Slots rotate, so while batch N computes on
 one stream, batch N+1 copies in on another and batch N-1 copies out on a third.
 
+A JPEG decoded on the device (``nvjpeg``) is a ``DeviceImage``: it takes its
+bytes in the device staging by a device-to-device copy and never touches the
+pinned buffer (``pack_batch``).
+
 Nothing here is allocated per batch: every buffer is created when the slot is,
 at start-up, and counted in ``Allocations``; the tests assert that count never
 moves once the worker is running. Pinned (page-locked) host memory is what makes
@@ -23,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -150,24 +154,70 @@ class SlotRing(Generic[S]):
                 waiter.set_exception(self._closed)
 
 
-def pack_images(images: Sequence[np.ndarray], packed: np.ndarray, table: np.ndarray) -> int:
-    """Copy uint8 [H, W(, C)] images back to back into ``packed`` (1-D uint8) and
-    write one (byte offset, height, width) row per image into ``table`` (int64
-    [>= n, 3]), the layout kernels/preprocess.cu reads. Returns the bytes used.
-    One host copy per image, into memory allocated at start-up."""
+@dataclass(eq=False)
+class DeviceImage:
+    """A JPEG whose pixels are decoded on the device (``nvjpeg``) instead of being
+    staged through pinned memory. Its size comes from the file's frame header, so
+    the staging byte budget can count it before anything is decoded; ``pixels``
+    is the decoded uint8 ``[channels, height, width]`` torch tensor on the slot's
+    device, once decoded."""
+
+    data: bytes  # the file
+    height: int
+    width: int
+    channels: int
+    pixels: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Its bytes in the packed staging buffer (uint8 HWC, like a tensor's)."""
+        return self.height * self.width * self.channels
+
+
+StagedImage = np.ndarray | DeviceImage
+
+
+class Packing(NamedTuple):
+    """Where ``pack_batch`` put a chunk's images in the packed staging buffer."""
+
+    host_bytes: int  # packed[:host_bytes]: the host images, for one H2D copy
+    total_bytes: int  # the device images follow them, up to here
+    on_device: list[tuple[int, DeviceImage]]  # (byte offset, image): device copies
+
+
+def pack_batch(images: Sequence[StagedImage], packed: np.ndarray, table: np.ndarray) -> Packing:
+    """Lay a chunk's images out for kernels/preprocess.cu: uint8 ``[H, W(, C)]`` host
+    images are copied back to back into ``packed`` (1-D uint8, pinned), device
+    images get the bytes after them (filled later by a device-to-device copy, so
+    not one of their pixels passes through the host), and ``table`` (int64
+    [>= n, 3]) gets one (byte offset, height, width) row per image, in order.
+    One host copy per host image, into memory allocated at start-up."""
     if len(images) > table.shape[0]:
         raise ValueError(f"{len(images)} images exceed the table's {table.shape[0]} rows")
+    total = sum(image.nbytes for image in images)
+    if total > packed.shape[0]:
+        raise ValueError(f"{total} bytes of images exceed the {packed.shape[0]}-byte staging")
     offset = 0
     for i, image in enumerate(images):
+        if isinstance(image, DeviceImage):
+            continue
         size = image.size
-        if offset + size > packed.shape[0]:
-            raise ValueError(f"images exceed the {packed.shape[0]}-byte staging buffer")
         packed[offset : offset + size] = image.reshape(-1)
-        table[i, 0] = offset
-        table[i, 1] = image.shape[0]
-        table[i, 2] = image.shape[1]
+        table[i] = (offset, image.shape[0], image.shape[1])
         offset += size
-    return offset
+    host_bytes = offset
+    on_device: list[tuple[int, DeviceImage]] = []
+    for i, image in enumerate(images):
+        if isinstance(image, DeviceImage):
+            table[i] = (offset, image.height, image.width)
+            on_device.append((offset, image))
+            offset += image.nbytes
+    return Packing(host_bytes, offset, on_device)
+
+
+def pack_images(images: Sequence[np.ndarray], packed: np.ndarray, table: np.ndarray) -> int:
+    """``pack_batch`` for host images only; returns the bytes used."""
+    return pack_batch(images, packed, table).host_bytes
 
 
 # --- CUDA slots ---------------------------------------------------------------------

@@ -20,6 +20,14 @@ context error, so a slow poll of the event's status (``cudaEventQuery``, every
 device error into ``EngineDead``, and a hung device into ``EngineDead`` after
 ``gpu.batch_timeout_ms``, rather than a stage that waits for ever.
 
+Encoded images: PNG and WebP files are decoded on the host (Pillow, on the
+stage's threads) before the batch is staged, like JPEGs with ``gpu.decode =
+"host"``. With ``"nvjpeg"`` a batch's JPEGs are decoded on the device in one
+call per chunk (``nvjpeg``) while the slot's stream is idle, and copied into the
+slot's device staging; a JPEG nvJPEG refuses is decoded on the host instead,
+and a file neither can decode is answered ``invalid_request`` alone. The staging
+byte budget counts a JPEG by its decoded size, read from its header.
+
 Failures: out of memory or an engine failure on a batch raises
 ``InferenceFailed`` from ``run_rows``, which runs any subset of a batch's
 answers again on the same slot (and returns only once that slot is idle), so
@@ -34,7 +42,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -47,9 +55,17 @@ from worker.engines.base import GpuEngine
 from worker.engines.cuda import event_completed, import_cupy, translate_gpu_error
 from worker.errors import ConfigError, EngineDead, WorkerError
 from worker.inference.decode import decode_pending
+from worker.inference.gpu import nvjpeg
 from worker.inference.gpu.launch import Launcher
 from worker.inference.gpu.plan import check_engine_input, postprocess_plan
-from worker.inference.gpu.slots import Allocations, Slot, SlotLayout, SlotRing
+from worker.inference.gpu.slots import (
+    Allocations,
+    DeviceImage,
+    Slot,
+    SlotLayout,
+    SlotRing,
+    StagedImage,
+)
 from worker.inference.triage import ServiceTimeHook, report_service_time, run_isolating, triage
 from worker.records import Answer, Batch, Completed, Job
 from worker.streams import end_of_stream
@@ -66,6 +82,81 @@ def _check_sizes(engine: GpuEngine, model: ModelConfig, max_batch_size: int, slo
     if slots < 1:
         raise ConfigError("gpu.num_slots: must be >= 1")
     check_engine_input(engine, model)
+
+
+# --- staging budget: pure, so unit-tested without a GPU ------------------------------
+
+OnDevice = Mapping[int, DeviceImage]
+"""The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
+
+
+def staged_bytes(answer: Answer, on_device: OnDevice) -> int:
+    """Bytes the answer's image takes in the packed staging: a JPEG for nvJPEG by
+    the size its header gives, before it is decoded."""
+    image = on_device.get(id(answer))
+    if image is not None:
+        return image.nbytes
+    pixels = answer.job.image
+    assert pixels is not None
+    return pixels.nbytes
+
+
+def reject_oversized(
+    answers: list[Answer], size: Callable[[Answer], int], limit: int | None
+) -> list[Answer]:
+    """Answer ``too_large`` each image that alone exceeds the slot's staging."""
+    if limit is None:
+        return answers
+    kept = []
+    for answer in answers:
+        nbytes = size(answer)
+        if nbytes > limit:
+            answer.error = ErrorInfo(
+                "too_large", f"image of {nbytes} bytes exceeds gpu.max_input_bytes {limit}"
+            )
+            metrics.REQUESTS_REJECTED.labels(code="too_large").inc()
+        else:
+            kept.append(answer)
+    return kept
+
+
+def split_chunks(
+    answers: Sequence[Answer], size: Callable[[Answer], int], max_rows: int, limit: int | None
+) -> list[list[Answer]]:
+    """Consecutive chunks of at most ``max_rows`` answers and ``limit`` staged bytes."""
+    chunks: list[list[Answer]] = []
+    current: list[Answer] = []
+    used = 0
+    for answer in answers:
+        nbytes = size(answer)
+        full = len(current) == max_rows or (limit is not None and used + nbytes > limit)
+        if current and full:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(answer)
+        used += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def route_encoded(
+    answers: list[Answer], channels: int, use_nvjpeg: bool
+) -> tuple[list[Answer], dict[int, DeviceImage]]:
+    """Split the answers that carry a file: those for the host decoder, and the
+    JPEGs nvJPEG takes (by ``id``, with their header's size)."""
+    to_host: list[Answer] = []
+    on_device: dict[int, DeviceImage] = {}
+    for answer in answers:
+        encoded = answer.job.encoded
+        if encoded is None:
+            continue
+        image = nvjpeg.device_image(encoded, channels) if use_nvjpeg else None
+        if image is None:
+            to_host.append(answer)
+        else:
+            on_device[id(answer)] = image
+    return to_host, on_device
 
 
 class GpuInferenceStage:
@@ -86,6 +177,11 @@ class GpuInferenceStage:
         (kernel compilation, engine contexts): construct it off the event loop."""
         gpu = gpu or GpuConfig()
         _check_sizes(engine, model, max_batch_size, num_slots)
+        nvjpeg.check_config(gpu.decode, model.preprocess)
+        # Before CuPy: a missing torch is named as what gpu.decode needs.
+        self._nvjpeg = (
+            nvjpeg.NvJpeg(gpu.device, model.preprocess.channels) if gpu.decode == "nvjpeg" else None
+        )
         self._cupy = import_cupy()
         self._source = source
         self._sink = sink
@@ -104,7 +200,7 @@ class GpuInferenceStage:
         # images exceed it runs in several chunks; one larger image is too_large.
         self._max_input_bytes = gpu.max_input_bytes if gpu_preprocess else None
         plan = postprocess_plan(engine, model)
-        self._launcher = Launcher(self._cupy, engine, model, plan)
+        self._launcher = Launcher(self._cupy, engine, model, plan, self._nvjpeg)
         self.layout = SlotLayout(
             device=gpu.device,
             max_batch_size=max(max_batch_size, engine.min_batch_size),
@@ -131,6 +227,7 @@ class GpuInferenceStage:
             device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
             pinned_mib=round(self.layout.pinned_bytes * num_slots / 2**20, 1),
             preprocess=model.preprocess.device,
+            decode=gpu.decode,
             postprocess="host" if plan.host_postprocess else "gpu",
         )
 
@@ -141,6 +238,8 @@ class GpuInferenceStage:
                 slot = Slot.create(index, self.layout, self.allocations)
                 slots.append(slot)
                 slot.context = self._engine.create_context(slot)
+                if self._nvjpeg is not None:
+                    self._nvjpeg.attach(slot)
             self._launcher.warm_kernels(self._device)
             # Start-up only: the buffers were zero-filled on the legacy default
             # stream, which the slots' non-blocking streams do not wait for.
@@ -157,6 +256,11 @@ class GpuInferenceStage:
     @property
     def slots(self) -> tuple[Slot, ...]:
         return self._ring.slots
+
+    @property
+    def nvjpeg(self) -> nvjpeg.NvJpeg | None:
+        """The device JPEG decoder (``gpu.decode = "nvjpeg"``), with its counts."""
+        return self._nvjpeg
 
     # --- the stage ----------------------------------------------------------------
 
@@ -194,6 +298,8 @@ class GpuInferenceStage:
                 self._cupy.cuda.runtime.deviceSynchronize()
                 for slot in self._ring.slots:
                     slot.close()
+        if self._nvjpeg is not None:
+            self._nvjpeg.close()
 
     def _batch_done(self, slot: Slot, task: asyncio.Future[Completed]) -> None:
         """Release the slot once its stream is idle. A batch cancelled while its
@@ -226,52 +332,126 @@ class GpuInferenceStage:
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
             completed, runnable = triage(batch, time.monotonic(), self._metrics)
+            on_device: dict[int, DeviceImage] = {}
             if any(a.job.encoded is not None for a in runnable):
-                # Decoded on the host for now (nvJPEG on the slot's stream is not
-                # built yet): on the stage's threads, then staged like a tensor.
+                # Files for the host decoder are decoded now, on the stage's threads;
+                # JPEGs for nvJPEG keep their header's size until their chunk runs.
                 loop = asyncio.get_running_loop()
-                runnable = await loop.run_in_executor(
-                    self._pool, decode_pending, runnable, self._channels, self._input_name
+                runnable, on_device = await loop.run_in_executor(
+                    self._pool, self._decode_on_host, runnable
                 )
-            runnable = self._reject_oversized(runnable)
-            completed.engine_rows = len(runnable)
+            size = functools.partial(staged_bytes, on_device=on_device)
+            runnable = reject_oversized(runnable, size, self._max_input_bytes)
+            completed.engine_rows = 0
             if runnable:
                 started = time.monotonic()
-                run = functools.partial(self.run_rows, slot)
-                await run_isolating(runnable, run, self._max_attempts, self._metrics)
+                for chunk in split_chunks(runnable, size, self._max_rows, self._max_input_bytes):
+                    completed.engine_rows += await self._run_group(slot, chunk, on_device)
                 completed.service_s = time.monotonic() - started
             return completed
 
-    def _reject_oversized(self, answers: list[Answer]) -> list[Answer]:
-        limit = self._max_input_bytes
-        if limit is None:
-            return answers
-        kept = []
-        for answer in answers:
-            image = answer.job.image
-            assert image is not None
-            if image.nbytes > limit:
-                answer.error = ErrorInfo(
-                    "too_large",
-                    f"image of {image.nbytes} bytes exceeds gpu.max_input_bytes {limit}",
-                )
-                metrics.REQUESTS_REJECTED.labels(code="too_large").inc()
-            else:
-                kept.append(answer)
-        return kept
+    def _decode_on_host(self, answers: list[Answer]) -> tuple[list[Answer], dict[int, DeviceImage]]:
+        """On a stage thread: decode the files nvJPEG does not take; returns the
+        answers that can run and the JPEGs left for nvJPEG."""
+        to_host, on_device = route_encoded(answers, self._channels, self._nvjpeg is not None)
+        if to_host:
+            decode_pending(to_host, self._channels, self._input_name)  # failures: answered
+        return [a for a in answers if a.error is None], on_device
 
-    async def run_rows(self, slot: Slot, answers: list[Answer]) -> None:
+    async def _run_group(
+        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
+    ) -> int:
+        """Decode the group's JPEGs on the device (if any), then run it with
+        isolation; returns the rows that went to the engine. A group fits the
+        slot's staging, so the decoded pixels held at once fit it too."""
+        decode_us = 0
+        if any(id(a) in on_device for a in answers):
+            answers, seconds = await self._decode_on_device(slot, answers, on_device)
+            decode_us = round(seconds * 1e6)
+        try:
+            if answers:
+                run = functools.partial(self.run_rows, slot, on_device=on_device)
+                await run_isolating(answers, run, self._max_attempts, self._metrics)
+        finally:
+            # run_rows returned with the slot's stream idle (or the device is
+            # gone): the decoded pixels can go back to torch's pool.
+            for answer in answers:
+                image = on_device.pop(id(answer), None)
+                if image is not None:
+                    image.pixels = None
+        if decode_us:
+            for answer in answers:
+                if answer.outputs is not None:
+                    answer.timing_us["preprocess"] += decode_us
+        return len(answers)
+
+    async def _decode_on_device(
+        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
+    ) -> tuple[list[Answer], float]:
+        """nvJPEG on a stage thread, the slot marked busy meanwhile (a cancelled
+        batch releases it only once the decode has returned)."""
+        loop = asyncio.get_running_loop()
+        decoding = loop.run_in_executor(self._pool, self._decode_group, slot, answers, on_device)
+        idle: asyncio.Future[None] = loop.create_future()
+        idle.set_result(None)  # the decode leaves nothing queued on the slot's stream
+        slot.pending = (decoding, idle)
+        try:
+            result = await asyncio.shield(decoding)
+        except EngineDead as exc:
+            slot.pending = None
+            raise self._die(exc) from None
+        except BaseException:
+            if decoding.done():
+                slot.pending = None
+            raise
+        slot.pending = None
+        return result
+
+    def _decode_group(
+        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
+    ) -> tuple[list[Answer], float]:
+        """On a stage thread: one batched nvJPEG call for the group's JPEGs; those it
+        refuses go to the host decoder. Returns the answers that can run."""
+        assert self._nvjpeg is not None
+        jpegs = [a for a in answers if id(a) in on_device]
+        started = time.monotonic()
+        problems = self._nvjpeg.decode(slot, [on_device[id(a)] for a in jpegs])
+        seconds = time.monotonic() - started
+        refused: list[Answer] = []
+        for answer, problem in zip(jpegs, problems, strict=True):
+            if problem is None:
+                answer.job.encoded = None  # the pixels replace the file
+                continue
+            del on_device[id(answer)]
+            refused.append(answer)
+            log.debug("nvjpeg_refused", offset=answer.job.offset, reason=problem)
+        if refused:
+            decode_pending(refused, self._channels, self._input_name)
+        return [a for a in answers if a.error is None], seconds
+
+    async def run_rows(
+        self, slot: Slot, answers: list[Answer], on_device: OnDevice | None = None
+    ) -> None:
         """Run ``answers`` on ``slot`` and fill their outputs and timings.
 
         Splits into chunks that fit the slot (rows and staged bytes); raises
         ``InferenceFailed`` (answers untouched) or ``EngineDead``. Returns only
         when the slot's stream is idle, so the caller may run it again at once.
+        ``on_device``: the answers whose JPEG nvJPEG has decoded.
         """
         if self._dead is not None:
             raise self._dead
+        device = on_device or {}
+        size = functools.partial(staged_bytes, on_device=device)
         results: list[tuple[list[Answer], dict[str, np.ndarray], dict[str, int]]] = []
-        for chunk in self._chunks(answers):
-            outputs, timing = await self._run_chunk(slot, chunk)
+        for chunk in split_chunks(answers, size, self._max_rows, self._max_input_bytes):
+            images: list[StagedImage] = []
+            for answer in chunk:
+                image = device.get(id(answer))
+                pixels = answer.job.image if image is None else image
+                assert pixels is not None
+                images.append(pixels)
+            outputs, timing = await self._run_chunk(slot, images)
             results.append((chunk, outputs, timing))
         # Filled only once every chunk succeeded: a failure leaves all untouched.
         for chunk, outputs, timing in results:
@@ -279,31 +459,11 @@ class GpuInferenceStage:
                 answer.outputs = {name: arr[i] for name, arr in outputs.items()}
                 answer.timing_us.update(timing)
 
-    def _chunks(self, answers: Sequence[Answer]) -> list[list[Answer]]:
-        limit = self._max_input_bytes
-        chunks: list[list[Answer]] = []
-        current: list[Answer] = []
-        used = 0
-        for answer in answers:
-            image = answer.job.image
-            assert image is not None
-            size = image.nbytes
-            full = len(current) == self._max_rows or (limit is not None and used + size > limit)
-            if current and full:
-                chunks.append(current)
-                current, used = [], 0
-            current.append(answer)
-            used += size
-        if current:
-            chunks.append(current)
-        return chunks
-
     async def _run_chunk(
-        self, slot: Slot, answers: list[Answer]
+        self, slot: Slot, images: list[StagedImage]
     ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
-        images = [a.job.image for a in answers]
         launcher = self._launcher
         submission = loop.run_in_executor(self._pool, launcher.submit, slot, images, (loop, woken))
         # Marked busy before the first await: if this task is cancelled now, the
@@ -321,12 +481,12 @@ class GpuInferenceStage:
             raise error
         try:
             outputs, timing = await loop.run_in_executor(
-                self._pool, launcher.collect, slot, len(answers), host_seconds
+                self._pool, launcher.collect, slot, len(images), host_seconds
             )
         except Exception as exc:  # boundary: reading events can report a device error
             raise self._die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
         m = self._metrics
-        m.batch_size.observe(len(answers))
+        m.batch_size.observe(len(images))
         m.preprocess_seconds.observe(timing["preprocess"] / 1e6)
         m.engine_seconds.observe(timing["infer"] / 1e6)
         m.d2h_seconds.observe(timing["d2h"] / 1e6)

@@ -1,0 +1,317 @@
+"""JPEGs decoded on the GPU (``gpu.decode = "nvjpeg"``): torchvision's batched nvJPEG.
+
+Which files go to nvJPEG is decided from the file's own frame header, read here
+without decoding (``read_frame``): 8-bit Huffman-coded JPEGs (baseline, extended
+or progressive) with 1 or 3 components that end with their end-of-image marker,
+for a model of 1 or 3 channels. Everything else (PNG, WebP, CMYK/YCCK, RGB
+stored without the YCbCr transform, 12-bit, arithmetic or lossless coding, a
+file cut short) is decoded on the host by ``worker.inference.decode``, whose
+complaint then names what is wrong with a bad file. The header also gives the
+decoded size, which the stage's staging byte budget counts before decoding.
+
+A chunk's JPEGs are decoded in one ``torchvision.io.decode_jpeg(list, device=
+"cuda")`` call into device memory, then copied device to device (planar CHW to
+the interleaved HWC the preprocess kernel reads) into the slot's packed staging
+buffer at their table offsets. No decoded pixel passes through the host.
+
+Streams, from torchvision's source (``csrc/io/image/cuda/decode_jpegs_cuda.cpp``,
+the same in 0.26 and 0.29):
+
+- the decoder is one process-wide object behind a mutex, with its own stream
+  from torch's pool; ``prepare_buffers`` allocates the outputs with
+  ``torch::empty`` on the *caller's current stream*, which is the slot's stream
+  here (``torch.cuda.stream(ExternalStream(slot.stream))``), so the outputs
+  belong to that stream's pool in torch's caching allocator;
+- ``decode_images`` ends with ``cudaStreamSynchronize`` on its own stream, and
+  ``decode_jpegs_cuda`` then records an event there and makes the current stream
+  wait on it (``event.record(stream); event.block(current_stream)``): the
+  pixels are complete when the call returns, and anything enqueued on the slot's
+  stream afterwards (our copies, the kernel) is ordered after the decode anyway;
+- but nothing makes the decoder's stream wait for the caller's stream *before*
+  nvJPEG writes the outputs, and nvJPEG's hardware path does not even honour
+  its own stream's order (pytorch/vision#9606, meta-pytorch/torchcodec#1634): a
+  block the allocator hands out because it was freed on the slot's stream while
+  a queued kernel still reads it would be overwritten. So the slot's stream must
+  be idle when we decode: the stage decodes only at the start of a batch or
+  between chunks, when ``run_rows`` has waited for the stream, and ``decode``
+  synchronises the stream once more (free when it is idle) to make that a fact
+  rather than an assumption.
+
+Memory: the decoded images come from torch's caching allocator (the slot's
+stream's pool), at most one chunk's worth (``gpu.max_input_bytes``) per slot at a
+time, and stay cached for the next batch, so a steady stream of batches makes
+no ``cudaMalloc``; nvJPEG keeps its own pinned and device buffers besides.
+
+torch and torchvision are imported only when ``gpu.decode = "nvjpeg"``; the
+header reading and the routing are pure and run anywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Final
+
+from worker.config import PreprocessConfig
+from worker.contract import EncodedImage
+from worker.engines.cuda import translate_gpu_error
+from worker.errors import ConfigError, EngineDead
+from worker.inference.gpu.slots import DeviceImage, Slot
+
+# Start-of-frame markers (ITU T.81 table B.1); DHT, JPG and DAC share the range.
+_SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Huffman-coded baseline, extended sequential and progressive: what nvJPEG decodes.
+NVJPEG_PROCESSES: Final = frozenset({0xC0, 0xC1, 0xC2})
+_EOI: Final = b"\xff\xd9"
+
+
+@dataclass(frozen=True, slots=True)
+class JpegFrame:
+    """What a JPEG's markers say before its scans (no pixel decoded)."""
+
+    process: int  # the SOFn marker: how the image is coded
+    precision: int  # bits per sample
+    height: int
+    width: int
+    components: int
+    adobe_transform: int | None  # APP14 "Adobe" colour transform, when present
+    complete: bool  # the file ends with its end-of-image marker
+
+
+def read_frame(data: bytes) -> JpegFrame | None:
+    """The frame header of a JPEG file, found by walking its marker segments up to
+    the first SOFn; None if the markers are malformed before it."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    n = len(data)
+    pos = 2
+    adobe: int | None = None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # TEM, RSTn: no length field
+            pos += 2
+            continue
+        if marker in (0xD8, 0xD9, 0xDA):  # SOI, EOI or a scan before any frame
+            return None
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        body = data[pos + 4 : end]
+        if marker == 0xEE and body[:5] == b"Adobe" and len(body) >= 12:
+            adobe = body[11]
+        if marker in _SOF_MARKERS:
+            if len(body) < 6:
+                return None
+            return JpegFrame(
+                process=marker,
+                precision=body[0],
+                height=int.from_bytes(body[1:3], "big"),
+                width=int.from_bytes(body[3:5], "big"),
+                components=body[5],
+                adobe_transform=adobe,
+                complete=data.endswith(_EOI),
+            )
+        pos = end
+    return None
+
+
+def device_image(image: EncodedImage, channels: int) -> DeviceImage | None:
+    """The file as an image to decode with nvJPEG into ``channels`` channels, or None
+    if it is one for the host decoder (see the module docstring)."""
+    if image.format != "jpeg" or channels not in (1, 3):
+        return None
+    frame = read_frame(image.data)
+    if frame is None or not frame.complete:
+        return None  # the host decoder says what is wrong
+    if frame.process not in NVJPEG_PROCESSES or frame.precision != 8:
+        return None
+    if frame.components not in (1, 3) or frame.height < 1 or frame.width < 1:
+        return None  # CMYK/YCCK: converted the way Pillow converts them, on the host
+    if frame.components == 3 and frame.adobe_transform == 0:
+        return None  # samples stored as RGB, not YCbCr
+    return DeviceImage(image.data, frame.height, frame.width, channels)
+
+
+def check_config(decode: str, preprocess: PreprocessConfig) -> None:
+    """What ``gpu.decode = "nvjpeg"`` needs of the model (start-up, no GPU needed)."""
+    if decode != "nvjpeg":
+        return
+    if preprocess.device != "gpu":
+        raise ConfigError(
+            "gpu.decode: 'nvjpeg' keeps decoded pixels on the device and needs "
+            "model.preprocess.device = 'gpu'"
+        )
+    if preprocess.channels not in (1, 3):
+        raise ConfigError(
+            f"gpu.decode: 'nvjpeg' decodes to 1 or 3 channels, but "
+            f"model.preprocess.channels is {preprocess.channels}; use 'host'"
+        )
+
+
+def _import_torchvision() -> tuple[Any, Any, Any]:
+    hint = (
+        "gpu.decode = 'nvjpeg' needs torch and torchvision with CUDA "
+        "(pip install -e '.[gpu,torch]'), or set gpu.decode = 'host'"
+    )
+    try:
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except (ImportError, OSError) as exc:  # OSError: a wheel's CUDA libraries missing
+        raise ConfigError(f"{hint}: {type(exc).__name__}: {exc}") from exc
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{hint}: torch {torch.__version__} sees no CUDA device")
+    return torch, decode_jpeg, ImageReadMode
+
+
+def _tiny_jpeg() -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.linspace(0, 255, 16 * 16 * 3).astype(np.uint8).reshape(16, 16, 3)
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"nvJPEG: {text[0] if text else type(exc).__name__}"
+
+
+@dataclass
+class _SlotViews:
+    stream: Any  # torch.cuda.ExternalStream over the slot's CUDA stream
+    packed: Any  # torch uint8 view of the slot's packed device staging (no copy)
+
+
+class NvJpeg:
+    """torchvision's nvJPEG decoder, for one GPU stage on one device.
+
+    Built at start-up, where it fails with ``ConfigError`` if torch or torchvision
+    is missing, has no CUDA, or cannot decode a JPEG on the device. ``decode`` and
+    ``place`` run on the stage's threads, each for the slot that thread holds.
+    """
+
+    def __init__(self, device: int, channels: int) -> None:
+        torch, decode_jpeg, modes = _import_torchvision()
+        count = torch.cuda.device_count()
+        if device >= count:
+            raise ConfigError(f"gpu.device: {device}, but torch sees {count} CUDA device(s)")
+        self._torch = torch
+        self._decode_jpeg = decode_jpeg
+        self._mode = modes.GRAY if channels == 1 else modes.RGB
+        self._device = device
+        self._target = torch.device("cuda", device)
+        self._channels = channels
+        self._views: dict[int, _SlotViews] = {}
+        self._lock = threading.Lock()
+        self.decoded = 0  # images nvJPEG decoded
+        self.refused = 0  # images it refused (then decoded on the host)
+        self._warm()
+
+    def _warm(self) -> None:
+        """Decode one small JPEG now: nvJPEG creates its handle and buffers on first
+        use (hundreds of ms), and a torchvision built without nvJPEG fails here,
+        at start-up, rather than on the first batch."""
+        torch = self._torch
+        with warnings.catch_warnings():
+            # torch.frombuffer warns, once per process, that the bytes it wraps are
+            # read-only (nvJPEG only reads them): let that one warning go here,
+            # during start-up, rather than from a batch.
+            warnings.simplefilter("ignore")
+            try:
+                source = torch.frombuffer(_tiny_jpeg(), dtype=torch.uint8)
+                with torch.cuda.device(self._device):
+                    self._decode_jpeg([source], mode=self._mode, device=self._target)
+                    torch.cuda.synchronize(self._device)
+            except Exception as exc:  # boundary: any failure here means no nvJPEG
+                raise ConfigError(
+                    f"gpu.decode = 'nvjpeg': torchvision cannot decode JPEGs on "
+                    f"cuda:{self._device}: {type(exc).__name__}: {exc}"
+                ) from exc
+
+    def attach(self, slot: Slot) -> None:
+        """Wrap the slot's stream and packed device buffer for torch (start-up)."""
+        torch = self._torch
+        with torch.cuda.device(self._device):
+            stream = torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._target)
+            packed = torch.from_dlpack(slot.dev_packed)
+        if packed.data_ptr() != int(slot.dev_packed.data.ptr):
+            raise ConfigError("gpu.decode: the DLPack import of the slot's staging made a copy")
+        self._views[slot.index] = _SlotViews(stream, packed)
+
+    def close(self) -> None:
+        self._views.clear()
+
+    def decode(self, slot: Slot, images: list[DeviceImage]) -> list[str | None]:
+        """Decode ``images`` into device memory (their ``pixels``) in one batched
+        call. Returns, per image, None or why nvJPEG refused it; a refused image
+        has no pixels and is for the host decoder. Blocks until the pixels are
+        written. Raises ``EngineDead`` if the device is gone."""
+        if not images:
+            return []
+        torch = self._torch
+        views = self._views[slot.index]
+        # See the module docstring: nvJPEG's writes are not ordered after the
+        # slot's stream, so nothing may still be queued on it.
+        slot.stream.synchronize()
+        sources = [torch.frombuffer(image.data, dtype=torch.uint8) for image in images]
+        outputs: list[Any]
+        with torch.cuda.device(self._device), torch.cuda.stream(views.stream):
+            try:
+                outputs = list(self._decode_jpeg(sources, mode=self._mode, device=self._target))
+            except RuntimeError as exc:  # boundary: one bad file fails the whole call
+                self._check_alive(exc)
+                outputs = [self._decode_one(s) for s in sources] if len(sources) > 1 else [exc]
+        problems: list[str | None] = []
+        for image, out in zip(images, outputs, strict=True):
+            if isinstance(out, BaseException):
+                problems.append(_first_line(out))
+                continue
+            expected = (image.channels, image.height, image.width)
+            if tuple(out.shape) != expected:
+                problems.append(f"nvJPEG decoded {list(out.shape)}; the header says {expected}")
+                continue
+            image.pixels = out
+            problems.append(None)
+        refused = sum(p is not None for p in problems)
+        with self._lock:
+            self.decoded += len(problems) - refused
+            self.refused += refused
+        return problems
+
+    def _decode_one(self, source: Any) -> Any:
+        try:
+            return self._decode_jpeg([source], mode=self._mode, device=self._target)[0]
+        except RuntimeError as exc:
+            self._check_alive(exc)
+            return exc
+
+    @staticmethod
+    def _check_alive(exc: RuntimeError) -> None:
+        error = translate_gpu_error(exc, "nvjpeg")
+        if isinstance(error, EngineDead):
+            raise error from exc
+
+    def place(self, slot: Slot, on_device: list[tuple[int, DeviceImage]]) -> None:
+        """Enqueue on the slot's stream one device-to-device copy per decoded image
+        into the packed staging buffer at its byte offset, planar CHW to the
+        interleaved HWC the preprocess kernel reads (a strided torch copy)."""
+        torch = self._torch
+        views = self._views[slot.index]
+        with torch.cuda.device(self._device), torch.cuda.stream(views.stream):
+            for offset, image in on_device:
+                if image.pixels is None:
+                    raise ValueError("a device image was staged before it was decoded")
+                hwc = views.packed[offset : offset + image.nbytes]
+                hwc.view(image.height, image.width, image.channels).copy_(
+                    image.pixels.permute(1, 2, 0)
+                )
