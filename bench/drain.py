@@ -28,65 +28,21 @@ import json
 import os
 import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-
-import msgpack
-from aiokafka import AIOKafkaConsumer
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.processes import mean_batch_size, spawn_worker
+from worker.tools.drain import Drain, drain_ceiling
+from worker.tools.processes import mean_batch_size, spawn_worker, summed
 from worker.tools.topics import Collector, produce_all
 
 _RUN_FROM = (
     "import sys; sys.path.insert(0, {!r}); "
     "from worker.__main__ import main; sys.exit(main(['run']))"
 )
-
-
-@dataclass
-class Drain:
-    name: str
-    records: int
-    seconds: float
-    mean_batch: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        return self.records / self.seconds if self.seconds > 0 else 0.0
-
-
-async def drain_ceiling(bootstrap: str, topic: str, n: int, group: str) -> Drain:
-    """Decode-and-discard: fetch, ``msgpack.unpackb`` each value, nothing else."""
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        group_id=group,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=10,
-        max_partition_fetch_bytes=8 * 1024 * 1024,
-    )
-    await consumer.start()
-    seen, first = 0, None
-    try:
-        while seen < n:
-            fetched = await consumer.getmany(timeout_ms=200, max_records=10_000)
-            if fetched and first is None:
-                first = time.monotonic()
-            for records in fetched.values():
-                for record in records:
-                    msgpack.unpackb(record.value, raw=False)
-                seen += len(records)
-        last = time.monotonic()
-    finally:
-        await consumer.stop()
-    assert first is not None
-    return Drain("ceiling", seen, last - first)
 
 
 async def drain_worker(
@@ -124,7 +80,7 @@ async def drain_worker(
         await collector.collect(lambda c: c.count() >= n or worker.proc.poll() is not None, 600.0)
         if collector.count() < n:
             raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
-        m = {} if peer else worker.metrics()
+        m = {} if peer else summed(worker.member_metrics(procs))
         exit_code = await asyncio.to_thread(worker.terminate)
         if peer:
             exit_code = 0  # peers stop on SIGTERM without a drain protocol

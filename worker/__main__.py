@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -69,6 +70,21 @@ points to --json. Exit 1 when no setting meets the SLO (the closest is printed).
 SWEEP_EXAMPLES = """
   infer-worker bench --sweep --slo-p99-ms 20 --plot sweep.png --json sweep.json
   infer-worker bench --sweep --delays 0,2,5,10 --batch-sizes 32,64 --rates 200,1000,3000"""
+
+MODEL_DESCRIPTION = """\
+With --model (one model, end to end, in one run on the embedded broker): the
+engine alone at the largest batch (img/s), a bare consumer draining the backlog
+(the ingest ceiling, rec/s), `run --procs N` draining the same backlog (img/s,
+mean batch, GPU busy fraction from NVML), then open-loop Poisson arrivals at half
+that drain rate for --duration seconds (end-to-end p50/p95/p99 and each stage's
+p50/p99 from the results' timing_us). digits: the bundled CPU model and digits;
+resnet50: torchvision ResNet-50, random weights, torch engine, fp16, on the GPU,
+with scikit-image's photographs at 256x256 (needs the gpu, torch and bench
+extras). The summary goes to --results-dir as <date>-<device>-<payload>.json."""
+
+MODEL_EXAMPLES = """
+  infer-worker bench --model digits --payload png
+  infer-worker bench --model resnet50 --payload jpeg --procs 4 --partitions 8"""
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +160,11 @@ def _parse_sets(items: list[str]) -> dict[str, str]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """``demo``, and ``bench`` (the same run, then the naive baseline)."""
+    if getattr(args, "model", None):
+        return _cmd_modelbench(args)
+    for flag in _MODEL_ONLY:
+        if getattr(args, flag, None) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')}: only with --model")
     if getattr(args, "sweep", False):
         return _cmd_sweep(args)
     from worker.tools.demo import DemoOptions, run_demo
@@ -179,6 +200,31 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.batch_sizes is not None:
         opts.batch_sizes = args.batch_sizes
     return run_sweep(opts)
+
+
+_MODEL_ONLY = ("payload", "procs", "records", "results_dir")
+
+
+def _cmd_modelbench(args: argparse.Namespace) -> int:
+    """``bench --model``: engine, ingest ceiling, worker drain and paced latency."""
+    from worker.tools.modelbench import DEFAULT_RESULTS_DIR, ModelBenchOptions, run_modelbench
+
+    if args.sweep:
+        raise ConfigError("--model: not with --sweep")
+    return run_modelbench(
+        ModelBenchOptions(
+            model=args.model,
+            payload=args.payload or "jpeg",
+            procs=1 if args.procs is None else args.procs,
+            records=args.records,
+            partitions=args.partitions,
+            duration=args.duration,
+            rate=args.rate,
+            results_dir=args.results_dir or DEFAULT_RESULTS_DIR,
+            json_out=args.json,
+            overrides=_parse_sets(args.set),
+        )
+    )
 
 
 def _cmd_build_engine(args: argparse.Namespace) -> int:
@@ -288,7 +334,10 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "The demo's run, then the same requests through a naive one-at-a-time loop "
             "(bench/naive.py of a repository checkout: run this from there), and the ratio. "
             "For the backlog drain against the ingest ceiling and the peers see "
-            "python -m bench.drain and python -m bench.latency.\n\n" + SWEEP_DESCRIPTION,
+            "python -m bench.drain and python -m bench.latency.\n\n"
+            + SWEEP_DESCRIPTION
+            + "\n\n"
+            + MODEL_DESCRIPTION,
             20,
         ),
     ):
@@ -297,7 +346,7 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             epilog=f"examples:\n  infer-worker {name}\n"
             f"  infer-worker {name} --rate 300\n"
             f"  infer-worker {name} --set batching.max_batch_size=16"
-            + (SWEEP_EXAMPLES if name == "bench" else ""),
+            + (SWEEP_EXAMPLES + MODEL_EXAMPLES if name == "bench" else ""),
         )  # fmt: skip
         p.add_argument(
             "--repeat", type=int, default=repeat,
@@ -316,6 +365,7 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         )  # fmt: skip
         if name == "bench":
             _sweep_arguments(p)
+            _model_arguments(p)
 
 
 def _number_list(kind: Callable[[str], float]) -> Callable[[str], list[Any]]:
@@ -353,7 +403,8 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--duration", type=float, default=5.0,
-        help="with --sweep: seconds of arrivals per rate and setting (default 5)",
+        help="with --sweep: seconds of arrivals per rate and setting; with --model: "
+        "seconds of the paced run (default 5)",
     )  # fmt: skip
     p.add_argument(
         "--slo-p99-ms", type=float, default=50.0,
@@ -363,6 +414,33 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
         "--plot", default="sweep.png",
         help="with --sweep: the PNG to draw the curves to; needs matplotlib "
         "(default sweep.png; '' for none)",
+    )  # fmt: skip
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """``bench --model``; --partitions, --duration, --rate, --json and --set apply too."""
+    p.add_argument(
+        "--model", choices=("digits", "resnet50"), default=None,
+        help="benchmark this model end to end (see above); --rate then sets the paced "
+        "rate (default: half the worker's drain rate)",
+    )  # fmt: skip
+    p.add_argument(
+        "--payload", choices=("jpeg", "png", "raw"), default=None,
+        help="with --model: the image as a JPEG (quality 90) or PNG file, or a raw "
+        "uint8 tensor (default jpeg)",
+    )  # fmt: skip
+    p.add_argument(
+        "--procs", type=int, default=None,
+        help="with --model: worker processes, as run --procs N (default 1); "
+        "--partitions is raised to N when lower",
+    )  # fmt: skip
+    p.add_argument(
+        "--records", type=int, default=None,
+        help="with --model: the backlog to drain (default 5000 for digits, 20000 for resnet50)",
+    )  # fmt: skip
+    p.add_argument(
+        "--results-dir", type=Path, default=None,
+        help="with --model: where the summary JSON goes (default benchmarks/results)",
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,11 @@ class WorkerProcess:
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.metrics_port)
+
+    def member_metrics(self, procs: int) -> list[dict[str, float]]:
+        """Each member's metrics when this process is ``run --procs N``: the
+        supervisor serves none, member i serves them on ``metrics_port + i``."""
+        return [scrape(self.metrics_port + i) for i in range(procs)]
 
     def log_tail(self, lines: int = 40) -> str:
         with open(self.log_path, errors="replace") as fh:
@@ -216,6 +221,15 @@ def _fold_model_labels(series: str) -> str:
     if len(kept) == len(pairs):
         return series
     return f"{name}{{{','.join(kept)}}}" if kept else name
+
+
+def summed(members: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Several members' metrics as one group's: every series added up."""
+    out: dict[str, float] = {}
+    for m in members:
+        for key, value in m.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def mean_batch_size(m: Mapping[str, float]) -> float:

@@ -268,26 +268,46 @@ class _Run:
     async def measure(self, tag: str, rate: float, n: int) -> SweepPoint:
         records = _encode(self.images, f"{tag}-", n)
         sum0, count0 = await asyncio.to_thread(_batch_totals, self.worker)
-        tally = _Tally(self.collector, f"{tag}-".encode(), n)
-        timeout = n / rate + max(DRAIN_SECONDS, 3 * n / rate)
-        collecting = asyncio.create_task(self.collector.collect(tally, timeout))
-        produced = await produce_all(
-            self.broker.bootstrap,
-            self.topics["requests"],
-            records,
-            partition_of=lambda i: i % self.opts.partitions,
-            rate=rate,
-        )
-        complete = await collecting
-        sum1, count1 = await asyncio.to_thread(_batch_totals, self.worker)
-        point = SweepPoint(
-            self.setting.max_batch_size, self.setting.max_queue_delay_ms, rate, n,
-            complete=complete,
+        point = SweepPoint(self.setting.max_batch_size, self.setting.max_queue_delay_ms, rate, n)
+        await send_open_loop(
+            self.broker.bootstrap, self.collector, self.topics, records, point,
+            prefix=f"{tag}-".encode(), partitions=self.opts.partitions,
         )  # fmt: skip
-        _score(point, tally, self.collector, self.topics, produced)
+        sum1, count1 = await asyncio.to_thread(_batch_totals, self.worker)
         if count1 > count0:
             point.mean_batch_size = (sum1 - sum0) / (count1 - count0)
         return point
+
+
+async def send_open_loop(
+    bootstrap: str,
+    collector: Collector,
+    topics: dict[str, str],
+    records: Sequence[tuple[bytes | None, bytes]],
+    point: SweepPoint,
+    *,
+    prefix: bytes,
+    partitions: int,
+) -> list[Collected]:
+    """Send ``records`` (every key starts with ``prefix``) as open-loop Poisson
+    arrivals at ``point.rate`` over ``partitions`` while ``collector`` (started,
+    reading the results and DLQ topics) gathers their answers; fills in
+    ``point`` (answered, errors, offered rate, throughput, latency percentiles,
+    complete) and returns the result records of these requests."""
+    n = len(records)
+    tally = _Tally(collector, prefix, n)
+    timeout = n / point.rate + max(DRAIN_SECONDS, 3 * n / point.rate)
+    collecting = asyncio.create_task(collector.collect(tally, timeout))
+    produced = await produce_all(
+        bootstrap,
+        topics["requests"],
+        records,
+        partition_of=lambda i: i % partitions,
+        rate=point.rate,
+    )
+    point.complete = await collecting
+    _score(point, tally, collector, topics, produced)
+    return tally.answers(collector, topics["results"])
 
 
 def _score(

@@ -1,0 +1,88 @@
+"""``bench --model digits`` end to end, as CI runs it: the embedded broker, the
+engine alone, the bare-consumer drain, ``run --procs N`` draining the same
+backlog with every request answered, and the paced run with its stages."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.tools.modelbench import STAGES
+
+pytestmark = pytest.mark.integration
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], Path, str]:
+    out = tmp_path / "copy.json"
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "worker", "bench", "--model", "digits", *args,
+            "--duration", "1", "--results-dir", str(results), "--json", str(out),
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = sorted(results.iterdir())
+    assert len(written) == 1
+    summary = json.loads(written[0].read_text())
+    assert json.loads(out.read_text()) == summary
+    return summary, written[0], proc.stdout
+
+
+def _check_common(summary: dict[str, Any], payload: str, procs: int, records: int) -> None:
+    assert summary["device"] == f"cpu{os.cpu_count()}"
+    assert (summary["model"], summary["payload"], summary["procs"]) == ("digits", payload, procs)
+    assert summary["records"] == records and summary["worker_exit"] == 0
+    for key in ("engine_img_s", "ingest_ceiling_rec_s", "worker_img_s"):
+        assert summary[key] > 0, key
+    # The ratios are those of the figures in the same summary.
+    assert summary["worker_to_ceiling"] == pytest.approx(
+        summary["worker_img_s"] / summary["ingest_ceiling_rec_s"], rel=1e-3, abs=1e-4
+    )
+    assert summary["worker_to_engine"] == pytest.approx(
+        summary["worker_img_s"] / summary["engine_img_s"], rel=1e-3, abs=1e-4
+    )
+    assert 1 <= summary["mean_batch"] <= summary["engine_batch"] == 64
+    assert summary["gpu_busy"] is None and summary["gpu_busy_note"]
+    paced = summary["paced"]
+    # Paced at half the measured drain rate, for --duration 1 s; all answered ok.
+    assert paced["rate"] == pytest.approx(summary["worker_img_s"] / 2, rel=1e-3, abs=0.1)
+    assert paced["sent"] == paced["answered"] and paced["errors"] == 0
+    assert abs(paced["sent"] - paced["rate"]) <= 1
+    assert 0 < paced["p50_ms"] <= paced["p95_ms"] <= paced["p99_ms"] <= paced["max_ms"]
+    assert list(paced["stages"])[: len(STAGES)] == list(STAGES)
+    for stage, q in paced["stages"].items():
+        assert 0 <= q["p50_ms"] <= q["p99_ms"], stage
+    assert paced["stages"]["total"]["p50_ms"] > 0
+    assert paced["stages"]["total"]["p99_ms"] <= paced["max_ms"]
+    assert summary["command"].startswith(f"infer-worker bench --model digits --payload {payload}")
+    assert summary["settings"]["model"]["path"] == "builtin:digits"
+
+
+def test_png_payload_one_process(tmp_path: Path) -> None:
+    summary, path, stdout = _bench(tmp_path, "--payload", "png", "--records", "1500")
+    assert path.name == f"{dt.date.today().isoformat()}-cpu{os.cpu_count()}-png.json"
+    _check_common(summary, "png", 1, 1500)
+    assert summary["worker_first_to_last_img_s"] == summary["worker_img_s"]
+    assert "decode" in summary["paced"]["stages"]  # files are decoded; tensors are not
+    for label in ("engine alone", "bare consumer drain", "worker drain", "p99", "queue"):
+        assert label in stdout
+    assert str(path) in stdout
+
+
+def test_raw_payload_two_processes_timed_once_the_group_has_formed(tmp_path: Path) -> None:
+    summary, _, _ = _bench(tmp_path, "--payload", "raw", "--records", "6000", "--procs", "2")
+    _check_common(summary, "raw", 2, 6000)
+    assert summary["partitions"] == 4 and summary["worker_join_s"] >= 0
+    assert "decode" not in summary["paced"]["stages"]

@@ -1,0 +1,217 @@
+"""``bench --model``'s pure parts: names, summaries, the drain's span and its
+refusals; payloads the worker's own decoder reads back. The run itself is
+exercised in tests/integration/test_modelbench.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.__main__ import main
+from worker.config import load_settings
+from worker.contract import EncodedImage, Tensor, decode_request
+from worker.inference.decode import decode_image
+from worker.tools.demo import override_env
+from worker.tools.modelbench import (
+    STAGES,
+    BenchError,
+    Sample,
+    all_joined,
+    busy_fraction,
+    device_slug,
+    encode_image,
+    engine_rate,
+    model_overrides,
+    payload_images,
+    request_records,
+    results_path,
+    score_drain,
+    stage_summary,
+)
+from worker.tools.topics import Collected
+
+
+@pytest.mark.parametrize(
+    ("name", "slug"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
+        ("NVIDIA RTX A6000", "rtxa6000"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA", "gpu"),
+    ],
+)
+def test_device_slug(name: str, slug: str) -> None:
+    assert device_slug(name) == slug
+
+
+def test_results_path_never_overwrites(tmp_path: Path) -> None:
+    day = dt.date(2026, 11, 23)
+    first = results_path(tmp_path, day, "h100", "jpeg")
+    assert first == tmp_path / "2026-11-23-h100-jpeg.json"
+    first.write_text("{}")
+    second = results_path(tmp_path, day, "h100", "jpeg")
+    assert second == tmp_path / "2026-11-23-h100-jpeg-2.json"
+    second.write_text("{}")
+    assert results_path(tmp_path, day, "h100", "jpeg").name == "2026-11-23-h100-jpeg-3.json"
+    assert results_path(tmp_path, day, "h100", "raw").name == "2026-11-23-h100-raw.json"
+
+
+def test_stage_summary_percentiles_in_ms_contract_stages_first() -> None:
+    timings = [
+        {"total": 1000 * (i + 1), "queue": 500, "infer": 2000 * i, "decode": 7, "d2h": 0,
+         "preprocess": 100}
+        for i in range(101)
+    ]  # fmt: skip
+    out = stage_summary(timings)
+    assert list(out) == [*STAGES, "decode"]
+    assert out["total"] == {"p50_ms": 51.0, "p99_ms": 100.0}
+    assert out["infer"] == {"p50_ms": 100.0, "p99_ms": 198.0}
+    assert out["queue"] == {"p50_ms": 0.5, "p99_ms": 0.5}
+    assert stage_summary([]) == {}
+
+
+def test_all_joined_needs_every_member_and_every_partition_once() -> None:
+    assert all_joined((4,), 4)
+    assert not all_joined((4, 0), 4)  # the second member has not joined yet
+    assert not all_joined((4, 2), 4)  # mid-rebalance: the old owner still holds them
+    assert all_joined((2, 2), 4)
+    assert all_joined((1, 1, 0, 1), 3)  # more members than partitions
+    assert not all_joined((2, 1, 0, 0), 3)
+
+
+def _results(times: list[float]) -> list[Collected]:
+    return [Collected(f"k{i}".encode(), b"", {}, 0, i, t) for i, t in enumerate(times)]
+
+
+def _sample(at: float, assigned: tuple[int, ...], rows: float, batches: float) -> Sample:
+    return Sample(at, assigned, rows, batches, gpu_busy=at / 10)
+
+
+def test_one_process_drains_from_first_to_last_result() -> None:
+    results = _results([10.0 + i * 0.01 for i in range(101)])  # 101 results in 1 s
+    samples = [_sample(9.0, (4,), 0, 0), _sample(10.5, (4,), 3200, 50)]
+    final = _sample(11.5, (4,), 6400, 100)
+    drain = score_drain(results, samples, 1, 4, final)
+    assert drain.rate == pytest.approx(101.0)
+    assert drain.first_to_last_rate == pytest.approx(101.0)
+    assert drain.mean_batch == 64.0 and drain.join_seconds == 0.0
+    assert drain.gpu_busy == pytest.approx(1.05)  # the one sample inside [10, 11]
+
+
+def test_several_processes_drain_from_when_all_hold_partitions() -> None:
+    # One member drains alone from t=10 until the second joins at t=12.
+    results = _results([10.0 + i * 0.1 for i in range(41)])  # t = 10 .. 14
+    samples = [
+        _sample(10.0, (4, 0), 100, 10),
+        _sample(11.0, (4, 2), 200, 20),  # rebalancing
+        _sample(12.0, (2, 2), 400, 40),  # the whole group, from here
+        _sample(13.0, (2, 2), 1000, 50),
+    ]
+    final = _sample(14.5, (2, 2), 2000, 60)
+    drain = score_drain(results, samples, 2, 4, final)
+    assert drain.join_seconds == pytest.approx(2.0)
+    assert drain.rate == pytest.approx(21 / 2.0)  # results at t >= 12 over 2 s
+    assert drain.first_to_last_rate == pytest.approx(41 / 4.0)
+    assert drain.mean_batch == pytest.approx((2000 - 400) / (60 - 40))
+    assert drain.gpu_busy == pytest.approx((1.2 + 1.3) / 2)
+
+
+def test_a_backlog_gone_before_the_group_formed_is_refused() -> None:
+    results = _results([10.0, 10.5, 11.0])
+    samples = [_sample(10.0, (4, 0), 0, 0), _sample(12.0, (2, 2), 0, 0)]
+    with pytest.raises(BenchError, match="--records"):
+        score_drain(results, samples, 2, 4, samples[-1])
+
+
+def test_busy_fraction_is_none_without_samples_in_the_span() -> None:
+    no_nvml = [Sample(t, (1,), 0, 0, None) for t in (1.0, 2.0)]
+    assert busy_fraction(no_nvml, 0.0, 3.0) is None
+    assert busy_fraction([Sample(5.0, (1,), 0, 0, 0.5)], 0.0, 3.0) is None
+
+
+@pytest.mark.parametrize("payload", ["raw", "png", "jpeg"])
+def test_digit_payloads_decode_as_the_worker_decodes_them(payload: str) -> None:
+    images = payload_images("digits")
+    assert {img.shape for img in images} == {(8, 8, 1), (16, 16, 1), (24, 24, 1)}
+    inputs = [encode_image(img, payload) for img in images[:3]]
+    records = request_records(inputs, "t", 5)
+    assert [k for k, _ in records] == [f"t-{i}".encode() for i in range(5)]
+    request = decode_request(records[4][1])  # cycles: the second image again
+    assert request.id == "t-4"
+    image = request.inputs["image"]
+    if payload == "raw":
+        assert isinstance(image, Tensor)
+        assert np.array_equal(image.to_numpy(), images[1])
+        return
+    assert isinstance(image, EncodedImage) and image.format == payload
+    decoded = decode_image(image, channels=1)
+    assert decoded.shape == images[1].shape
+    if payload == "png":  # lossless
+        assert np.array_equal(decoded, images[1])
+
+
+def test_resnet50_settings_parse_as_the_worker_reads_them() -> None:
+    env = override_env({**model_overrides("resnet50"), "model.path": "resnet50.pt2"})
+    s = load_settings(env=env)
+    assert s.model.backend == "torch" and s.model.path == "resnet50.pt2"
+    p = s.model.preprocess
+    assert (p.size, p.channels, p.dtype, p.device) == ((224, 224), 3, "float16", "gpu")
+    assert p.mean == (0.485, 0.456, 0.406) and p.std == (0.229, 0.224, 0.225)
+    assert s.gpu.decode == "nvjpeg"
+
+
+def test_resnet50_photographs() -> None:
+    pytest.importorskip("skimage", reason="scikit-image (the bench extra) ships the photos")
+    images = payload_images("resnet50")
+    assert len(images) >= 4
+    assert all(img.shape == (256, 256, 3) and img.dtype == np.uint8 for img in images)
+    jpeg = encode_image(images[0], "jpeg")
+    assert isinstance(jpeg, EncodedImage) and 5_000 < jpeg.nbytes < 60_000
+
+
+def test_cpu_engine_alone_runs_the_largest_batch() -> None:
+    settings = load_settings(env={"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "32"})
+    assert engine_rate(settings, payload_images("digits"), seconds=0.05) > 0
+
+
+def test_without_scikit_image_resnet50_exits_2_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "skimage", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "skimage.data", None)
+    assert main(["bench", "--model", "resnet50", "--payload", "jpeg"]) == 2
+    assert "scikit-image" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
+def test_without_torch_resnet50_exits_2_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("skimage", reason="the photos are loaded first")
+    assert main(["bench", "--model", "resnet50", "--payload", "raw"]) == 2
+    assert "PyTorch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--procs", "2"], "--procs: only with --model"),
+        (["bench", "--payload", "png"], "--payload: only with --model"),
+        (["bench", "--model", "digits", "--sweep"], "not with --sweep"),
+        (["bench", "--model", "digits", "--procs", "0"], "--procs: must be >= 1"),
+        (["bench", "--model", "digits", "--records", "0"], "--records: must be >= 1"),
+        (["bench", "--model", "digits", "--duration", "0"], "--duration"),
+    ],
+)
+def test_refused_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
