@@ -366,10 +366,13 @@ def run_device(settings: Settings) -> str:
         return "gpu"
 
 
-def results_path(results_dir: Path, day: dt.date, device: str, payload: str) -> Path:
-    """``<dir>/<date>-<device>-<payload>.json``, or ``...-2.json`` (and so on)
-    when that exists: a rerun never overwrites a recorded result."""
-    stem = f"{day.isoformat()}-{device}-{payload}"
+def results_path(
+    results_dir: Path, day: dt.date, device: str, payload: str, procs: int = 1
+) -> Path:
+    """``<dir>/<date>-<device>-<payload>.json`` (``-procsN`` added for N > 1
+    processes), or ``...-2.json`` (and so on) when that exists: a rerun never
+    overwrites a recorded result."""
+    stem = f"{day.isoformat()}-{device}-{payload}" + (f"-procs{procs}" if procs > 1 else "")
     path = results_dir / f"{stem}.json"
     n = 2
     while path.exists():
@@ -815,7 +818,9 @@ def table(summary: Mapping[str, Any]) -> str:
 def write_summary(summary: Mapping[str, Any], opts: ModelBenchOptions) -> Path:
     day = dt.date.fromisoformat(summary["date"])
     opts.results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_path(opts.results_dir, day, summary["device"], summary["payload"])
+    path = results_path(
+        opts.results_dir, day, summary["device"], summary["payload"], summary["procs"]
+    )
     text = json.dumps(summary, indent=2) + "\n"
     path.write_text(text)
     if opts.json_out:

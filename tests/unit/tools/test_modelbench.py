@@ -63,6 +63,7 @@ def test_results_path_never_overwrites(tmp_path: Path) -> None:
     second.write_text("{}")
     assert results_path(tmp_path, day, "h100", "jpeg").name == "2026-11-23-h100-jpeg-3.json"
     assert results_path(tmp_path, day, "h100", "raw").name == "2026-11-23-h100-raw.json"
+    assert results_path(tmp_path, day, "h100", "jpeg", 4).name == "2026-11-23-h100-jpeg-procs4.json"
 
 
 def test_stage_summary_percentiles_in_ms_contract_stages_first() -> None:

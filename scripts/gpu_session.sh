@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Everything issue 9 needs from a GPU machine, in one call of the device tool:
+#
+#   run(command="bash scripts/gpu_session.sh tests", carry=[".whl"], timeout_s=600)
+#   run(command="bash scripts/gpu_session.sh bench1", carry=[".whl"], timeout_s=600)
+#   run(command="bash scripts/gpu_session.sh bench2", carry=[".whl"], timeout_s=600)
+#
+# Each phase is sized for one 10-minute call (a fresh machine compiles
+# ResNet-50 again; the inductor cache only lives through one call). Phases:
+# `tests`: the whole tests/gpu suite and the torch export tests; `bench1`: the
+# GPU benchmark (ResNet-50) with JPEG and raw payloads, 1 process; `bench2`: JPEG
+# with 2 and 4 processes; `profile`: py-spy (carried in .whl) over a JPEG
+# benchmark and its worker processes. Logs and JUnit XML go to $OUT (default
+# ./gpu-out), the benchmark JSON to $OUT/results (copy it to benchmarks/results/).
+#
+# The device machine has Python 3.12 with torch, torchvision, CuPy and the rest
+# (see the device README); the worker's Kafka-side dependencies travel as wheels
+# in .whl/ (downloaded here with `pip download`, see the device README), installed
+# into /tmp/site. The checkout is used in place: no pip install of the project
+# (the machine has no network, and the packaging test fails there for that reason).
+set -uo pipefail
+
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PATH=/tmp/site/bin:$PATH
+# Compiled kernels are cached per call; a later phase reuses the earlier ones.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(tests)
+status=0
+
+for phase in "${phases[@]}"; do
+    case "$phase" in
+    tests)
+        python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engines \
+            --junitxml="$OUT/gpu-tests.xml" -o log_cli=false 2>&1 | tail -n 60 \
+            | tee "$OUT/gpu-tests.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        ;;
+    bench1 | bench2)
+        mkdir -p "$OUT/results"
+        if [ "$phase" = bench1 ]; then
+            runs=("--payload jpeg --procs 1" "--payload raw --procs 1")
+        else
+            runs=("--payload jpeg --procs 2" "--payload jpeg --procs 4")
+        fi
+        for args in "${runs[@]}"; do
+            # shellcheck disable=SC2086
+            python3 -m worker bench --model resnet50 $args --partitions 8 \
+                --results-dir "$OUT/results" 2>&1 | tail -n 40 | tee -a "$OUT/$phase.txt"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        done
+        ;;
+    profile)
+        # Raw collapsed stacks of the bench process and its workers (--subprocesses);
+        # summarise the top frames here, after fetching.
+        py-spy record --subprocesses --rate 50 --format raw -o "$OUT/profile.txt" -- \
+            python3 -m worker bench --model resnet50 --payload jpeg --procs 1 --partitions 8 \
+            --results-dir "$OUT/results" 2>&1 | tail -n 40 | tee "$OUT/profile-bench.txt"
+        ;;
+    *)
+        echo "unknown phase $phase (tests | bench1 | bench2 | profile)" >&2
+        exit 2
+        ;;
+    esac
+done
+exit $status
