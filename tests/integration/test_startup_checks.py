@@ -98,3 +98,19 @@ def test_a_client_option_the_worker_owns_exits_2_naming_it() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "kafka.consumer_options.enable_auto_commit" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_nvjpeg_decoding_a_cpu_model_cannot_use_exits_2_before_the_engine_loads() -> None:
+    """gpu.decode = "nvjpeg" with the CPU backend (which preprocesses on the host)
+    would be silently ignored; it is refused, naming the setting, before the
+    engine is loaded or Kafka contacted."""
+    proc = run_worker(
+        {
+            "INFER_WORKER_GPU__DECODE": "nvjpeg",
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "gpu.decode" in proc.stderr and "model.preprocess.device" in proc.stderr
+    assert "engine_loaded" not in proc.stderr and "Traceback" not in proc.stderr

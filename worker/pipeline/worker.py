@@ -78,6 +78,10 @@ class Worker:
         # checked before the engine loads or Kafka is contacted: a typo is exit 2.
         group_consumer_kwargs(s.kafka)
         producer_kwargs(s.kafka)
+        if s.gpu.decode != "host":
+            from worker.inference.gpu import nvjpeg
+
+            nvjpeg.check_available(s.gpu.decode, s.model.preprocess)
         if self._engine is None:
             self._engine = await asyncio.to_thread(
                 load_engine,

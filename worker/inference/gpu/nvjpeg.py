@@ -156,6 +156,15 @@ def check_config(decode: str, preprocess: PreprocessConfig) -> None:
         )
 
 
+def check_available(decode: str, preprocess: PreprocessConfig) -> None:
+    """``check_config``, then that torch and torchvision with CUDA import: the
+    worker calls it before loading the engine, so a missing library is exit 2 at
+    once rather than after a long engine load."""
+    check_config(decode, preprocess)
+    if decode == "nvjpeg":
+        _import_torchvision()
+
+
 def _import_torchvision() -> tuple[Any, Any, Any]:
     hint = (
         "gpu.decode = 'nvjpeg' needs torch and torchvision with CUDA "
