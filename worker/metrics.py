@@ -47,6 +47,13 @@ RECORDS_CONSUMED = Counter("infer_records_consumed_total", "Records read from in
 REQUESTS_REJECTED = Counter(
     "infer_requests_rejected_total", "Records answered without inference", ["code"]
 )
+IMAGES_DECODED = Counter(
+    "infer_images_decoded_total",
+    "Encoded images (JPEG/PNG/WebP) by decoder (host: Pillow on the stage's threads; "
+    "nvjpeg: on the GPU) and outcome (ok; refused: nvJPEG passed it to the host "
+    "decoder; invalid: answered invalid_request)",
+    ["decoder", "outcome"],
+)
 EXPIRED = Counter(
     "infer_expired_total",
     "Requests answered deadline_exceeded before inference, by the rule that expired them "

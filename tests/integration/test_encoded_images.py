@@ -44,7 +44,11 @@ async def test_files_are_answered_like_tensors_and_bad_files_precisely(
         records.append((b"k", _request(f"png-{s.id}", _file(encode(s.image, "PNG")))))
     photo = np.kron(samples[0].image, np.ones((8, 8, 1), np.uint8))
     jpeg = encode(photo, "JPEG", quality=95)
+    corrupt = bytearray(encode(photo, "PNG"))  # a sound header, a broken zlib stream
+    at = corrupt.find(b"IDAT") + 20
+    corrupt[at : at + 30] = bytes(30)
     records += [
+        (b"k", _request("corrupt-png", _file(bytes(corrupt)))),
         (b"k", _request("jpeg", _file(jpeg))),
         (b"k", _request("webp", _file(encode(photo, "WEBP", lossless=True)))),
         (b"k", _request("truncated", _file(jpeg[: len(jpeg) // 2]))),
@@ -57,6 +61,9 @@ async def test_files_are_answered_like_tensors_and_bad_files_precisely(
         await produce_all(broker.bootstrap, names["requests"], records)
         c = await collect(broker, [names["results"], names["dlq"]], len(records))
         peak_kib = _peak_rss_kib(w.pid)
+        decoded = {
+            k: v for k, v in w.metrics().items() if k.startswith("infer_images_decoded_total")
+        }
     finally:
         assert w.terminate() == 0
     assert c.count(names["dlq"]) == 0  # the envelope decoded: never the DLQ
@@ -70,6 +77,7 @@ async def test_files_are_answered_like_tensors_and_bad_files_precisely(
     assert results["jpeg"].status == "ok" and results["webp"].status == "ok"
     bad = {
         "truncated": ("invalid_request", "truncated"),
+        "corrupt-png": ("invalid_request", "broken data stream"),
         "bomb": ("too_large", "exceeds"),
         "bomb-below-decoder-guard": ("too_large", "6000x6000 exceeds"),
         "garbage": ("invalid_request", "not a JPEG, PNG or WebP"),
@@ -78,5 +86,12 @@ async def test_files_are_answered_like_tensors_and_bad_files_precisely(
         err = results[rid].error
         assert err is not None and err.code == code, (rid, err)
         assert text.lower() in err.message.lower(), (rid, err)
+    # 20 PNGs, the JPEG and the WebP decoded; the corrupt PNG failed in the
+    # decoder; the truncated file, the bombs and the garbage never reached it
+    # (refused from their headers and magic bytes).
+    assert decoded == {
+        'infer_images_decoded_total{decoder="host",outcome="ok"}': 22.0,
+        'infer_images_decoded_total{decoder="host",outcome="invalid"}': 1.0,
+    }, decoded
     # A decoded 40000x40000 RGB image would take 4.8 GB; the worker stays small.
     assert peak_kib < 600 * 1024, f"peak RSS {peak_kib} KiB"

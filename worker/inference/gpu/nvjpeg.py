@@ -54,6 +54,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Final
 
+from worker import metrics
 from worker.config import PreprocessConfig
 from worker.contract import EncodedImage
 from worker.engines.cuda import translate_gpu_error
@@ -295,6 +296,9 @@ class NvJpeg:
         with self._lock:
             self.decoded += len(problems) - refused
             self.refused += refused
+        metrics.IMAGES_DECODED.labels(decoder="nvjpeg", outcome="ok").inc(len(problems) - refused)
+        if refused:
+            metrics.IMAGES_DECODED.labels(decoder="nvjpeg", outcome="refused").inc(refused)
         return problems
 
     def _decode_one(self, source: Any) -> Any:
