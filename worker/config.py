@@ -232,7 +232,7 @@ class TorchConfig:
     precision: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     channels_last: bool = True  # 4-D inputs and weights in NHWC memory order
     # One CUDA graph per (slot, bucket), replayed on the slot's stream. A model
-    # that cannot be captured logs torch_cuda_graph_unavailable and runs without.
+    # that cannot be captured stops start-up (exit 2) naming this key: set false.
     cuda_graphs: bool = True
 
 

@@ -254,12 +254,16 @@ async def test_compiled_program_with_graphs_equals_cpu_stage(
         )
 
 
-async def test_a_model_that_cannot_be_captured_runs_without_graphs(
-    torch: Any, tmp_path: Path, samples: tuple[list[np.ndarray], np.ndarray]
+def test_a_model_that_cannot_be_captured_stops_start_up_naming_the_setting(
+    torch: Any, tmp_path: Path
 ) -> None:
-    """A host sync inside forward makes capture fail: the engine logs it and runs
-    the module eagerly, with the same answers as the capturable model."""
-    from worker.engines.torch import TorchEngine
+    """A host sync inside forward makes capture fail. On torch 2.11 a failed capture
+    leaves the allocator unusable for later captures (pytorch#180395), so the worker
+    refuses to start (exit 2, naming model.torch.cuda_graphs) instead of limping on.
+    Run as a worker process: the failed capture must not damage this test process."""
+    import os
+    import subprocess
+    import sys
 
     class Syncing(torch.nn.Module):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -275,16 +279,28 @@ async def test_a_model_that_cannot_be_captured_runs_without_graphs(
     torch.manual_seed(0)
     path = tmp_path / "syncing.pt"
     torch.jit.script(Syncing().eval()).save(str(path))
-    model = _torch_model(path)
-    engine = TorchEngine(path, model, max_batch_size=8)
-    source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 8, 2)
-    try:
-        assert all(not slot.context.graphs for slot in stage.slots)
-        images, _ = samples
-        done = await run_stage(stage, source, sink, batches_of(make_jobs(images[:11]), [8, 3]))
-    finally:
-        stage.close()
-        engine.close()
-    answers = [a for c in done for a in c.answers]
-    assert len(answers) == 11 and all(a.error is None for a in answers)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= {
+        "INFER_WORKER_MODEL__BACKEND": "torch",
+        "INFER_WORKER_MODEL__PATH": str(path),
+        "INFER_WORKER_MODEL__PREPROCESS__DEVICE": "gpu",
+        "INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "8",
+        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+        "INFER_WORKER_METRICS__PORT": "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "run"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "model.torch.cuda_graphs" in proc.stderr
+    # The same model without graphs runs: the eager path answers.
+    env["INFER_WORKER_MODEL__TORCH__CUDA_GRAPHS"] = "false"
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "run"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert "model.torch.cuda_graphs" not in proc.stderr, proc.stderr[-3000:]
+    assert "cannot reach Kafka" in proc.stderr or "BrokerUnavailable" in proc.stderr, proc.stderr[
+        -3000:
+    ]

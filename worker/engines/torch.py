@@ -110,11 +110,14 @@ def compute_dtype(torch: Any, cfg: TorchConfig, input_dtype: str) -> Any:
     return _torch_dtype(torch, input_dtype if cfg.precision == "auto" else cfg.precision)
 
 
-def prepare_module(torch: Any, module: Any, cfg: TorchConfig, dtype: Any) -> tuple[Any, Any]:
+def prepare_module(
+    torch: Any, module: Any, cfg: TorchConfig, dtype: Any, max_shapes: int = 8
+) -> tuple[Any, Any]:
     """``module`` in ``dtype`` and, with ``channels_last``, NHWC weights; and the
     callable to run: ``torch.compile`` of it for an exported program unless
-    ``compile = "off"``. Device-agnostic (tested on CPU torch). Compilation itself
-    happens lazily, on the first call of each new shape: the warm-up's."""
+    ``compile = "off"``, for up to ``max_shapes`` batch shapes (the buckets).
+    Device-agnostic (tested on CPU torch). Compilation itself happens lazily, on
+    the first call of each new shape: the warm-up's."""
     try:
         module = module.to(dtype=dtype)
         if cfg.channels_last:
@@ -124,7 +127,14 @@ def prepare_module(torch: Any, module: Any, cfg: TorchConfig, dtype: Any) -> tup
     if cfg.compile == "off" or isinstance(module, torch.jit.ScriptModule):
         # TorchScript is compiled by its own profiling executor, not by dynamo.
         return module, module
-    return module, torch.compile(module, mode=cfg.compile, fullgraph=False)
+    # One specialised compilation per bucket (dynamic=False): with automatic
+    # dynamic shapes every bucket after the second would run generic kernels,
+    # and autotuning would tune for one size only. Dynamo falls back to eager
+    # beyond its recompile limit (8 by default), so it is raised to cover them.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), max_shapes + 1))
+    return module, torch.compile(module, mode=cfg.compile, fullgraph=False, dynamic=False)
 
 
 def _numpy_dtype(torch: Any, dtype: Any, name: str) -> np.dtype[Any]:
@@ -182,10 +192,15 @@ class TorchEngine:
         self._channels_last = cfg.torch.channels_last and len(row) == 3
         self._cuda_graphs = cfg.torch.cuda_graphs
         module = load_module(torch, path, self._device)
-        # cuDNN times its convolution algorithms once per shape; the buckets keep
-        # the shapes few, and the warm-up pays for the timing.
-        torch.backends.cudnn.benchmark = True
-        self._eager, self._module = prepare_module(torch, module, cfg.torch, self._dtype)
+        if self._cuda_graphs:
+            # cuDNN times its convolution algorithms once per shape, and the warm-up
+            # pays for it; the captured graphs keep the choice. Without graphs this
+            # stays off: cuDNN's benchmark cache is per thread, so every stage
+            # thread would time again during live batches.
+            torch.backends.cudnn.benchmark = True
+        self._eager, self._module = prepare_module(
+            torch, module, cfg.torch, self._dtype, max_shapes=len(self.buckets)
+        )
         self.outputs = self._probe_outputs(cfg, output_names)
         self.info = EngineInfo(
             backend="torch",
@@ -246,11 +261,12 @@ class TorchEngine:
         return tuple(specs)
 
     def _forward(self, module: Any, x: Any) -> list[tuple[str | None, Any]]:
-        """``module`` on ``x`` in the compute dtype and memory format."""
-        if x.dtype != self._dtype:
-            x = x.to(self._dtype)
+        """``module`` on ``x`` in the compute dtype and memory format (one copy at
+        most, none when both already match)."""
         if self._channels_last:
-            x = x.contiguous(memory_format=self._torch.channels_last)
+            x = x.to(dtype=self._dtype, memory_format=self._torch.channels_last)
+        elif x.dtype != self._dtype:
+            x = x.to(self._dtype)
         return self._flatten(module(x))
 
     def _flatten(self, value: Any) -> list[tuple[str | None, Any]]:
@@ -312,7 +328,14 @@ class TorchEngine:
         )
 
     def _capture(self, slot: int, c: _Context) -> None:
-        """One CUDA graph per bucket on the slot's stream, sharing one pool."""
+        """One CUDA graph per bucket on the slot's stream, sharing one pool.
+
+        A failed capture stops start-up (exit 2) rather than falling back: on torch
+        2.11 a capture that fails leaves the caching allocator believing a capture
+        is still under way (``CUDAGraph::capture_end`` throws before it ends the
+        pool; fixed upstream in pytorch#180395), after which ``empty_cache`` and
+        every later capture in the process fail. Recovering in process is not safe.
+        """
         torch = self._torch
         pool = None
         try:
@@ -320,7 +343,7 @@ class TorchEngine:
                 for bucket in reversed(c.buckets):
                     graph = torch.cuda.CUDAGraph()
                     # thread_local: other threads' CUDA calls during start-up (the
-                    # NVML monitor, another stage) must not invalidate the capture.
+                    # NVML monitor, CuPy on the legacy stream) must not invalidate it.
                     with torch.cuda.graph(
                         graph, pool=pool, stream=c.stream, capture_error_mode="thread_local"
                     ):
@@ -328,13 +351,12 @@ class TorchEngine:
                     pool = graph.pool() if pool is None else pool
                     c.graphs[bucket] = graph
         except Exception as exc:  # boundary: a model that cannot be captured
-            # Not fatal: the module still runs, one launch per kernel. Every slot
-            # stops capturing, so all slots behave the same.
-            c.graphs.clear()
-            self._cuda_graphs = False
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(self._device)
-            log.warning("torch_cuda_graph_unavailable", slot=slot, error=str(exc))
+            raise ConfigError(
+                f"model.torch.cuda_graphs: the model cannot be captured as a CUDA graph "
+                f"(slot {slot}): {type(exc).__name__}: {exc}. A model that reads device "
+                f"values in forward (.item(), bool(tensor), printing) cannot be; set "
+                f"model.torch.cuda_graphs = false"
+            ) from exc
 
     def _run_into(self, c: _Context, rows: int) -> None:
         """The module on the first ``rows`` of the slot's input, its outputs copied

@@ -191,8 +191,14 @@ def test_prepared_module_agrees_with_eager_on_every_bucket(
     reference = load_module(torch, path, torch.device("cpu"))
     cfg = TorchConfig(compile=compile_mode, precision="auto", channels_last=True)
     dtype = compute_dtype(torch, cfg, "float32")
-    eager, run = prepare_module(torch, load_module(torch, path, torch.device("cpu")), cfg, dtype)
+    eager, run = prepare_module(
+        torch, load_module(torch, path, torch.device("cpu")), cfg, dtype, max_shapes=12
+    )
     assert (run is eager) == (compile_mode == "off")
+    if compile_mode != "off":  # one compilation per bucket must fit dynamo's limit
+        config = torch._dynamo.config
+        limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
+        assert limit >= 13
     kernels = [p for p in eager.parameters() if p.dim() == 4]
     assert kernels and all(p.is_contiguous(memory_format=torch.channels_last) for p in kernels)
     for rows in reversed(bucket_sizes(8)):
