@@ -4,6 +4,8 @@ channel count; a lossless file gives exactly the raw tensor's pixels."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -82,6 +84,51 @@ def test_a_small_png_claiming_huge_dimensions_is_too_large_from_its_header() -> 
     # Below the decoder's own bomb guard, our limit decides, from the header.
     with pytest.raises(TensorTooLarge, match="png of 5000x5000 exceeds 16777216 pixels"):
         check_image(request_with(png_bomb(5000, 5000)), "image", 3, 4096 * 4096)
+
+
+def _jpeg_claiming(height: int, width: int) -> bytes:
+    """A small, complete JPEG whose frame header claims another size (a JPEG bomb)."""
+    data = bytearray(encode(RGB, "JPEG"))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        RGB,
+        RGB[:, :, :1],
+        RNG.integers(0, 256, (1, 1, 3), dtype=np.uint8),
+        RNG.integers(0, 256, (480, 640, 3), dtype=np.uint8),
+    ],
+    ids=["rgb", "grey", "1x1", "640x480"],
+)
+@pytest.mark.parametrize("progressive", [False, True])
+def test_jpeg_sizes_from_the_frame_header_agree_with_pillow(
+    image: np.ndarray, progressive: bool
+) -> None:
+    """The JPEG fast path (no Pillow) decides exactly as Pillow's header does, at
+    the limit and one pixel below it."""
+    from PIL import Image
+
+    from worker.contract.images import header_problem
+
+    data = encode(image, "JPEG", progressive=progressive)
+    h, w = image.shape[:2]
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.size == (w, h)
+    assert header_problem(EncodedImage("jpeg", data), h * w) is None
+    problem = header_problem(EncodedImage("jpeg", data), h * w - 1) if h * w > 1 else None
+    if problem is not None:
+        assert problem == (f"jpeg of {h}x{w} exceeds {h * w - 1} pixels", True)
+
+
+def test_a_small_jpeg_claiming_huge_dimensions_is_too_large_from_its_header() -> None:
+    bomb = _jpeg_claiming(40000, 40000)
+    assert len(bomb) < 5_000
+    with pytest.raises(TensorTooLarge, match="jpeg of 40000x40000 exceeds 16777216 pixels"):
+        check_image(request_with(bomb), "image", 3, 4096 * 4096)
 
 
 def test_a_truncated_file_passes_the_header_and_fails_decoding_with_the_reason() -> None:

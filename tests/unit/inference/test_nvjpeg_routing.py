@@ -20,9 +20,10 @@ from PIL import Image
 from tests.images import encode
 from worker.config import GpuConfig, ModelConfig, PreprocessConfig
 from worker.contract import EncodedImage
+from worker.contract.jpeg import read_frame
 from worker.engines.base import TensorSpec
 from worker.errors import ConfigError
-from worker.inference.gpu.nvjpeg import NvJpeg, check_config, device_image, read_frame
+from worker.inference.gpu.nvjpeg import NvJpeg, check_config, device_image
 from worker.inference.gpu.slots import DeviceImage, pack_batch
 from worker.inference.gpu.stage import (
     GpuInferenceStage,
