@@ -1,5 +1,6 @@
 """Intake's header check for JPEG files: Pillow's ``Image.open`` (what it did
-before) against ``header_problem`` (frame header read without Pillow), per file.
+before) against ``header_problem`` (frame header read without Pillow), per file;
+and, for scale, the whole host decode (``decode_image``) of the same files.
 
     .venv/bin/python -m bench.header
 
@@ -9,6 +10,7 @@ installed, its photographs at 256x256. Benchmark code: not shipped.
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections.abc import Callable, Sequence
@@ -17,12 +19,17 @@ from PIL import Image
 
 from worker.contract import EncodedImage
 from worker.contract.images import header_problem
+from worker.inference.decode import decode_image
 from worker.tools.modelbench import encode_image, payload_images
 
 
 def _pil(image: EncodedImage) -> None:
     with Image.open(io.BytesIO(image.data)) as im:
         _ = im.size
+
+
+def _decode(image: EncodedImage, channels: int) -> None:
+    decode_image(image, channels)
 
 
 def per_file_us(fn: Callable[[EncodedImage], object], files: Sequence[EncodedImage]) -> float:
@@ -47,7 +54,12 @@ def main() -> None:
         before = per_file_us(_pil, files)
         now = per_file_us(lambda f: header_problem(f, 1 << 30), files)
         ratio = before / now
-        print(f"{name}: Image.open {before:.1f} us, header_problem {now:.1f} us, {ratio:.1f}x")
+        channels = images[0].shape[2]
+        decode = per_file_us(functools.partial(_decode, channels=channels), files)
+        print(
+            f"{name}: Image.open {before:.1f} us, header_problem {now:.1f} us, {ratio:.1f}x; "
+            f"decode_image {decode:.1f} us"
+        )
 
 
 if __name__ == "__main__":
