@@ -99,7 +99,8 @@ async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
 
     with np.load(SAMPLES) as npz:
         images = list(npz["images"])
-    sizes = [1, 64, 17, 64, 1, 17]  # repeated sizes replay captured graphs
+    # Padded to the buckets 8, 32, 64; repeated sizes replay captured graphs.
+    sizes = [1, 64, 17, 64, 64, 1, 17, 17]
     cfg = ModelConfig()
     cpu_engine = OnnxRuntimeEngine(ONNX, cfg)
     source, sink = queues()
@@ -110,10 +111,14 @@ async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
         cpu_stage.close()
         cpu_engine.close()
     plan = plans["fp32"]
-    engine = TensorRTEngine(plan, _model(plan), cuda_graphs=cuda_graphs)
+    engine = TensorRTEngine(plan, _model(plan), cuda_graphs=cuda_graphs, buckets=(8, 32, 64))
     source, sink = queues()
     stage = GpuInferenceStage(source, sink, engine, _model(plan), 64, 2)
     try:
+        for slot in stage.slots:  # every bucket warmed (and captured) at start-up
+            assert slot.context.buckets == (8, 32, 64)
+            graphs = sorted(b for b, g in slot.context.graphs.items() if g is not None)
+            assert graphs == ([8, 32, 64] if cuda_graphs else [])
         gpu = await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
     finally:
         stage.close()

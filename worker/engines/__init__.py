@@ -31,7 +31,7 @@ def load_engine(
     """The engine for ``cfg.backend``: a CPU ``Engine`` for ``onnxruntime``, a
     ``GpuEngine`` for ``tensorrt`` and ``torch`` (``device``, ``max_batch_size``
     apply to those; ``cuda_graphs`` to TensorRT; ``buckets``, the padded batch
-    sizes, to torch, which takes its other settings from ``cfg.torch``)."""
+    sizes, to both; torch takes its other settings from ``cfg.torch``)."""
     path = resolve_model_path(cfg.path)
     if cfg.backend == "onnxruntime":
         from worker.engines.onnxruntime import OnnxRuntimeEngine
@@ -40,7 +40,9 @@ def load_engine(
     if cfg.backend == "tensorrt":
         from worker.engines.tensorrt import TensorRTEngine
 
-        return TensorRTEngine(path, cfg, device=device, cuda_graphs=cuda_graphs)
+        return TensorRTEngine(
+            path, cfg, device=device, cuda_graphs=cuda_graphs, buckets=buckets or None
+        )
     if cfg.backend == "torch":
         from worker.engines.torch import TorchEngine
 

@@ -44,3 +44,12 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int:
     if i == len(buckets):
         raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
     return buckets[i]
+
+
+def slot_buckets(buckets: Sequence[int], rows: int, min_rows: int = 1) -> tuple[int, ...]:
+    """The buckets one slot runs: those of ``buckets`` that fit its ``rows`` (the
+    slot's buffer), raised to ``min_rows`` (an engine's smallest batch), and
+    ``rows`` itself, so every batch the slot can hold has a bucket."""
+    if not 1 <= min_rows <= rows:
+        raise ValueError(f"a slot of {rows} rows cannot run batches of at least {min_rows}")
+    return tuple(sorted({max(b, min_rows) for b in buckets if b < rows} | {rows}))

@@ -11,13 +11,23 @@ TensorRT requires contexts that run concurrently on a dynamic-shape engine to us
 different optimization profiles, so slot i selects profile i: build plans with
 as many (identical) profiles as slots (``build-engine --profiles N``).
 
-Optional CUDA graphs (``cuda_graphs=True``): the first batch of each size runs
-normally, then that size's enqueue is captured once into a graph per context;
-later batches of that size launch the graph, which removes TensorRT's per-call
-host overhead (noticeable for small models at high batch rates). After the
-context's input shape changes, one batch runs normally again before a graph is
-replayed, as TensorRT requires (that run updates shape-dependent state). Capture uses
-thread-local mode, so other slots' threads may keep calling CUDA meanwhile.
+Batches are padded up to a bucket (``worker.engines.buckets``: the preferred
+batch sizes, else powers of two, within the profile's range), so a context
+only ever sees a few input shapes, and when a slot is created each of them is
+set and run once, before the worker joins its consumer group: TensorRT's
+per-shape work (shape inference, the first launch at that shape) never lands
+on a request.
+
+Optional CUDA graphs (``cuda_graphs=True``): at that same start-up run, each
+bucket's enqueue is captured into a graph per context; later batches launch it,
+which removes TensorRT's per-call host overhead (noticeable for small models at
+high batch rates). TensorRT's protocol is kept: after the context's input shape
+changes, one batch runs normally (it updates shape-dependent state) before that
+shape's graph is replayed, so a steady stream of full batches replays graphs
+and alternating sizes run normally. A bucket whose capture fails runs without
+a graph. Capture uses thread-local mode, so other slots' threads may keep
+calling CUDA meanwhile. Not verified here: TensorRT cannot be installed on the
+machines this project is tested on (its tests skip without it).
 
 ``tensorrt`` is imported when the engine is constructed, so this module imports
 anywhere; without it the constructor raises ``EngineUnavailable``. TensorRT and
@@ -28,7 +38,9 @@ CUDA failures are translated here, once, into ``InferenceFailed`` /
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +56,7 @@ from worker.engines.base import (
     TensorSpec,
     content_version,
 )
+from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
 from worker.engines.cuda import import_cupy, translate_gpu_error
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 
@@ -104,17 +117,24 @@ class _Context:
     """One slot's execution context and what it last did."""
 
     context: Any  # trt.IExecutionContext
+    buckets: tuple[int, ...]  # the padded batch sizes this slot runs
     batch: int = -1  # batch size of the current input shape
     # Whether a plain execute_async_v3 has run since the input shape last changed:
     # TensorRT updates shape-dependent internal state there, so a captured graph may
     # be replayed only once that has happened at the current shape.
     shape_synced: bool = False
-    graphs: dict[int, Any] = field(default_factory=dict)  # batch -> cupy Graph (None: failed)
+    graphs: dict[int, Any] = field(default_factory=dict)  # bucket -> cupy Graph (None: failed)
 
 
 class TensorRTEngine:
     def __init__(
-        self, path: Path, cfg: ModelConfig, *, device: int = 0, cuda_graphs: bool = False
+        self,
+        path: Path,
+        cfg: ModelConfig,
+        *,
+        device: int = 0,
+        cuda_graphs: bool = False,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         trt = import_tensorrt()
         cp = import_cupy()
@@ -122,6 +142,7 @@ class TensorRTEngine:
         self._cp = cp
         self.device = device
         self._cuda_graphs = cuda_graphs
+        self._buckets = tuple(buckets or ())
         self._logger = make_logger(trt)
         self._lock = threading.Lock()  # run() only; slots each own their context
         with cp.cuda.Device(device):
@@ -244,50 +265,88 @@ class TensorRTEngine:
             raise ConfigError(
                 f"tensorrt: binding slot {slot.index} failed: {self._logger.last_errors()}"
             )
-        return _Context(ctx)
+        rows = int(slot.engine_input.shape[0])
+        c = _Context(
+            ctx, slot_buckets(self._buckets or bucket_sizes(rows), rows, self.min_batch_size)
+        )
+        self._warm(slot, c)
+        return c
+
+    def _warm(self, slot: EngineSlot, c: _Context) -> None:
+        """Every bucket set and run once on the slot's stream (and captured, with
+        ``cuda_graphs``), largest first: start-up, before the worker joins."""
+        started = time.monotonic()
+        try:
+            with self._cp.cuda.Device(slot.device):
+                for bucket in reversed(c.buckets):
+                    self._set_shape(c, bucket)
+                    self._execute(c, slot.stream)
+                    if self._cuda_graphs:
+                        c.graphs[bucket] = self._capture(c, slot.stream, bucket)
+                slot.stream.synchronize()
+        except EngineDead:
+            raise
+        except Exception as exc:  # boundary: the plan failing to run; TensorRT / CuPy errors
+            raise ConfigError(
+                f"model.path: the TensorRT plan fails while warming up: {type(exc).__name__}: {exc}"
+            ) from exc
+        log.info(
+            "tensorrt_slot_warmed",
+            slot=slot.index,
+            seconds=round(time.monotonic() - started, 3),
+            buckets=list(c.buckets),
+            graphs=sorted(b for b, g in c.graphs.items() if g is not None),
+        )
 
     def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+        """Runs the bucket that holds ``batch_size`` rows: its graph when the
+        context is already at that shape, else a normal run."""
         if self._closed:
             raise EngineDead("tensorrt engine is closed")
-        if not self.min_batch_size <= batch_size <= self.max_batch_size:
-            raise InferenceFailed(
-                f"tensorrt: batch {batch_size} outside the profile's "
-                f"{self.min_batch_size}..{self.max_batch_size}"
-            )
         c: _Context = slot.context
+        if not self.min_batch_size <= batch_size <= c.buckets[-1]:
+            raise InferenceFailed(
+                f"tensorrt: batch {batch_size} outside the slot's "
+                f"{self.min_batch_size}..{c.buckets[-1]}"
+            )
+        bucket = bucket_for(batch_size, c.buckets)
         stream = slot.stream
         try:
-            if c.batch != batch_size:
-                if not c.context.set_input_shape(self.input.name, (batch_size, *self.input.shape)):
-                    raise InferenceFailed(
-                        f"tensorrt: set_input_shape({batch_size}) failed: "
-                        f"{self._logger.last_errors()}"
-                    )
-                c.batch = batch_size
-                c.shape_synced = False
+            self._set_shape(c, bucket)
             # TensorRT's graph protocol: after an input shape change, call
             # execute_async_v3 once (it updates internal state); a graph captured at
             # this shape is replayed only after that, never straight after a change.
-            graph = c.graphs.get(batch_size) if self._cuda_graphs and c.shape_synced else None
+            graph = c.graphs.get(bucket) if c.shape_synced else None
             if graph is not None:
                 graph.launch(stream)
-                return
-            if not c.context.execute_async_v3(stream.ptr):
-                raise InferenceFailed(
-                    f"tensorrt: execute_async_v3 failed: {self._logger.last_errors()}"
-                )
-            c.shape_synced = True
+            else:
+                self._execute(c, stream)
         except (InferenceFailed, EngineDead):
             raise
         except Exception as exc:  # boundary: TensorRT / CuPy exceptions
             raise translate_gpu_error(exc, "tensorrt") from exc
-        if self._cuda_graphs and batch_size not in c.graphs:
-            c.graphs[batch_size] = self._capture(c, stream, batch_size)
+
+    def _set_shape(self, c: _Context, batch: int) -> None:
+        if c.batch == batch:
+            return
+        if not c.context.set_input_shape(self.input.name, (batch, *self.input.shape)):
+            raise InferenceFailed(
+                f"tensorrt: set_input_shape({batch}) failed: {self._logger.last_errors()}"
+            )
+        c.batch = batch
+        c.shape_synced = False
+
+    def _execute(self, c: _Context, stream: Any) -> None:
+        if not c.context.execute_async_v3(stream.ptr):
+            raise InferenceFailed(
+                f"tensorrt: execute_async_v3 failed: {self._logger.last_errors()}"
+            )
+        c.shape_synced = True
 
     def _capture(self, c: _Context, stream: Any, batch_size: int) -> Any:
-        """Capture this context's enqueue at ``batch_size`` into a graph (after a
-        normal run at that shape, as TensorRT requires). None when capture fails:
-        that size then keeps running without a graph."""
+        """Capture this context's enqueue at ``batch_size`` into a graph (right
+        after a normal run at that shape, as TensorRT requires). None when capture
+        fails: that bucket then keeps running without a graph."""
         try:
             stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
             try:

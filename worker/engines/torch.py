@@ -52,7 +52,7 @@ from worker.engines.base import (
     TensorSpec,
     content_version,
 )
-from worker.engines.buckets import bucket_for, bucket_sizes
+from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
 from worker.engines.cuda import translate_gpu_error
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 from worker.inference.preprocess import batch_shape
@@ -291,9 +291,7 @@ class TorchEngine:
             outs = {s.name: torch.from_dlpack(slot.engine_outputs[s.name]) for s in self.outputs}
         if inp.data_ptr() != int(slot.engine_input.data.ptr):
             raise ConfigError("torch: DLPack import of the slot input made a copy")
-        rows = int(inp.shape[0])
-        buckets = (*(b for b in self.buckets if b < rows), rows)
-        context = _Context(stream, inp, outs, buckets)
+        context = _Context(stream, inp, outs, slot_buckets(self.buckets, int(inp.shape[0])))
         self._warm(slot.index, context)
         return context
 

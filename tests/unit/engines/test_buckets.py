@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from worker.engines.buckets import bucket_for, bucket_sizes
+from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
 
 
 def test_powers_of_two_up_to_the_maximum() -> None:
@@ -54,3 +54,30 @@ def test_every_batch_fits_with_bounded_padding(
     assert bucket >= rows and bucket in buckets
     if not preferred:  # powers of two: never more than half the bucket is padding
         assert bucket < 2 * rows or bucket == 1
+
+
+def test_a_slot_runs_the_buckets_that_fit_it_and_its_own_size() -> None:
+    assert slot_buckets((1, 2, 4, 8, 16, 32, 64), 64) == (1, 2, 4, 8, 16, 32, 64)
+    # A slot smaller than the largest bucket gets its own size as the last bucket.
+    assert slot_buckets((1, 2, 4, 8, 16, 32, 64), 24) == (1, 2, 4, 8, 16, 24)
+    # An engine whose smallest batch is 4 (a TensorRT profile): smaller buckets rise to it.
+    assert slot_buckets((1, 2, 4, 8, 64), 64, min_rows=4) == (4, 8, 64)
+    # A static engine: one bucket.
+    assert slot_buckets((1, 2, 4, 8), 8, min_rows=8) == (8,)
+    with pytest.raises(ValueError, match="cannot run"):
+        slot_buckets((1, 2), 4, min_rows=5)
+
+
+@given(
+    st.lists(st.integers(1, 256), max_size=8),
+    st.integers(1, 256),
+    st.integers(1, 256),
+)
+def test_every_batch_a_slot_holds_has_a_bucket_within_it(
+    preferred: list[int], rows: int, min_rows: int
+) -> None:
+    assume(min_rows <= rows)
+    buckets = slot_buckets(preferred, rows, min_rows)
+    assert buckets[-1] == rows and buckets[0] >= min_rows
+    for n in range(min_rows, rows + 1):
+        assert n <= bucket_for(n, buckets) <= rows
