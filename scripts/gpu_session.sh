@@ -6,7 +6,9 @@
 #   run(command="bash scripts/gpu_session.sh bench2", carry=[".whl"], timeout_s=600)
 #
 # Each phase is sized for one 10-minute call (a fresh machine compiles
-# ResNet-50 again; the inductor cache only lives through one call). Phases:
+# ResNet-50 again; the inductor cache only lives through one call), and every
+# command in it has a timeout inside that, writing its whole log under $OUT as
+# it goes, so a slow step still returns what ran before it. Phases:
 # `tests`: the whole tests/gpu suite and the torch export tests; `bench1`: the
 # GPU benchmark (ResNet-50) with JPEG and raw payloads, 1 process; `bench2`: JPEG
 # with 2 and 4 processes; `profile`: py-spy (carried in .whl) over a JPEG
@@ -41,10 +43,17 @@ status=0
 for phase in "${phases[@]}"; do
     case "$phase" in
     tests)
-        python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engines \
-            --junitxml="$OUT/gpu-tests.xml" -o log_cli=false 2>&1 | tail -n 60 \
-            | tee "$OUT/gpu-tests.txt"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        # The ResNet-50 end-to-end test last, so a slow start-up there cannot
+        # cost the rest of the suite its results.
+        e2e=tests/gpu/test_gpu_modelbench.py::test_resnet50_jpeg_bench_end_to_end
+        timeout 330 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu tests/unit/engines \
+            --deselect "$e2e" --durations 15 --junitxml="$OUT/gpu-tests.xml" -o log_cli=false \
+            >"$OUT/gpu-tests.txt" 2>&1
+        [ $? -eq 0 ] || status=1
+        timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider "$e2e" --durations 5 \
+            >"$OUT/gpu-tests-e2e.txt" 2>&1
+        [ $? -eq 0 ] || status=1
+        tail -n 40 "$OUT/gpu-tests.txt" "$OUT/gpu-tests-e2e.txt"
         ;;
     bench1 | bench2)
         mkdir -p "$OUT/results"
@@ -54,18 +63,24 @@ for phase in "${phases[@]}"; do
             runs=("--payload jpeg --procs 2" "--payload jpeg --procs 4")
         fi
         for args in "${runs[@]}"; do
+            # The full log goes to $OUT as it is written (a run stopped by its
+            # timeout still leaves it, and the JSON of the runs before it);
+            # each run gets at most half of the call's 10 minutes.
             # shellcheck disable=SC2086
-            python3 -m worker bench --model resnet50 $args --partitions 8 \
-                --results-dir "$OUT/results" 2>&1 | tail -n 40 | tee -a "$OUT/$phase.txt"
-            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+            timeout 285 python3 -m worker bench --model resnet50 $args --partitions 8 \
+                --results-dir "$OUT/results" >>"$OUT/$phase.txt" 2>&1
+            [ $? -eq 0 ] || status=1
         done
+        tail -n 60 "$OUT/$phase.txt"
         ;;
     profile)
         # Raw collapsed stacks of the bench process and its workers (--subprocesses);
         # summarise the top frames here, after fetching.
-        py-spy record --subprocesses --rate 50 --format raw -o "$OUT/profile.txt" -- \
+        timeout 540 py-spy record --subprocesses --rate 50 --format raw -o "$OUT/profile.txt" -- \
             python3 -m worker bench --model resnet50 --payload jpeg --procs 1 --partitions 8 \
-            --results-dir "$OUT/results" 2>&1 | tail -n 40 | tee "$OUT/profile-bench.txt"
+            --results-dir "$OUT/results" >"$OUT/profile-bench.txt" 2>&1
+        [ $? -eq 0 ] || status=1
+        tail -n 40 "$OUT/profile-bench.txt"
         ;;
     *)
         echo "unknown phase $phase (tests | bench1 | bench2 | profile)" >&2

@@ -63,18 +63,23 @@ def _missing(*modules: str) -> str | None:
     reason=str(_missing("torchvision", "skimage")),
 )
 def test_resnet50_jpeg_bench_end_to_end(tmp_path: Path) -> None:
-    """The README's GPU command with a small backlog and two processes."""
+    """The README's GPU command with a small backlog and two processes. It
+    checks the pipeline, not speed: the model runs uncompiled (CUDA graphs
+    still) at batches up to 16, so start-up takes seconds rather than the
+    minutes of compiling ResNet-50 for every bucket in three processes
+    (compilation is covered by test_gpu_torch.py)."""
     results = tmp_path / "results"
     proc = subprocess.run(
         [
             sys.executable, "-m", "worker", "bench", "--model", "resnet50", "--payload", "jpeg",
             "--procs", "2", "--partitions", "4", "--records", "4000", "--duration", "2",
             "--results-dir", str(results),
+            "--set", "model.torch.compile=off", "--set", "batching.max_batch_size=16",
         ],
         capture_output=True,
         check=False,
         text=True,
-        timeout=1500,
+        timeout=420,
         cwd=tmp_path,  # engines/ (the exported program) goes here, not into the checkout
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -83,7 +88,7 @@ def test_resnet50_jpeg_bench_end_to_end(tmp_path: Path) -> None:
     s: dict[str, Any] = json.loads(path.read_text())
     assert not s["device"].startswith("cpu") and s["settings"]["model"]["backend"] == "torch"
     assert s["engine_img_s"] > s["worker_img_s"] > 0 and s["ingest_ceiling_rec_s"] > 0
-    assert 1 <= s["mean_batch"] <= 64
+    assert 1 <= s["mean_batch"] <= 16
     if importlib.util.find_spec("pynvml") is not None:
         assert s["gpu_busy"] is not None and 0 <= s["gpu_busy"] <= 1
     paced = s["paced"]
