@@ -311,6 +311,16 @@ class TorchEngine:
                         self._run_into(c, bucket)
                     c.stream.synchronize()
                     bucket_ms[bucket] = round((time.monotonic() - t0) * 1e3, 1)
+                    # Progress: the first slot compiles every bucket, which for
+                    # a large model is the bulk of the worker's start-up.
+                    log.info(
+                        "torch_bucket_warmed",
+                        slot=slot,
+                        bucket=bucket,
+                        ms=bucket_ms[bucket],
+                        done=len(bucket_ms),
+                        of=len(c.buckets),
+                    )
         except (InferenceFailed, EngineDead, ConfigError):
             raise
         except Exception as exc:  # boundary: compilation or the model failing
