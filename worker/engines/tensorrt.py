@@ -14,20 +14,27 @@ as many (identical) profiles as slots (``build-engine --profiles N``).
 Batches are padded up to a bucket (``worker.engines.buckets``: the preferred
 batch sizes, else powers of two, within the profile's range), so a context
 only ever sees a few input shapes, and when a slot is created each of them is
-set and run once, before the worker joins its consumer group: TensorRT's
-per-shape work (shape inference, the first launch at that shape) never lands
-on a request.
+set and run once, before the worker joins its consumer group, so first-run
+costs at a shape never land on a request. TensorRT still redoes shape-dependent
+work on the first run after every input shape change (its best-practices guide,
+"Overhead of Shape Change and Optimization Profile Switching"); buckets keep
+such changes few.
 
-Optional CUDA graphs (``cuda_graphs=True``): at that same start-up run, each
-bucket's enqueue is captured into a graph per context; later batches launch it,
-which removes TensorRT's per-call host overhead (noticeable for small models at
-high batch rates). TensorRT's protocol is kept: after the context's input shape
-changes, one batch runs normally (it updates shape-dependent state) before that
-shape's graph is replayed, so a steady stream of full batches replays graphs
-and alternating sizes run normally. A bucket whose capture fails runs without
-a graph. Capture uses thread-local mode, so other slots' threads may keep
-calling CUDA meanwhile. Not verified here: TensorRT cannot be installed on the
-machines this project is tested on (its tests skip without it).
+Optional CUDA graphs (``cuda_graphs=True``), kept to what TensorRT documents: a
+graph is captured right after a normal run at the current shape, and is valid
+only while the context stays at that shape; an input shape change discards it.
+So each slot keeps one graph, for its largest bucket (the full batches of a
+saturated worker, where TensorRT's per-call host overhead costs throughput):
+captured at start-up, replayed while batches stay full, and captured again on
+the batch after one normal run when full batches return after smaller ones
+(that batch waits on the capture's host time). Smaller buckets run normally.
+Replaying graphs of several shapes on one context (what NVIDIA's Triton
+backend does) is not documented, and one context per bucket would need
+slots x buckets optimization profiles. A capture that fails at start-up stops
+it (exit 2, naming ``gpu.cuda_graphs``); one that fails later leaves the slot
+without a graph. Capture uses thread-local mode, so other slots' threads may
+keep calling CUDA meanwhile. Not verified here: TensorRT cannot be installed
+on the machines this project is tested on (its tests skip without it).
 
 ``tensorrt`` is imported when the engine is constructed, so this module imports
 anywhere; without it the constructor raises ``EngineUnavailable``. TensorRT and
@@ -41,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +126,10 @@ class _Context:
     context: Any  # trt.IExecutionContext
     buckets: tuple[int, ...]  # the padded batch sizes this slot runs
     batch: int = -1  # batch size of the current input shape
-    # Whether a plain execute_async_v3 has run since the input shape last changed:
-    # TensorRT updates shape-dependent internal state there, so a captured graph may
-    # be replayed only once that has happened at the current shape.
-    shape_synced: bool = False
-    graphs: dict[int, Any] = field(default_factory=dict)  # bucket -> cupy Graph (None: failed)
+    # The largest bucket's graph, valid only while the shape has not changed
+    # since it was captured (None: none yet, or discarded by a change).
+    graph: Any = None
+    graph_failed: bool = False  # a capture failed on this slot: never try again
 
 
 class TensorRTEngine:
@@ -273,34 +279,44 @@ class TensorRTEngine:
         return c
 
     def _warm(self, slot: EngineSlot, c: _Context) -> None:
-        """Every bucket set and run once on the slot's stream (and captured, with
-        ``cuda_graphs``), largest first: start-up, before the worker joins."""
+        """Every bucket set and run once on the slot's stream, smallest first, so
+        the context is left at the largest, whose graph is captured then (with
+        ``cuda_graphs``). Start-up, before the worker joins."""
         started = time.monotonic()
         try:
             with self._cp.cuda.Device(slot.device):
-                for bucket in reversed(c.buckets):
+                for bucket in c.buckets:
                     self._set_shape(c, bucket)
                     self._execute(c, slot.stream)
-                    if self._cuda_graphs:
-                        c.graphs[bucket] = self._capture(c, slot.stream, bucket)
+                if self._cuda_graphs:
+                    c.graph = self._capture(c, slot.stream, c.buckets[-1])
+                    if c.graph is None:
+                        raise ConfigError(
+                            f"gpu.cuda_graphs: this TensorRT plan cannot be captured as a CUDA "
+                            f"graph (slot {slot.index}, see the log); set gpu.cuda_graphs = false"
+                        )
                 slot.stream.synchronize()
-        except EngineDead:
+        except ConfigError:
             raise
-        except Exception as exc:  # boundary: the plan failing to run; TensorRT / CuPy errors
+        except Exception as exc:  # boundary: TensorRT / CuPy exceptions
+            error = translate_gpu_error(exc, "tensorrt")
+            if isinstance(error, EngineDead):
+                raise error from exc
             raise ConfigError(
-                f"model.path: the TensorRT plan fails while warming up: {type(exc).__name__}: {exc}"
+                f"model.path: the TensorRT plan fails while warming up: {error}"
             ) from exc
         log.info(
             "tensorrt_slot_warmed",
             slot=slot.index,
             seconds=round(time.monotonic() - started, 3),
             buckets=list(c.buckets),
-            graphs=sorted(b for b, g in c.graphs.items() if g is not None),
+            graph=c.graph is not None,
         )
 
     def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
-        """Runs the bucket that holds ``batch_size`` rows: its graph when the
-        context is already at that shape, else a normal run."""
+        """Runs the bucket that holds ``batch_size`` rows: the slot's graph when
+        the context is still at the shape it was captured at, else a normal run
+        (after which the largest bucket's graph is captured again)."""
         if self._closed:
             raise EngineDead("tensorrt engine is closed")
         c: _Context = slot.context
@@ -313,40 +329,41 @@ class TensorRTEngine:
         stream = slot.stream
         try:
             self._set_shape(c, bucket)
-            # TensorRT's graph protocol: after an input shape change, call
-            # execute_async_v3 once (it updates internal state); a graph captured at
-            # this shape is replayed only after that, never straight after a change.
-            graph = c.graphs.get(bucket) if c.shape_synced else None
-            if graph is not None:
-                graph.launch(stream)
-            else:
-                self._execute(c, stream)
+            if c.graph is not None:
+                c.graph.launch(stream)
+                return
+            self._execute(c, stream)
         except (InferenceFailed, EngineDead):
             raise
         except Exception as exc:  # boundary: TensorRT / CuPy exceptions
             raise translate_gpu_error(exc, "tensorrt") from exc
+        if self._cuda_graphs and bucket == c.buckets[-1] and not c.graph_failed:
+            # Full batches are back: TensorRT's protocol (a normal run at the
+            # shape, then capture) allows a capture now, replayed from the next.
+            c.graph = self._capture(c, stream, bucket)
+            c.graph_failed = c.graph is None
 
     def _set_shape(self, c: _Context, batch: int) -> None:
+        """Set the input shape when it changes; that invalidates the graph."""
         if c.batch == batch:
             return
+        c.graph, c.batch = None, -1  # unknown until it succeeds
         if not c.context.set_input_shape(self.input.name, (batch, *self.input.shape)):
             raise InferenceFailed(
                 f"tensorrt: set_input_shape({batch}) failed: {self._logger.last_errors()}"
             )
         c.batch = batch
-        c.shape_synced = False
 
     def _execute(self, c: _Context, stream: Any) -> None:
         if not c.context.execute_async_v3(stream.ptr):
             raise InferenceFailed(
                 f"tensorrt: execute_async_v3 failed: {self._logger.last_errors()}"
             )
-        c.shape_synced = True
 
     def _capture(self, c: _Context, stream: Any, batch_size: int) -> Any:
         """Capture this context's enqueue at ``batch_size`` into a graph (right
-        after a normal run at that shape, as TensorRT requires). None when capture
-        fails: that bucket then keeps running without a graph."""
+        after a normal run at that shape, as TensorRT requires); None when the
+        capture fails (logged)."""
         try:
             stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
             try:
