@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 import msgpack
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 
 @dataclass
@@ -26,32 +26,39 @@ class Drain:
         return self.records / self.seconds if self.seconds > 0 else 0.0
 
 
-async def drain_ceiling(
-    bootstrap: str, topic: str, n: int, group: str, timeout: float = 600.0
-) -> Drain:
-    """Decode-and-discard ``n`` records of ``topic`` in a fresh group: fetch,
-    ``msgpack.unpackb`` each value, nothing else; timed from the first fetch
-    that returned records to the last. Raises TimeoutError when fewer than ``n``
-    arrive within ``timeout`` seconds."""
+async def drain_ceiling(bootstrap: str, topic: str, n: int, timeout: float = 600.0) -> Drain:
+    """Decode-and-discard ``n`` records of ``topic``: fetch, ``msgpack.unpackb``
+    each value, nothing else. The consumer is assigned every partition (no
+    group: joining one takes seconds that say nothing about ingest) and timed
+    from just before its first fetch to the last record, so every record it
+    counts was fetched and decoded while the clock ran. Timing from the first
+    fetch's return instead, as this did before, counted records fetched before
+    the clock started: up to ``max_partition_fetch_bytes`` per partition, the
+    whole of a small backlog. Raises TimeoutError when fewer than ``n`` arrive
+    within ``timeout`` seconds."""
     consumer = AIOKafkaConsumer(
-        topic,
         bootstrap_servers=bootstrap,
-        group_id=group,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=10,
         max_partition_fetch_bytes=8 * 1024 * 1024,
     )
     await consumer.start()
-    seen, first = 0, None
-    deadline = time.monotonic() + timeout
+    seen = 0
     try:
+        await consumer.topics()  # metadata for the topic's partitions
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        if not partitions:
+            raise ValueError(f"{topic}: no such topic")
+        assigned = [TopicPartition(topic, p) for p in partitions]
+        consumer.assign(assigned)
+        await consumer.seek_to_beginning(*assigned)
+        first = time.monotonic()
+        deadline = first + timeout
         while seen < n:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{topic}: {seen} of {n} records read in {timeout:.0f} s")
             fetched = await consumer.getmany(timeout_ms=200, max_records=10_000)
-            if fetched and first is None:
-                first = time.monotonic()
             for records in fetched.values():
                 for record in records:
                     msgpack.unpackb(record.value, raw=False)
@@ -59,5 +66,4 @@ async def drain_ceiling(
         last = time.monotonic()
     finally:
         await consumer.stop()
-    assert first is not None
     return Drain("ceiling", seen, last - first)

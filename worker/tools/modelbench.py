@@ -11,8 +11,9 @@ ways, so the ratios between the figures mean something:
 2. **ingest ceiling** (``ingest_ceiling_rec_s``): a bare aiokafka consumer that
    msgpack-decodes the backlog and discards it (``worker.tools.drain``).
 3. **worker drain** (``worker_img_s``): ``infer-worker run --procs N`` in a fresh
-   group drains the same backlog; every request must be answered ``ok``. With
-   one process the rate runs from the first result to the last; with several,
+   group drains the same backlog; every request must be answered ``ok``. The
+   rate counts the results that arrived after its clock started. With one
+   process the clock runs from the first result to the last; with several,
    from the moment every member holds its partitions (a member that finishes
    starting first drains alone until the others join, and rebalances pause
    them all), so the figure is what N members sustain together. The mean batch
@@ -534,7 +535,9 @@ def score_drain(
     (``final``: the members' metrics once it was over)."""
     times = sorted(r.received_at for r in results)
     first, last = times[0], times[-1]
-    whole = len(times) / (last - first) if last > first else 0.0
+    # Results that arrived after the clock started, over the time since: the
+    # first arrival's own results (a whole batch) came before any interval.
+    whole = sum(1 for t in times if t > first) / (last - first) if last > first else 0.0
     if procs == 1:
         start, base = first, None
     else:
@@ -545,7 +548,7 @@ def score_drain(
                 f"partitions; send more records (--records)"
             )
         start, base = max(first, joined.at), joined
-    counted = sum(1 for t in times if t >= start)
+    counted = sum(1 for t in times if t > start)
     seconds = last - start
     batches = final.batch_count - (base.batch_count if base else 0.0)
     rows = final.batch_sum - (base.batch_sum if base else 0.0)
@@ -733,7 +736,7 @@ async def _on_broker(
     await produce_all(
         broker.bootstrap, topics["requests"], backlog, partition_of=lambda i: i % parts
     )
-    ceiling = await drain_ceiling(broker.bootstrap, topics["requests"], len(backlog), "ceiling")
+    ceiling = await drain_ceiling(broker.bootstrap, topics["requests"], len(backlog))
     _note(f"ingest ceiling: {ceiling.rate:,.0f} rec/s")
     worker = spawn_worker(
         broker.bootstrap,

@@ -98,19 +98,21 @@ def _sample(at: float, assigned: tuple[int, ...], rows: float, batches: float) -
 
 
 def test_one_process_drains_from_first_to_last_result() -> None:
-    results = _results([10.0 + i * 0.01 for i in range(101)])  # 101 results in 1 s
+    # A first batch of 64 at t = 10, then 100 results over the next second: the
+    # rate counts what arrived after the clock started.
+    results = _results([10.0] * 64 + [10.0 + (i + 1) * 0.01 for i in range(100)])
     samples = [_sample(9.0, (4,), 0, 0), _sample(10.5, (4,), 3200, 50)]
     final = _sample(11.5, (4,), 6400, 100)
     drain = score_drain(results, samples, 1, 4, final)
-    assert drain.rate == pytest.approx(101.0)
-    assert drain.first_to_last_rate == pytest.approx(101.0)
+    assert drain.rate == pytest.approx(100.0)
+    assert drain.first_to_last_rate == pytest.approx(100.0)
     assert drain.mean_batch == 64.0 and drain.join_seconds == 0.0
     assert drain.gpu_busy == pytest.approx(1.05)  # the one sample inside [10, 11]
 
 
 def test_several_processes_drain_from_when_all_hold_partitions() -> None:
     # One member drains alone from t=10 until the second joins at t=12.
-    results = _results([10.0 + i * 0.1 for i in range(41)])  # t = 10 .. 14
+    results = _results([10.0 + i / 10 for i in range(41)])  # t = 10 .. 14
     samples = [
         _sample(10.0, (4, 0), 100, 10),
         _sample(11.0, (4, 2), 200, 20),  # rebalancing
@@ -120,8 +122,8 @@ def test_several_processes_drain_from_when_all_hold_partitions() -> None:
     final = _sample(14.5, (2, 2), 2000, 60)
     drain = score_drain(results, samples, 2, 4, final)
     assert drain.join_seconds == pytest.approx(2.0)
-    assert drain.rate == pytest.approx(21 / 2.0)  # results at t >= 12 over 2 s
-    assert drain.first_to_last_rate == pytest.approx(41 / 4.0)
+    assert drain.rate == pytest.approx(20 / 2.0)  # results after t = 12, over 2 s
+    assert drain.first_to_last_rate == pytest.approx(40 / 4.0)
     assert drain.mean_batch == pytest.approx((2000 - 400) / (60 - 40))
     assert drain.gpu_busy == pytest.approx((1.2 + 1.3) / 2)
 
