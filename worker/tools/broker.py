@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import tempfile
@@ -54,11 +55,32 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports that are free on loopback now
+    (``run --procs N`` serves member i's metrics on port + i).
+
+    Chosen below the kernel's ephemeral range: a port from that range (what
+    binding port 0 returns) can be taken a moment later as the local port of
+    any outgoing connection, Kafka clients' included, and port + 1 may already
+    be one; that made a ``--procs 2`` member exit with "metrics.port already in
+    use" in one CI run. Outgoing connections never take ports below the range.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(10_000, max(10_001, low - count))
+        if all(port_is_free(p) for p in range(first, first + count)):
+            return first
+    raise WorkerError(f"no {count} consecutive free ports below {low} on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux's
+    ip_local_port_range; the IANA range's start elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 class EmbeddedBroker:

@@ -133,7 +133,9 @@ def spawn_worker(
 ) -> WorkerProcess:
     """Start ``python -m worker COMMAND`` (or ``argv`` as given, e.g. a baseline
     script taking the same environment) against ``bootstrap``."""
-    port = free_port()
+    # ``run --procs N``: member i serves its metrics on port + i.
+    procs = int(command[command.index("--procs") + 1]) if "--procs" in command else 1
+    port = free_port(procs)
     env = worker_env(
         bootstrap,
         input_topics=input_topics,
