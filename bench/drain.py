@@ -35,7 +35,7 @@ from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.drain import Drain, drain_ceiling
+from worker.tools.drain import Drain, arrivals_after, drain_ceiling
 from worker.tools.processes import mean_batch_size, spawn_worker, summed
 from worker.tools.topics import Collector, produce_all
 
@@ -91,11 +91,9 @@ async def drain_worker(
     bad = [r for r in results if r.result().status != "ok"]
     if bad or exit_code != 0:
         raise RuntimeError(f"{len(bad)} results not ok, worker exit {exit_code}")
-    # As for the ceiling: the results that arrived after the first did, over
-    # the time since.
-    first, last = results[0].received_at, results[-1].received_at
-    timed = sum(1 for r in results if r.received_at > first)
-    return Drain("worker", timed, last - first, mean_batch_size(m))
+    times = [r.received_at for r in results]
+    first, last = times[0], times[-1]
+    return Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m))
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:

@@ -8,10 +8,18 @@ against it (``infer-worker bench --model``, ``python -m bench.drain``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgpack
 from aiokafka import AIOKafkaConsumer, TopicPartition
+
+
+def arrivals_after(times: Iterable[float], start: float) -> int:
+    """How many of ``times`` fall after ``start``. A drain's rate counts what
+    arrived while its clock ran; a worker's clock starts at its first result,
+    and the results of that instant (a whole batch) came before any interval."""
+    return sum(1 for t in times if t > start)
 
 
 @dataclass

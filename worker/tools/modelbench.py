@@ -65,7 +65,7 @@ from worker.engines.buckets import bucket_sizes
 from worker.errors import ConfigError, WorkerError
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import labelled_samples, override_env
-from worker.tools.drain import drain_ceiling
+from worker.tools.drain import arrivals_after, drain_ceiling
 from worker.tools.processes import (
     WorkerProcess,
     mean_batch_size,
@@ -535,9 +535,7 @@ def score_drain(
     (``final``: the members' metrics once it was over)."""
     times = sorted(r.received_at for r in results)
     first, last = times[0], times[-1]
-    # Results that arrived after the clock started, over the time since: the
-    # first arrival's own results (a whole batch) came before any interval.
-    whole = sum(1 for t in times if t > first) / (last - first) if last > first else 0.0
+    whole = arrivals_after(times, first) / (last - first) if last > first else 0.0
     if procs == 1:
         start, base = first, None
     else:
@@ -548,7 +546,7 @@ def score_drain(
                 f"partitions; send more records (--records)"
             )
         start, base = max(first, joined.at), joined
-    counted = sum(1 for t in times if t > start)
+    counted = arrivals_after(times, start)
     seconds = last - start
     batches = final.batch_count - (base.batch_count if base else 0.0)
     rows = final.batch_sum - (base.batch_sum if base else 0.0)
