@@ -104,6 +104,10 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
             assert not by_part[p].duplicates
         # A second worker finishes the rest without repeating anything.
         w2 = start(broker, names)
+        # Wait for it to join even when the first worker's drain answered
+        # everything: SIGTERM during its imports kills it (-15), which once
+        # failed this test in CI with nothing left to answer.
+        await wait_assigned([w2], parts)
         await answers.wait_for(n, 60)
         assert w2.terminate() == 0
     finally:
