@@ -1,0 +1,71 @@
+"""Settings: a frozen dataclass tree built from one TOML file plus environment overrides.
+
+The key names are a public surface (see README "Configuration"): every key can be
+overridden by ``INFER_WORKER_<SECTION>__<KEY>`` (nested sections add more ``__``
+parts, e.g. ``INFER_WORKER_MODEL__PREPROCESS__MEAN``). Unknown keys, in the file or
+in the environment, are errors, so a typo never silently falls back to a default.
+This module does no I/O beyond reading the file it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.config.kafka import KafkaConfig
+from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
+from worker.config.model import ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
+from worker.config.runtime import (
+    BatchingConfig,
+    DlqConfig,
+    GpuConfig,
+    LimitsConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ShutdownConfig,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    dlq: DlqConfig = field(default_factory=DlqConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables."""
+    return load_tree(Settings, path, env)
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """The settings as a dict for start-up logs, with secrets masked."""
+    return redacted_tree(settings)
+
+
+__all__ = [
+    "ENV_PREFIX",
+    "BatchingConfig",
+    "DlqConfig",
+    "GpuConfig",
+    "KafkaConfig",
+    "LimitsConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "PostprocessConfig",
+    "PreprocessConfig",
+    "Settings",
+    "ShutdownConfig",
+    "TorchConfig",
+    "load_settings",
+    "redacted",
+]

@@ -1,0 +1,15 @@
+"""Helpers every settings section uses to validate and derive its values."""
+
+from __future__ import annotations
+
+from worker.errors import ConfigError
+
+
+def derive(section: object, name: str, value: object) -> None:
+    """Fill in a default derived from other settings (sections are frozen)."""
+    object.__setattr__(section, name, value)
+
+
+def check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {message}")

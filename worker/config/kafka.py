@@ -1,0 +1,98 @@
+"""``[kafka]``: brokers, topics, the group, security and client tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker.config.checks import check, derive
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap_servers: str = "localhost:9092"
+    input_topics: tuple[str, ...] = ("infer.requests",)
+    output_topic: str = "infer.results"
+    dlq_topic: str = "infer.dlq"
+    group_id: str = "infer-worker"
+    # Static membership (KIP-345): a member restarting within session_timeout_ms
+    # keeps its partitions, so a rolling restart causes no rebalances. Unique per
+    # worker: set it from the pod name (e.g. "$(POD_NAME)"); empty = dynamic.
+    group_instance_id: str = ""
+    # Where crash-loop marks live (compacted; one key per group and partition).
+    crash_guard_topic: str = "infer.crash-guard"
+    client_id: str = "infer-worker"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = (
+        "PLAIN"
+    )
+    # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
+    # factory returning an aiokafka AbstractTokenProvider (see README).
+    sasl_oauth_token_provider: str | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    session_timeout_ms: int = 10000
+    heartbeat_interval_ms: int = 0  # 0 = min(3000, session_timeout_ms / 3), Kafka's advice
+    max_poll_interval_ms: int = 300000
+    max_poll_records: int = 500
+    fetch_max_bytes: int = 52428800
+    # How long the broker may hold a fetch waiting for data: an upper bound on the
+    # latency an idle partition adds to a new request.
+    fetch_max_wait_ms: int = 100
+    max_partition_fetch_bytes: int = 8388608
+    # Producer side: results can carry tensors, so allow more than Kafka's 1 MB default.
+    max_request_size: int = 16777216
+    compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
+    linger_ms: int = 2
+    request_timeout_ms: int = 30000
+    # Producer: how long to wait between redelivery attempts of unacknowledged
+    # results (doubling up to 10 s) while the broker is unreachable.
+    retry_backoff_ms: int = 200
+    metadata_max_age_ms: int = 300000
+    # Any other aiokafka consumer/producer argument, passed through as given
+    # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
+    # Arguments the worker sets itself are refused: they carry its guarantees.
+    consumer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
+    producer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(bool(self.bootstrap_servers.strip()), "kafka.bootstrap_servers", "must not be empty")
+        check(len(self.input_topics) > 0, "kafka.input_topics", "needs at least one topic")
+        topics = (*self.input_topics, self.output_topic, self.dlq_topic)
+        check(all(t.strip() for t in topics), "kafka.*_topic(s)", "topic names must not be empty")
+        check(
+            self.output_topic not in self.input_topics and self.dlq_topic not in self.input_topics,
+            "kafka.output_topic",
+            "output and DLQ topics must differ from the input topics (a result would loop)",
+        )
+        check(bool(self.group_id), "kafka.group_id", "must not be empty")
+        check(self.session_timeout_ms >= 100, "kafka.session_timeout_ms", "must be >= 100")
+        if self.heartbeat_interval_ms == 0:
+            derive(self, "heartbeat_interval_ms", max(1, min(3000, self.session_timeout_ms // 3)))
+        check(
+            0 < self.heartbeat_interval_ms < self.session_timeout_ms,
+            "kafka.heartbeat_interval_ms",
+            "must be > 0 and below session_timeout_ms",
+        )
+        check(self.max_poll_records >= 1, "kafka.max_poll_records", "must be >= 1")
+        check(self.max_request_size >= 1024, "kafka.max_request_size", "must be >= 1024")
+        check(self.request_timeout_ms > 0, "kafka.request_timeout_ms", "must be > 0")
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism in (
+            "PLAIN",
+            "SCRAM-SHA-256",
+            "SCRAM-SHA-512",
+        ):
+            check(
+                self.sasl_plain_username is not None and self.sasl_plain_password is not None,
+                "kafka.sasl_plain_username",
+                f"{self.security_protocol} with {self.sasl_mechanism} needs username and password",
+            )
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism == "OAUTHBEARER":
+            check(
+                ":" in (self.sasl_oauth_token_provider or ""),
+                "kafka.sasl_oauth_token_provider",
+                "OAUTHBEARER needs a token provider factory as 'module:callable'",
+            )

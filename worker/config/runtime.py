@@ -1,0 +1,154 @@
+"""The sections that provision and bound the running worker: ``[batching]``,
+``[gpu]``, ``[limits]``, ``[dlq]``, ``[shutdown]``, ``[metrics]``, ``[logging]``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.config.checks import check, derive
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = 64
+    # Measured from the oldest request in the forming batch.
+    max_queue_delay_ms: float = 5.0
+    # Sizes the engine is tuned for; a batch of one of these is sent without waiting.
+    # Empty (Triton's default): batches flush when full, on the delay or a deadline.
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_inflight_batches: int = 4
+    # Decoded requests waiting for a batch; consumption blocks beyond this.
+    # 0 = max(2048, 2 * max_batch_size).
+    queue_capacity: int = 0
+    # Backpressure: partitions are paused while this many records (or bytes) are
+    # read but not yet answered, and resumed at half of it.
+    # 0 = max(1024, 2 * max_batch_size * max_inflight_batches).
+    max_inflight_records: int = 0
+    max_inflight_bytes: int = 268435456
+    # A failing batch is split in halves until the failing request is alone; a lone
+    # failing request is run this many times before it is answered inference_failed.
+    max_attempts: int = 2
+    # > 0: a record whose Kafka timestamp is older than this when its batch is
+    # dispatched is answered deadline_exceeded without engine time (stale backlogs
+    # after an outage). With a request's deadline_ms, the earlier rule wins.
+    max_record_age_ms: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1")
+        check(self.max_record_age_ms >= 0, "batching.max_record_age_ms", "must be >= 0 (0: off)")
+        check(
+            math.isfinite(self.max_queue_delay_ms) and self.max_queue_delay_ms >= 0,
+            "batching.max_queue_delay_ms",
+            "must be a finite number >= 0",
+        )
+        for size in self.preferred_batch_sizes:
+            check(
+                1 <= size <= self.max_batch_size,
+                "batching.preferred_batch_sizes",
+                f"{size} is outside 1..max_batch_size ({self.max_batch_size})",
+            )
+        check(self.max_inflight_batches >= 1, "batching.max_inflight_batches", "must be >= 1")
+        # Defaults that depend on another setting are derived from it, so that no
+        # default can conflict with a valid value of that setting.
+        if self.queue_capacity == 0:
+            derive(self, "queue_capacity", max(2048, 2 * self.max_batch_size))
+        if self.max_inflight_records == 0:
+            per_flight = 2 * self.max_batch_size * self.max_inflight_batches
+            derive(self, "max_inflight_records", max(1024, per_flight))
+        check(self.queue_capacity >= 1, "batching.queue_capacity", "must be >= 1 (0: derived)")
+        check(
+            self.max_inflight_records >= 1,
+            "batching.max_inflight_records",
+            "must be >= 1 (0: derived)",
+        )
+        check(self.max_inflight_bytes > 0, "batching.max_inflight_bytes", "must be > 0")
+        check(self.max_attempts >= 1, "batching.max_attempts", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """Provisioning of the GPU stage (backends ``tensorrt`` and ``torch``)."""
+
+    device: int = 0
+    # Batches in flight on the device (one CUDA stream + buffers each);
+    # 0 = batching.max_inflight_batches. TensorRT plans need one profile per slot.
+    num_slots: int = 0
+    # Packed uint8 image bytes one slot stages for GPU preprocessing.
+    max_input_bytes: int = 32 * 1024 * 1024
+    cuda_graphs: bool = False  # TensorRT: a CUDA graph per slot for full batches (README)
+    # Where encoded JPEGs are decoded: "host" (Pillow on the stage's threads) or
+    # "nvjpeg" (torchvision's batched nvJPEG on the slot's stream, straight into
+    # device memory; PNG, WebP and JPEGs nvJPEG refuses are decoded on the host).
+    decode: Literal["host", "nvjpeg"] = "host"
+    poll_interval_ms: float = 50.0  # safety net behind the completion callback
+    batch_timeout_ms: int = 60000  # a batch still running after this: device hung
+
+    def __post_init__(self) -> None:
+        check(self.device >= 0, "gpu.device", "must be >= 0")
+        check(self.num_slots >= 0, "gpu.num_slots", "must be >= 0")
+        check(self.max_input_bytes > 0, "gpu.max_input_bytes", "must be > 0")
+        check(self.poll_interval_ms > 0, "gpu.poll_interval_ms", "must be > 0")
+        check(self.batch_timeout_ms > 0, "gpu.batch_timeout_ms", "must be > 0")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_record_bytes: int = 8 * 1024 * 1024
+    max_tensor_bytes: int = 4 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    # Crashes of whole processes with the same record at the head of a partition
+    # before that record is quarantined to the DLQ (crash_loop); 0 disables.
+    # Needs kafka.crash_guard_topic to exist.
+    max_crash_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        check(self.max_crash_attempts >= 0, "limits.max_crash_attempts", "must be >= 0")
+        check(self.max_record_bytes > 0, "limits.max_record_bytes", "must be > 0")
+        check(self.max_tensor_bytes > 0, "limits.max_tensor_bytes", "must be > 0")
+        check(self.max_image_pixels > 0, "limits.max_image_pixels", "must be > 0")
+
+
+@dataclass(frozen=True)
+class DlqConfig:
+    """A budget on records that fail (DLQ records and ``inference_failed`` results):
+    past it the worker halts with an error instead of draining a whole topic into
+    the DLQ because of something systematic (a wrong serializer upstream, a
+    broken model)."""
+
+    max_consecutive: int = 1000  # 0 disables
+    max_ratio: float = 0.5  # failures / records over the last ``window`` records
+    window: int = 2000
+
+    def __post_init__(self) -> None:
+        check(self.max_consecutive >= 0, "dlq.max_consecutive", "must be >= 0")
+        check(0.0 < self.max_ratio <= 1.0, "dlq.max_ratio", "must be in (0, 1]")
+        check(self.window >= 1, "dlq.window", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    # SIGTERM: stop fetching, drain, commit and leave within this budget.
+    drain_timeout_ms: int = 30000
+
+    def __post_init__(self) -> None:
+        check(self.drain_timeout_ms >= 0, "shutdown.drain_timeout_ms", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = 9108  # 0 disables the HTTP endpoint
+    host: str = "0.0.0.0"
+    # /livez fails once the event loop has not ticked for this long.
+    liveness_timeout_ms: int = 10000
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port <= 65535, "metrics.port", "must be 0..65535")
+        check(self.liveness_timeout_ms > 0, "metrics.liveness_timeout_ms", "must be > 0")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: Literal["auto", "json", "console"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
