@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from worker.config import Settings
@@ -17,7 +16,7 @@ from worker.contract import ErrorInfo, ModelInfo, encode_result
 from worker.engines import load_engine
 from worker.errors import InferenceFailed, UndecodableRecord
 from worker.inference.postprocess import postprocess
-from worker.inference.preprocess import preprocess
+from worker.inputs import bind
 from worker.pipeline.intake import JobFactory
 from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs
 from worker.pipeline.outgoing import build_result, dlq_headers
@@ -29,7 +28,8 @@ async def serve_naive(settings: Settings, expect: int) -> int:
     engine = load_engine(m)
     model = ModelInfo(engine.info.name, engine.info.version)
     raw_name = m.output or engine.info.output_names[0]
-    make_job = JobFactory(m, settings.limits)
+    inputs = bind(m, engine.info.io, settings.limits)
+    make_job = JobFactory(inputs, settings.limits)
     consumer = AIOKafkaConsumer(*k.input_topics, **group_consumer_kwargs(k))
     producer = AIOKafkaProducer(acks="all", max_request_size=k.max_request_size, **client_kwargs(k))
     await producer.start()
@@ -47,13 +47,14 @@ async def serve_naive(settings: Settings, expect: int) -> int:
                     headers=dlq_headers(job, job.failure.code, str(job.failure), "decode"),
                 )
             else:
-                if job.failure is None and job.image is not None:
+                if job.failure is None:
                     t0 = time.monotonic()
                     try:
-                        batch = preprocess([job.image], m.preprocess)
-                        raw = engine.run(np.ascontiguousarray(batch))[raw_name]
-                        out = postprocess(raw, m.postprocess, raw_name)
-                        answer.outputs = {name: arr[0] for name, arr in out.items()}
+                        # Decode a file or tokenize a text, one request at a time.
+                        if inputs.prepare([answer]):  # else: answered invalid_request
+                            raw = engine.run(inputs.collate([answer]).feeds)[raw_name]
+                            out = postprocess(raw, m.postprocess, raw_name)
+                            answer.outputs = {name: arr[0] for name, arr in out.items()}
                     except InferenceFailed as exc:
                         answer.error = ErrorInfo(exc.code, str(exc))
                     answer.timing_us["infer"] = round((time.monotonic() - t0) * 1e6)

@@ -96,7 +96,7 @@ def onnxruntime_logits(x: np.ndarray) -> np.ndarray:
     cfg = ModelConfig()
     engine = OnnxRuntimeEngine(resolve_model_path(cfg.path), cfg)
     try:
-        return engine.run(x)["logits"]
+        return engine.run({"image": x})["logits"]
     finally:
         engine.close()
 

@@ -144,6 +144,12 @@ REVOKE_FENCED = Counter(
 DELIVERY_RETRIES = Counter(
     "infer_delivery_retries_total", "Result/DLQ records re-sent after a failed delivery"
 )
+PADDED_ELEMENTS = Counter(
+    "infer_padded_elements_total",
+    "Elements of inputs with free dimensions (text, sequences) sent to the engine, by "
+    "whether they carry data or padding: padding / data is the padding's compute cost",
+    [*_MODEL, "kind"],
+)
 ISOLATION_RUNS = Counter(
     "infer_isolation_runs_total",
     "Engine re-runs of split batches to isolate a poison request",
@@ -191,6 +197,8 @@ class ModelMetrics:
         self.isolation_runs = ISOLATION_RUNS.labels(model, version)
         self.gpu_slots = GPU_SLOTS.labels(model, version)
         self.gpu_slots_busy = GPU_SLOTS_BUSY.labels(model, version)
+        self.data_elements = PADDED_ELEMENTS.labels(model, version, "data")
+        self.padding_elements = PADDED_ELEMENTS.labels(model, version, "padding")
         self._batches: dict[str, Counter] = {}
         self._results: dict[str, Counter] = {}
 

@@ -11,11 +11,11 @@ containers: no I/O, no behaviour beyond what describes the data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from worker.contract import EncodedImage, ErrorInfo, Request, Source
+from worker.contract import ErrorInfo, Request, Source
 from worker.errors import RecordError
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
@@ -38,8 +38,13 @@ class Job:
     arrived: float  # monotonic, when the worker read it
     deadline: float | None  # monotonic: the earlier of deadline_ms and the record-age limit
     request: Request | None = None
-    image: np.ndarray | None = None  # validated model input, uint8 [H, W, C]
-    encoded: EncodedImage | None = None  # an image file, until decoded into ``image``
+    # The request's inputs once validated, by request input name, in the form its
+    # kind (``worker.inputs``) works on: an image's uint8 [H, W, C] view or its
+    # file until decoded, a tensor's array, a text until tokenized, then its tokens.
+    inputs: dict[str, Any] = field(default_factory=dict)
+    # Lengths of the request's free dimensions, by the model's symbol for them
+    # (``worker.model``): what a batch is padded to and outputs are cut back to.
+    lengths: dict[str, int] = field(default_factory=dict)
     failure: RecordError | None = None  # answered without inference when set
     raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)

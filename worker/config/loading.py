@@ -121,6 +121,9 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{name}: expected a table, got {type(value).__name__}")
+        value_tp = args[1] if len(args) == 2 else Any
+        if _tables(value_tp):
+            return {str(k): _tagged(value_tp, v, f"{name}.{k}") for k, v in value.items()}
         return {str(k): _option(v, f"{name}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
@@ -139,6 +142,38 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{name}: unsupported setting type {tp!r}")  # pragma: no cover
+
+
+def _tables(tp: Any) -> tuple[type[Any], ...]:
+    """The dataclasses a dict's values may be: one, or a union told apart by ``kind``."""
+    members = get_args(tp) if get_origin(tp) in (types.UnionType, typing.Union) else (tp,)
+    if all(dataclasses.is_dataclass(m) for m in members):
+        return tuple(typing.cast(type[Any], m) for m in members)
+    return ()
+
+
+def _tagged(tp: Any, value: Any, name: str) -> Any:
+    """One table of a dict of sections (``[model.inputs.NAME]``): the member of a
+    union whose ``kind`` the table names (the first member's by default). Messages
+    of the section's own checks say ``<dict>.*``; they are given the table's name."""
+    members = _tables(tp)
+    if isinstance(value, _EnvValue) or not isinstance(value, Mapping):
+        raise ConfigError(f"{name}: is a section; set its keys instead")
+    cls = members[0]
+    if len(members) > 1:
+        kinds = {get_type_hints(m)["kind"]: m for m in members}
+        by_kind = {get_args(k)[0]: m for k, m in kinds.items()}
+        raw = value.get("kind", get_args(next(iter(kinds)))[0])
+        kind = raw.raw if isinstance(raw, _EnvValue) else raw
+        if kind not in by_kind:
+            choices = ", ".join(repr(k) for k in by_kind)
+            raise ConfigError(f"{name}.kind: {kind!r} is not one of {choices}")
+        cls = by_kind[kind]
+    parent = name.rsplit(".", 1)[0]
+    try:
+        return _build(cls, value, f"{name}.")
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"{parent}.*", name)) from None
 
 
 def _option(value: Any, name: str) -> str | int | float | bool:

@@ -1,4 +1,13 @@
-"""``[model]``: which model runs where, and how its inputs and outputs are treated."""
+"""``[model]``: which model runs where, and how its inputs and outputs are treated.
+
+A model's inputs are read from the model file; ``[model.inputs.NAME]`` says how
+the request input NAME becomes model inputs, by kind: ``tensor`` (passed through,
+padded on free dimensions), ``image`` (resized and normalised: today's
+``[model.preprocess]`` keys) or ``text`` (tokenized). Model inputs no entry
+claims are tensors of their own name; ``model.input`` + ``[model.preprocess]``
+stay the shorthand for the one image input of a classifier (see
+``worker.inputs.binding`` for how the two meet).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from worker.config.checks import check
+from worker.config.checks import check, derive
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,7 @@ class PreprocessConfig:
     device: Literal["cpu", "gpu"] = "cpu"
 
     def __post_init__(self) -> None:
-        p = "model.preprocess"
+        p = self.where()
         check(len(self.size) == 2 and min(self.size) >= 1, f"{p}.size", "must be [height, width]")
         check(self.channels in (1, 3, 4), f"{p}.channels", "must be 1, 3 or 4")
         check(len(self.mean) == self.channels, f"{p}.mean", "needs one value per channel")
@@ -29,15 +38,99 @@ class PreprocessConfig:
         check(all(s > 0 for s in self.std), f"{p}.std", "values must be > 0")
         check(math.isfinite(self.scale) and self.scale > 0, f"{p}.scale", "must be > 0")
 
+    def where(self) -> str:
+        """The settings table these keys are read from, for messages."""
+        return "model.preprocess"
+
+
+@dataclass(frozen=True)
+class TensorInput:
+    """``kind = "tensor"``: the request carries a tensor of the model input's
+    dtype; fixed dimensions must match, free ones may differ per request and are
+    padded to the longest in the batch."""
+
+    kind: Literal["tensor"] = "tensor"
+    feed: str = ""  # the model input it feeds; "" = the one of the request input's name
+    pad_value: float = 0.0
+    # A free dimension longer than this is answered too_large; 0 = bounded only by
+    # limits.max_tensor_bytes (a GPU engine takes its own maximum).
+    max_length: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.max_length >= 0, "model.inputs.*.max_length", "must be >= 0 (0: no limit)")
+        check(math.isfinite(self.pad_value), "model.inputs.*.pad_value", "must be finite")
+
+
+@dataclass(frozen=True)
+class ImageInput(PreprocessConfig):
+    """``kind = "image"``: a uint8 ``[H, W, C]`` tensor or an image file, resized
+    and normalised as ``[model.preprocess]`` describes (same keys, same defaults)."""
+
+    kind: Literal["image"] = "image"
+    feed: str = ""  # the model input it feeds; "" = the one of the request input's name
+
+    def where(self) -> str:
+        return "model.inputs.*"
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """``kind = "text"``: a UTF-8 string, tokenized per batch (Hugging Face
+    ``tokenizers``, one call per batch) into the model inputs ``ids``, ``mask`` and,
+    when the model has it, ``type_ids``; padded per batch."""
+
+    kind: Literal["text"] = "text"
+    # A tokenizer.json file (Hugging Face tokenizers), or builtin:NAME.
+    tokenizer: str = ""
+    max_length: int = 128  # tokens, special ones included; longer texts are truncated
+    ids: str = "input_ids"
+    mask: str = "attention_mask"
+    type_ids: str = "token_type_ids"  # fed only when the model has this input
+
+    def __post_init__(self) -> None:
+        check(bool(self.tokenizer), "model.inputs.*.tokenizer", "a text input needs a tokenizer")
+        check(self.max_length >= 1, "model.inputs.*.max_length", "must be >= 1")
+        names = [self.ids, self.mask, self.type_ids]
+        check(all(names), "model.inputs.*.ids", "ids, mask and type_ids must be named")
+        check(len(set(names)) == 3, "model.inputs.*.ids", "ids, mask and type_ids must differ")
+
+
+InputConfig = TensorInput | ImageInput | TextInput
+
 
 @dataclass(frozen=True)
 class PostprocessConfig:
-    softmax: bool = True
-    top_k: int = 3  # 0 disables top-k outputs
+    """What is computed from ``model.output`` before it is returned.
+
+    ``softmax`` and ``top_k`` default by model: on (top 3) for a model whose only
+    request input is an image (the classifier, as before inputs had kinds), off
+    for every other model, which then returns its outputs as computed."""
+
+    softmax: bool | None = None  # None: derived (see above)
+    top_k: int | None = None  # 0 disables top-k outputs; None: derived (3 or 0)
     include_raw: bool = False  # also return the engine's raw output tensor
+    normalize: bool = False  # L2-normalise model.output along its last axis (embeddings)
 
     def __post_init__(self) -> None:
-        check(self.top_k >= 0, "model.postprocess.top_k", "must be >= 0")
+        check(self.top_k is None or self.top_k >= 0, "model.postprocess.top_k", "must be >= 0")
+        check(
+            not (self.normalize and (self.softmax or self.top_k)),
+            "model.postprocess.normalize",
+            "cannot be combined with softmax or top_k (set them to false / 0)",
+        )
+
+    def resolved(self, classifier: bool) -> PostprocessConfig:
+        """The settings with derived defaults filled in: ``classifier`` says the
+        model's only request input is an image."""
+        softmax = (classifier and not self.normalize) if self.softmax is None else self.softmax
+        derived_k = 3 if classifier and not self.normalize else 0
+        top_k = derived_k if self.top_k is None else self.top_k
+        return PostprocessConfig(softmax, top_k, self.include_raw, self.normalize)
+
+    @property
+    def active(self) -> bool:
+        """Whether ``model.output`` is replaced by computed forms (resolved settings)."""
+        return bool(self.softmax or self.top_k)
 
 
 @dataclass(frozen=True)
@@ -66,22 +159,39 @@ class TorchConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "digits"
+    # Results' model.name and metric labels; "" = derived from path (builtin:NAME
+    # gives NAME, a file its stem).
+    name: str = ""
     path: str = "builtin:digits"
     backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
-    input: str = "image"  # the request input fed to the model
+    # The shorthand for a classifier's one image input: the request input's name
+    # (fed to the model's only image-shaped input) and its [model.preprocess].
+    input: str = "image"
     output: str | None = None  # engine output to postprocess; None = the first one
+    # The outputs a result carries; () = every model output (postprocessed forms
+    # replace model.output when softmax / top_k are on, and then only they come
+    # back unless this names others).
+    outputs: tuple[str, ...] = ()
     intra_op_threads: int = 1
+    # Request inputs by name, each with its kind (tensor, image, text).
+    inputs: dict[str, InputConfig] = field(default_factory=dict)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)
     torch: TorchConfig = field(default_factory=TorchConfig)
 
     def __post_init__(self) -> None:
-        check(bool(self.name), "model.name", "must not be empty")
-        check(
-            not (self.backend == "onnxruntime" and self.preprocess.device == "gpu"),
-            "model.preprocess.device",
-            "'gpu' needs backend tensorrt or torch (onnxruntime preprocesses on the CPU)",
-        )
         check(bool(self.path), "model.path", "must not be empty")
+        if not self.name:
+            stem = self.path.removeprefix("builtin:").replace("\\", "/").rsplit("/", 1)[-1]
+            derive(self, "name", stem.rsplit(".", 1)[0] if "." in stem else stem)
+        check(bool(self.name), "model.name", "must not be empty")
+        for name, cfg in [("model.preprocess", self.preprocess)] + [
+            (f"model.inputs.{n}", i) for n, i in self.inputs.items() if isinstance(i, ImageInput)
+        ]:
+            check(
+                not (self.backend == "onnxruntime" and cfg.device == "gpu"),
+                f"{name}.device",
+                "'gpu' needs backend tensorrt or torch (onnxruntime preprocesses on the CPU)",
+            )
+        check(len(set(self.outputs)) == len(self.outputs), "model.outputs", "names repeat")
         check(self.intra_op_threads >= 0, "model.intra_op_threads", "must be >= 0")

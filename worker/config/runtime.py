@@ -34,9 +34,23 @@ class BatchingConfig:
     # dispatched is answered deadline_exceeded without engine time (stale backlogs
     # after an outage). With a request's deadline_ms, the earlier rule wins.
     max_record_age_ms: int = 0
+    # Inputs with free dimensions (text, sequences) are padded per engine run. Rows
+    # of a batch whose lengths fall in different buckets run as separate engine
+    # calls, each padded to its own longest row, which bounds the padding (under
+    # 2x with power-of-two buckets) without reordering results. Buckets: ascending
+    # upper bounds; () = powers of two. On a GPU they are also the lengths
+    # compiled and captured at start-up.
+    split_by_length: bool = True
+    length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1")
+        check(
+            all(b >= 1 for b in self.length_buckets)
+            and list(self.length_buckets) == sorted(set(self.length_buckets)),
+            "batching.length_buckets",
+            "must be ascending lengths >= 1 without repeats",
+        )
         check(self.max_record_age_ms >= 0, "batching.max_record_age_ms", "must be >= 0 (0: off)")
         check(
             math.isfinite(self.max_queue_delay_ms) and self.max_queue_delay_ms >= 0,
@@ -98,6 +112,9 @@ class LimitsConfig:
     max_record_bytes: int = 8 * 1024 * 1024
     max_tensor_bytes: int = 4 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    # UTF-8 bytes of one text input. msgpack's string limit is raised to it, so a
+    # longer string anywhere in a record makes the record undecodable (DLQ).
+    max_text_bytes: int = 4096
     # Crashes of whole processes with the same record at the head of a partition
     # before that record is quarantined to the DLQ (crash_loop); 0 disables.
     # Needs kafka.crash_guard_topic to exist.
@@ -108,6 +125,7 @@ class LimitsConfig:
         check(self.max_record_bytes > 0, "limits.max_record_bytes", "must be > 0")
         check(self.max_tensor_bytes > 0, "limits.max_tensor_bytes", "must be > 0")
         check(self.max_image_pixels > 0, "limits.max_image_pixels", "must be > 0")
+        check(self.max_text_bytes > 0, "limits.max_text_bytes", "must be > 0")
 
 
 @dataclass(frozen=True)

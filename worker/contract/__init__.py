@@ -9,9 +9,9 @@ both would let a record choose what code runs or what objects get built.
 """
 
 from worker.contract.encoded import EncodedImage, sniff_format
-from worker.contract.images import check_image
+from worker.contract.images import check_image, check_image_value
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.requests import Request, decode_request, encode_request
+from worker.contract.requests import InputValue, Request, decode_request, encode_request
 from worker.contract.results import (
     ErrorInfo,
     ModelInfo,
@@ -31,6 +31,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "EncodedImage",
     "ErrorInfo",
+    "InputValue",
     "Limits",
     "ModelInfo",
     "Request",
@@ -38,6 +39,7 @@ __all__ = [
     "Source",
     "Tensor",
     "check_image",
+    "check_image_value",
     "decode_request",
     "decode_result",
     "encode_ok_result",

@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 
 from worker.contract.encoded import EncodedImage
 from worker.contract.jpeg import read_frame
-from worker.contract.requests import Request
+from worker.contract.requests import InputValue, Request
 from worker.errors import InvalidRequest, TensorTooLarge
 
 
@@ -28,32 +28,44 @@ def check_image(
     """Validate the model input of one request; returns a tensor as a read-only
     uint8 [H, W, C] view (no copy), or a file whose header passed the checks."""
     value = request.inputs.get(input_name)
+    try:
+        if value is None:
+            names = ", ".join(sorted(request.inputs)) or "none"
+            raise InvalidRequest(f"inputs.{input_name}: missing (got {names})")
+        return check_image_value(value, f"inputs.{input_name}", channels, max_pixels)
+    except InvalidRequest as exc:
+        exc.request_id, exc.meta = request.id, request.meta
+        raise
 
-    def bad(message: str, cls: type[InvalidRequest] = InvalidRequest) -> InvalidRequest:
-        return cls(message, request_id=request.id, meta=request.meta)
 
-    if value is None:
-        names = ", ".join(sorted(request.inputs)) or "none"
-        raise bad(f"inputs.{input_name}: missing (got {names})")
-    field = f"inputs.{input_name}"
+def check_image_value(
+    value: InputValue, field: str, channels: int, max_pixels: int
+) -> np.ndarray | EncodedImage:
+    """``check_image`` for one input's value; messages name ``field``."""
+    if isinstance(value, str):
+        raise InvalidRequest(
+            f"{field}: expected an image (a uint8 [H, W, {channels}] tensor or a JPEG, PNG "
+            "or WebP file as msgpack bin), got a string"
+        )
     if isinstance(value, EncodedImage):
         problem = header_problem(value, max_pixels)
         if problem is not None:
             message, too_large = problem
-            raise bad(f"{field}: {message}", TensorTooLarge if too_large else InvalidRequest)
+            cls = TensorTooLarge if too_large else InvalidRequest
+            raise cls(f"{field}: {message}")
         return value
     if value.dtype != "uint8":
-        raise bad(f"{field}.dtype: expected uint8, got {value.dtype}")
+        raise InvalidRequest(f"{field}.dtype: expected uint8, got {value.dtype}")
     shape = value.shape
     if len(shape) == 2 and channels == 1:
         shape = (*shape, 1)
     if len(shape) != 3 or shape[2] != channels:
-        raise bad(f"{field}.shape: expected [H, W, {channels}], got {list(value.shape)}")
+        raise InvalidRequest(f"{field}.shape: expected [H, W, {channels}], got {list(value.shape)}")
     h, w, _ = shape
     if h < 1 or w < 1:
-        raise bad(f"{field}.shape: height and width must be >= 1")
+        raise InvalidRequest(f"{field}.shape: height and width must be >= 1")
     if h * w > max_pixels:
-        raise bad(f"{field}: {h}x{w} exceeds {max_pixels} pixels", TensorTooLarge)
+        raise TensorTooLarge(f"{field}: {h}x{w} exceeds {max_pixels} pixels")
     return value.to_numpy().reshape(shape)
 
 

@@ -29,6 +29,7 @@ class Limits:
     max_map_len: int = 64
     max_array_len: int = 64
     max_str_len: int = 4096
+    max_text_bytes: int = 4096  # a text input (str); msgpack's string limit is the larger
 
     def __post_init__(self) -> None:
         for name in (
@@ -41,6 +42,7 @@ class Limits:
             "max_map_len",
             "max_array_len",
             "max_str_len",
+            "max_text_bytes",
         ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

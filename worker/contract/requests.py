@@ -32,6 +32,10 @@ from worker.contract.wire import (
 )
 from worker.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 
+InputValue = Tensor | EncodedImage | str
+"""One request input as it travels: a tensor, an image file (msgpack bin), or a
+UTF-8 string (a text input, tokenized by the worker)."""
+
 
 @dataclass(frozen=True)
 class Request:
@@ -40,7 +44,7 @@ class Request:
 
     v: int
     id: str
-    inputs: Mapping[str, Tensor | EncodedImage]
+    inputs: Mapping[str, InputValue]
     deadline_ms: int | None = None
     meta: Mapping[str, Any] | None = None
 
@@ -61,7 +65,8 @@ def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Requ
     obj = unpack_map(
         value,
         max_bin_len=limits.max_record_bytes,
-        max_str_len=limits.max_str_len,
+        # Text inputs may be longer than the other strings a request holds.
+        max_str_len=max(limits.max_str_len, limits.max_text_bytes),
         max_array_len=limits.max_array_len,
         max_map_len=limits.max_map_len,
     )
@@ -91,16 +96,21 @@ def encode_request(req: Request) -> bytes:
     wire: dict[str, Any] = {
         "v": req.v,
         "id": req.id,
-        "inputs": {
-            name: t.data if isinstance(t, EncodedImage) else t.to_wire()
-            for name, t in req.inputs.items()
-        },
+        "inputs": {name: _input_wire(t) for name, t in req.inputs.items()},
     }
     if req.deadline_ms is not None:
         wire["deadline_ms"] = int(req.deadline_ms)
     if req.meta is not None:
         wire["meta"] = dict(req.meta)
     return pack(wire)
+
+
+def _input_wire(value: InputValue) -> object:
+    if isinstance(value, EncodedImage):
+        return value.data
+    if isinstance(value, str):
+        return value
+    return value.to_wire()
 
 
 def _check_version_and_fields(obj: dict[str, Any]) -> None:
@@ -136,7 +146,7 @@ def _decode_deadline(obj: dict[str, Any]) -> int | None:
     return int(d)
 
 
-def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor | EncodedImage]:
+def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, InputValue]:
     if "inputs" not in obj:
         raise InvalidRequest("inputs: missing")
     raw_inputs = obj["inputs"]
@@ -146,16 +156,29 @@ def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, Tensor | En
         raise InvalidRequest(
             f"inputs: expected 1 to {limits.max_inputs} tensors, got {len(raw_inputs)}"
         )
-    inputs: dict[str, Tensor | EncodedImage] = {}
+    inputs: dict[str, InputValue] = {}
     for name, raw in raw_inputs.items():
         if not isinstance(name, str):
             raise InvalidRequest(f"inputs: tensor names must be str, got {kind(name)}")
         path = f"inputs.{short_name(name)}"
         if isinstance(raw, bytes):
             inputs[name] = _decode_encoded(raw, path, limits)
+        elif isinstance(raw, str):
+            inputs[name] = _decode_text(raw, path, limits)
         else:
             inputs[name] = decode_tensor(raw, path, limits)
     return inputs
+
+
+def _decode_text(raw: str, path: str, limits: Limits) -> str:
+    """A str input is a text, for the model's tokenizer (checked against the model's
+    inputs at intake: only a text input takes one)."""
+    nbytes = len(raw.encode("utf-8", "surrogatepass"))
+    if nbytes > limits.max_text_bytes:
+        raise TensorTooLarge(
+            f"{path}: text of {nbytes} UTF-8 bytes; the limit is {limits.max_text_bytes}"
+        )
+    return raw
 
 
 def _decode_encoded(raw: bytes, path: str, limits: Limits) -> EncodedImage:

@@ -23,13 +23,13 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from worker.errors import ConfigError
+from worker.model import ModelIO, TensorDesc, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -37,36 +37,34 @@ class EngineInfo:
     backend: str
     name: str
     version: str  # content hash of the model file: results name exactly what ran
-    input_name: str
-    output_names: tuple[str, ...]
+    io: ModelIO  # every input and output, as the model file declares them
     max_batch_size: int | None  # None: any batch size
-    # Per-request input shape the model declares (no batch dim); None for a
-    # dimension it leaves free, or no shape at all when the model says nothing.
-    input_shape: tuple[int | None, ...] | None = None
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.io.output_names
+
+    @property
+    def input_name(self) -> str:
+        """The first input's name: what a one-input model is fed by."""
+        return self.io.inputs[0].name
+
+    @property
+    def input_shape(self) -> tuple[int | None, ...]:
+        """The first input's row shape, None for each free dimension."""
+        return tuple(d if isinstance(d, int) else None for d in self.io.inputs[0].shape)
+
+
+Feeds = Mapping[str, np.ndarray]
+"""One batch's model inputs by name, each with the batch as its first dimension."""
 
 
 class Engine(Protocol):
     info: EngineInfo
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]: ...
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...
-
-
-BUILTIN_MODELS = {"digits": "digits.onnx"}
-
-
-def resolve_model_path(path: str) -> Path:
-    """``builtin:NAME`` names a model shipped in the package; anything else is a file."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        if name not in BUILTIN_MODELS:
-            raise ConfigError(f"model.path: unknown builtin model {name!r}")
-        return Path(str(resources.files("worker") / "models" / BUILTIN_MODELS[name]))
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"model.path: {path} is not a file")
-    return p
 
 
 def content_version(path: Path) -> str:
@@ -100,6 +98,10 @@ class TensorSpec:
     @property
     def row_bytes(self) -> int:
         return self.row_elements * self.dtype.itemsize
+
+    def desc(self) -> TensorDesc:
+        """As the model description has it (every dimension fixed)."""
+        return TensorDesc(self.name, self.dtype, self.shape)
 
 
 class EngineSlot(Protocol):
@@ -145,6 +147,19 @@ class GpuEngine(Protocol):
 
     def enqueue(self, slot: EngineSlot, batch_size: int) -> None: ...
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]: ...
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+__all__ = [
+    "Engine",
+    "EngineInfo",
+    "EngineSlot",
+    "EngineUnavailable",
+    "Feeds",
+    "GpuEngine",
+    "TensorSpec",
+    "content_version",
+    "resolve_model_path",  # where engines and tools find model files (worker.model)
+]

@@ -1,7 +1,10 @@
 """ONNX Runtime engine: the CPU default and the numerical reference.
 
 The session is created once; ``InferenceSession.run`` is thread-safe, so several
-batches may run concurrently from the worker's thread pool.
+batches may run concurrently from the worker's thread pool. Every input and
+output the model declares is described (``worker.model``), with ONNX's symbolic
+dimension names kept: they are how the worker knows which dimensions it pads and
+which outputs follow a padded input.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.config import ModelConfig
-from worker.engines.base import EngineInfo, content_version
+from worker.engines.base import EngineInfo, Feeds, content_version
 from worker.errors import ConfigError, EngineDead, InferenceFailed
+from worker.model import Dim, ModelIO, TensorDesc, onnx_desc
 
 
 class OnnxRuntimeEngine:
@@ -28,30 +32,36 @@ class OnnxRuntimeEngine:
             )
         except Exception as exc:  # boundary: ORT raises its own untyped errors
             raise ConfigError(f"model.path: cannot load {path}: {exc}") from exc
-        inputs = self._session.get_inputs()
-        if len(inputs) != 1:
-            raise ConfigError(f"model.path: expected one model input, found {len(inputs)}")
-        outputs = tuple(o.name for o in self._session.get_outputs())
-        if cfg.output is not None and cfg.output not in outputs:
-            raise ConfigError(f"model.output: {cfg.output!r} not in model outputs {outputs}")
-        self._input = inputs[0].name
-        batch_dim = inputs[0].shape[0]
+        batch_dims: list[Dim] = []
+        inputs: list[TensorDesc] = []
+        for arg in self._session.get_inputs():
+            batch, desc = onnx_desc(arg.name, arg.type, list(arg.shape), "input")
+            batch_dims.append(batch)
+            inputs.append(desc)
+        outputs = tuple(
+            onnx_desc(o.name, o.type, list(o.shape), "output")[1]
+            for o in self._session.get_outputs()
+        )
+        io = ModelIO(tuple(inputs), outputs)
+        if cfg.output is not None and cfg.output not in io.output_names:
+            raise ConfigError(
+                f"model.output: {cfg.output!r} not in model outputs {list(io.output_names)}"
+            )
+        fixed = [d for d in batch_dims if isinstance(d, int)]
         self.info = EngineInfo(
             backend="onnxruntime",
             name=cfg.name,
             version=content_version(path),
-            input_name=self._input,
-            output_names=outputs,
-            max_batch_size=batch_dim if isinstance(batch_dim, int) else None,
-            input_shape=tuple(d if isinstance(d, int) else None for d in inputs[0].shape[1:]),
+            io=io,
+            max_batch_size=min(fixed) if fixed else None,
         )
         self._closed = False
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
         if self._closed:
             raise EngineDead("onnxruntime session is closed")
         try:
-            values = self._session.run(None, {self._input: batch})
+            values = self._session.run(None, dict(feeds))
         except Exception as exc:  # boundary: translate once into our vocabulary
             raise InferenceFailed(f"onnxruntime: {exc}") from exc
         return dict(zip(self.info.output_names, values, strict=True))

@@ -60,12 +60,14 @@ from worker.engines.base import (
     EngineInfo,
     EngineSlot,
     EngineUnavailable,
+    Feeds,
     TensorSpec,
     content_version,
 )
 from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
 from worker.engines.cuda import import_cupy, translate_gpu_error
 from worker.errors import ConfigError, EngineDead, InferenceFailed
+from worker.model import ModelIO
 
 log = structlog.get_logger(__name__)
 
@@ -186,8 +188,7 @@ class TensorRTEngine:
             backend="tensorrt",
             name=cfg.name,
             version=content_version(path),
-            input_name=in_name,
-            output_names=tuple(outputs),
+            io=ModelIO((self.input.desc(),), tuple(s.desc() for s in self.outputs)),
             max_batch_size=self.max_batch_size,
         )
         self._closed = False
@@ -379,11 +380,12 @@ class TensorRTEngine:
 
     # --- CPU protocol (parity tests) -------------------------------------------------
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
         """Synchronous run of a host batch; allocates per call. Not for the pipeline:
         its context uses profile 0, like slot 0's, so the two must not run at once."""
         if self._closed:
             raise EngineDead("tensorrt engine is closed")
+        batch = feeds[self.input.name]
         n = int(batch.shape[0])
         if not self.min_batch_size <= n <= self.max_batch_size:
             raise InferenceFailed(

@@ -49,6 +49,7 @@ from worker.engines.base import (
     EngineInfo,
     EngineSlot,
     EngineUnavailable,
+    Feeds,
     TensorSpec,
     content_version,
 )
@@ -56,6 +57,7 @@ from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
 from worker.engines.cuda import translate_gpu_error
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 from worker.inference.preprocess import batch_shape
+from worker.model import ModelIO
 
 log = structlog.get_logger(__name__)
 
@@ -206,8 +208,7 @@ class TorchEngine:
             backend="torch",
             name=cfg.name,
             version=content_version(path),
-            input_name=self.input.name,
-            output_names=tuple(s.name for s in self.outputs),
+            io=ModelIO((self.input.desc(),), tuple(s.desc() for s in self.outputs)),
             max_batch_size=max_batch_size,
         )
         log.info(
@@ -407,12 +408,13 @@ class TorchEngine:
 
     # --- CPU protocol (parity tests) -------------------------------------------------
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
         """Synchronous run of a host batch on torch's current stream; allocates.
         Padded to a bucket like ``enqueue``, so it runs the same compiled shapes."""
         if self._closed:
             raise EngineDead("torch engine is closed")
         torch = self._torch
+        batch = feeds[self.input.name]
         n = len(batch)
         try:
             with torch.inference_mode(), torch.cuda.device(self._device):

@@ -48,25 +48,26 @@ def decode_image(image: EncodedImage, channels: int) -> np.ndarray:
 
 
 def decode_pending(answers: list[Answer], channels: int, input_name: str) -> list[Answer]:
-    """Decode the files among ``answers`` (a worker thread); returns the answers
-    that can run. A failure is that request's ``invalid_request`` answer."""
+    """Decode the files of input ``input_name`` among ``answers`` (a worker thread);
+    returns the answers that can run. A failure is that request's
+    ``invalid_request`` answer; the decoded pixels replace the file."""
     runnable: list[Answer] = []
     decoded = invalid = 0
     for answer in answers:
         job = answer.job
-        if job.encoded is None:
+        encoded = job.inputs.get(input_name)
+        if not isinstance(encoded, EncodedImage):
             runnable.append(answer)
             continue
         started = time.monotonic()
         try:
-            job.image = decode_image(job.encoded, channels)
+            job.inputs[input_name] = decode_image(encoded, channels)
         except DecodeFailed as exc:
             answer.error = ErrorInfo("invalid_request", f"inputs.{input_name}: {exc}"[:1024])
             invalid += 1
             continue
         finally:
             answer.timing_us["decode"] = round((time.monotonic() - started) * 1e6)
-        job.encoded = None  # the pixels replace the file: its bytes can go
         decoded += 1
         runnable.append(answer)
     # Counted once per call, not per image (metrics cost showed in issue 11's profile).

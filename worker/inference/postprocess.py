@@ -29,11 +29,25 @@ def top_k(scores: np.ndarray, k: int) -> tuple[npt.NDArray[np.int64], npt.NDArra
     return order.astype(np.int64), values.astype(np.float32)
 
 
+def l2_normalize(x: np.ndarray) -> npt.NDArray[np.float32]:
+    """Unit length along the last axis (embeddings); an all-zero row stays zero."""
+    v = x.astype(np.float32, copy=False)
+    norm = np.sqrt(np.einsum("...i,...i->...", v, v))[..., None]
+    out: npt.NDArray[np.float32] = v / np.maximum(norm, np.float32(1e-12))
+    return out
+
+
 def postprocess(raw: np.ndarray, cfg: PostprocessConfig, raw_name: str) -> dict[str, np.ndarray]:
-    """Batch-level outputs keyed by wire name; each array's first dim is the batch."""
+    """Batch-level outputs keyed by wire name; each array's first dim is the batch.
+    Settings left to their derived defaults take the classifier's (softmax, top 3):
+    stages pass settings already resolved for their model."""
+    cfg = cfg.resolved(classifier=True)
+    assert cfg.top_k is not None
     out: dict[str, np.ndarray] = {}
     if cfg.include_raw:
         out[raw_name] = raw
+    if cfg.normalize:
+        out[raw_name] = l2_normalize(raw)
     if cfg.top_k > 0:
         scores = softmax(raw) if cfg.softmax else raw.astype(np.float32, copy=False)
         flat = scores.reshape(scores.shape[0], -1)

@@ -320,7 +320,8 @@ class KafkaSource:
         job.epoch = epoch
         if self._quarantine.get(tp) == record.offset:
             del self._quarantine[tp]
-            job.request = job.image = job.encoded = None
+            job.request = None
+            job.inputs = {}
             job.raw_value = record.value
             job.failure = CrashLoop(
                 f"worker processes died {self._max_crashes} times with this record at the "

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 
 from worker import metrics
-from worker.config import LimitsConfig, ModelConfig
-from worker.contract import EncodedImage, Limits, check_image, decode_request
+from worker.config import LimitsConfig
+from worker.contract import Limits, decode_request
 from worker.errors import RecordError
+from worker.inputs import ModelInputs
 from worker.records import Job, TopicPartition
 
 Clock = Callable[[], float]
@@ -29,13 +30,16 @@ class JobFactory:
     """Turns a consumer record into a Job: decode, validate, never raise."""
 
     def __init__(
-        self, model: ModelConfig, limits: LimitsConfig, max_record_age_ms: int = 0
+        self, inputs: ModelInputs, limits: LimitsConfig, max_record_age_ms: int = 0
     ) -> None:
-        self._model = model
-        self._limits = limits
+        """``inputs``: the model's request inputs, which each request is checked
+        against (``worker.inputs.bind``)."""
+        self._inputs = inputs
         self._max_age_ms = max_record_age_ms
         self._codec_limits = Limits(
-            max_record_bytes=limits.max_record_bytes, max_tensor_bytes=limits.max_tensor_bytes
+            max_record_bytes=limits.max_record_bytes,
+            max_tensor_bytes=limits.max_tensor_bytes,
+            max_text_bytes=limits.max_text_bytes,
         )
 
     def __call__(
@@ -56,16 +60,9 @@ class JobFactory:
             request = decode_request(value, self._codec_limits)
             job.request = request
             self._set_deadline(job, request.deadline_ms, timestamp_ms)
-            image = check_image(
-                request,
-                self._model.input,
-                self._model.preprocess.channels,
-                self._limits.max_image_pixels,
-            )
-            if isinstance(image, EncodedImage):
-                job.encoded = image  # decoded off the event loop, in the inference stage
-            else:
-                job.image = image
+            # Image files and texts stay as sent: decoded and tokenized off the
+            # event loop, per batch, in the inference stage.
+            job.inputs, job.lengths = self._inputs.check(request)
         except RecordError as exc:
             job.failure = exc
             job.raw_value = value

@@ -28,6 +28,8 @@ from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
 from worker.engines.buckets import bucket_sizes
 from worker.errors import BrokerUnavailable, ConfigError
 from worker.inference.cpu import InferenceStage
+from worker.inputs import ModelInputs, bind
+from worker.inputs.binding import summary
 from worker.pipeline.backpressure import Backpressure
 from worker.pipeline.batching import BatchPolicy, MicroBatcher
 from worker.pipeline.budget import FailureBudget
@@ -184,6 +186,10 @@ class Worker:
 
     async def _build(self, engine: Engine | GpuEngine) -> _Stages:
         s, b = self.settings, self.settings.batching
+        # Which request input feeds which model input, decided once (exit 2 on a
+        # mismatch, before Kafka is contacted); the intake and the stage share it.
+        inputs = bind(s.model, engine.info.io, s.limits, b)
+        log.info("model_inputs", inputs=summary(inputs), outputs=list(engine.info.output_names))
         jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
         batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
         completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
@@ -194,14 +200,14 @@ class Worker:
         )
         source = KafkaSource(
             s.kafka,
-            JobFactory(s.model, s.limits, b.max_record_age_ms),
+            JobFactory(inputs, s.limits, b.max_record_age_ms),
             jobs,
             self.tracker,
             self._on_revoke,
             Backpressure(b.max_inflight_records, b.max_inflight_bytes),
         )
         committer = Committer(self.tracker, source, timeout=s.kafka.request_timeout_ms / 1000.0)
-        infer = await self._inference_stage(batches, completed, engine, policy)
+        infer = await self._inference_stage(batches, completed, engine, policy, inputs)
         sink = ResultSink(
             completed,
             s.kafka,
@@ -219,6 +225,7 @@ class Worker:
         completed: asyncio.Queue[asyncio.Future[Completed] | None],
         engine: Engine | GpuEngine,
         policy: BatchPolicy[Job],
+        inputs: ModelInputs,
     ) -> InferenceStage | GpuInferenceStage:
         """The CPU stage, or the GPU stage with its slot ring (allocated once, off
         the event loop: kernel compilation and engine contexts take a while)."""
@@ -231,6 +238,7 @@ class Worker:
                 s.model,
                 b.max_batch_size,
                 b.max_inflight_batches,
+                inputs=inputs,
                 max_attempts=b.max_attempts,
                 on_service_time=policy.observe_service_time,
             )
@@ -245,6 +253,7 @@ class Worker:
             b.max_batch_size,
             s.gpu.num_slots or b.max_inflight_batches,
             s.gpu,
+            inputs=inputs,
             max_attempts=b.max_attempts,
             on_service_time=policy.observe_service_time,
         )

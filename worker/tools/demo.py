@@ -95,7 +95,7 @@ def offline_correct(samples: list[Sample], model: ModelConfig) -> int:
     for start in range(0, len(samples), 256):
         chunk = samples[start : start + 256]
         batch = preprocess([s.image for s in chunk], model.preprocess)
-        probs = softmax(engine.run(batch)[name])
+        probs = softmax(engine.run({engine.info.io.inputs[0].name: batch})[name])
         correct += int((probs.argmax(axis=1) == [s.label for s in chunk]).sum())
     engine.close()
     return correct

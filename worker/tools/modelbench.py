@@ -295,9 +295,10 @@ def cpu_batch_seconds(
 
     n = settings.batching.max_batch_size
     batch = preprocess([images[i % len(images)] for i in range(n)], settings.model.preprocess)
+    feeds = {engine.info.io.inputs[0].name: batch}
     for _ in range(ENGINE_WARM_RUNS):
-        engine.run(batch)
-    return timed(lambda: engine.run(batch), lambda: None, seconds)
+        engine.run(feeds)
+    return timed(lambda: engine.run(feeds), lambda: None, seconds)
 
 
 def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> float:

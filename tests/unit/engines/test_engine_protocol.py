@@ -31,6 +31,7 @@ from worker.errors import ConfigError, EngineDead, InferenceFailed
 from worker.inference.gpu import kernels
 from worker.inference.gpu.plan import postprocess_plan
 from worker.inference.preprocess import preprocess
+from worker.model import ModelIO
 from worker.tools import build_engine
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
@@ -59,15 +60,15 @@ def test_onnxruntime_engine_honours_the_protocol() -> None:
         assert len(info.version) == 16
         with np.load(SAMPLES) as npz:
             images = list(npz["images"][:5])
-        out = engine.run(preprocess(images, cfg.preprocess))
+        out = engine.run({"image": preprocess(images, cfg.preprocess)})
         assert set(out) == {"logits"}
         assert out["logits"].shape == (5, 10) and out["logits"].dtype == np.float32
         with pytest.raises(InferenceFailed):
-            engine.run(np.zeros((2, 3), np.float32))  # wrong shape: a per-batch failure
+            engine.run({"image": np.zeros((2, 3), np.float32)})  # wrong shape: a per-batch failure
     finally:
         engine.close()
     with pytest.raises(EngineDead):
-        engine.run(np.zeros((1, 1, 8, 8), np.float32))
+        engine.run({"image": np.zeros((1, 1, 8, 8), np.float32)})
 
 
 # --- GPU engines without their libraries -----------------------------------------------
@@ -115,9 +116,8 @@ class FakeGpuEngine:
         self.min_batch_size = 1
         self.max_batch_size = max_batch
         self.device = 0
-        self.info = EngineInfo(
-            "fake", "digits", "0", "image", tuple(o.name for o in outputs), max_batch
-        )
+        io = ModelIO((self.input.desc(),), tuple(o.desc() for o in outputs))
+        self.info = EngineInfo("fake", "digits", "0", io, max_batch)
 
     def create_context(self, slot: Any) -> Any:
         return None
@@ -125,7 +125,7 @@ class FakeGpuEngine:
     def enqueue(self, slot: Any, batch_size: int) -> None:
         pass
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, feeds: Any) -> dict[str, np.ndarray]:
         return {}
 
     def close(self) -> None:

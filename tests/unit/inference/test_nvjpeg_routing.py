@@ -129,10 +129,11 @@ def test_png_and_webp_stay_on_the_host() -> None:
 
 def _answer(offset: int, image: np.ndarray | None = None, encoded: bytes | None = None) -> Answer:
     job = Job(TopicPartition("t", 0), offset, None, arrived=time.monotonic(), deadline=None)
-    job.image = image
+    if image is not None:
+        job.inputs["image"] = image
     if encoded is not None:
         fmt = "png" if encoded.startswith(b"\x89PNG") else "jpeg"
-        job.encoded = EncodedImage(fmt, encoded)
+        job.inputs["image"] = EncodedImage(fmt, encoded)
     return Answer(job)
 
 

@@ -29,11 +29,11 @@ class FailsOnBrightCorner:
         self._exc = exc
         self.runs = 0
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.runs += 1
-        if (batch[:, 0, 0, 0] > 0.9).any():
+        if (feeds["image"][:, 0, 0, 0] > 0.9).any():
             raise self._exc("bright corner")
-        return self._inner.run(batch)
+        return self._inner.run(feeds)
 
     def close(self) -> None:
         self._inner.close()
@@ -45,7 +45,9 @@ def jobs(n: int, poison: set[int]) -> list[Job]:
         img = np.zeros((8, 8, 1), np.uint8)
         if i in poison:
             img[0, 0, 0] = 255
-        out.append(Job(TopicPartition("in", 0), i, None, time.monotonic(), None, image=img))
+        job = Job(TopicPartition("in", 0), i, None, time.monotonic(), None)
+        job.inputs["image"] = img
+        out.append(job)
     return out
 
 

@@ -6,7 +6,8 @@ import time
 
 import numpy as np
 
-from worker.config import LimitsConfig, ModelConfig
+from tests.models import model_inputs
+from worker.config import LimitsConfig
 from worker.contract import Request, Tensor, encode_request
 from worker.pipeline.intake import JobFactory
 
@@ -17,13 +18,13 @@ def _value(deadline_ms: int | None = None) -> bytes:
 
 
 def test_record_age_is_off_by_default() -> None:
-    make = JobFactory(ModelConfig(), LimitsConfig())
+    make = JobFactory(model_inputs(), LimitsConfig())
     job = make("t", 0, 1, None, _value(), timestamp_ms=0)  # 1970: ancient
     assert job.failure is None and job.deadline is None and job.expiry is None
 
 
 def test_record_age_sets_the_deadline_from_the_kafka_timestamp() -> None:
-    make = JobFactory(ModelConfig(), LimitsConfig(), max_record_age_ms=1000)
+    make = JobFactory(model_inputs(), LimitsConfig(), max_record_age_ms=1000)
     now_ms = int(time.time() * 1000)
     job = make("t", 0, 1, None, _value(), timestamp_ms=now_ms - 5000)
     assert job.expiry == "max_record_age"
@@ -33,7 +34,7 @@ def test_record_age_sets_the_deadline_from_the_kafka_timestamp() -> None:
 
 
 def test_the_earlier_of_deadline_ms_and_record_age_wins() -> None:
-    make = JobFactory(ModelConfig(), LimitsConfig(), max_record_age_ms=60_000)
+    make = JobFactory(model_inputs(), LimitsConfig(), max_record_age_ms=60_000)
     now_ms = int(time.time() * 1000)
     soon = make("t", 0, 1, None, _value(deadline_ms=now_ms + 100), timestamp_ms=now_ms)
     assert soon.expiry == "deadline_ms"

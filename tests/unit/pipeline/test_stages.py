@@ -17,6 +17,7 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from tests.models import model_inputs
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
 from worker.contract import ErrorInfo, ModelInfo
 from worker.engines import load_engine
@@ -155,7 +156,7 @@ async def test_record_with_neither_key_nor_value_goes_to_the_dlq() -> None:
     or the worker dies on it and crash-loops on every restart."""
     tracker = OffsetTracker()
     epoch = tracker.track(A, 0)
-    job = JobFactory(ModelConfig(), LimitsConfig())(A.topic, A.partition, 0, None, None)
+    job = JobFactory(model_inputs(), LimitsConfig())(A.topic, A.partition, 0, None, None)
     job.epoch = epoch
     producer = FakeProducer()
     sink, source, _ = make_sink(tracker, producer)
@@ -205,7 +206,7 @@ def make_source(
 
     source = KafkaSource(
         KafkaConfig(),
-        JobFactory(ModelConfig(), LimitsConfig()),
+        JobFactory(model_inputs(), LimitsConfig()),
         jobs,
         tracker,
         forget,

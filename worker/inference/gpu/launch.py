@@ -89,7 +89,7 @@ class Launcher:
             )
         plan = self._plan
         if plan.topk or plan.gpu_softmax_rows:
-            pp = self._model.postprocess
+            pp = plan.post
             defines = kernels.postprocess_defines(
                 plan.raw.row_elements,
                 plan.topk or 1,
@@ -190,7 +190,7 @@ class Launcher:
         if plan.topk:
             kernels.softmax_topk(
                 raw, n, slot.results["topk_indices"], slot.results["topk_scores"],
-                top_k=plan.topk, softmax=self._model.postprocess.softmax,
+                top_k=plan.topk, softmax=bool(self._plan.post.softmax),
                 stream=slot.stream, device=slot.device,
             )  # fmt: skip
         elif plan.gpu_softmax_rows:
@@ -207,7 +207,7 @@ class Launcher:
         outputs: dict[str, np.ndarray]
         if plan.host_postprocess:
             raw = slot.host_results[plan.raw.name][:n].copy()
-            outputs = postprocess(raw, self._model.postprocess, plan.raw.name)
+            outputs = postprocess(raw, plan.post, plan.raw.name)
         else:
             outputs = {name: slot.host_results[name][:n].copy() for name in plan.copy_back}
         ev = slot.events

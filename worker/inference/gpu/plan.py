@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.config import ModelConfig
+from worker.config import ModelConfig, PostprocessConfig
 from worker.engines.base import GpuEngine, TensorSpec
 from worker.errors import ConfigError
 from worker.inference.preprocess import batch_shape
@@ -29,6 +29,7 @@ class PostprocessPlan:
     gpu_softmax_rows: bool  # probabilities computed on device
     host_postprocess: bool  # raw output comes back and the host reference runs on it
     copy_back: tuple[str, ...]
+    post: PostprocessConfig  # the resolved settings
 
     @property
     def result_specs(self) -> tuple[TensorSpec, ...]:
@@ -43,14 +44,18 @@ class PostprocessPlan:
         return ()
 
 
-def postprocess_plan(engine: GpuEngine, model: ModelConfig) -> PostprocessPlan:
-    """Decide where postprocessing runs (see the module docstring)."""
+def postprocess_plan(
+    engine: GpuEngine, model: ModelConfig, pp: PostprocessConfig | None = None
+) -> PostprocessPlan:
+    """Decide where postprocessing runs (see the module docstring); ``pp``: the
+    resolved settings (default: ``model.postprocess`` resolved for a classifier)."""
+    pp = pp if pp is not None else model.postprocess.resolved(classifier=True)
     raw_name = model.output or engine.info.output_names[0]
     specs = {t.name: t for t in engine.outputs}
     if raw_name not in specs:
         raise ConfigError(f"model.output: {raw_name!r} not in engine outputs {list(specs)}")
     raw = specs[raw_name]
-    pp = model.postprocess
+    assert pp.top_k is not None and pp.softmax is not None
     # The kernels reduce over a whole row; the reference's softmax runs over the
     # last axis. They agree when the row is one softmax segment.
     kernel_fits = raw.dtype in (np.float32, np.float16) and (
@@ -58,7 +63,7 @@ def postprocess_plan(engine: GpuEngine, model: ModelConfig) -> PostprocessPlan:
     )
     wants_device_work = pp.top_k > 0 or pp.softmax
     if wants_device_work and not kernel_fits:
-        return PostprocessPlan(raw, 0, False, True, (raw_name,))
+        return PostprocessPlan(raw, 0, False, True, (raw_name,), pp)
     names: list[str] = [raw_name] if pp.include_raw else []
     topk = min(pp.top_k, raw.row_elements) if pp.top_k > 0 else 0
     if topk:
@@ -66,7 +71,7 @@ def postprocess_plan(engine: GpuEngine, model: ModelConfig) -> PostprocessPlan:
     softmax_rows = not topk and pp.softmax
     if softmax_rows:
         names.append("probabilities")
-    return PostprocessPlan(raw, topk, softmax_rows, False, tuple(names))
+    return PostprocessPlan(raw, topk, softmax_rows, False, tuple(names), pp)
 
 
 def check_engine_input(engine: GpuEngine, model: ModelConfig) -> None:

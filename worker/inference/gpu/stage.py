@@ -49,8 +49,8 @@ import numpy as np
 import structlog
 
 from worker import metrics
-from worker.config import GpuConfig, ModelConfig
-from worker.contract import ErrorInfo
+from worker.config import GpuConfig, LimitsConfig, ModelConfig
+from worker.contract import EncodedImage, ErrorInfo
 from worker.engines.base import GpuEngine
 from worker.engines.cuda import event_completed, import_cupy, translate_gpu_error
 from worker.errors import ConfigError, EngineDead, WorkerError
@@ -67,6 +67,7 @@ from worker.inference.gpu.slots import (
     StagedImage,
 )
 from worker.inference.triage import ServiceTimeHook, report_service_time, run_isolating, triage
+from worker.inputs import ModelInputs, bind, is_classifier
 from worker.records import Answer, Batch, Completed, Job
 from worker.streams import end_of_stream
 
@@ -90,15 +91,15 @@ OnDevice = Mapping[int, DeviceImage]
 """The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
 
 
-def staged_bytes(answer: Answer, on_device: OnDevice) -> int:
-    """Bytes the answer's image takes in the packed staging: a JPEG for nvJPEG by
-    the size its header gives, before it is decoded."""
+def staged_bytes(answer: Answer, on_device: OnDevice, name: str = "image") -> int:
+    """Bytes the answer's image (request input ``name``) takes in the packed
+    staging: a JPEG for nvJPEG by the size its header gives, before it is decoded."""
     image = on_device.get(id(answer))
     if image is not None:
         return image.nbytes
-    pixels = answer.job.image
-    assert pixels is not None
-    return pixels.nbytes
+    pixels = answer.job.inputs[name]
+    assert isinstance(pixels, np.ndarray)
+    return int(pixels.nbytes)
 
 
 def reject_oversized(
@@ -141,15 +142,16 @@ def split_chunks(
 
 
 def route_encoded(
-    answers: list[Answer], channels: int, use_nvjpeg: bool
+    answers: list[Answer], channels: int, use_nvjpeg: bool, name: str = "image"
 ) -> tuple[list[Answer], dict[int, DeviceImage]]:
-    """Split the answers that carry a file: those for the host decoder, and the
-    JPEGs nvJPEG takes (by ``id``, with their header's size)."""
+    """Split the answers whose image (request input ``name``) is a file: those for
+    the host decoder, and the JPEGs nvJPEG takes (by ``id``, with their header's
+    size)."""
     to_host: list[Answer] = []
     on_device: dict[int, DeviceImage] = {}
     for answer in answers:
-        encoded = answer.job.encoded
-        if encoded is None:
+        encoded = answer.job.inputs.get(name)
+        if not isinstance(encoded, EncodedImage):
             continue
         image = nvjpeg.device_image(encoded, channels) if use_nvjpeg else None
         if image is None:
@@ -170,6 +172,7 @@ class GpuInferenceStage:
         num_slots: int,
         gpu: GpuConfig | None = None,
         *,
+        inputs: ModelInputs | None = None,
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
@@ -199,7 +202,9 @@ class GpuInferenceStage:
         # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
         # images exceed it runs in several chunks; one larger image is too_large.
         self._max_input_bytes = gpu.max_input_bytes if gpu_preprocess else None
-        plan = postprocess_plan(engine, model)
+        inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        post = model.postprocess.resolved(is_classifier(inputs))
+        plan = postprocess_plan(engine, model, post)
         self._launcher = Launcher(self._cupy, engine, model, plan, self._nvjpeg)
         self.layout = SlotLayout(
             device=gpu.device,
@@ -333,14 +338,15 @@ class GpuInferenceStage:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
             completed, runnable = triage(batch, time.monotonic(), self._metrics)
             on_device: dict[int, DeviceImage] = {}
-            if any(a.job.encoded is not None for a in runnable):
+            name = self._input_name
+            if any(isinstance(a.job.inputs.get(name), EncodedImage) for a in runnable):
                 # Files for the host decoder are decoded now, on the stage's threads;
                 # JPEGs for nvJPEG keep their header's size until their chunk runs.
                 loop = asyncio.get_running_loop()
                 runnable, on_device = await loop.run_in_executor(
                     self._pool, self._decode_on_host, runnable
                 )
-            size = functools.partial(staged_bytes, on_device=on_device)
+            size = functools.partial(staged_bytes, on_device=on_device, name=name)
             runnable = reject_oversized(runnable, size, self._max_input_bytes)
             completed.engine_rows = 0
             if runnable:
@@ -353,7 +359,9 @@ class GpuInferenceStage:
     def _decode_on_host(self, answers: list[Answer]) -> tuple[list[Answer], dict[int, DeviceImage]]:
         """On a stage thread: decode the files nvJPEG does not take; returns the
         answers that can run and the JPEGs left for nvJPEG."""
-        to_host, on_device = route_encoded(answers, self._channels, self._nvjpeg is not None)
+        to_host, on_device = route_encoded(
+            answers, self._channels, self._nvjpeg is not None, self._input_name
+        )
         if to_host:
             decode_pending(to_host, self._channels, self._input_name)  # failures: answered
         return [a for a in answers if a.error is None], on_device
@@ -420,8 +428,7 @@ class GpuInferenceStage:
         refused: list[Answer] = []
         for answer, problem in zip(jpegs, problems, strict=True):
             if problem is None:
-                answer.job.encoded = None  # the pixels replace the file
-                continue
+                continue  # its pixels are on the device (``on_device``)
             del on_device[id(answer)]
             refused.append(answer)
             log.debug("nvjpeg_refused", offset=answer.job.offset, reason=problem)
@@ -442,13 +449,13 @@ class GpuInferenceStage:
         if self._dead is not None:
             raise self._dead
         device = on_device or {}
-        size = functools.partial(staged_bytes, on_device=device)
+        size = functools.partial(staged_bytes, on_device=device, name=self._input_name)
         results: list[tuple[list[Answer], dict[str, np.ndarray], dict[str, int]]] = []
         for chunk in split_chunks(answers, size, self._max_rows, self._max_input_bytes):
             images: list[StagedImage] = []
             for answer in chunk:
                 image = device.get(id(answer))
-                pixels = answer.job.image if image is None else image
+                pixels = answer.job.inputs[self._input_name] if image is None else image
                 assert pixels is not None
                 images.append(pixels)
             outputs, timing = await self._run_chunk(slot, images)

@@ -1,0 +1,168 @@
+"""A model's request inputs together: one request checked, one batch prepared,
+grouped by length and collated into the model's feeds.
+
+``ModelInputs`` is what the stages hold (built once by ``binding.bind``): the
+intake calls ``check``; an inference stage calls ``prepare`` for a batch, then
+``groups`` and ``collate`` for each engine run. Grouping is how padding stays
+bounded: rows whose free-dimension lengths fall in different buckets
+(``batching.length_buckets``, powers of two by default) run as separate engine
+calls, each padded only to its own longest row, and the batch's answers keep
+their order (the batch completes as one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from worker.contract import Request
+from worker.errors import InvalidRequest
+from worker.inputs.base import InputKind
+from worker.records import Answer
+
+
+@dataclass(frozen=True)
+class Collated:
+    """One engine run's inputs: the feeds by model input name, and the length each
+    padded symbol was padded to (what outputs sharing it are cut back from)."""
+
+    feeds: dict[str, np.ndarray]
+    padded: dict[str, int]
+
+
+def length_bucket(length: int, buckets: Sequence[int]) -> int:
+    """The bucket ``length`` falls in: the first bound >= it, else the next power
+    of two (beyond the configured bounds, or when there are none)."""
+    i = bisect.bisect_left(buckets, length)
+    if i < len(buckets):
+        return buckets[i]
+    return 1 << max(0, length - 1).bit_length()
+
+
+class ModelInputs:
+    def __init__(
+        self,
+        kinds: Sequence[InputKind],
+        *,
+        split_by_length: bool = True,
+        length_buckets: Sequence[int] = (),
+    ) -> None:
+        self.kinds = tuple(kinds)
+        self.by_name = {k.name: k for k in self.kinds}
+        self._names = ", ".join(self.by_name)
+        self.split_by_length = split_by_length
+        self.length_buckets = tuple(length_buckets)
+        # Symbols of free dimensions, and the request inputs that give them.
+        symbols: dict[str, list[str]] = {}
+        for kind in self.kinds:
+            for symbol in kind.padded_symbols():
+                symbols.setdefault(symbol, []).append(kind.name)
+        self.symbols = {s: tuple(dict.fromkeys(names)) for s, names in symbols.items()}
+
+    @property
+    def padded_symbols(self) -> frozenset[str]:
+        return frozenset(self.symbols)
+
+    def describe(self) -> list[str]:
+        return [k.describe() for k in self.kinds]
+
+    # --- intake (event loop, per record) -------------------------------------------
+
+    def check(self, request: Request) -> tuple[dict[str, Any], dict[str, int]]:
+        """The request's inputs validated (by request input name) and the lengths of
+        their free dimensions known so far; raises ``InvalidRequest`` /
+        ``TensorTooLarge`` naming the input, with the request's id and meta."""
+        try:
+            values: dict[str, Any] = {}
+            lengths: dict[str, int] = {}
+            given = request.inputs
+            for name in given:
+                if name not in self.by_name:
+                    raise InvalidRequest(
+                        f"inputs.{name[:64]}: unknown input; the model takes {self._names}"
+                    )
+            for kind in self.kinds:
+                value = given.get(kind.name)
+                if value is None:
+                    raise InvalidRequest(
+                        f"inputs.{kind.name}: missing (the model takes {self._names}; got "
+                        f"{', '.join(sorted(given)) or 'none'})"
+                    )
+                row = values[kind.name] = kind.check(value)
+                for symbol, n in kind.lengths(row).items():
+                    seen = lengths.setdefault(symbol, n)
+                    if seen != n:
+                        others = ", ".join(f"inputs.{o}" for o in self.symbols[symbol])
+                        raise InvalidRequest(
+                            f"inputs.{kind.name}: dimension {symbol!r} is {n} but {seen} in "
+                            f"another input ({others} must agree on it)"
+                        )
+        except InvalidRequest as exc:
+            exc.request_id, exc.meta = request.id, request.meta
+            raise
+        return values, lengths
+
+    # --- inference stage (worker threads, per batch) ---------------------------------
+
+    def pending(self, answers: list[Answer]) -> bool:
+        """Whether ``prepare`` has work to do for these answers."""
+        return any(k.pending(answers) for k in self.kinds)
+
+    def prepare(self, answers: list[Answer]) -> list[Answer]:
+        """Each kind's batch work (decode files, tokenize; a worker thread); returns
+        the answers that can run (a failure is that answer's error)."""
+        runnable = answers
+        for kind in self.kinds:
+            kind.prepare(runnable)
+            runnable = [a for a in runnable if a.error is None]
+        return runnable
+
+    def groups(self, answers: list[Answer]) -> list[list[Answer]]:
+        """Runs of the batch that are padded together, in batch order within each."""
+        if not self.symbols or not self.split_by_length or len(answers) < 2:
+            return [answers]
+        groups: dict[tuple[int, ...], list[Answer]] = {}
+        names = tuple(self.symbols)
+        for answer in answers:
+            lengths = answer.job.lengths
+            key = tuple(length_bucket(lengths.get(s, 1), self.length_buckets) for s in names)
+            groups.setdefault(key, []).append(answer)
+        return list(groups.values())
+
+    def padded(self, answers: Sequence[Answer]) -> dict[str, int]:
+        """Each symbol's longest length among ``answers``: what the CPU pads to."""
+        return {s: max(a.job.lengths.get(s, 1) for a in answers) for s in self.symbols}
+
+    def collate(
+        self,
+        answers: Sequence[Answer],
+        padded: Mapping[str, int] | None = None,
+        buffers: Mapping[str, np.ndarray] | None = None,
+    ) -> Collated:
+        """The feeds of one engine run, padded to ``padded`` (default: the longest
+        rows), written into ``buffers`` where given (by feed name)."""
+        sizes = dict(padded) if padded is not None else self.padded(answers)
+        out: dict[str, np.ndarray] = dict(buffers or {})
+        for kind in self.kinds:
+            kind.collate([a.job.inputs[kind.name] for a in answers], sizes, out)
+        return Collated(out, sizes)
+
+    def waste(self, answers: Sequence[Answer], padded: Mapping[str, int]) -> tuple[int, int]:
+        """Elements of the free-dimension feeds (real, padded) for a run: the
+        padding cost the ``infer_padding_ratio`` metric reports."""
+        real = total = 0
+        for kind in self.kinds:
+            for feed in kind.feeds:
+                if not feed.free_axes or not set(feed.symbols()) <= self.symbols.keys():
+                    continue
+                fixed = int(np.prod([d for d in feed.shape if isinstance(d, int)] or [1]))
+                syms = feed.symbols()
+                width = int(np.prod([padded[s] for s in syms]))
+                total += fixed * width * len(answers)
+                for a in answers:
+                    real += fixed * int(np.prod([a.job.lengths.get(s, 1) for s in syms]))
+        return real, total
