@@ -53,7 +53,7 @@ class ModelInputs:
     ) -> None:
         self.kinds = tuple(kinds)
         self.by_name = {k.name: k for k in self.kinds}
-        self._names = ", ".join(self.by_name)
+        self._names = ", ".join(sorted(self.by_name))
         self.split_by_length = split_by_length
         self.length_buckets = tuple(length_buckets)
         # Symbols of free dimensions, and the request inputs that give them.
