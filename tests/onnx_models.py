@@ -6,6 +6,7 @@ weights are seeded, so every build is the same model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -100,3 +101,44 @@ def run_alone(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     names = [o.name for o in session.get_outputs()]
     values = session.run(None, {k: v[None] for k, v in feeds.items()})
     return {n: np.asarray(v)[0] for n, v in zip(names, values, strict=True)}
+
+
+def sklearn_pipeline(path: Path, seed: int = 0) -> tuple[Path, Any]:
+    """A scikit-learn pipeline over a table, converted by skl2onnx as tabular
+    models are shipped: one input per column (``age``, ``income``, ``tenure``
+    float32 [batch, 1], scaled; ``plan`` int64 [batch, 1], one-hot encoded) ->
+    logistic regression. Outputs ``label`` int64 [batch] and ``probabilities``
+    float32 [batch, 2] (no ZipMap: the worker carries tensors). Returns the file
+    and the fitted pipeline (the reference)."""
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType
+    from sklearn.compose import ColumnTransformer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+    rng = np.random.default_rng(seed)
+    n = 400
+    age, income = rng.normal(40, 12, n), rng.normal(50, 20, n)
+    tenure, plan = rng.exponential(3, n), rng.integers(0, 4, n)
+    table = np.stack([age, income, tenure, plan], axis=1)  # the columns, in input order
+    y = ((income - 50) / 20 + 0.6 * plan - tenure / 3 > 0.5).astype(np.int64)
+    columns = ColumnTransformer([
+        ("numeric", StandardScaler(), [0, 1, 2]),
+        ("plan", OneHotEncoder(handle_unknown="ignore"), [3]),
+    ])  # fmt: skip
+    pipeline = Pipeline([("columns", columns), ("model", LogisticRegression())])
+    pipeline.fit(table, y)
+    onnx_model = convert_sklearn(
+        pipeline,
+        initial_types=[
+            ("age", FloatTensorType([None, 1])),
+            ("income", FloatTensorType([None, 1])),
+            ("tenure", FloatTensorType([None, 1])),
+            ("plan", Int64TensorType([None, 1])),
+        ],
+        options={id(pipeline.steps[-1][1]): {"zipmap": False}},
+        target_opset=17,
+    )
+    path.write_bytes(onnx_model.SerializeToString())
+    return path, pipeline

@@ -171,6 +171,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     return run_demo(
         DemoOptions(
+            model=getattr(args, "demo_model", "digits"),
             repeat=args.repeat,
             partitions=args.partitions,
             json_out=args.json,
@@ -323,7 +324,8 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "demo",
             "end-to-end self-check on the bundled model",
             "Start the embedded broker and one worker process, stream the bundled model's "
-            "held-out labelled digits (at 8x8, 16x16 and 24x24), read every answer back, and "
+            "held-out labelled digits (at 8x8, 16x16 and 24x24; --model sentiment: review "
+            "texts), read every answer back, and "
             "check the accuracy equals the model's offline accuracy and every offset was "
             "committed. Exit 1 if anything is missing.",
             10,
@@ -366,6 +368,12 @@ def _demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         if name == "bench":
             _sweep_arguments(p)
             _model_arguments(p)
+        else:
+            p.add_argument(
+                "--model", dest="demo_model", choices=("digits", "sentiment"), default="digits",
+                help="the bundled model to stream samples of: digits (images, the default) "
+                "or sentiment (review texts, tokenized by the worker)",
+            )  # fmt: skip
 
 
 def _number_list(kind: Callable[[str], float]) -> Callable[[str], list[Any]]:

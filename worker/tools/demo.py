@@ -1,13 +1,15 @@
 """``infer-worker demo`` and ``infer-worker bench``.
 
-The demo starts the embedded broker and one worker process, produces the bundled
-model's held-out labelled digits as requests over several partitions (at several
-image sizes: the worker resizes), reads every result back, and checks that the
-accuracy over the stream equals the offline accuracy of the same ONNX model on
-the same images. ``bench`` then runs the same requests through the naive
-one-request-at-a-time baseline on the same broker and reports the ratio. The
-baseline is benchmark code, not part of the worker: it lives in the repository's
-``bench/`` folder, and ``bench`` runs it when started from a checkout.
+The demo starts the embedded broker and one worker process, produces a bundled
+model's held-out labelled samples as requests over several partitions (the
+digits at several image sizes: the worker resizes; with ``--model sentiment``,
+review texts: the worker tokenizes), reads every result back, and checks that
+the accuracy over the stream equals the offline accuracy of the same ONNX model
+on the same inputs (``worker.tools.samples``). ``bench`` then runs the same
+requests through the naive one-request-at-a-time baseline on the same broker
+and reports the ratio. The baseline is benchmark code, not part of the worker:
+it lives in the repository's ``bench/`` folder, and ``bench`` runs it when
+started from a checkout.
 """
 
 from __future__ import annotations
@@ -17,24 +19,38 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from worker.config import ModelConfig
-from worker.contract import Request, Tensor, encode_request
-from worker.engines import load_engine
-from worker.inference.postprocess import softmax
-from worker.inference.preprocess import preprocess
 from worker.tools.broker import EmbeddedBroker
 from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_on_fresh_topics
+from worker.tools.samples import (
+    LabelledSet,
+    Sample,
+    encode_samples,
+    labelled_samples,
+    labelled_set,
+    offline_correct,
+)
 from worker.tools.topics import Collector, Produced, committed_offsets, produce_all
+
+# Moved to worker.tools.samples; importable from here as before.
+__all__ = [
+    "DemoOptions",
+    "Sample",
+    "encode_samples",
+    "labelled_samples",
+    "offline_correct",
+    "override_env",
+    "run_demo",
+]
 
 
 @dataclass
 class DemoOptions:
+    model: str = "digits"  # a bundled model with labelled samples (samples.DEMO_MODELS)
     repeat: int = 10
     partitions: int = 4
     json_out: str | None = None
@@ -57,65 +73,12 @@ def naive_argv(expect: int) -> list[str]:
     return [sys.executable, str(script), "--expect", str(expect)]
 
 
-@dataclass
-class Sample:
-    id: str
-    image: np.ndarray
-    label: int
-
-
 def override_env(overrides: dict[str, str]) -> dict[str, str]:
     """``section.key=value`` settings as the worker's environment variables."""
     return {
         "INFER_WORKER_" + "__".join(part.upper() for part in key.split(".")): value
         for key, value in overrides.items()
     }
-
-
-def labelled_samples(repeat: int) -> list[Sample]:
-    """The held-out set ``repeat`` times; pass r is upscaled (nearest) by 1 + r % 3,
-    so requests arrive at 8x8, 16x16 and 24x24 and the worker resizes them."""
-    with resources.as_file(resources.files("worker") / "models" / "digits_samples.npz") as p:
-        data = np.load(p)
-        images, labels = data["images"], data["labels"]
-    out = []
-    for r in range(repeat):
-        k = 1 + r % 3
-        for i, (img, label) in enumerate(zip(images, labels, strict=True)):
-            big = np.kron(img, np.ones((k, k, 1), dtype=np.uint8)) if k > 1 else img
-            out.append(Sample(f"{r}-{i}", np.ascontiguousarray(big), int(label)))
-    return out
-
-
-def offline_correct(samples: list[Sample], model: ModelConfig) -> int:
-    """Correct predictions of the same ONNX model run directly, no Kafka."""
-    engine = load_engine(model)
-    name = model.output or engine.info.output_names[0]
-    correct = 0
-    for start in range(0, len(samples), 256):
-        chunk = samples[start : start + 256]
-        batch = preprocess([s.image for s in chunk], model.preprocess)
-        probs = softmax(engine.run({engine.info.io.inputs[0].name: batch})[name])
-        correct += int((probs.argmax(axis=1) == [s.label for s in chunk]).sum())
-    engine.close()
-    return correct
-
-
-def encode_samples(samples: list[Sample]) -> list[tuple[bytes | None, bytes]]:
-    return [
-        (
-            s.id.encode(),
-            encode_request(
-                Request(
-                    v=1,
-                    id=s.id,
-                    inputs={"image": Tensor.from_numpy(s.image)},
-                    meta={"label": s.label},
-                )
-            ),
-        )
-        for s in samples
-    ]
 
 
 @dataclass
@@ -162,18 +125,19 @@ class Progress:
 
 
 async def _run_once(
-    broker: EmbeddedBroker, mode: str, samples: list[Sample], opts: DemoOptions
+    broker: EmbeddedBroker, mode: str, samples: LabelledSet, opts: DemoOptions
 ) -> RunStats:
     group = f"demo-{mode}"
+    overrides = {"model.path": f"builtin:{samples.model}", **opts.overrides}
     topics, worker = await spawn_on_fresh_topics(
         broker.bootstrap,
         f"demo.{mode}",
         opts.partitions,
         group_id=group,
-        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **override_env(opts.overrides)},
-        argv=None if mode == "worker" else naive_argv(len(samples)),
+        extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **override_env(overrides)},
+        argv=None if mode == "worker" else naive_argv(len(samples.records)),
     )
-    stats = RunStats(mode=mode, sent=len(samples))
+    stats = RunStats(mode=mode, sent=len(samples.records))
     collector = Collector(broker.bootstrap, [topics["results"], topics["dlq"]])
     try:
         produced = await _send_and_collect(worker, collector, topics, samples, opts, mode)
@@ -191,7 +155,7 @@ async def _send_and_collect(
     worker: WorkerProcess,
     collector: Collector,
     topics: dict[str, str],
-    samples: list[Sample],
+    samples: LabelledSet,
     opts: DemoOptions,
     mode: str,
 ) -> list[Produced]:
@@ -207,13 +171,15 @@ async def _send_and_collect(
     await collector.start()
     collecting = asyncio.create_task(
         collector.collect(
-            lambda c: c.count() >= len(samples), opts.timeout, Progress(len(samples), mode)
+            lambda c: c.count() >= len(samples.records),
+            opts.timeout,
+            Progress(len(samples.records), mode),
         )
     )
     produced = await produce_all(
         collector.bootstrap,
         topics["requests"],
-        encode_samples(samples),
+        samples.records,
         partition_of=lambda i: i % opts.partitions,
         rate=opts.rate,
     )
@@ -236,7 +202,7 @@ def _score(
     stats: RunStats,
     collector: Collector,
     topics: dict[str, str],
-    samples: list[Sample],
+    samples: LabelledSet,
     produced: list[Produced],
 ) -> None:
     """Answers, accuracy, throughput and latency from what was collected."""
@@ -245,7 +211,7 @@ def _score(
     stats.received = len(results) + stats.dlq
     sent_at = {p.key: p.sent_at for p in produced}
     latencies = []
-    labels = {s.id: s.label for s in samples}
+    labels = samples.labels
     for rec in results:
         res = rec.result()
         if res.status != "ok":
@@ -253,8 +219,7 @@ def _score(
             code = res.error.code if res.error else "?"
             stats.error_codes[code] = stats.error_codes.get(code, 0) + 1
             continue
-        top1 = int(res.outputs["topk_indices"].to_numpy()[0])
-        stats.correct += int(top1 == labels.get(res.id, -1))
+        stats.correct += int(samples.predicted(res) == labels.get(res.id, -1))
         if rec.record_key in sent_at:
             latencies.append(rec.received_at - sent_at[rec.record_key])
     if results:
@@ -304,14 +269,12 @@ def _ok(s: RunStats, offline: int) -> bool:
 
 
 async def _demo(opts: DemoOptions) -> int:
-    samples = labelled_samples(opts.repeat)
-    model = ModelConfig()
-    offline = await asyncio.to_thread(offline_correct, samples, model)
-    sizes = sorted({f"{s.image.shape[0]}x{s.image.shape[1]}" for s in samples})
+    samples = await asyncio.to_thread(labelled_set, opts.model, opts.repeat)
+    offline = samples.offline_correct
     print(
-        f"infer-worker demo: {len(samples)} labelled digit requests ({', '.join(sizes)}) "
-        f"over {opts.partitions} partitions, embedded broker, model {model.path} "
-        f"on {model.backend}, "
+        f"infer-worker demo: {len(samples.records)} {samples.description} "
+        f"over {opts.partitions} partitions, embedded broker, model builtin:{samples.model} "
+        f"on onnxruntime, "
         + (
             f"open-loop Poisson arrivals at {opts.rate:g} requests/s"
             if opts.rate

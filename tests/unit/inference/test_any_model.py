@@ -72,7 +72,8 @@ async def test_two_inputs_with_a_free_dimension_equal_each_request_alone(
         assert answer.error is None and answer.outputs is not None
         alone = run_alone(path, {k: t.to_numpy() for k, t in given.items()})
         assert set(answer.outputs) == {"score", "token_scores"}  # postprocessing off
-        np.testing.assert_allclose(answer.outputs["score"], alone["score"], rtol=1e-6)
+        # Equal up to float rounding: a sum over padded zeros may add in another order.
+        np.testing.assert_allclose(answer.outputs["score"], alone["score"], rtol=1e-5, atol=1e-6)
         # The per-token output at the request's own length, not the batch's.
         assert answer.outputs["token_scores"].shape == (given["ids"].shape[0],)
         np.testing.assert_array_equal(answer.outputs["token_scores"], alone["token_scores"])

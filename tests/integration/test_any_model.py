@@ -1,0 +1,225 @@
+"""Models of any inputs, served from Kafka by a real worker process: a two-input
+model with a free sequence dimension and a per-token output, a scikit-learn
+table of four inputs, the bundled text model. Every answer equals the model run
+on that request alone; every bad request is an error result naming its input
+(never a DLQ record: the envelope decoded); offsets are committed for all."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.onnx_models import ranker, run_alone, sklearn_pipeline
+from worker.contract import EncodedImage, Request, Result, Tensor, encode_request
+from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.processes import WorkerProcess, spawn_worker
+from worker.tools.topics import Collector, committed_offsets, produce_all
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("onnx")
+
+
+def wire(rid: str, inputs: Mapping[str, Any]) -> bytes:
+    return encode_request(Request(v=1, id=rid, inputs=dict(inputs)))
+
+
+async def serve(
+    broker: EmbeddedBroker,
+    names: dict[str, str],
+    requests: list[tuple[str, bytes]],
+    env: dict[str, str],
+    partitions: int = 2,
+) -> dict[str, Result]:
+    """Start a worker with ``env``, send ``requests`` (id, value), and return every
+    result by id once all are answered; checks nothing went to the DLQ and that
+    the commits cover every request."""
+    await create_topics(
+        broker.bootstrap, {names["requests"]: partitions, names["results"]: 1, names["dlq"]: 1}
+    )
+    w: WorkerProcess = spawn_worker(
+        broker.bootstrap,
+        input_topics=[names["requests"]],
+        output_topic=names["results"],
+        dlq_topic=names["dlq"],
+        group_id=names["group"],
+        extra_env=env,
+    )
+    try:
+        await asyncio.to_thread(
+            w.wait_until,
+            lambda m: m.get("infer_assigned_partitions", 0) >= partitions,
+            60.0,
+            "partition assignment",
+        )
+        produced = await produce_all(
+            broker.bootstrap, names["requests"], [(rid.encode(), v) for rid, v in requests]
+        )
+        c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+        await c.start()
+        try:
+            done = await c.collect(lambda c: c.count() >= len(requests), 60.0)
+            assert done, f"{c.count()} of {len(requests)} answered\n{w.log_tail()}"
+        finally:
+            await c.stop()
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert not c.records.get(names["dlq"]), "a request whose envelope decoded went to the DLQ"
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    assert len(results) == len(requests)
+    committed = await committed_offsets(
+        broker.bootstrap, names["group"], names["requests"], partitions
+    )
+    assert sum(committed.values()) == len(produced)
+    return results
+
+
+async def test_a_two_input_model_with_a_per_token_output(
+    broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    path = ranker(tmp_path / "ranker.onnx")
+    rng = np.random.default_rng(7)
+    good: dict[str, dict[str, np.ndarray]] = {}
+    for i in range(120):
+        good[f"ok-{i}"] = {
+            "features": rng.normal(size=4).astype(np.float32),
+            "ids": rng.integers(1, 50, int(rng.integers(1, 33))).astype(np.int64),
+        }
+    f4, ids = np.ones(4, np.float32), np.ones(3, np.int64)
+    bad: dict[str, tuple[dict[str, Any], str, str]] = {
+        "missing": ({"features": f4}, "invalid_request", "inputs.ids: missing"),
+        "unknown": (
+            {"features": f4, "ids": ids, "extra": f4},
+            "invalid_request",
+            "inputs.extra: unknown input",
+        ),
+        "dtype": (
+            {"features": f4.astype(np.float64), "ids": ids},
+            "invalid_request",
+            "inputs.features.dtype: expected float32, got float64",
+        ),
+        "fixed-dim": (
+            {"features": np.ones(3, np.float32), "ids": ids},
+            "invalid_request",
+            "inputs.features.shape[0]: expected 4",
+        ),
+        "too-long": (
+            {"features": f4, "ids": np.ones(33, np.int64)},
+            "too_large",
+            "inputs.ids.shape[0]: 33 exceeds the limit 32",
+        ),
+        "text": ({"features": f4, "ids": "1 2 3"}, "invalid_request", "got a string"),
+        "image": (
+            {"features": f4, "ids": EncodedImage("png", b"\x89PNG\r\n\x1a\n...")},
+            "invalid_request",
+            "inputs.ids: expected a tensor int64 [sequence] (a map of dtype, shape, data), "
+            "got an image file (png, msgpack bin)",
+        ),
+    }
+    requests = [
+        (rid, wire(rid, {k: Tensor.from_numpy(v) for k, v in feeds.items()}))
+        for rid, feeds in good.items()
+    ]
+    for rid, (given, _, _) in bad.items():
+        values = {
+            k: v if isinstance(v, str | EncodedImage) else Tensor.from_numpy(v)
+            for k, v in given.items()
+        }
+        requests.append((rid, _raw_wire(rid, values)))
+    results = await serve(
+        broker,
+        names,
+        requests,
+        {
+            "INFER_WORKER_MODEL__PATH": str(path),
+            "INFER_WORKER_MODEL__INPUTS__IDS__MAX_LENGTH": "32",
+        },
+    )
+    for rid, feeds in good.items():
+        r = results[rid]
+        assert r.status == "ok", r.error
+        alone = run_alone(path, feeds)
+        # Equal up to float rounding: a sum over padded zeros may add in another order.
+        np.testing.assert_allclose(
+            r.outputs["score"].to_numpy(), alone["score"], rtol=1e-5, atol=1e-6
+        )
+        # At the request's own length, equal to the model run on it alone.
+        np.testing.assert_array_equal(r.outputs["token_scores"].to_numpy(), alone["token_scores"])
+        assert r.model.name == "ranker"
+    for rid, (_, code, message) in bad.items():
+        r = results[rid]
+        assert r.status == "error" and r.error is not None, rid
+        assert (r.error.code, message in r.error.message) == (code, True), r.error
+
+
+def _raw_wire(rid: str, inputs: Mapping[str, Any]) -> bytes:
+    """A request as a client writes it, whatever the inputs hold (a bin that is not
+    an image file included, which ``EncodedImage`` would not carry)."""
+    from worker.contract.wire import pack
+
+    def one(v: Any) -> Any:
+        if isinstance(v, EncodedImage):
+            return v.data
+        return v if isinstance(v, str) else v.to_wire()
+
+    return pack({"v": 1, "id": rid, "inputs": {k: one(v) for k, v in inputs.items()}})
+
+
+async def test_a_scikit_learn_table_of_four_inputs(
+    broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    pytest.importorskip("skl2onnx")
+    path, pipeline = sklearn_pipeline(tmp_path / "churn.onnx")
+    rng = np.random.default_rng(3)
+    rows = np.stack(
+        [rng.normal(40, 12, 60), rng.normal(50, 20, 60), rng.exponential(3, 60),
+         rng.integers(0, 4, 60)], axis=1,
+    )  # fmt: skip
+    requests = []
+    for i, row in enumerate(rows):
+        inputs = {
+            "age": Tensor.from_numpy(np.array([row[0]], np.float32)),
+            "income": Tensor.from_numpy(np.array([row[1]], np.float32)),
+            "tenure": Tensor.from_numpy(np.array([row[2]], np.float32)),
+            "plan": Tensor.from_numpy(np.array([int(row[3])], np.int64)),
+        }
+        requests.append((f"row-{i}", wire(f"row-{i}", inputs)))
+    results = await serve(broker, names, requests, {"INFER_WORKER_MODEL__PATH": str(path)})
+    expected = pipeline.predict_proba(rows.astype(np.float32).astype(np.float64))
+    for i in range(len(rows)):
+        r = results[f"row-{i}"]
+        assert r.status == "ok", r.error
+        assert set(r.outputs) == {"label", "probabilities"}
+        assert r.outputs["label"].shape == ()  # a scalar per row
+        np.testing.assert_allclose(r.outputs["probabilities"].to_numpy(), expected[i], atol=1e-5)
+        assert int(r.outputs["label"].to_numpy()) == int(expected[i].argmax())
+
+
+async def test_the_bundled_text_model(broker: EmbeddedBroker, names: dict[str, str]) -> None:
+    from worker.tools.samples import sentiment_samples
+
+    samples = sentiment_samples()[:80]
+    requests = [(f"t-{i}", wire(f"t-{i}", {"text": s.text})) for i, s in enumerate(samples)]
+    requests += [
+        ("empty", wire("empty", {"text": ""})),
+        ("tensor", wire("tensor", {"text": Tensor.from_numpy(np.ones(3, np.int64))})),
+    ]
+    env = {"INFER_WORKER_MODEL__PATH": "builtin:sentiment"}
+    results = await serve(broker, names, requests, env)
+    correct = 0
+    for i, s in enumerate(samples):
+        r = results[f"t-{i}"]
+        assert r.status == "ok", r.error
+        assert r.model.name == "sentiment"
+        scores = r.outputs["token_scores"].to_numpy()
+        assert scores.shape == (s.tokens,)  # this text's own token count
+        correct += int(r.outputs["logits"].to_numpy().argmax() == s.label)
+    assert correct >= 0.9 * len(samples)
+    assert results["empty"].error is not None
+    assert results["empty"].error.message == "inputs.text: the text is empty"
+    assert results["tensor"].error is not None
+    assert "expected a text (a UTF-8 string), got a tensor" in results["tensor"].error.message
