@@ -208,8 +208,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_worker_to_loop64": round(med["worker"] / med["loop-64"], 2),
         "ratio_split_to_nosplit": round(med["worker"] / med["worker-nosplit"], 2),
         "padding_per_data_element": {n: [round(p, 3) for p in v] for n, v in padding.items()},
-        "worker_mean_batch": {n: [round(d.mean_batch, 1) for d in runs[n]]
-                              for n in ("worker", "worker-nosplit")},  # fmt: skip
+        "worker_mean_batch": {
+            n: [round(d.mean_batch, 1) for d in runs[n]] for n in ("worker", "worker-nosplit")
+        },
         "cosine_worker_vs_loop1_min": round(min(cosines), 7) if cosines else None,
     }
 
