@@ -2,168 +2,95 @@
 
 It runs inside the slot pipeline without copies or extra synchronisation:
 
-- the slot's CuPy device buffers are shared with torch zero-copy through DLPack
-  (``torch.from_dlpack``), once per slot, so the preprocess kernel writes the
-  model input in place and the model's outputs are copied (``copy_``, a device
-  copy) straight into the buffers the postprocess kernel reads;
+- the slot's CuPy device buffers (one per model input and output, each sized for
+  the largest batch at the longest lengths) are shared with torch zero-copy
+  through DLPack (``torch.from_dlpack``), once per slot; a run reads each input
+  and writes each output densely from the start of its buffer at the run's
+  shape (``worker.engines.base.dense``), so the preprocess kernel and the host
+  copies write the model's inputs in place and the postprocess kernel and the
+  copies back read its outputs in place;
 - the model runs on the slot's own CUDA stream, wrapped as
-  ``torch.cuda.ExternalStream``, so it is ordered after the preprocess kernel and
-  before the postprocess kernel by the stream alone. Torch's caching allocator
-  keeps per-stream pools, so memory freed by one slot's batch is reused only on
-  that slot's stream, in order.
+  ``torch.cuda.ExternalStream``, so it is ordered after the inputs' copies and
+  before the outputs' by the stream alone. Torch's caching allocator keeps
+  per-stream pools, so memory freed by one slot's batch is reused only on that
+  slot's stream, in order.
 
 What makes it keep up (``[model.torch]``; measured on an H100 with ResNet-50,
 batch 64: eager TorchScript 8.2k img/s, channels_last + CUDA graph 12.9k,
-torch.compile 22.0k):
+torch.compile 22.0k): the module computes in ``precision`` with
+``channels_last`` weights, an exported program is compiled with
+``torch.compile`` (``worker.engines.torch_module``), and every shape a slot will
+run (``SlotShapes``: the batch buckets, times the length buckets of each padded
+dimension of a text or sequence model) is run when the slot is created, then
+captured as one CUDA graph each. This happens while the GPU stage is built,
+before the worker joins its consumer group, so no request waits on a
+compilation or a new shape; a batch then costs one graph launch. The graphs
+bind the slot's buffers, which never move; the graphs of one slot share a
+memory pool, which is safe because they replay one at a time on that slot's
+stream and keep no tensor alive between replays.
 
-- the module computes in ``precision`` with ``channels_last`` weights, and an
-  exported program is compiled with ``torch.compile`` (TorchScript cannot be);
-- every batch is padded up to a bucket (``worker.engines.buckets``), and when a
-  slot is created every bucket is run (compiling, autotuning, choosing cuDNN
-  algorithms) and then captured as one CUDA graph per bucket. This happens
-  while the GPU stage is built, before the worker joins its consumer group, so
-  no request waits on a compilation or a new shape. A batch then costs one
-  graph launch on the slot's stream. The graphs bind the slot's buffers, which
-  never move; the graphs of one slot share a memory pool, which is safe because
-  they replay one at a time on that slot's stream and keep no tensor alive
-  between replays.
-
-Also what the GPU tests use where TensorRT is not installed. ``torch`` is
-imported when the engine is constructed, so this module imports anywhere.
+For tests, the engine also runs on CPU torch (``device="cpu"``) through a slot
+of host arrays (no stream, no graphs): loading, description, precision, compile,
+warm-up, padding and the copies out are the same code. ``torch`` is imported
+when the engine is constructed, so this module imports anywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import structlog
 
-from worker.config import ModelConfig, TorchConfig
+from worker.config import ModelConfig
 from worker.engines.base import (
     EngineInfo,
     EngineSlot,
-    EngineUnavailable,
     Feeds,
+    SlotShapes,
     TensorSpec,
     content_version,
+    dense,
+    row_shape,
 )
-from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
+from worker.engines.buckets import bucket_for, bucket_sizes
 from worker.engines.cuda import translate_gpu_error
+from worker.engines.torch_module import (
+    compute_dtype,
+    import_torch,
+    load_program,
+    prepare_module,
+    probe_outputs,
+    strip_dtype_asserts,
+    to_host,
+)
+from worker.engines.torch_warm import warm
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 from worker.inference.preprocess import batch_shape
-from worker.model import ModelIO
+from worker.model import ModelIO, TensorDesc
 
 log = structlog.get_logger(__name__)
 
-# Runs of each bucket before capture: the first compiles (and lets cuDNN time its
-# algorithms), later ones must hit the compiled code with nothing left to set up.
-WARM_RUNS: Final = 3
+Key = tuple[int, tuple[tuple[str, int], ...]]
+"""A run's shape: its batch bucket and its length per padded symbol."""
 
 
-def import_torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise EngineUnavailable(
-            "model.backend = 'torch' needs PyTorch with CUDA: pip install -e '.[torch]'"
-        ) from exc
-    if not torch.cuda.is_available():
-        raise EngineUnavailable(
-            f"PyTorch {torch.__version__} sees no CUDA device (a CPU-only build, or no driver)"
-        )
-    return torch
-
-
-def load_module(torch: Any, path: Path, device: Any) -> Any:
-    """A TorchScript file, or an exported program when the suffix is ``.pt2``, on
-    ``device`` and in eval mode."""
-    try:
-        if path.suffix == ".pt2":
-            program = torch.export.load(str(path))
-            try:
-                from torch.export.passes import move_to_device_pass
-            except ImportError:  # torch < 2.6: move the unlifted module instead
-                module = program.module().to(device)
-            else:
-                module = move_to_device_pass(program, device).module()
-        else:
-            module = torch.jit.load(str(path), map_location=device)
-    except Exception as exc:  # boundary: torch raises RuntimeError for bad files
-        raise ConfigError(f"model.path: cannot load {path} with torch: {exc}") from exc
-    # Exported programs are fixed in the mode they were exported in, and some torch
-    # versions refuse eval() on them; TorchScript modules need it (dropout, BN).
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        module.eval()
-    return module
-
-
-def _torch_dtype(torch: Any, name: str) -> Any:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-def compute_dtype(torch: Any, cfg: TorchConfig, input_dtype: str) -> Any:
-    """The dtype the module computes in: ``precision``, or the input's for "auto"."""
-    return _torch_dtype(torch, input_dtype if cfg.precision == "auto" else cfg.precision)
-
-
-def prepare_module(
-    torch: Any, module: Any, cfg: TorchConfig, dtype: Any, max_shapes: int = 8
-) -> tuple[Any, Any]:
-    """``module`` in ``dtype`` and, with ``channels_last``, NHWC weights; and the
-    callable to run: ``torch.compile`` of it for an exported program unless
-    ``compile = "off"``, for up to ``max_shapes`` batch shapes (the buckets).
-    Device-agnostic (tested on CPU torch). Compilation itself happens lazily, on
-    the first call of each new shape: the warm-up's."""
-    try:
-        module = module.to(dtype=dtype)
-        if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)
-    except Exception as exc:  # boundary: a module whose parameters cannot convert
-        raise ConfigError(f"model.torch: cannot convert the model to {dtype}: {exc}") from exc
-    if cfg.compile == "off" or isinstance(module, torch.jit.ScriptModule):
-        # TorchScript is compiled by its own profiling executor, not by dynamo.
-        return module, module
-    # One specialised compilation per bucket (dynamic=False): with automatic
-    # dynamic shapes every bucket after the second would run generic kernels,
-    # and autotuning would tune for one size only. Dynamo falls back to eager
-    # beyond its recompile limit (8 by default), so it is raised to cover them.
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, limit, max(getattr(config, limit), max_shapes + 1))
-    return module, torch.compile(module, mode=cfg.compile, fullgraph=False, dynamic=False)
-
-
-def _numpy_dtype(torch: Any, dtype: Any, name: str) -> np.dtype[Any]:
-    if dtype == torch.bfloat16:
-        # NumPy has no bfloat16: the slot's output buffer is float32, and the
-        # device copy into it converts.
-        return np.dtype(np.float32)
-    try:
-        result: np.dtype[Any] = torch.empty((), dtype=dtype).numpy().dtype
-    except TypeError as exc:
-        raise ConfigError(f"torch output {name!r}: {dtype} has no NumPy equivalent") from exc
-    return result
-
-
-def _to_host(torch: Any, t: Any, dtype: np.dtype[Any]) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # NumPy has no bfloat16 (see _numpy_dtype)
-    return np.asarray(t.detach().cpu().numpy(), dtype=dtype)
+def key_of(batch: int, lengths: Mapping[str, int]) -> Key:
+    return batch, tuple(sorted(lengths.items()))
 
 
 @dataclass
 class _Context:
-    stream: Any  # torch.cuda.ExternalStream over the slot's stream
-    input: Any  # torch view of slot.engine_input
+    stream: Any  # torch.cuda.ExternalStream over the slot's stream (None on CPU)
+    inputs: dict[str, Any]  # torch views of slot.engine_inputs
     outputs: dict[str, Any]  # torch views of slot.engine_outputs
-    buckets: tuple[int, ...]  # the engine's buckets that fit this slot's rows
-    graphs: dict[int, Any] = field(default_factory=dict)  # bucket -> torch.cuda.CUDAGraph
+    rows: int  # the slot's buffers' batch rows
+    graphs: dict[Key, Any] = field(default_factory=dict)  # shape -> torch.cuda.CUDAGraph
+    shapes: dict[Key, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # out rows
 
 
 class TorchEngine:
@@ -172,28 +99,29 @@ class TorchEngine:
         path: Path,
         cfg: ModelConfig,
         *,
-        device: int = 0,
+        device: int | str = 0,
         max_batch_size: int = 64,
         buckets: Sequence[int] | None = None,
         output_names: Sequence[str] | None = None,
     ) -> None:
-        torch = import_torch()
+        """``device``: a CUDA ordinal, or ``"cpu"`` (tests: a slot of host arrays);
+        ``buckets``: the batch buckets until ``prepare`` names the shapes."""
+        on_cpu = device == "cpu"
+        torch = import_torch(need_cuda=not on_cpu)
         self._torch = torch
-        self.device = device
-        self._device = torch.device("cuda", device)
+        self.device = 0 if on_cpu else int(device)
+        self._device = torch.device("cpu") if on_cpu else torch.device("cuda", self.device)
         self._settings = cfg.torch
-        pp = cfg.preprocess
-        row = batch_shape(pp, 1)[1:]
-        self.input = TensorSpec("input", np.dtype(pp.dtype), row)
         self.min_batch_size = 1
         self.max_batch_size = max_batch_size
-        self.buckets = tuple(buckets) if buckets else bucket_sizes(max_batch_size)
-        if self.buckets[-1] > max_batch_size:
-            raise ConfigError(f"torch: bucket {self.buckets[-1]} exceeds the maximum batch")
-        self._dtype = compute_dtype(torch, cfg.torch, pp.dtype)
-        self._channels_last = cfg.torch.channels_last and len(row) == 3
-        self._cuda_graphs = cfg.torch.cuda_graphs
-        module = load_module(torch, path, self._device)
+        batches = tuple(buckets) if buckets else bucket_sizes(max_batch_size)
+        if batches[-1] > max_batch_size:
+            raise ConfigError(f"torch: bucket {batches[-1]} exceeds the maximum batch")
+        self.shapes = SlotShapes(batches)
+        self._dtype = compute_dtype(torch, cfg.torch, cfg.preprocess.dtype)
+        self._cuda_graphs = cfg.torch.cuda_graphs and not on_cpu
+        loaded = load_program(torch, path, self._device)
+        self._bounds = loaded.bounds or {}
         if self._cuda_graphs:
             # cuDNN times its convolution algorithms once per shape, and the warm-up
             # pays for it; the captured graphs keep the choice. Without graphs this
@@ -201,74 +129,134 @@ class TorchEngine:
             # thread would time again during live batches.
             torch.backends.cudnn.benchmark = True
         self._eager, self._module = prepare_module(
-            torch, module, cfg.torch, self._dtype, max_shapes=len(self.buckets)
+            torch, loaded.module, cfg.torch, self._dtype, max_shapes=4 * len(batches)
         )
-        self.outputs = self._probe_outputs(cfg, output_names)
+        self._autocast = False
+        if loaded.io is not None:
+            io = loaded.io
+            self._fit_precision(io)
+        else:  # TorchScript: one input, what [model.preprocess] produces; outputs probed
+            pp = cfg.preprocess
+            inp = TensorDesc("input", np.dtype(pp.dtype), batch_shape(pp, 1)[1:])
+            rows = min(2, self.max_batch_size)
+            with self._on_device():
+                outputs = probe_outputs(
+                    torch, lambda x: self._call(self._eager, [x]), inp, rows, self._device,
+                    output_names or ((cfg.output,) if cfg.output else None),
+                )  # fmt: skip
+            io = ModelIO((inp,), outputs)
+        self._io = io
+        self._channels_last = cfg.torch.channels_last
+        self.inputs: tuple[TensorSpec, ...] = ()
+        self.outputs: tuple[TensorSpec, ...] = ()
+        if not any(t.free_axes for t in (*io.inputs, *io.outputs)):
+            self.prepare(self.shapes)  # fixed shapes: sized now (what tools read)
         self.info = EngineInfo(
             backend="torch",
             name=cfg.name,
             version=content_version(path),
-            io=ModelIO((self.input.desc(),), tuple(s.desc() for s in self.outputs)),
+            io=io,
             max_batch_size=max_batch_size,
         )
         log.info(
             "torch_engine_loaded",
             path=str(path),
+            device=str(self._device),
             precision=str(self._dtype).removeprefix("torch."),
+            autocast=self._autocast,
             compile=cfg.torch.compile if self._module is not self._eager else "off",
             channels_last=self._channels_last,
             cuda_graphs=self._cuda_graphs,
-            buckets=list(self.buckets),
+            inputs={t.name: t.shown() for t in io.inputs},
+            outputs={t.name: t.shown() for t in io.outputs},
         )
         self._closed = False
 
-    def _probe_outputs(
-        self, cfg: ModelConfig, output_names: Sequence[str] | None
-    ) -> tuple[TensorSpec, ...]:
-        """Run a zero batch once, eagerly (a probe must not compile a shape no
-        batch will use), to learn the outputs' names, shapes and dtypes (a
-        TorchScript file does not declare them). Start-up only."""
-        torch = self._torch
-        rows = min(2, self.max_batch_size)
-        dtype = _torch_dtype(torch, self.input.dtype.name)
-        try:
-            with torch.inference_mode(), torch.cuda.device(self._device):
-                x = torch.zeros((rows, *self.input.shape), dtype=dtype, device=self._device)
-                values = self._forward(self._eager, x)
-                torch.cuda.synchronize(self._device)
-        except InferenceFailed as exc:
-            raise ConfigError(f"model.path: {exc}") from exc
-        except Exception as exc:  # boundary: the model rejects its own input shape
-            raise ConfigError(
-                f"model.path: the torch model fails on a {self.input.dtype}"
-                f"{[rows, *self.input.shape]} batch: {exc}"
-            ) from exc
-        names: list[str]
-        if all(name is not None for name, _ in values):
-            names = [str(name) for name, _ in values]
-        elif output_names is not None:
-            names = list(output_names)
-        elif len(values) == 1:
-            names = [cfg.output or "output"]
-        else:
-            names = [f"output_{i}" for i in range(len(values))]
-        if len(names) != len(values):
-            raise ConfigError(f"torch: {len(values)} outputs but names {names}")
-        specs = []
-        for name, (_, t) in zip(names, values, strict=True):
-            if t.dim() < 1 or t.shape[0] != rows:
-                raise ConfigError(f"torch output {name!r} has no batch dimension ({t.shape})")
-            specs.append(TensorSpec(name, _numpy_dtype(torch, t.dtype, name), tuple(t.shape[1:])))
-        return tuple(specs)
+    # --- start-up --------------------------------------------------------------------
 
-    def _forward(self, module: Any, x: Any) -> list[tuple[str | None, Any]]:
-        """``module`` on ``x`` in the compute dtype and memory format (one copy at
-        most, none when both already match)."""
-        if self._channels_last:
-            x = x.to(dtype=self._dtype, memory_format=self._torch.channels_last)
-        elif x.dtype != self._dtype:
-            x = x.to(self._dtype)
-        return self._flatten(module(x))
+    def prepare(self, shapes: SlotShapes) -> None:
+        """The shapes the slots run: buffers are sized for the largest, and every one
+        is warmed when a slot is created."""
+        for symbol, buckets in shapes.lengths:
+            lo, hi = self._bounds.get(symbol, (1, 1 << 62))
+            if buckets[0] < lo or buckets[-1] > hi:
+                raise ConfigError(
+                    f"batching.length_buckets: the program takes {symbol!r} in {lo}..{hi}; "
+                    f"the buckets span {buckets[0]}..{buckets[-1]}"
+                )
+        top = shapes.max_lengths
+        self.shapes = shapes
+        self.inputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.inputs)
+        self.outputs = tuple(
+            TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.outputs
+        )
+
+    def _fit_precision(self, io: ModelIO) -> None:
+        """Check the converted program runs at all. One that casts itself in forward
+        (export fixed its ``.float()`` and asserts the dtype before it) fails with
+        converted weights: it runs with float32 weights under autocast instead, its
+        dtype assertions removed (autocast changes the dtypes they check)."""
+        torch = self._torch
+        if self._dtype == torch.float32:
+            return
+        try:
+            self._probe(io)
+            return
+        except Exception as exc:  # boundary: a dtype the program's casts refuse
+            reason = str(exc)[:200]
+        self._eager = self._eager.to(dtype=torch.float32)
+        stripped = strip_dtype_asserts(torch, self._eager)
+        if self._module is not self._eager:
+            self._module = torch.compile(
+                self._eager, mode=self._settings.compile, fullgraph=False, dynamic=None
+            )
+        self._autocast = True
+        try:
+            self._probe(io)
+        except Exception as exc:  # boundary: not even autocast runs it
+            raise ConfigError(
+                f"model.torch.precision: the program does not run in {self._dtype} "
+                f"(converted: {reason}; under autocast: {exc}); export it in that precision "
+                'or set precision = "float32"'
+            ) from exc
+        log.warning("torch_precision_autocast", dtype=str(self._dtype), reason=reason,
+                    dtype_asserts_removed=stripped)  # fmt: skip
+
+    def _probe(self, io: ModelIO) -> None:
+        """The eager module on a small zero batch (ids of 0 are valid ids)."""
+        lengths = {
+            s: max(2, self._bounds.get(s, (2, 2))[0]) for t in io.inputs for s in t.symbols()
+        }
+        probe = [self._zeros(t, 2, lengths) for t in io.inputs]
+        with self._torch.inference_mode(), self._on_device():
+            self._call(self._eager, probe)
+
+    def _zeros(self, desc: TensorDesc, rows: int, lengths: Mapping[str, int]) -> Any:
+        dtype = self._torch.float32 if desc.dtype == np.float32 else None
+        dtype = dtype or self._torch.from_numpy(np.zeros(0, desc.dtype)).dtype
+        return self._torch.zeros((rows, *row_shape(desc, lengths)), dtype=dtype,
+                                 device=self._device)  # fmt: skip
+
+    # --- running the module ----------------------------------------------------------
+
+    def _call(self, module: Any, inputs: list[Any]) -> list[tuple[str | None, Any]]:
+        """``module`` on ``inputs`` (in the model's order), floating inputs in the
+        compute dtype (one copy at most) and 4-D ones in NHWC with
+        ``channels_last``; under autocast when precision needs it."""
+        torch = self._torch
+        target = torch.float32 if self._autocast else self._dtype
+        cast = []
+        for x in inputs:
+            if x.is_floating_point() and x.dim() == 4 and self._channels_last:
+                cast.append(x.to(dtype=target, memory_format=torch.channels_last))
+            elif x.is_floating_point() and x.dtype != target:
+                cast.append(x.to(target))
+            else:
+                cast.append(x)
+        if self._autocast:
+            with torch.autocast(self._device.type, dtype=self._dtype):
+                return self._flatten(module(*cast))
+        return self._flatten(module(*cast))
 
     def _flatten(self, value: Any) -> list[tuple[str | None, Any]]:
         torch = self._torch
@@ -280,125 +268,104 @@ class TorchEngine:
             return [(None, v) for v in value]
         raise InferenceFailed(f"torch: unsupported model output type {type(value).__name__}")
 
+    def _on_device(self) -> Any:
+        if self._device.type == "cuda":
+            return self._torch.cuda.device(self._device)
+        return contextlib.nullcontext()
+
     # --- GpuEngine -----------------------------------------------------------------
 
     def create_context(self, slot: EngineSlot) -> _Context:
-        """Views of the slot's buffers, then every bucket warmed and captured
+        """Views of the slot's buffers, then every shape warmed and captured
         (start-up: this is where compilation time goes)."""
         torch = self._torch
-        with torch.cuda.device(self._device):
-            stream = torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._device)
-            inp = torch.from_dlpack(slot.engine_input)
-            outs = {s.name: torch.from_dlpack(slot.engine_outputs[s.name]) for s in self.outputs}
-        if inp.data_ptr() != int(slot.engine_input.data.ptr):
-            raise ConfigError("torch: DLPack import of the slot input made a copy")
-        context = _Context(stream, inp, outs, slot_buckets(self.buckets, int(inp.shape[0])))
-        self._warm(slot.index, context)
+        with self._on_device():
+            stream = (
+                torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._device)
+                if slot.stream is not None
+                else None
+            )
+            inputs = {s.name: torch.from_dlpack(slot.engine_inputs[s.name]) for s in self.inputs}
+            outputs = {s.name: torch.from_dlpack(slot.engine_outputs[s.name]) for s in self.outputs}
+        for name, view in inputs.items():
+            buffer = slot.engine_inputs[name]
+            address = int(buffer.data.ptr) if hasattr(buffer.data, "ptr") else buffer.ctypes.data
+            if view.data_ptr() != address:
+                raise ConfigError(f"torch: DLPack import of the slot's input {name!r} made a copy")
+        rows = int(next(iter(inputs.values())).shape[0])
+        context = _Context(stream, inputs, outputs, rows)
+        combos = [(b, lengths) for b, lengths in self.shapes.combos() if b <= rows]
+        warm(self._torch, self._device, slot.index, context, combos, self._run_into,
+             self._cuda_graphs)  # fmt: skip
         return context
 
-    def _warm(self, slot: int, c: _Context) -> None:
-        torch = self._torch
-        started = time.monotonic()
-        bucket_ms: dict[int, float] = {}
-        try:
-            with (
-                torch.cuda.device(self._device),
-                torch.cuda.stream(c.stream),
-                torch.inference_mode(),
-            ):
-                for bucket in reversed(c.buckets):  # largest first: it sizes the pools
-                    t0 = time.monotonic()
-                    for _ in range(WARM_RUNS):
-                        self._run_into(c, bucket)
-                    c.stream.synchronize()
-                    bucket_ms[bucket] = round((time.monotonic() - t0) * 1e3, 1)
-                    # Progress: the first slot compiles every bucket, which for
-                    # a large model is the bulk of the worker's start-up.
-                    log.info(
-                        "torch_bucket_warmed",
-                        slot=slot,
-                        bucket=bucket,
-                        ms=bucket_ms[bucket],
-                        done=len(bucket_ms),
-                        of=len(c.buckets),
-                    )
-        except (InferenceFailed, EngineDead, ConfigError):
-            raise
-        except Exception as exc:  # boundary: compilation or the model failing
-            raise ConfigError(f"model.path: the torch model fails while warming up: {exc}") from exc
-        if self._cuda_graphs:
-            self._capture(slot, c)
-        log.info(
-            "torch_slot_warmed",
-            slot=slot,
-            seconds=round(time.monotonic() - started, 2),
-            bucket_ms=bucket_ms,
-            graphs=sorted(c.graphs),
-        )
-
-    def _capture(self, slot: int, c: _Context) -> None:
-        """One CUDA graph per bucket on the slot's stream, sharing one pool.
-
-        A failed capture stops start-up (exit 2) rather than falling back: on torch
-        2.11 a capture that fails leaves the caching allocator believing a capture
-        is still under way (``CUDAGraph::capture_end`` throws before it ends the
-        pool; fixed upstream in pytorch#180395), after which ``empty_cache`` and
-        every later capture in the process fail. Recovering in process is not safe.
-        """
-        torch = self._torch
-        pool = None
-        try:
-            with torch.cuda.device(self._device), torch.inference_mode():
-                for bucket in reversed(c.buckets):
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local: other threads' CUDA calls during start-up (the
-                    # NVML monitor, CuPy on the legacy stream) must not invalidate it.
-                    with torch.cuda.graph(
-                        graph, pool=pool, stream=c.stream, capture_error_mode="thread_local"
-                    ):
-                        self._run_into(c, bucket)
-                    pool = graph.pool() if pool is None else pool
-                    c.graphs[bucket] = graph
-        except Exception as exc:  # boundary: a model that cannot be captured
-            raise ConfigError(
-                f"model.torch.cuda_graphs: the model cannot be captured as a CUDA graph "
-                f"(slot {slot}): {type(exc).__name__}: {exc}. A model that reads device "
-                f"values in forward (.item(), bool(tensor), printing) cannot be; set "
-                f"model.torch.cuda_graphs = false"
-            ) from exc
-
-    def _run_into(self, c: _Context, rows: int) -> None:
-        """The module on the first ``rows`` of the slot's input, its outputs copied
-        into the slot's output buffers (on the current stream)."""
-        values = self._forward(self._module, c.input[:rows])
+    def _run_into(
+        self, c: _Context, rows: int, lengths: Mapping[str, int], mark: bool = False
+    ) -> None:
+        """The module on the first ``rows`` rows of the slot's inputs at ``lengths``,
+        its outputs copied into the slot's output buffers (on the current stream);
+        records each output's row shape for the run. ``mark``: mark the batch and
+        padded dimensions dynamic (the warm-up's first call compiles for them)."""
+        inputs = []
+        for desc in self._io.inputs:
+            x = dense(c.inputs[desc.name], rows, row_shape(desc, lengths))
+            if mark and self._module is not self._eager:
+                self._mark_dynamic(x, desc)
+            inputs.append(x)
+        values = self._call(self._module, inputs)
         if len(values) != len(self.outputs):
             raise InferenceFailed(
                 f"torch: model returned {len(values)} outputs, expected {len(self.outputs)}"
             )
+        shapes: dict[str, tuple[int, ...]] = {}
         for spec, (_, t) in zip(self.outputs, values, strict=True):
-            dst = c.outputs[spec.name][:rows]
-            if tuple(t.shape) != tuple(dst.shape):
+            row = tuple(int(d) for d in t.shape[1:])
+            if (
+                t.dim() < 1
+                or int(t.shape[0]) != rows
+                or len(row) != len(spec.shape)
+                or any(r > m for r, m in zip(row, spec.shape, strict=True))
+            ):
                 raise InferenceFailed(
-                    f"torch: output {spec.name!r} has shape {tuple(t.shape)} "
-                    f"for {rows} rows, expected {tuple(dst.shape)}"
+                    f"torch: output {spec.name!r} has shape {tuple(t.shape)} for {rows} rows; "
+                    f"the slot holds [{rows}, {', '.join(map(str, spec.shape))}] at most"
                 )
-            dst.copy_(t)  # device copy on the slot's stream, dtype-converting
+            dense(c.outputs[spec.name], rows, row).copy_(t)  # on the current stream
+            shapes[spec.name] = row
+        c.shapes[key_of(rows, lengths)] = shapes
 
-    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
-        """Runs the bucket that holds ``batch_size`` rows: its graph, or the module."""
+    def _mark_dynamic(self, x: Any, desc: TensorDesc) -> None:
+        mark = self._torch._dynamo.mark_dynamic
+        if len(self.shapes.batches) > 1:
+            mark(x, 0)
+        varying = {s for s, buckets in self.shapes.lengths if len(buckets) > 1}
+        for axis in desc.free_axes:
+            if desc.symbol(axis) in varying:
+                mark(x, axis + 1)
+
+    def enqueue(
+        self, slot: EngineSlot, batch_size: int, lengths: Mapping[str, int]
+    ) -> Mapping[str, tuple[int, ...]]:
+        """Runs the shape that holds ``batch_size`` rows at ``lengths``: its graph,
+        or the module. Returns each output's row shape in this run."""
         if self._closed:
             raise EngineDead("torch engine is closed")
         torch = self._torch
         c: _Context = slot.context
         try:
-            bucket = bucket_for(batch_size, c.buckets)
-            graph = c.graphs.get(bucket)
-            with torch.cuda.stream(c.stream):
+            bucket = bucket_for(batch_size, [b for b in self.shapes.batches if b <= c.rows])
+            key = key_of(bucket, lengths)
+            graph = c.graphs.get(key)
+            on_stream = (
+                torch.cuda.stream(c.stream) if c.stream is not None else contextlib.nullcontext()
+            )
+            with on_stream:
                 if graph is not None:
                     graph.replay()
                 else:
                     with torch.inference_mode():
-                        self._run_into(c, bucket)
+                        self._run_into(c, bucket, lengths)
+            return c.shapes[key]
         except (InferenceFailed, EngineDead):
             raise
         except ValueError as exc:  # more rows than the slot holds: a caller's bug
@@ -409,23 +376,27 @@ class TorchEngine:
     # --- CPU protocol (parity tests) -------------------------------------------------
 
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
-        """Synchronous run of a host batch on torch's current stream; allocates.
-        Padded to a bucket like ``enqueue``, so it runs the same compiled shapes."""
+        """Synchronous run of host feeds on torch's current stream; allocates.
+        Padded to a batch bucket like ``enqueue``, so it runs the same compiled
+        shapes."""
         if self._closed:
             raise EngineDead("torch engine is closed")
         torch = self._torch
-        batch = feeds[self.input.name]
-        n = len(batch)
+        n = len(next(iter(feeds.values())))
+        batches = self.shapes.batches
+        rows = bucket_for(n, batches) if 1 <= n <= batches[-1] else n
         try:
-            with torch.inference_mode(), torch.cuda.device(self._device):
-                host = np.ascontiguousarray(batch, dtype=self.input.dtype)
-                rows = bucket_for(n, self.buckets) if 1 <= n <= self.buckets[-1] else n
-                x = torch.zeros((rows, *host.shape[1:]), dtype=_torch_dtype(torch, host.dtype.name))
-                x[:n] = torch.from_numpy(host)
-                values = self._forward(self._module, x.to(self._device))
+            with torch.inference_mode(), self._on_device():
+                inputs = []
+                for desc in self._io.inputs:
+                    host = np.ascontiguousarray(feeds[desc.name])
+                    x = torch.zeros((rows, *host.shape[1:]), dtype=torch.from_numpy(host).dtype)
+                    x[:n] = torch.from_numpy(host)
+                    inputs.append(x.to(self._device))
+                values = self._call(self._module, inputs)
                 return {
-                    spec.name: _to_host(torch, t[:n], spec.dtype)
-                    for spec, (_, t) in zip(self.outputs, values, strict=True)
+                    spec.name: to_host(torch, t[:n], spec.dtype)
+                    for spec, (_, t) in zip(self._io.outputs, values, strict=True)
                 }
         except (InferenceFailed, EngineDead):
             raise

@@ -75,10 +75,17 @@ class OutputPlan:
             names.append("probabilities")
         return tuple(names)
 
-    def scatter(self, raw: Mapping[str, np.ndarray], answers: Sequence[Answer]) -> None:
-        """Fill each answer's ``outputs`` with its row of every output it carries."""
+    def scatter(
+        self,
+        raw: Mapping[str, np.ndarray],
+        answers: Sequence[Answer],
+        forms: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Fill each answer's ``outputs`` with its row of every output it carries.
+        ``forms``: the postprocessed forms when the device computed them (then
+        ``raw`` holds only the outputs passed as they are)."""
         n = len(answers)
-        for name in self.used:
+        for name in self.used if forms is None else self.passed:
             arr = raw.get(name)
             if arr is None:
                 raise InferenceFailed(f"the engine returned no output {name!r}")
@@ -92,7 +99,9 @@ class OutputPlan:
                 rows[name] = self._cut(raw[name], name, answers)
             else:
                 batch[name] = raw[name]
-        if self.active:
+        if self.active and forms is not None:
+            batch.update(forms)
+        elif self.active:
             self._postprocess(raw, answers, batch, rows)
         elif self.post.normalize:
             name = self.raw_name

@@ -46,6 +46,10 @@ class InputKind(ABC):
         """The symbols of the free dimensions this input pads (per request lengths)."""
         return tuple(dict.fromkeys(s for f in self.feeds for s in f.symbols()))
 
+    def max_lengths(self) -> Mapping[str, int]:
+        """The bound on each padded symbol's length (0: none; a GPU needs one)."""
+        return {}
+
     def lengths(self, row: Any) -> Mapping[str, int]:
         """The row's free-dimension lengths by symbol, when known at intake."""
         return {}

@@ -67,6 +67,17 @@ class ModelInputs:
     def padded_symbols(self) -> frozenset[str]:
         return frozenset(self.symbols)
 
+    def max_lengths(self) -> dict[str, int]:
+        """Each padded symbol's bound: the smallest any input gives it (0: none)."""
+        out: dict[str, int] = {}
+        for kind in self.kinds:
+            for symbol, bound in kind.max_lengths().items():
+                if bound > 0:
+                    out[symbol] = min(bound, out.get(symbol, bound))
+                else:
+                    out.setdefault(symbol, 0)
+        return out
+
     def describe(self) -> list[str]:
         return [k.describe() for k in self.kinds]
 
@@ -121,17 +132,34 @@ class ModelInputs:
             runnable = [a for a in runnable if a.error is None]
         return runnable
 
-    def groups(self, answers: list[Answer]) -> list[list[Answer]]:
-        """Runs of the batch that are padded together, in batch order within each."""
+    def groups(
+        self, answers: list[Answer], buckets: Mapping[str, Sequence[int]] | None = None
+    ) -> list[list[Answer]]:
+        """Runs of the batch that are padded together, in batch order within each:
+        rows whose lengths fall in the same bucket (``buckets`` per symbol: a GPU's
+        compiled lengths; else ``batching.length_buckets``)."""
         if not self.symbols or not self.split_by_length or len(answers) < 2:
             return [answers]
         groups: dict[tuple[int, ...], list[Answer]] = {}
         names = tuple(self.symbols)
         for answer in answers:
             lengths = answer.job.lengths
-            key = tuple(length_bucket(lengths.get(s, 1), self.length_buckets) for s in names)
+            key = tuple(
+                length_bucket(lengths.get(s, 1), buckets[s] if buckets else self.length_buckets)
+                for s in names
+            )
             groups.setdefault(key, []).append(answer)
         return list(groups.values())
+
+    def bucketed(
+        self, answers: Sequence[Answer], buckets: Mapping[str, Sequence[int]]
+    ) -> dict[str, int]:
+        """The lengths a GPU runs ``answers`` at: each symbol's smallest compiled
+        bucket that holds the longest row."""
+        return {
+            s: length_bucket(longest, buckets[s])
+            for s, longest in self.padded(answers).items()
+        }
 
     def padded(self, answers: Sequence[Answer]) -> dict[str, int]:
         """Each symbol's longest length among ``answers``: what the CPU pads to."""
@@ -142,12 +170,14 @@ class ModelInputs:
         answers: Sequence[Answer],
         padded: Mapping[str, int] | None = None,
         buffers: Mapping[str, np.ndarray] | None = None,
+        kinds: Sequence[InputKind] | None = None,
     ) -> Collated:
         """The feeds of one engine run, padded to ``padded`` (default: the longest
-        rows), written into ``buffers`` where given (by feed name)."""
+        rows), written into ``buffers`` where given (by feed name); ``kinds``: only
+        these inputs' feeds (a GPU preprocesses its image itself)."""
         sizes = dict(padded) if padded is not None else self.padded(answers)
         out: dict[str, np.ndarray] = dict(buffers or {})
-        for kind in self.kinds:
+        for kind in self.kinds if kinds is None else kinds:
             kind.collate([a.job.inputs[kind.name] for a in answers], sizes, out)
         return Collated(out, sizes)
 

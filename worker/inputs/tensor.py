@@ -66,6 +66,9 @@ class TensorKind(InputKind):
                 )
         return value.to_numpy()
 
+    def max_lengths(self) -> Mapping[str, int]:
+        return {symbol: self.max_length for symbol in self._symbols.values()}
+
     def lengths(self, row: np.ndarray) -> Mapping[str, int]:
         return {symbol: int(row.shape[axis]) for axis, symbol in self._symbols.items()}
 

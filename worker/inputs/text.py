@@ -66,6 +66,9 @@ class TextKind(InputKind):
                 )
         self._pads = {feeds[0].name: self.pad_id}
 
+    def max_lengths(self) -> Mapping[str, int]:
+        return {symbol: self.cfg.max_length for symbol in self.padded_symbols()}
+
     def check(self, value: InputValue) -> str:
         if not isinstance(value, str):
             raise InvalidRequest(f"{self.field}: expected a text (a UTF-8 string), got "

@@ -50,9 +50,12 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Final
+
+import structlog
 
 from worker import metrics
 from worker.config import PreprocessConfig
@@ -60,7 +63,11 @@ from worker.contract import EncodedImage
 from worker.contract.jpeg import read_frame
 from worker.engines.cuda import translate_gpu_error
 from worker.errors import ConfigError, EngineDead
+from worker.inference.decode import decode_pending
 from worker.inference.gpu.slots import DeviceImage, Slot
+from worker.records import Answer
+
+log = structlog.get_logger(__name__)
 
 # Huffman-coded baseline, extended sequential and progressive: what nvJPEG decodes.
 NVJPEG_PROCESSES: Final = frozenset({0xC0, 0xC1, 0xC2})
@@ -255,6 +262,27 @@ class NvJpeg:
         error = translate_gpu_error(exc, "nvjpeg")
         if isinstance(error, EngineDead):
             raise error from exc
+
+    def decode_answers(
+        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage], name: str
+    ) -> tuple[list[Answer], float]:
+        """On a stage thread: one batched nvJPEG call for the group's JPEGs; those it
+        refuses go to the host decoder (request input ``name``). Returns the answers
+        that can run and the decode's seconds."""
+        jpegs = [a for a in answers if id(a) in on_device]
+        started = time.monotonic()
+        problems = self.decode(slot, [on_device[id(a)] for a in jpegs])
+        seconds = time.monotonic() - started
+        refused: list[Answer] = []
+        for answer, problem in zip(jpegs, problems, strict=True):
+            if problem is None:
+                continue  # its pixels are on the device (``on_device``)
+            del on_device[id(answer)]
+            refused.append(answer)
+            log.debug("nvjpeg_refused", offset=answer.job.offset, reason=problem)
+        if refused:
+            decode_pending(refused, self._channels, name)
+        return [a for a in answers if a.error is None], seconds
 
     def place(self, slot: Slot, on_device: list[tuple[int, DeviceImage]]) -> None:
         """Enqueue on the slot's stream one device-to-device copy per decoded image

@@ -1,10 +1,12 @@
 """What the GPU stage does around the engine, decided once at start-up.
 
-Pure functions of the engine's tensors and the model config: whether the
-engine's input matches what preprocessing produces, and where postprocessing
-runs (the kernels on device when they compute exactly what
-``worker.inference.postprocess`` does, else the raw output comes back and the
-NumPy reference runs on the host).
+Pure functions of the engine's tensors, the model's bound inputs and the config:
+which image input (at most one) is preprocessed on the device by the kernels,
+and which inputs are collated on the host and copied in; every shape the slots
+run (batch buckets x length buckets of each padded dimension: ``SlotShapes``);
+and where postprocessing runs (the kernels on device when they compute exactly
+what ``worker.inference.postprocess`` does on an output of fixed shape, else the
+raw output comes back and the NumPy reference runs on the host).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.config import ModelConfig, PostprocessConfig
-from worker.engines.base import GpuEngine, TensorSpec
+from worker.engines.base import GpuEngine, SlotShapes, TensorSpec
+from worker.engines.buckets import bucket_sizes
 from worker.errors import ConfigError
-from worker.inference.preprocess import batch_shape
+from worker.inputs import ModelInputs
+from worker.inputs.base import InputKind
+from worker.inputs.image import ImageKind
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,19 @@ class PostprocessPlan:
     host_postprocess: bool  # raw output comes back and the host reference runs on it
     copy_back: tuple[str, ...]
     post: PostprocessConfig  # the resolved settings
+
+    @property
+    def result_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.shape for t in self.result_specs}
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """What comes back computed on the device (the raw output too with
+        ``include_raw``); empty when postprocessing runs on the host."""
+        if self.host_postprocess:
+            return ()
+        names = [self.raw.name] if self.post.include_raw else []
+        return (*names, *(t.name for t in self.result_specs))
 
     @property
     def result_specs(self) -> tuple[TensorSpec, ...]:
@@ -45,10 +63,17 @@ class PostprocessPlan:
 
 
 def postprocess_plan(
-    engine: GpuEngine, model: ModelConfig, pp: PostprocessConfig | None = None
+    engine: GpuEngine,
+    model: ModelConfig,
+    pp: PostprocessConfig | None = None,
+    passed: tuple[str, ...] = (),
+    varying: frozenset[str] = frozenset(),
 ) -> PostprocessPlan:
     """Decide where postprocessing runs (see the module docstring); ``pp``: the
-    resolved settings (default: ``model.postprocess`` resolved for a classifier)."""
+    resolved settings (default: ``model.postprocess`` resolved for a classifier);
+    ``passed``: outputs that come back as computed (``OutputPlan.passed``);
+    ``varying``: outputs whose shape follows a padded input's length (they are cut
+    back per request on the host, so they are postprocessed there too)."""
     pp = pp if pp is not None else model.postprocess.resolved(classifier=True)
     raw_name = model.output or engine.info.output_names[0]
     specs = {t.name: t for t in engine.outputs}
@@ -58,12 +83,18 @@ def postprocess_plan(
     assert pp.top_k is not None and pp.softmax is not None
     # The kernels reduce over a whole row; the reference's softmax runs over the
     # last axis. They agree when the row is one softmax segment.
-    kernel_fits = raw.dtype in (np.float32, np.float16) and (
-        math.prod(raw.shape[:-1]) == 1 or not pp.softmax
+    kernel_fits = (
+        raw.dtype in (np.float32, np.float16)
+        and raw_name not in varying
+        and (math.prod(raw.shape[:-1]) == 1 or not pp.softmax)
     )
     wants_device_work = pp.top_k > 0 or pp.softmax
-    if wants_device_work and not kernel_fits:
-        return PostprocessPlan(raw, 0, False, True, (raw_name,), pp)
+    if not wants_device_work:
+        back = passed or tuple(t.name for t in engine.outputs)
+        return PostprocessPlan(raw, 0, False, True, tuple(dict.fromkeys(back)), pp)
+    if not kernel_fits:
+        back = (raw_name, *passed)
+        return PostprocessPlan(raw, 0, False, True, tuple(dict.fromkeys(back)), pp)
     names: list[str] = [raw_name] if pp.include_raw else []
     topk = min(pp.top_k, raw.row_elements) if pp.top_k > 0 else 0
     if topk:
@@ -71,16 +102,62 @@ def postprocess_plan(
     softmax_rows = not topk and pp.softmax
     if softmax_rows:
         names.append("probabilities")
-    return PostprocessPlan(raw, topk, softmax_rows, False, tuple(names), pp)
+    return PostprocessPlan(
+        raw, topk, softmax_rows, False, tuple(dict.fromkeys((*names, *passed))), pp
+    )
 
 
-def check_engine_input(engine: GpuEngine, model: ModelConfig) -> None:
-    """The engine must take exactly what preprocessing produces per request."""
-    pp = model.preprocess
-    expected = batch_shape(pp, 1)[1:]
-    if engine.input.shape != expected or engine.input.dtype != np.dtype(pp.dtype):
+def device_image(inputs: ModelInputs) -> ImageKind | None:
+    """The image input the kernels preprocess on the device (``device = "gpu"``):
+    at most one (one packed staging buffer per slot)."""
+    on_device = [k for k in inputs.kinds if isinstance(k, ImageKind) and k.cfg.device == "gpu"]
+    if len(on_device) > 1:
+        names = ", ".join(k.name for k in on_device)
         raise ConfigError(
-            f"model.preprocess: produces {pp.dtype}{list(expected)} per request but the "
-            f"engine input {engine.input.name!r} is {engine.input.dtype}"
-            f"{list(engine.input.shape)}"
+            f"model.inputs: {names} all preprocess on the GPU; one image input can "
+            '(set device = "cpu" for the others)'
         )
+    return on_device[0] if on_device else None
+
+
+def host_kinds(inputs: ModelInputs, on_device: ImageKind | None) -> tuple[InputKind, ...]:
+    """The inputs collated on the host into the slot's pinned twins."""
+    return tuple(k for k in inputs.kinds if k is not on_device)
+
+
+def slot_shapes(
+    inputs: ModelInputs,
+    max_batch_size: int,
+    preferred: tuple[int, ...] = (),
+    length_buckets: tuple[int, ...] = (),
+    min_batch_size: int = 1,
+) -> SlotShapes:
+    """Every shape the slots run: batch buckets (``worker.engines.buckets``) x,
+    per padded dimension, its length buckets up to the input's bound
+    (``batching.length_buckets`` below it, else powers of two) and the bound
+    itself. A padded dimension without a bound cannot have buffers: refused."""
+    lengths: list[tuple[str, tuple[int, ...]]] = []
+    bounds = inputs.max_lengths()
+    for symbol in inputs.symbols:
+        bound = bounds.get(symbol, 0)
+        if bound <= 0:
+            names = ", ".join(inputs.symbols[symbol])
+            raise ConfigError(
+                f"model.inputs.{inputs.symbols[symbol][0]}.max_length: the GPU sizes its "
+                f"buffers for the longest {symbol!r} ({names}); set a bound"
+            )
+        lengths.append((symbol, length_buckets_to(bound, length_buckets)))
+    rows = max(max_batch_size, min_batch_size)
+    batches = tuple(sorted({max(b, min_batch_size) for b in bucket_sizes(rows, preferred)}))
+    return SlotShapes(batches, tuple(lengths))
+
+
+def length_buckets_to(bound: int, configured: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Ascending lengths up to ``bound`` (included): the configured ones below it,
+    else the powers of two."""
+    below = (
+        [b for b in configured if b < bound]
+        if configured
+        else [1 << i for i in range(bound.bit_length()) if 1 << i < bound]
+    )
+    return (*below, bound)

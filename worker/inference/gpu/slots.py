@@ -1,9 +1,11 @@
 """Slots: everything one in-flight batch needs on the GPU, allocated once; and the ring.
 
 A ``Slot`` is one CUDA stream with its timing events, pinned host staging for the
-batch's packed input bytes and per-image table, pinned host twins of the outputs
-that come back, device buffers sized for the largest batch, and the engine's
-execution context for that stream. Slots rotate, so while batch N computes on
+batch's packed image bytes and per-image table (GPU preprocessing), pinned host
+twins of the model inputs collated on the host (tensors, texts' tokens, images
+preprocessed on the CPU) and of the outputs that come back, device buffers
+sized for the largest batch at the longest lengths, and the engine's execution
+context for that stream. Slots rotate, so while batch N computes on
 one stream, batch N+1 copies in on another and batch N-1 copies out on a third.
 
 A JPEG decoded on the device (``nvjpeg``) is a ``DeviceImage``: it takes its
@@ -26,7 +28,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -227,21 +229,22 @@ def pack_images(images: Sequence[np.ndarray], packed: np.ndarray, table: np.ndar
 class SlotLayout:
     """Every buffer of a slot, fixed at start-up from the engine and the model.
 
-    ``max_batch_size`` rows everywhere; ``max_input_bytes`` of packed uint8 image
-    staging when preprocessing runs on the GPU (0 when it runs on the host, which
-    instead stages the preprocessed batch in ``host_input``); ``results`` are
+    ``max_batch_size`` rows everywhere, each at its largest row (the longest
+    lengths); ``max_input_bytes`` of packed uint8 image staging when an image is
+    preprocessed on the GPU (0 otherwise); ``host_inputs`` names the engine
+    inputs collated on the host into pinned twins and copied in; ``results`` are
     device outputs of the postprocessing kernels; ``copy_back`` names the engine
     outputs or results that come back to pinned host memory.
     """
 
     device: int
     max_batch_size: int
-    engine_input: TensorSpec
+    engine_inputs: tuple[TensorSpec, ...]
     engine_outputs: tuple[TensorSpec, ...]
     results: tuple[TensorSpec, ...] = ()
     copy_back: tuple[str, ...] = ()
     max_input_bytes: int = 0
-    host_input: bool = False
+    host_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -252,24 +255,26 @@ class SlotLayout:
         missing = set(self.copy_back) - set(names)
         if missing:
             raise ValueError(f"copy_back names unknown buffers: {sorted(missing)}")
+        unknown = set(self.host_inputs) - {t.name for t in self.engine_inputs}
+        if unknown:
+            raise ValueError(f"host_inputs names unknown engine inputs: {sorted(unknown)}")
 
     def spec(self, name: str) -> TensorSpec:
-        for t in (*self.engine_outputs, *self.results):
+        for t in (*self.engine_inputs, *self.engine_outputs, *self.results):
             if t.name == name:
                 return t
         raise KeyError(name)
 
     @property
     def device_bytes(self) -> int:
-        rows = sum(t.row_bytes for t in (self.engine_input, *self.engine_outputs, *self.results))
+        tensors = (*self.engine_inputs, *self.engine_outputs, *self.results)
+        rows = sum(t.row_bytes for t in tensors)
         table = 3 * 8 if self.max_input_bytes else 0
         return self.max_batch_size * (rows + table) + self.max_input_bytes
 
     @property
     def pinned_bytes(self) -> int:
-        rows = sum(self.spec(n).row_bytes for n in self.copy_back)
-        if self.host_input:
-            rows += self.engine_input.row_bytes
+        rows = sum(self.spec(n).row_bytes for n in (*self.copy_back, *self.host_inputs))
         table = 3 * 8 if self.max_input_bytes else 0
         return self.max_batch_size * (rows + table) + self.max_input_bytes
 
@@ -293,16 +298,19 @@ class Slot:
     layout: SlotLayout
     stream: Any
     events: SlotEvents
-    engine_input: Any
+    engine_inputs: Mapping[str, Any]
     engine_outputs: Mapping[str, Any]
     results: Mapping[str, Any]
     host_results: Mapping[str, np.ndarray]
+    host_inputs: Mapping[str, np.ndarray]  # pinned twins of the host-collated inputs
     host_packed: np.ndarray | None = None  # pinned uint8 [max_input_bytes]
     host_table: np.ndarray | None = None  # pinned int64 [max_batch, 3]
     dev_packed: Any = None
     dev_table: Any = None
-    host_input: np.ndarray | None = None  # pinned, host preprocessing only
     context: Any = None  # the engine's, from GpuEngine.create_context
+    # Each engine output's and result's row shape in the run last enqueued (what
+    # comes back: an output that follows a padded length has the run's).
+    run_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # While work is in flight: (the submission running on a worker thread, the
     # future the stream's completion callback resolves). The buffers must not be
     # reused, nor the slot released, until both are done; None when idle.
@@ -338,37 +346,35 @@ class Slot:
             # stream, so slots overlap with each other and with other libraries.
             stream = cupy.cuda.Stream(non_blocking=True)
             events = SlotEvents(*(cupy.cuda.Event() for _ in range(4)))
-            inp = layout.engine_input
-            engine_input = device((n, *inp.shape), inp.dtype)
+            engine_inputs = {t.name: device((n, *t.shape), t.dtype) for t in layout.engine_inputs}
             engine_outputs = {t.name: device((n, *t.shape), t.dtype) for t in layout.engine_outputs}
             results = {t.name: device((n, *t.shape), t.dtype) for t in layout.results}
             host_results = {}
             for name in layout.copy_back:
                 spec = layout.spec(name)
                 host_results[name] = pinned((n, *spec.shape), spec.dtype)
+            host_inputs = {}
+            for name in layout.host_inputs:
+                spec = layout.spec(name)
+                host_inputs[name] = pinned((n, *spec.shape), spec.dtype)
             slot = cls(
                 index=index,
                 device=layout.device,
                 layout=layout,
                 stream=stream,
                 events=events,
-                engine_input=engine_input,
+                engine_inputs=engine_inputs,
                 engine_outputs=engine_outputs,
                 results=results,
                 host_results=host_results,
+                host_inputs=host_inputs,
             )
             if layout.max_input_bytes:
                 slot.host_packed = pinned((layout.max_input_bytes,), np.uint8)
                 slot.host_table = pinned((n, 3), np.int64)
                 slot.dev_packed = device((layout.max_input_bytes,), np.uint8)
                 slot.dev_table = device((n, 3), np.int64)
-            if layout.host_input:
-                slot.host_input = pinned((n, *inp.shape), inp.dtype)
         return slot
-
-    def rows_nbytes(self, name: str, n: int) -> int:
-        """Bytes of the first ``n`` rows of a device buffer (engine output or result)."""
-        return n * self.layout.spec(name).row_bytes
 
     def device_buffer(self, name: str) -> Any:
         buf = self.engine_outputs.get(name)
@@ -379,10 +385,11 @@ class Slot:
         if self.stream is not None:
             self.stream.synchronize()
         self.context = None
-        self.engine_input = None
+        self.engine_inputs = {}
         self.engine_outputs = {}
         self.results = {}
         self.host_results = {}
-        self.host_packed = self.host_table = self.host_input = None
+        self.host_inputs = {}
+        self.host_packed = self.host_table = None
         self.dev_packed = self.dev_table = None
         self.stream = None

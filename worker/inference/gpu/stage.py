@@ -10,15 +10,15 @@ another computes and a third copies out). The event loop only awaits completion
 and scatters rows to requests, copied out of pinned memory before the slot is
 released for the next batch.
 
-Completion: a host function enqueued after the last copy
-(``Stream.launch_host_func``) hands the loop a wake-up with
-``call_soon_threadsafe`` the moment the stream reaches it. Polling the event
-instead would add up to a millisecond per batch (asyncio's selector cannot
-sleep less than that) or burn a core spinning. CUDA does not call it after a
-context error, so a slow poll of the event's status (``cudaEventQuery``, every
-``gpu.poll_interval_ms``) runs behind it as a safety net: it turns a sticky
-device error into ``EngineDead``, and a hung device into ``EngineDead`` after
-``gpu.batch_timeout_ms``, rather than a stage that waits for ever.
+Completion (a host callback on the stream, a slow event poll behind it) and
+what a device failure means are ``completion``'s.
+
+Inputs: one image input may be preprocessed on the device by the kernels (its
+``device = "gpu"``); every other input (tensors, texts' tokens, images
+preprocessed on the CPU) is collated on the stage's threads into the slot's
+pinned twins and copied in. A batch whose rows have free dimensions of
+different lengths runs in groups by the lengths the slots were warmed at
+(``plan.slot_shapes``), each at its group's bucket, so no run meets a new shape.
 
 Encoded images: PNG and WebP files are decoded on the host (Pillow, on the
 stage's threads) before the batch is staged, like JPEGs with ``gpu.decode =
@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -50,22 +50,24 @@ import structlog
 
 from worker import metrics
 from worker.config import GpuConfig, LimitsConfig, ModelConfig
-from worker.contract import EncodedImage, ErrorInfo
 from worker.engines.base import GpuEngine
-from worker.engines.cuda import event_completed, import_cupy, translate_gpu_error
-from worker.errors import ConfigError, EngineDead, WorkerError
-from worker.inference.decode import decode_pending
+from worker.engines.cuda import import_cupy, translate_gpu_error
+from worker.errors import ConfigError, EngineDead, InferenceFailed, WorkerError
 from worker.inference.gpu import nvjpeg
-from worker.inference.gpu.launch import Launcher
-from worker.inference.gpu.plan import check_engine_input, postprocess_plan
-from worker.inference.gpu.slots import (
-    Allocations,
-    DeviceImage,
-    Slot,
-    SlotLayout,
-    SlotRing,
-    StagedImage,
+from worker.inference.gpu.completion import SlotWatch
+from worker.inference.gpu.launch import Chunk, Launcher
+from worker.inference.gpu.plan import device_image, host_kinds, postprocess_plan, slot_shapes
+from worker.inference.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout, SlotRing
+from worker.inference.gpu.staging import (
+    OnDevice,
+    needs_host_work,
+    prepare_on_host,
+    reject_oversized,
+    route_encoded,
+    split_chunks,
+    staged_bytes,
 )
+from worker.inference.outputs import OutputPlan
 from worker.inference.triage import ServiceTimeHook, report_service_time, run_isolating, triage
 from worker.inputs import ModelInputs, bind, is_classifier
 from worker.records import Answer, Batch, Completed, Job
@@ -73,8 +75,18 @@ from worker.streams import end_of_stream
 
 log = structlog.get_logger(__name__)
 
+# The staging helpers are importable from here too (tests, older callers).
+__all__ = [
+    "GpuInferenceStage",
+    "OnDevice",
+    "reject_oversized",
+    "route_encoded",
+    "split_chunks",
+    "staged_bytes",
+]
 
-def _check_sizes(engine: GpuEngine, model: ModelConfig, max_batch_size: int, slots: int) -> None:
+
+def _check_sizes(engine: GpuEngine, max_batch_size: int, slots: int) -> None:
     if max_batch_size > engine.max_batch_size:
         raise ConfigError(
             f"batching.max_batch_size ({max_batch_size}) exceeds the engine's "
@@ -82,83 +94,10 @@ def _check_sizes(engine: GpuEngine, model: ModelConfig, max_batch_size: int, slo
         )
     if slots < 1:
         raise ConfigError("gpu.num_slots: must be >= 1")
-    check_engine_input(engine, model)
 
 
-# --- staging budget: pure, so unit-tested without a GPU ------------------------------
-
-OnDevice = Mapping[int, DeviceImage]
-"""The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
-
-
-def staged_bytes(answer: Answer, on_device: OnDevice, name: str = "image") -> int:
-    """Bytes the answer's image (request input ``name``) takes in the packed
-    staging: a JPEG for nvJPEG by the size its header gives, before it is decoded."""
-    image = on_device.get(id(answer))
-    if image is not None:
-        return image.nbytes
-    pixels = answer.job.inputs[name]
-    assert isinstance(pixels, np.ndarray)
-    return int(pixels.nbytes)
-
-
-def reject_oversized(
-    answers: list[Answer], size: Callable[[Answer], int], limit: int | None
-) -> list[Answer]:
-    """Answer ``too_large`` each image that alone exceeds the slot's staging."""
-    if limit is None:
-        return answers
-    kept = []
-    for answer in answers:
-        nbytes = size(answer)
-        if nbytes > limit:
-            answer.error = ErrorInfo(
-                "too_large", f"image of {nbytes} bytes exceeds gpu.max_input_bytes {limit}"
-            )
-            metrics.REQUESTS_REJECTED.labels(code="too_large").inc()
-        else:
-            kept.append(answer)
-    return kept
-
-
-def split_chunks(
-    answers: Sequence[Answer], size: Callable[[Answer], int], max_rows: int, limit: int | None
-) -> list[list[Answer]]:
-    """Consecutive chunks of at most ``max_rows`` answers and ``limit`` staged bytes."""
-    chunks: list[list[Answer]] = []
-    current: list[Answer] = []
-    used = 0
-    for answer in answers:
-        nbytes = size(answer)
-        full = len(current) == max_rows or (limit is not None and used + nbytes > limit)
-        if current and full:
-            chunks.append(current)
-            current, used = [], 0
-        current.append(answer)
-        used += nbytes
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def route_encoded(
-    answers: list[Answer], channels: int, use_nvjpeg: bool, name: str = "image"
-) -> tuple[list[Answer], dict[int, DeviceImage]]:
-    """Split the answers whose image (request input ``name``) is a file: those for
-    the host decoder, and the JPEGs nvJPEG takes (by ``id``, with their header's
-    size)."""
-    to_host: list[Answer] = []
-    on_device: dict[int, DeviceImage] = {}
-    for answer in answers:
-        encoded = answer.job.inputs.get(name)
-        if not isinstance(encoded, EncodedImage):
-            continue
-        image = nvjpeg.device_image(encoded, channels) if use_nvjpeg else None
-        if image is None:
-            to_host.append(answer)
-        else:
-            on_device[id(answer)] = image
-    return to_host, on_device
+def _no_bytes(answer: Answer) -> int:
+    return 0
 
 
 class GpuInferenceStage:
@@ -173,48 +112,62 @@ class GpuInferenceStage:
         gpu: GpuConfig | None = None,
         *,
         inputs: ModelInputs | None = None,
+        preferred_batch_sizes: tuple[int, ...] = (),
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
-        (kernel compilation, engine contexts): construct it off the event loop."""
+        (kernel compilation, engine contexts): construct it off the event loop.
+        ``inputs``: the model's bound request inputs (bound here with default
+        settings when not given); ``preferred_batch_sizes``: the batch buckets."""
         gpu = gpu or GpuConfig()
-        _check_sizes(engine, model, max_batch_size, num_slots)
-        nvjpeg.check_config(gpu.decode, model.preprocess)
+        _check_sizes(engine, max_batch_size, num_slots)
+        inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        image = device_image(inputs)
+        nvjpeg.check_config(gpu.decode, image.cfg if image is not None else model.preprocess)
         # Before CuPy: a missing torch is named as what gpu.decode needs.
         self._nvjpeg = (
-            nvjpeg.NvJpeg(gpu.device, model.preprocess.channels) if gpu.decode == "nvjpeg" else None
+            nvjpeg.NvJpeg(gpu.device, image.cfg.channels)
+            if gpu.decode == "nvjpeg" and image is not None
+            else None
         )
         self._cupy = import_cupy()
         self._source = source
         self._sink = sink
         self._engine = engine
+        self._inputs = inputs
+        self._image = image
+        self._host = host_kinds(inputs, image)
         self._device = gpu.device
         self._max_rows = max_batch_size
         self._max_attempts = max_attempts
-        self._channels = model.preprocess.channels
-        self._input_name = model.input
         self._report = report_service_time(on_service_time)
         self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
-        self._poll_interval_s = gpu.poll_interval_ms / 1000.0
-        self._batch_timeout_s = gpu.batch_timeout_ms / 1000.0
-        gpu_preprocess = model.preprocess.device == "gpu"
         # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
         # images exceed it runs in several chunks; one larger image is too_large.
-        self._max_input_bytes = gpu.max_input_bytes if gpu_preprocess else None
-        inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        self._max_input_bytes = gpu.max_input_bytes if image is not None else None
+        shapes = slot_shapes(
+            inputs, max_batch_size, preferred_batch_sizes, inputs.length_buckets,
+            engine.min_batch_size,
+        )  # fmt: skip
+        self._buckets = dict(shapes.lengths)
+        engine.prepare(shapes)
         post = model.postprocess.resolved(is_classifier(inputs))
-        plan = postprocess_plan(engine, model, post)
-        self._launcher = Launcher(self._cupy, engine, model, plan, self._nvjpeg)
+        self.outputs = OutputPlan(engine.info.io, model, post, inputs.padded_symbols)
+        plan = postprocess_plan(
+            engine, model, post, self.outputs.passed, frozenset(self.outputs.cuts)
+        )
+        self._forms = plan.forms
+        self._launcher = Launcher(self._cupy, engine, inputs, image, self._host, plan, self._nvjpeg)
         self.layout = SlotLayout(
             device=gpu.device,
-            max_batch_size=max(max_batch_size, engine.min_batch_size),
-            engine_input=engine.input,
+            max_batch_size=shapes.batches[-1],
+            engine_inputs=engine.inputs,
             engine_outputs=engine.outputs,
             results=plan.result_specs,
             copy_back=plan.copy_back,
-            max_input_bytes=gpu.max_input_bytes if gpu_preprocess else 0,
-            host_input=not gpu_preprocess,
+            max_input_bytes=gpu.max_input_bytes if image is not None else 0,
+            host_inputs=tuple(f.name for k in self._host for f in k.feeds),
         )
         self.allocations = Allocations()
         self._metrics.gpu_slots.set(num_slots)
@@ -222,8 +175,9 @@ class GpuInferenceStage:
             self._make_slots(num_slots), self.allocations, self._metrics.gpu_slots_busy.set
         )
         self._pool = ThreadPoolExecutor(max_workers=num_slots, thread_name_prefix="gpu")
-        self._dead: EngineDead | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._watch = SlotWatch(
+            self._cupy, self._ring, gpu.poll_interval_ms / 1000.0, gpu.batch_timeout_ms / 1000.0
+        )
         log.info(
             "gpu_stage_ready",
             device=gpu.device,
@@ -231,7 +185,9 @@ class GpuInferenceStage:
             rows=self.layout.max_batch_size,
             device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
             pinned_mib=round(self.layout.pinned_bytes * num_slots / 2**20, 1),
-            preprocess=model.preprocess.device,
+            inputs={k.name: k.kind for k in inputs.kinds},
+            device_image=image.name if image is not None else None,
+            shapes=len(shapes.combos()),
             decode=gpu.decode,
             postprocess="host" if plan.host_postprocess else "gpu",
         )
@@ -273,14 +229,14 @@ class GpuInferenceStage:
         loop = asyncio.get_running_loop()
         async with end_of_stream(self._sink):
             while (batch := await self._source.get()) is not None:
-                if self._dead is not None:
-                    raise self._dead
+                if self._watch.dead is not None:
+                    raise self._watch.dead
                 self._metrics.batches(batch.reason).inc()
                 fut: asyncio.Future[Completed]
                 if any(job.failure is None for job in batch.items):
                     slot = await self._ring.acquire()
                     fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
-                    fut.add_done_callback(functools.partial(self._batch_done, slot))
+                    fut.add_done_callback(functools.partial(self._watch.batch_done, slot))
                 else:  # nothing to run: answered without a slot
                     fut = loop.create_future()
                     fut.set_result(triage(batch, time.monotonic(), self._metrics)[0])
@@ -290,9 +246,9 @@ class GpuInferenceStage:
 
     def close(self) -> None:
         """Stop accepting work, wait for in-flight streams and free every slot."""
-        self._ring.close(self._dead or EngineDead("GPU stage closed"))
+        self._ring.close(self._watch.dead or EngineDead("GPU stage closed"))
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._dead is None:
+        if self._watch.dead is None:
             with self._cupy.cuda.Device(self._device):
                 # Drain every stream first, with the GIL released (CuPy's
                 # deviceSynchronize is nogil), so each pending completion callback
@@ -306,68 +262,47 @@ class GpuInferenceStage:
         if self._nvjpeg is not None:
             self._nvjpeg.close()
 
-    def _batch_done(self, slot: Slot, task: asyncio.Future[Completed]) -> None:
-        """Release the slot once its stream is idle. A batch cancelled while its
-        work was in flight keeps the slot until that work has finished."""
-        if self._dead is not None:
-            return  # the device is gone: the slot is never reused
-        if slot.pending is None:
-            self._ring.release(slot)
-            return
-        bg = asyncio.get_running_loop().create_task(self._release_when_idle(slot))
-        self._background.add(bg)
-        bg.add_done_callback(self._background.discard)
-
-    async def _release_when_idle(self, slot: Slot) -> None:
-        assert slot.pending is not None
-        submission, woken = slot.pending
-        await asyncio.wait((submission,))
-        if submission.cancelled() or submission.exception() is not None:
-            return  # the submission itself failed: the device is dead (see _run_chunk)
-        try:
-            await self._await_slot_event(slot, woken)
-        except WorkerError as exc:
-            log.error("slot_lost", slot=slot.index, error=str(exc))
-            return
-        slot.pending = None
-        self._ring.release(slot)
-
     # --- one batch ----------------------------------------------------------------
 
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
             completed, runnable = triage(batch, time.monotonic(), self._metrics)
             on_device: dict[int, DeviceImage] = {}
-            name = self._input_name
-            if any(isinstance(a.job.inputs.get(name), EncodedImage) for a in runnable):
-                # Files for the host decoder are decoded now, on the stage's threads;
-                # JPEGs for nvJPEG keep their header's size until their chunk runs.
+            if runnable and needs_host_work(runnable, self._host, self._image):
+                # Files for the host decoder are decoded and texts tokenized now, on
+                # the stage's threads; JPEGs for nvJPEG keep their header's size
+                # until their chunk runs.
                 loop = asyncio.get_running_loop()
                 runnable, on_device = await loop.run_in_executor(
-                    self._pool, self._decode_on_host, runnable
-                )
-            size = functools.partial(staged_bytes, on_device=on_device, name=name)
+                    self._pool, prepare_on_host, runnable, self._host, self._image,
+                    self._nvjpeg is not None,
+                )  # fmt: skip
+            size = self._sizer(on_device)
             runnable = reject_oversized(runnable, size, self._max_input_bytes)
             completed.engine_rows = 0
             if runnable:
                 started = time.monotonic()
-                for chunk in split_chunks(runnable, size, self._max_rows, self._max_input_bytes):
-                    completed.engine_rows += await self._run_group(slot, chunk, on_device)
+                for group in self._inputs.groups(runnable, self._buckets):
+                    lengths = self._inputs.bucketed(group, self._buckets)
+                    for chunk in split_chunks(group, size, self._max_rows, self._max_input_bytes):
+                        completed.engine_rows += await self._run_group(
+                            slot, chunk, on_device, lengths
+                        )
                 completed.service_s = time.monotonic() - started
             return completed
 
-    def _decode_on_host(self, answers: list[Answer]) -> tuple[list[Answer], dict[int, DeviceImage]]:
-        """On a stage thread: decode the files nvJPEG does not take; returns the
-        answers that can run and the JPEGs left for nvJPEG."""
-        to_host, on_device = route_encoded(
-            answers, self._channels, self._nvjpeg is not None, self._input_name
-        )
-        if to_host:
-            decode_pending(to_host, self._channels, self._input_name)  # failures: answered
-        return [a for a in answers if a.error is None], on_device
+    def _sizer(self, on_device: OnDevice) -> Callable[[Answer], int]:
+        """Bytes an answer's device image takes in the packed staging (0 without one)."""
+        if self._image is None:
+            return _no_bytes
+        return functools.partial(staged_bytes, on_device=on_device, name=self._image.name)
 
     async def _run_group(
-        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
+        self,
+        slot: Slot,
+        answers: list[Answer],
+        on_device: dict[int, DeviceImage],
+        lengths: dict[str, int],
     ) -> int:
         """Decode the group's JPEGs on the device (if any), then run it with
         isolation; returns the rows that went to the engine. A group fits the
@@ -378,7 +313,7 @@ class GpuInferenceStage:
             decode_us = round(seconds * 1e6)
         try:
             if answers:
-                run = functools.partial(self.run_rows, slot, on_device=on_device)
+                run = functools.partial(self.run_rows, slot, on_device=on_device, lengths=lengths)
                 await run_isolating(answers, run, self._max_attempts, self._metrics)
         finally:
             # run_rows returned with the slot's stream idle (or the device is
@@ -399,7 +334,10 @@ class GpuInferenceStage:
         """nvJPEG on a stage thread, the slot marked busy meanwhile (a cancelled
         batch releases it only once the decode has returned)."""
         loop = asyncio.get_running_loop()
-        decoding = loop.run_in_executor(self._pool, self._decode_group, slot, answers, on_device)
+        assert self._nvjpeg is not None and self._image is not None
+        decoding = loop.run_in_executor(
+            self._pool, self._nvjpeg.decode_answers, slot, answers, on_device, self._image.name
+        )
         idle: asyncio.Future[None] = loop.create_future()
         idle.set_result(None)  # the decode leaves nothing queued on the slot's stream
         slot.pending = (decoding, idle)
@@ -407,7 +345,7 @@ class GpuInferenceStage:
             result = await asyncio.shield(decoding)
         except EngineDead as exc:
             slot.pending = None
-            raise self._die(exc) from None
+            raise self._watch.die(exc) from None
         except BaseException:
             if decoding.done():
                 slot.pending = None
@@ -415,120 +353,89 @@ class GpuInferenceStage:
         slot.pending = None
         return result
 
-    def _decode_group(
-        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
-    ) -> tuple[list[Answer], float]:
-        """On a stage thread: one batched nvJPEG call for the group's JPEGs; those it
-        refuses go to the host decoder. Returns the answers that can run."""
-        assert self._nvjpeg is not None
-        jpegs = [a for a in answers if id(a) in on_device]
-        started = time.monotonic()
-        problems = self._nvjpeg.decode(slot, [on_device[id(a)] for a in jpegs])
-        seconds = time.monotonic() - started
-        refused: list[Answer] = []
-        for answer, problem in zip(jpegs, problems, strict=True):
-            if problem is None:
-                continue  # its pixels are on the device (``on_device``)
-            del on_device[id(answer)]
-            refused.append(answer)
-            log.debug("nvjpeg_refused", offset=answer.job.offset, reason=problem)
-        if refused:
-            decode_pending(refused, self._channels, self._input_name)
-        return [a for a in answers if a.error is None], seconds
-
     async def run_rows(
-        self, slot: Slot, answers: list[Answer], on_device: OnDevice | None = None
+        self,
+        slot: Slot,
+        answers: list[Answer],
+        on_device: OnDevice | None = None,
+        lengths: dict[str, int] | None = None,
     ) -> None:
         """Run ``answers`` on ``slot`` and fill their outputs and timings.
 
         Splits into chunks that fit the slot (rows and staged bytes); raises
         ``InferenceFailed`` (answers untouched) or ``EngineDead``. Returns only
         when the slot's stream is idle, so the caller may run it again at once.
-        ``on_device``: the answers whose JPEG nvJPEG has decoded.
+        ``on_device``: the answers whose JPEG nvJPEG has decoded; ``lengths``:
+        the run's length per padded dimension (default: the answers' buckets).
         """
-        if self._dead is not None:
-            raise self._dead
+        if self._watch.dead is not None:
+            raise self._watch.dead
         device = on_device or {}
-        size = functools.partial(staged_bytes, on_device=device, name=self._input_name)
+        run_lengths = (
+            lengths if lengths is not None else self._inputs.bucketed(answers, self._buckets)
+        )
+        image = self._image
+        chunks = split_chunks(answers, self._sizer(device), self._max_rows, self._max_input_bytes)
         results: list[tuple[list[Answer], dict[str, np.ndarray], dict[str, int]]] = []
-        for chunk in split_chunks(answers, size, self._max_rows, self._max_input_bytes):
-            images: list[StagedImage] = []
-            for answer in chunk:
-                image = device.get(id(answer))
-                pixels = answer.job.inputs[self._input_name] if image is None else image
-                assert pixels is not None
-                images.append(pixels)
-            outputs, timing = await self._run_chunk(slot, images)
-            results.append((chunk, outputs, timing))
+        for part in chunks:
+            images = (
+                [device.get(id(a)) or a.job.inputs[image.name] for a in part]
+                if image is not None
+                else []
+            )
+            outputs, timing = await self._run_chunk(slot, Chunk(part, images, run_lengths))
+            results.append((part, outputs, timing))
         # Filled only once every chunk succeeded: a failure leaves all untouched.
-        for chunk, outputs, timing in results:
-            for i, answer in enumerate(chunk):
-                answer.outputs = {name: arr[i] for name, arr in outputs.items()}
+        for part, outputs, timing in results:
+            self._scatter(part, outputs)
+            for answer in part:
                 answer.timing_us.update(timing)
 
+    def _scatter(self, answers: list[Answer], outputs: dict[str, np.ndarray]) -> None:
+        """Each answer's rows: the device's postprocessed forms as they came back, or
+        the host reference on the raw output; outputs cut back to each request's
+        lengths (``OutputPlan``)."""
+        try:
+            if self._forms:
+                forms = {name: outputs[name] for name in self._forms}
+                self.outputs.scatter(outputs, answers, forms=forms)
+            else:
+                self.outputs.scatter(outputs, answers)
+        except WorkerError:
+            raise
+        except Exception as exc:  # boundary: a host postprocessing bug on odd rows
+            raise InferenceFailed(f"internal error: {exc!r}") from exc
+
     async def _run_chunk(
-        self, slot: Slot, images: list[StagedImage]
+        self, slot: Slot, chunk: Chunk
     ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
         launcher = self._launcher
-        submission = loop.run_in_executor(self._pool, launcher.submit, slot, images, (loop, woken))
+        n = len(chunk.answers)
+        submission = loop.run_in_executor(self._pool, launcher.submit, slot, chunk, (loop, woken))
         # Marked busy before the first await: if this task is cancelled now, the
         # slot is released only after the submission and the stream have finished.
         slot.pending = (submission, woken)
         try:
             host_seconds, error = await asyncio.shield(submission)
         except EngineDead as exc:
-            raise self._die(exc) from None
+            raise self._watch.die(exc) from None
         if isinstance(error, EngineDead):
-            raise self._die(error)
-        await self._await_slot_event(slot, woken)
+            raise self._watch.die(error)
+        await self._watch.wait(slot, woken)
         slot.pending = None
         if error is not None:
             raise error
         try:
             outputs, timing = await loop.run_in_executor(
-                self._pool, launcher.collect, slot, len(images), host_seconds
+                self._pool, launcher.collect, slot, n, host_seconds
             )
         except Exception as exc:  # boundary: reading events can report a device error
-            raise self._die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
+            raise self._watch.die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
         m = self._metrics
-        m.batch_size.observe(len(images))
+        m.batch_size.observe(n)
         m.preprocess_seconds.observe(timing["preprocess"] / 1e6)
         m.engine_seconds.observe(timing["infer"] / 1e6)
         m.d2h_seconds.observe(timing["d2h"] / 1e6)
         return outputs, timing
-
-    async def _await_slot_event(self, slot: Slot, woken: asyncio.Future[None]) -> None:
-        """Until the slot's ``finished`` event has completed, without blocking the
-        loop: normally the completion callback resolves ``woken``; the event is
-        queried every poll interval in case it never does (see module doc)."""
-        deadline = time.monotonic() + self._batch_timeout_s
-        while not woken.done():
-            await asyncio.wait((woken,), timeout=self._poll_interval_s)
-            if woken.done():
-                break
-            try:
-                # On the slot's device: this (loop) thread's current device may be
-                # another one, or have no context yet.
-                with self._cupy.cuda.Device(slot.device):
-                    completed = event_completed(self._cupy, slot.events.finished)
-                if completed:
-                    break  # finished; the callback is merely late
-            except WorkerError as exc:
-                raise self._die(exc) from None
-            except Exception as exc:  # boundary: CuPy raises CUDARuntimeError
-                raise self._die(translate_gpu_error(exc, f"slot {slot.index}")) from exc
-            if time.monotonic() > deadline:
-                raise self._die(
-                    EngineDead(
-                        f"slot {slot.index}: batch still running after {self._batch_timeout_s}s"
-                    )
-                )
-
-    def _die(self, error: WorkerError) -> WorkerError:
-        if isinstance(error, EngineDead) and self._dead is None:
-            self._dead = error
-            log.error("gpu_engine_dead", error=str(error))
-            self._ring.close(error)
-        return error

@@ -1,0 +1,169 @@
+"""The torch engine on CPU torch, through a slot made of host arrays (no stream, no
+CUDA graphs): loading an exported program with two inputs and a dynamic
+sequence, its description, precision (a model whose forward calls ``.float()``
+included), compilation, warming every shape of the slot, padding and the
+outputs written densely per run, equal to the module run eagerly on each
+request alone. After the warm-up nothing recompiles (dynamo's
+``error_on_recompile``), so a guard that would miss on live traffic fails here.
+
+torch is not installed in CI (a CUDA build of several GB; see README,
+Development): these tests run wherever it is (``pip install -e '.[torch]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from worker.config import LimitsConfig, ModelConfig, TorchConfig
+from worker.config.model import TensorInput
+from worker.engines.base import SlotShapes, dense
+from worker.inference.gpu.plan import slot_shapes
+from worker.inputs import bind
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+
+VOCAB, WIDTH, MAX_LEN = 40, 8, 16
+
+RANKER = """
+import torch
+
+
+class Ranker(torch.nn.Module):
+    '''Two inputs (a feature row and token ids), a score and per-token scores.
+    The ``.float()`` casts are what export fixes in the graph: they break a
+    conversion of the weights to bfloat16 (the engine falls back to autocast).'''
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 8, padding_idx=0)
+        self.dense = torch.nn.Linear(4, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, features, ids):
+        mask = (ids != 0).unsqueeze(-1).float()
+        tokens = self.emb(ids) * mask
+        pooled = tokens.sum(1) + self.dense(features)
+        return {"score": self.out(pooled).float(), "token_scores": self.out(tokens).squeeze(-1)}
+"""
+
+
+def export(tmp_path: Path) -> tuple[Path, Any]:
+    import torch
+
+    spec = importlib.util.spec_from_file_location("ranker_src", _write(tmp_path, RANKER))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Ranker().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("sequence", min=1, max=MAX_LEN)
+    example = (torch.randn(3, 4), torch.randint(1, VOCAB, (3, 5)))
+    program = torch.export.export(
+        model, example, dynamic_shapes={"features": {0: batch}, "ids": {0: batch, 1: seq}}
+    )
+    path = tmp_path / "ranker.pt2"
+    torch.export.save(program, str(path))
+    return path, model
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ranker_src.py"
+    path.write_text(text)
+    return path
+
+
+@dataclass
+class HostSlot:
+    """What an engine sees of a slot, in host memory (``EngineSlot``)."""
+
+    index: int
+    engine_inputs: dict[str, np.ndarray]
+    engine_outputs: dict[str, np.ndarray]
+    device: int = 0
+    stream: Any = None
+    context: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def host_slot(engine: Any, rows: int) -> HostSlot:
+    return HostSlot(
+        0,
+        {s.name: np.zeros((rows, *s.shape), s.dtype) for s in engine.inputs},
+        {s.name: np.zeros((rows, *s.shape), s.dtype) for s in engine.outputs},
+    )
+
+
+def make_engine(path: Path, precision: str = "float32", compile_mode: str = "default") -> Any:
+    from worker.engines.torch import TorchEngine
+
+    cfg = ModelConfig(
+        path=str(path),
+        backend="torch",
+        torch=TorchConfig(compile=compile_mode, precision=precision, cuda_graphs=False),  # type: ignore[arg-type]
+    )
+    return TorchEngine(path, cfg, device="cpu", max_batch_size=8), cfg
+
+
+@pytest.mark.parametrize(
+    ("precision", "compile_mode", "rtol"),
+    [("float32", "default", 1e-5), ("bfloat16", "off", 3e-2), ("bfloat16", "default", 3e-2)],
+)
+def test_a_two_input_program_runs_through_a_host_slot(
+    tmp_path: Path, precision: str, compile_mode: str, rtol: float
+) -> None:
+    import torch
+
+    path, model = export(tmp_path)
+    engine, cfg = make_engine(path, precision, compile_mode)
+    io = engine.info.io
+    assert [t.name for t in io.inputs] == ["features", "ids"]
+    assert [t.name for t in io.outputs] == ["score", "token_scores"]
+    seq = io.inputs[1].shape[0]
+    assert isinstance(seq, str) and io.outputs[1].shape == (seq,)  # the symbol is shared
+    cfg = ModelConfig(**{**cfg.__dict__, "inputs": {"ids": TensorInput(max_length=MAX_LEN)}})
+    inputs = bind(cfg, io, LimitsConfig())
+    shapes = slot_shapes(inputs, 8, length_buckets=(4, 8))
+    assert shapes == SlotShapes((1, 2, 4, 8), ((seq, (4, 8, MAX_LEN)),))
+    engine.prepare(shapes)
+    slot = host_slot(engine, 8)
+    slot.context = engine.create_context(slot)  # warms all 12 shapes
+    rng = np.random.default_rng(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n, length in [(3, 4), (8, 16), (1, 8), (5, 16), (2, 4)]:
+            features = rng.normal(size=(n, 4)).astype(np.float32)
+            ids = np.zeros((n, length), np.int64)
+            lengths = rng.integers(1, length + 1, n)
+            for i, k in enumerate(lengths):
+                ids[i, :k] = rng.integers(1, VOCAB, k)
+            dense(slot.engine_inputs["features"], n, (4,))[:] = features
+            dense(slot.engine_inputs["ids"], n, (length,))[:] = ids
+            out = engine.enqueue(slot, n, {seq: length})
+            assert out == {"score": (1,), "token_scores": (length,)}
+            scores = dense(slot.engine_outputs["score"], n, (1,))
+            tokens = dense(slot.engine_outputs["token_scores"], n, (length,))
+            for i, k in enumerate(lengths):  # each request alone, unpadded
+                with torch.no_grad():
+                    want = model(torch.from_numpy(features[i : i + 1]),
+                                 torch.from_numpy(ids[i : i + 1, :k]))  # fmt: skip
+                np.testing.assert_allclose(scores[i], want["score"][0].numpy(), rtol=rtol,
+                                           atol=rtol)  # fmt: skip
+                np.testing.assert_allclose(tokens[i, :k], want["token_scores"][0].numpy(),
+                                           rtol=rtol, atol=rtol)  # fmt: skip
+    engine.close()
+
+
+def test_precision_falls_back_to_autocast_for_a_program_that_casts_itself(
+    tmp_path: Path,
+) -> None:
+    path, _ = export(tmp_path)
+    engine, _ = make_engine(path, "bfloat16", "off")
+    assert engine._autocast  # converted weights fail on the program's own .float()
+    engine.close()
