@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from worker.contract import EncodedImage, sniff_format
-from worker.engines.base import EngineInfo, EngineSlot, TensorSpec
+from worker.engines.base import EngineInfo, EngineSlot, SlotShapes, TensorSpec
 from worker.errors import InferenceFailed
+from worker.model import ModelIO
 from worker.records import Batch, Completed, Job, TopicPartition
 
 F32 = np.dtype(np.float32)
@@ -35,11 +36,23 @@ def make_jobs(images: Sequence[np.ndarray | bytes], *, deadline: float | None = 
         if isinstance(image, bytes):
             fmt = sniff_format(image)
             assert fmt is not None, "not an image file"
-            job.encoded = EncodedImage(fmt, image)
+            job.inputs["image"] = EncodedImage(fmt, image)
         else:
-            job.image = image
+            job.inputs["image"] = image
         jobs.append(job)
     return jobs
+
+
+def info(
+    name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], rows: int
+) -> EngineInfo:
+    io = ModelIO(tuple(t.desc() for t in inputs), tuple(t.desc() for t in outputs))
+    return EngineInfo("cupy", name, "0", io, rows)
+
+
+def host_array(batch: Any) -> np.ndarray:
+    """A fake engine's CPU ``run`` takes feeds (the protocol) or the image array."""
+    return np.asarray(batch["image"] if isinstance(batch, dict) else batch)
 
 
 def batches_of(jobs: Sequence[Job], sizes: Sequence[int]) -> list[Batch[Job]]:
@@ -113,18 +126,21 @@ class LinearEngine:
     def __post_init__(self) -> None:
         import cupy
 
-        self.input = TensorSpec("image", F32, self.row_shape)
+        self.inputs = (TensorSpec("image", F32, self.row_shape),)
         self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.w.shape[1],)),)
-        self.info = EngineInfo("cupy", "linear", "0", "image", ("logits",), self.max_batch_size)
+        self.info = info("linear", self.inputs, self.outputs, self.max_batch_size)
         self._w = cupy.asarray(self.w, dtype=cupy.float32)
         self._b = cupy.asarray(self.b, dtype=cupy.float32)
         self._kernel = cupy.RawKernel(_LINEAR, "linear")
         self._kernel.compile()  # now, not inside the first timed batch
 
+    def prepare(self, shapes: SlotShapes) -> None:
+        pass
+
     def create_context(self, slot: EngineSlot) -> None:
         return None
 
-    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+    def enqueue(self, slot: EngineSlot, batch_size: int, lengths: Any) -> dict[str, Any]:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
@@ -135,14 +151,16 @@ class LinearEngine:
         out_f = self.w.shape[1]
         total = batch_size * out_f
         args = (
-            slot.engine_input, self._w, self._b, slot.engine_outputs["logits"],
+            slot.engine_inputs["image"], self._w, self._b, slot.engine_outputs["logits"],
             np.int32(batch_size), np.int32(self.w.shape[0]), np.int32(out_f),
         )  # fmt: skip
         with slot.stream:
             self._kernel(((total + 127) // 128,), (128,), args)
+        return {"logits": (out_f,)}
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        x = batch.reshape(batch.shape[0], -1).astype(np.float32)
+    def run(self, batch: Any) -> dict[str, np.ndarray]:
+        x = host_array(batch)
+        x = x.reshape(x.shape[0], -1).astype(np.float32)
         return {"logits": x @ self.w + self.b}
 
     def close(self) -> None:
@@ -182,11 +200,14 @@ class SpinEngine:
     def __post_init__(self) -> None:
         import cupy
 
-        self.input = TensorSpec("image", F32, self.row_shape)
+        self.inputs = (TensorSpec("image", F32, self.row_shape),)
         self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.classes,)),)
-        self.info = EngineInfo("cupy", "spin", "0", "image", ("logits",), self.max_batch_size)
+        self.info = info("spin", self.inputs, self.outputs, self.max_batch_size)
         self._kernel = cupy.RawKernel(_SPIN, "spin")
         self._kernel.compile()  # now, not inside the first timed batch
+
+    def prepare(self, shapes: SlotShapes) -> None:
+        pass
 
     def create_context(self, slot: EngineSlot) -> SpinContext:
         import cupy
@@ -194,7 +215,7 @@ class SpinEngine:
         with cupy.cuda.Device(slot.device):
             return SpinContext(cupy.cuda.Event(), cupy.cuda.Event())
 
-    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
+    def enqueue(self, slot: EngineSlot, batch_size: int, lengths: Any) -> dict[str, Any]:
         ctx: SpinContext = slot.context
         ns = np.uint64(int(self.seconds * 1e9))
         n = np.int32(batch_size * self.classes)
@@ -202,8 +223,9 @@ class SpinEngine:
         with slot.stream:
             self._kernel((1,), (32,), (ns, slot.engine_outputs["logits"], n))
         ctx.end.record(slot.stream)
+        return {"logits": (self.classes,)}
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, batch: Any) -> dict[str, np.ndarray]:
         raise InferenceFailed("spin engine has no host path")
 
     def close(self) -> None:
@@ -222,20 +244,25 @@ class IdentityEngine:
 
     def __post_init__(self) -> None:
         size = int(np.prod(self.row_shape))
-        self.input = TensorSpec("image", F32, self.row_shape)
+        self.inputs = (TensorSpec("image", F32, self.row_shape),)
         self.outputs: tuple[TensorSpec, ...] = (TensorSpec("pixels", F32, (size,)),)
-        self.info = EngineInfo("cupy", "identity", "0", "image", ("pixels",), self.max_batch_size)
+        self.info = info("identity", self.inputs, self.outputs, self.max_batch_size)
+
+    def prepare(self, shapes: SlotShapes) -> None:
+        pass
 
     def create_context(self, slot: EngineSlot) -> None:
         return None
 
-    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
-        src = slot.engine_input[:batch_size].reshape(batch_size, -1)
+    def enqueue(self, slot: EngineSlot, batch_size: int, lengths: Any) -> dict[str, Any]:
+        src = slot.engine_inputs["image"][:batch_size].reshape(batch_size, -1)
         with slot.stream:
             slot.engine_outputs["pixels"][:batch_size] = src
+        return {"pixels": self.outputs[0].shape}
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        return {"pixels": batch.reshape(batch.shape[0], -1).astype(np.float32)}
+    def run(self, batch: Any) -> dict[str, np.ndarray]:
+        x = host_array(batch)
+        return {"pixels": x.reshape(x.shape[0], -1).astype(np.float32)}
 
     def close(self) -> None:
         pass

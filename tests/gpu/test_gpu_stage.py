@@ -132,7 +132,7 @@ async def test_slot_buffers_are_never_reallocated(cp: Any) -> None:
     def pointers() -> list[int]:
         out = []
         for slot in stage.slots:
-            out.append(int(slot.engine_input.data.ptr))
+            out.append(int(slot.engine_inputs["image"].data.ptr))
             out += [int(a.data.ptr) for a in slot.engine_outputs.values()]
             out += [int(a.data.ptr) for a in slot.results.values()]
             out += [int(slot.dev_packed.data.ptr), int(slot.dev_table.data.ptr)]

@@ -71,13 +71,15 @@ def test_engine_shapes_and_parity_with_onnxruntime(plans: dict[str, Path]) -> No
     cpu = OnnxRuntimeEngine(ONNX, cfg)
     try:
         assert (engine.min_batch_size, engine.max_batch_size) == (1, 64)
-        assert engine.input.name == "image" and engine.input.shape == (1, 8, 8)
+        assert engine.inputs[0].name == "image" and engine.inputs[0].shape == (1, 8, 8)
         assert [(o.name, o.shape) for o in engine.outputs] == [("logits", (10,))]
         with np.load(SAMPLES) as npz:
             x = preprocess(list(npz["images"][:64]), cfg.preprocess)
         for n in (1, 7, 64):
             np.testing.assert_allclose(
-                engine.run(x[:n])["logits"], cpu.run(x[:n])["logits"], atol=1e-4
+                engine.run({"image": x[:n]})["logits"],
+                cpu.run({"image": x[:n]})["logits"],
+                atol=1e-4,
             )
     finally:
         engine.close()

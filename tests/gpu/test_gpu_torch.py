@@ -96,8 +96,10 @@ def test_torch_engine_run_matches_onnxruntime(
     gpu = TorchEngine(digits_torchscript, _torch_model(digits_torchscript), max_batch_size=64)
     try:
         assert gpu.info.output_names == ("logits",)
-        assert gpu.outputs[0].shape == (10,) and gpu.input.shape == (1, 8, 8)
-        np.testing.assert_allclose(gpu.run(x)["logits"], cpu.run(x)["logits"], atol=1e-4)
+        assert gpu.outputs[0].shape == (10,) and gpu.inputs[0].shape == (1, 8, 8)
+        np.testing.assert_allclose(
+            gpu.run({"input": x})["logits"], cpu.run({"image": x})["logits"], atol=1e-4
+        )
     finally:
         gpu.close()
         cpu.close()

@@ -1,21 +1,24 @@
 """TensorRT engine: a serialized plan, one execution context per slot.
 
 Written to the TensorRT 10 Python API with named I/O tensors: the engine's
-tensors are listed with ``num_io_tensors`` / ``get_tensor_name`` /
-``get_tensor_mode``; the batch range comes from the optimization profiles
-(``get_tensor_profile_shape``), whose maximum sizes the slot buffers. Each slot
-gets its own ``IExecutionContext`` with the slot's buffer addresses bound once
-(``set_tensor_address``): buffers never move, so a batch only sets the input
-shape (when it changed) and calls ``execute_async_v3`` on the slot's stream.
+tensors, the batch range and each input's range come from the plan and its
+optimization profiles (``tensorrt_plan``). Each slot gets its own
+``IExecutionContext`` with the slot's buffer addresses bound once
+(``set_tensor_address``; every input and output, dense from the start of its
+buffer): buffers never move, so a batch only sets the inputs' shapes (when they
+changed: the batch bucket, and the lengths of a text or sequence model's padded
+dimensions) and calls ``execute_async_v3`` on the slot's stream; each output's
+shape for the run is the context's (``get_tensor_shape``).
 TensorRT requires contexts that run concurrently on a dynamic-shape engine to use
 different optimization profiles, so slot i selects profile i: build plans with
 as many (identical) profiles as slots (``build-engine --profiles N``).
 
 Batches are padded up to a bucket (``worker.engines.buckets``: the preferred
-batch sizes, else powers of two, within the profile's range), so a context
-only ever sees a few input shapes, and when a slot is created each of them is
-set and run once, before the worker joins its consumer group, so first-run
-costs at a shape never land on a request. TensorRT still redoes shape-dependent
+batch sizes, else powers of two, within the profile's range) and padded
+dimensions to a length bucket (``SlotShapes``), so a context only ever sees a
+few input shapes, and when a slot is created each of them is set and run once,
+before the worker joins its consumer group, so first-run costs at a shape
+never land on a request. TensorRT still redoes shape-dependent
 work on the first run after every input shape change (its best-practices guide,
 "Overhead of Shape Change and Optimization Profile Switching"); buckets keep
 such changes few.
@@ -46,9 +49,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,66 +61,33 @@ from worker.config import ModelConfig
 from worker.engines.base import (
     EngineInfo,
     EngineSlot,
-    EngineUnavailable,
     Feeds,
+    SlotShapes,
     TensorSpec,
     content_version,
+    row_shape,
 )
-from worker.engines.buckets import bucket_for, bucket_sizes, slot_buckets
+from worker.engines.buckets import bucket_for, bucket_sizes
 from worker.engines.cuda import import_cupy, translate_gpu_error
+from worker.engines.tensorrt_plan import (
+    describe_plan,
+    import_tensorrt,
+    make_logger,
+    numpy_dtype,
+)
 from worker.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model import ModelIO
 
 log = structlog.get_logger(__name__)
 
 _THREAD_LOCAL_CAPTURE = 1  # cudaStreamCaptureModeThreadLocal
 
+Key = tuple[int, tuple[tuple[str, int], ...]]
 
-def import_tensorrt() -> Any:
-    try:
-        import tensorrt
-    except ImportError as exc:
-        raise EngineUnavailable(
-            "model.backend = 'tensorrt' needs the TensorRT Python package (tensorrt >= 10) "
-            "on a machine with an NVIDIA GPU; use backend 'torch' or 'onnxruntime' otherwise"
-        ) from exc
-    major = int(str(tensorrt.__version__).split(".")[0])
-    if major < 10:
-        raise EngineUnavailable(f"TensorRT {tensorrt.__version__} found; 10 or newer is required")
-    return tensorrt
+__all__ = ["TensorRTEngine", "import_tensorrt", "make_logger", "numpy_dtype"]
 
 
-def make_logger(trt: Any) -> Any:
-    """A ``trt.ILogger`` that keeps the last errors (to explain a failure in the
-    exception we raise) and forwards warnings and errors to structlog."""
-
-    class _Logger(trt.ILogger):  # type: ignore[misc]
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.errors: deque[str] = deque(maxlen=8)
-
-        def log(self, severity: Any, msg: str) -> None:
-            level = int(severity)
-            if level <= int(trt.ILogger.Severity.ERROR):
-                self.errors.append(msg)
-                log.error("tensorrt", message=msg)
-            elif level == int(trt.ILogger.Severity.WARNING):
-                log.warning("tensorrt", message=msg)
-
-        def last_errors(self) -> str:
-            return "; ".join(self.errors) or "no error logged"
-
-    return _Logger()
-
-
-def numpy_dtype(trt: Any, dtype: Any, name: str) -> np.dtype[Any]:
-    try:
-        result: np.dtype[Any] = np.dtype(trt.nptype(dtype))
-    except TypeError as exc:
-        raise ConfigError(
-            f"tensor {name!r}: TensorRT type {dtype} has no NumPy equivalent"
-        ) from exc
-    return result
+def _key(batch: int, lengths: Mapping[str, int]) -> Key:
+    return batch, tuple(sorted(lengths.items()))
 
 
 @dataclass
@@ -126,12 +95,13 @@ class _Context:
     """One slot's execution context and what it last did."""
 
     context: Any  # trt.IExecutionContext
-    buckets: tuple[int, ...]  # the padded batch sizes this slot runs
-    batch: int = -1  # batch size of the current input shape
-    # The largest bucket's graph, valid only while the shape has not changed
-    # since it was captured (None: none yet, or discarded by a change).
+    combos: list[tuple[int, dict[str, int]]]  # the shapes this slot runs, largest first
+    key: Key | None = None  # the current input shapes
+    # The largest shape's graph, valid only while the shapes have not changed since
+    # it was captured (None: none yet, or discarded by a change).
     graph: Any = None
     graph_failed: bool = False  # a capture failed on this slot: never try again
+    shapes: dict[Key, dict[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class TensorRTEngine:
@@ -150,7 +120,6 @@ class TensorRTEngine:
         self._cp = cp
         self.device = device
         self._cuda_graphs = cuda_graphs
-        self._buckets = tuple(buckets or ())
         self._logger = make_logger(trt)
         self._lock = threading.Lock()  # run() only; slots each own their context
         with cp.cuda.Device(device):
@@ -163,78 +132,75 @@ class TensorRTEngine:
                 "(plans are specific to the TensorRT version and GPU; rebuild with build-engine)"
             )
         self._engine = engine
-        inputs: list[str] = []
-        outputs: list[str] = []
-        for i in range(engine.num_io_tensors):
-            name = engine.get_tensor_name(i)
-            mode = engine.get_tensor_mode(name)
-            (inputs if mode == trt.TensorIOMode.INPUT else outputs).append(name)
-        if len(inputs) != 1:
-            raise ConfigError(f"model.path: expected one engine input, found {inputs}")
-        if cfg.output is not None and cfg.output not in outputs:
-            raise ConfigError(f"model.output: {cfg.output!r} not in engine outputs {outputs}")
-        in_name = inputs[0]
+        plan = describe_plan(trt, engine, path)
+        self._io = plan.io
+        if cfg.output is not None and cfg.output not in plan.io.output_names:
+            raise ConfigError(
+                f"model.output: {cfg.output!r} not in engine outputs {list(plan.io.output_names)}"
+            )
         # With a dynamic batch, contexts running at once need one optimization profile
         # each (TensorRT's rule), so a plan for N slots is built with N identical
         # profiles (build-engine --profiles) and slot i uses profile i.
         self.num_profiles = max(1, int(engine.num_optimization_profiles))
-        self.dynamic = False
-        self.min_batch_size, self.max_batch_size, row = self._batch_range(in_name)
-        self.input = TensorSpec(
-            in_name, numpy_dtype(trt, engine.get_tensor_dtype(in_name), in_name), row
-        )
-        self.outputs = tuple(self._output_spec(name) for name in outputs)
+        self.dynamic = plan.dynamic
+        self.min_batch_size, self.max_batch_size = plan.min_batch, plan.max_batch
+        self._ranges = plan.row_ranges
+        fit = tuple(b for b in (buckets or ()) if self.min_batch_size <= b <= self.max_batch_size)
+        self.shapes = SlotShapes(fit or bucket_sizes(self.max_batch_size))
+        self.inputs: tuple[TensorSpec, ...] = ()
+        self.outputs: tuple[TensorSpec, ...] = ()
+        if not any(t.free_axes for t in plan.io.inputs):
+            self.prepare(self.shapes)
         self.info = EngineInfo(
             backend="tensorrt",
             name=cfg.name,
             version=content_version(path),
-            io=ModelIO((self.input.desc(),), tuple(s.desc() for s in self.outputs)),
+            io=plan.io,
             max_batch_size=self.max_batch_size,
         )
         self._closed = False
 
-    def _batch_range(self, name: str) -> tuple[int, int, tuple[int, ...]]:
-        """The batch range every optimization profile accepts, and the row shape."""
-        shape = tuple(int(d) for d in self._engine.get_tensor_shape(name))
-        if not shape:
-            raise ConfigError(f"engine input {name!r} has no batch dimension")
-        self.dynamic = shape[0] < 0
-        if not self.dynamic:  # a static batch: exactly that many rows per run
-            lo = hi = shape[0]
-            row = shape[1:]
-        else:
-            lo, hi, row = 1, 1 << 30, shape[1:]
-            for profile in range(self.num_profiles):
-                lo_shape, _, hi_shape = (
-                    tuple(int(d) for d in dims)
-                    for dims in self._engine.get_tensor_profile_shape(name, profile)
+    # --- start-up --------------------------------------------------------------------
+
+    def prepare(self, shapes: SlotShapes) -> None:
+        """Check every shape against the profiles, then size the tensors for the
+        largest: inputs from their descriptions, outputs as a context infers them
+        at the largest input shapes."""
+        for batch, lengths in shapes.combos():
+            if not self.min_batch_size <= batch <= self.max_batch_size:
+                raise ConfigError(
+                    f"batching.max_batch_size: batch {batch} is outside the plan's "
+                    f"{self.min_batch_size}..{self.max_batch_size}"
                 )
-                if lo_shape[1:] != hi_shape[1:]:
+            for desc in self._io.inputs:
+                low, high = self._ranges[desc.name]
+                row = row_shape(desc, lengths)
+                if any(not lo <= r <= hi for r, lo, hi in zip(row, low, high, strict=True)):
                     raise ConfigError(
-                        f"engine input {name!r}: only the batch dimension may be dynamic "
-                        f"(profile {profile} spans {lo_shape}..{hi_shape})"
+                        f"batching.length_buckets: input {desc.name!r} at {list(row)} is outside "
+                        f"the plan's profile {list(low)}..{list(high)} (rebuild it with a wider "
+                        "range, or lower model.inputs.*.max_length)"
                     )
-                lo, hi, row = max(lo, lo_shape[0]), min(hi, hi_shape[0]), hi_shape[1:]
-        if any(d < 0 for d in row) or lo < 1 or hi < lo:
-            raise ConfigError(f"engine input {name!r}: unusable shape {shape} (batch {lo}..{hi})")
-        return lo, hi, row
-
-    def _output_spec(self, name: str) -> TensorSpec:
-        """Per-row output shape, resolved at the maximum batch where it is dynamic."""
-        dtype = numpy_dtype(self._trt, self._engine.get_tensor_dtype(name), name)
-        shape = tuple(int(d) for d in self._engine.get_tensor_shape(name))
-        if any(d < 0 for d in shape[1:]):
-            with self._cp.cuda.Device(self.device):
-                ctx = self._engine.create_execution_context()  # dropped below
+        self.shapes = shapes
+        top = shapes.max_lengths
+        self.inputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.inputs)
+        largest = shapes.batches[-1]
+        with self._cp.cuda.Device(self.device):
+            ctx = self._engine.create_execution_context()  # dropped below
+            if self.dynamic:
                 ctx.set_optimization_profile_async(0, self._cp.cuda.get_current_stream().ptr)
-                ctx.set_input_shape(self.input.name, (self.max_batch_size, *self.input.shape))
-                shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
-                del ctx
-        if not shape or any(d < 0 for d in shape[1:]):
-            raise ConfigError(f"engine output {name!r}: cannot size its buffer ({shape})")
-        return TensorSpec(name, dtype, shape[1:])
-
-    # --- GpuEngine -----------------------------------------------------------------
+            for spec in self.inputs:
+                ctx.set_input_shape(spec.name, (largest, *spec.shape))
+            outs = []
+            for desc in self._io.outputs:
+                shape = tuple(int(d) for d in ctx.get_tensor_shape(desc.name))
+                if not shape or any(d < 0 for d in shape[1:]):
+                    raise ConfigError(
+                        f"engine output {desc.name!r}: cannot size its buffer ({shape})"
+                    )
+                outs.append(TensorSpec(desc.name, desc.dtype, shape[1:]))
+            del ctx
+        self.outputs = tuple(outs)
 
     def create_context(self, slot: EngineSlot) -> _Context:
         if self._closed:
@@ -258,11 +224,9 @@ class TensorRTEngine:
                     # first run. The Python binding raises RuntimeError on failure
                     # (the C++ API returns false).
                     ok = ctx.set_optimization_profile_async(slot.index, slot.stream.ptr)
-                ok = ok and ctx.set_tensor_address(self.input.name, int(slot.engine_input.data.ptr))
-                for spec in self.outputs:
-                    ok = ok and ctx.set_tensor_address(
-                        spec.name, int(slot.engine_outputs[spec.name].data.ptr)
-                    )
+                buffers = {**slot.engine_inputs, **slot.engine_outputs}
+                for spec in (*self.inputs, *self.outputs):
+                    ok = ok and ctx.set_tensor_address(spec.name, int(buffers[spec.name].data.ptr))
             except RuntimeError as exc:
                 raise ConfigError(
                     f"tensorrt: binding slot {slot.index} failed: {exc}: "
@@ -272,25 +236,23 @@ class TensorRTEngine:
             raise ConfigError(
                 f"tensorrt: binding slot {slot.index} failed: {self._logger.last_errors()}"
             )
-        rows = int(slot.engine_input.shape[0])
-        c = _Context(
-            ctx, slot_buckets(self._buckets or bucket_sizes(rows), rows, self.min_batch_size)
-        )
+        rows = int(next(iter(slot.engine_inputs.values())).shape[0])
+        c = _Context(ctx, [(b, n) for b, n in self.shapes.combos() if b <= rows])
         self._warm(slot, c)
         return c
 
     def _warm(self, slot: EngineSlot, c: _Context) -> None:
-        """Every bucket set and run once on the slot's stream, smallest first, so
-        the context is left at the largest, whose graph is captured then (with
+        """Every shape set and run once on the slot's stream, smallest first, so the
+        context is left at the largest, whose graph is captured then (with
         ``cuda_graphs``). Start-up, before the worker joins."""
         started = time.monotonic()
         try:
             with self._cp.cuda.Device(slot.device):
-                for bucket in c.buckets:
-                    self._set_shape(c, bucket)
+                for batch, lengths in reversed(c.combos):
+                    self._set_shapes(c, batch, lengths)
                     self._execute(c, slot.stream)
                 if self._cuda_graphs:
-                    c.graph = self._capture(c, slot.stream, c.buckets[-1])
+                    c.graph = self._capture(c, slot.stream)
                     if c.graph is None:
                         raise ConfigError(
                             f"gpu.cuda_graphs: this TensorRT plan cannot be captured as a CUDA "
@@ -306,54 +268,67 @@ class TensorRTEngine:
             raise ConfigError(
                 f"model.path: the TensorRT plan fails while warming up: {error}"
             ) from exc
-        log.info(
-            "tensorrt_slot_warmed",
-            slot=slot.index,
-            seconds=round(time.monotonic() - started, 3),
-            buckets=list(c.buckets),
-            graph=c.graph is not None,
-        )
+        log.info("tensorrt_slot_warmed", slot=slot.index,
+                 seconds=round(time.monotonic() - started, 3), shapes=len(c.combos),
+                 graph=c.graph is not None)  # fmt: skip
 
-    def enqueue(self, slot: EngineSlot, batch_size: int) -> None:
-        """Runs the bucket that holds ``batch_size`` rows: the slot's graph when
-        the context is still at the shape it was captured at, else a normal run
-        (after which the largest bucket's graph is captured again)."""
+    # --- per batch -------------------------------------------------------------------
+
+    def enqueue(
+        self, slot: EngineSlot, batch_size: int, lengths: Mapping[str, int]
+    ) -> Mapping[str, tuple[int, ...]]:
+        """Runs the shape that holds ``batch_size`` rows at ``lengths``: the slot's
+        graph when the context is still at the shapes it was captured at, else a
+        normal run (after which the largest shape's graph is captured again)."""
         if self._closed:
             raise EngineDead("tensorrt engine is closed")
         c: _Context = slot.context
-        if not self.min_batch_size <= batch_size <= c.buckets[-1]:
+        batches = sorted({b for b, _ in c.combos})
+        if not self.min_batch_size <= batch_size <= batches[-1]:
             raise InferenceFailed(
                 f"tensorrt: batch {batch_size} outside the slot's "
-                f"{self.min_batch_size}..{c.buckets[-1]}"
+                f"{self.min_batch_size}..{batches[-1]}"
             )
-        bucket = bucket_for(batch_size, c.buckets)
+        bucket = bucket_for(batch_size, batches)
         stream = slot.stream
         try:
-            self._set_shape(c, bucket)
+            self._set_shapes(c, bucket, lengths)
             if c.graph is not None:
                 c.graph.launch(stream)
-                return
+                return c.shapes[_key(bucket, lengths)]
             self._execute(c, stream)
         except (InferenceFailed, EngineDead):
             raise
         except Exception as exc:  # boundary: TensorRT / CuPy exceptions
             raise translate_gpu_error(exc, "tensorrt") from exc
-        if self._cuda_graphs and bucket == c.buckets[-1] and not c.graph_failed:
+        largest = c.combos[0]
+        if self._cuda_graphs and (bucket, dict(lengths)) == largest and not c.graph_failed:
             # Full batches are back: TensorRT's protocol (a normal run at the
             # shape, then capture) allows a capture now, replayed from the next.
-            c.graph = self._capture(c, stream, bucket)
+            c.graph = self._capture(c, stream)
             c.graph_failed = c.graph is None
+        return c.shapes[_key(bucket, lengths)]
 
-    def _set_shape(self, c: _Context, batch: int) -> None:
-        """Set the input shape when it changes; that invalidates the graph."""
-        if c.batch == batch:
+    def _set_shapes(self, c: _Context, batch: int, lengths: Mapping[str, int]) -> None:
+        """Set the inputs' shapes when they change; that invalidates the graph. The
+        outputs' shapes for these inputs are read once and kept."""
+        key = _key(batch, lengths)
+        if c.key == key:
             return
-        c.graph, c.batch = None, -1  # unknown until it succeeds
-        if not c.context.set_input_shape(self.input.name, (batch, *self.input.shape)):
-            raise InferenceFailed(
-                f"tensorrt: set_input_shape({batch}) failed: {self._logger.last_errors()}"
-            )
-        c.batch = batch
+        c.graph, c.key = None, None  # unknown until it succeeds
+        for desc in self._io.inputs:
+            shape = (batch, *row_shape(desc, lengths))
+            if not c.context.set_input_shape(desc.name, shape):
+                raise InferenceFailed(
+                    f"tensorrt: set_input_shape({desc.name}, {shape}) failed: "
+                    f"{self._logger.last_errors()}"
+                )
+        if key not in c.shapes:
+            c.shapes[key] = {
+                d.name: tuple(int(x) for x in c.context.get_tensor_shape(d.name))[1:]
+                for d in self._io.outputs
+            }
+        c.key = key
 
     def _execute(self, c: _Context, stream: Any) -> None:
         if not c.context.execute_async_v3(stream.ptr):
@@ -361,10 +336,10 @@ class TensorRTEngine:
                 f"tensorrt: execute_async_v3 failed: {self._logger.last_errors()}"
             )
 
-    def _capture(self, c: _Context, stream: Any, batch_size: int) -> Any:
-        """Capture this context's enqueue at ``batch_size`` into a graph (right
-        after a normal run at that shape, as TensorRT requires); None when the
-        capture fails (logged)."""
+    def _capture(self, c: _Context, stream: Any) -> Any:
+        """Capture this context's enqueue at its current shapes into a graph (right
+        after a normal run at them, as TensorRT requires); None when the capture
+        fails (logged)."""
         try:
             stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
             try:
@@ -374,19 +349,18 @@ class TensorRTEngine:
             if not ok:
                 raise RuntimeError(self._logger.last_errors())
         except Exception as exc:  # boundary: capture unsupported for this engine
-            log.warning("tensorrt_graph_capture_failed", batch=batch_size, error=str(exc))
+            log.warning("tensorrt_graph_capture_failed", shape=c.key, error=str(exc))
             return None
         return graph
 
     # --- CPU protocol (parity tests) -------------------------------------------------
 
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
-        """Synchronous run of a host batch; allocates per call. Not for the pipeline:
+        """Synchronous run of host feeds; allocates per call. Not for the pipeline:
         its context uses profile 0, like slot 0's, so the two must not run at once."""
         if self._closed:
             raise EngineDead("tensorrt engine is closed")
-        batch = feeds[self.input.name]
-        n = int(batch.shape[0])
+        n = len(next(iter(feeds.values())))
         if not self.min_batch_size <= n <= self.max_batch_size:
             raise InferenceFailed(
                 f"tensorrt: batch {n} outside {self.min_batch_size}..{self.max_batch_size}"
@@ -404,10 +378,16 @@ class TensorRTEngine:
                 if ok and self.dynamic:
                     ok = ctx.set_optimization_profile_async(0, stream.ptr)
                 with stream:
-                    x = cp.asarray(np.ascontiguousarray(batch, dtype=self.input.dtype))
-                    outs = {s.name: cp.empty((n, *s.shape), dtype=s.dtype) for s in self.outputs}
-                ok = ok and ctx.set_input_shape(self.input.name, x.shape)
-                ok = ok and ctx.set_tensor_address(self.input.name, int(x.data.ptr))
+                    xs = {d.name: cp.asarray(np.ascontiguousarray(feeds[d.name], d.dtype))
+                          for d in self._io.inputs}  # fmt: skip
+                for name, x in xs.items():
+                    ok = ok and ctx.set_input_shape(name, x.shape)
+                    ok = ok and ctx.set_tensor_address(name, int(x.data.ptr))
+                outs = {}
+                with stream:
+                    for d in self._io.outputs:
+                        shape = tuple(int(v) for v in ctx.get_tensor_shape(d.name))
+                        outs[d.name] = cp.empty(shape, dtype=d.dtype)
                 for name, arr in outs.items():
                     ok = ok and ctx.set_tensor_address(name, int(arr.data.ptr))
                 ok = ok and ctx.execute_async_v3(stream.ptr)

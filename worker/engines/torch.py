@@ -62,6 +62,7 @@ from worker.engines.cuda import translate_gpu_error
 from worker.engines.torch_module import (
     compute_dtype,
     import_torch,
+    load_module,
     load_program,
     prepare_module,
     probe_outputs,
@@ -74,6 +75,9 @@ from worker.inference.preprocess import batch_shape
 from worker.model import ModelIO, TensorDesc
 
 log = structlog.get_logger(__name__)
+
+# The model's loading and preparation live in torch_module; importable from here.
+__all__ = ["TorchEngine", "compute_dtype", "import_torch", "load_module", "prepare_module"]
 
 Key = tuple[int, tuple[tuple[str, int], ...]]
 """A run's shape: its batch bucket and its length per padded symbol."""

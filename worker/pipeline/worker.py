@@ -254,6 +254,7 @@ class Worker:
             s.gpu.num_slots or b.max_inflight_batches,
             s.gpu,
             inputs=inputs,
+            preferred_batch_sizes=b.preferred_batch_sizes,
             max_attempts=b.max_attempts,
             on_service_time=policy.observe_service_time,
         )

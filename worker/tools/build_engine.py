@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import numpy as np
 import structlog
 
 from worker.config import PreprocessConfig, load_settings
@@ -50,7 +49,6 @@ from worker.tools.engine_checks import (
     compare_outputs,
     evaluate_accuracy,
     load_samples,
-    make_calibrator,
 )
 from worker.tools.files import atomic_write, file_sha256
 
@@ -89,6 +87,7 @@ class EngineKey:
     max_batch: int
     profiles: int = 1  # identical optimization profiles, one per concurrent slot
     calibration_sha256: str | None = None  # int8 only: other samples, other scales
+    max_length: int = 0  # the top of dynamic non-batch dimensions (sequence models)
 
     def digest(self) -> str:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -111,7 +110,7 @@ def gpu_name(device: int = 0) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def _compute_capability(device: int) -> tuple[int, int]:
+def compute_capability(device: int) -> tuple[int, int]:
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device)
@@ -133,6 +132,7 @@ def build_engine(
     workspace_mb: int = 4096,
     device: int = 0,
     force: bool = False,
+    max_length: int = 0,
 ) -> Path:
     """Build (or reuse) the plan for these inputs; returns its path.
 
@@ -140,7 +140,8 @@ def build_engine(
     concurrently running execution contexts of a dynamic-shape engine use one
     profile each: the plan serves up to that many GPU slots (``gpu.num_slots``).
     """
-    from worker.engines.tensorrt import import_tensorrt
+    from worker.engines.tensorrt_plan import import_tensorrt
+    from worker.tools.trt_builder import BuildRequest, Calibration, build_serialized
 
     trt = import_tensorrt()
     opt = max_batch if opt_batch is None else opt_batch
@@ -148,6 +149,8 @@ def build_engine(
     _check_request(precision, batches, profiles, calibration_npz)
     pp = preprocess_cfg or PreprocessConfig()
     key = _engine_key(trt, onnx_path, precision, batches, profiles, calibration_npz, pp, device)
+    if max_length:
+        key = EngineKey(**{**asdict(key), "max_length": max_length})
     digest = key.digest()
     plan_path = out_dir / f"{digest}.plan"
     if plan_path.is_file() and not force:
@@ -157,15 +160,10 @@ def build_engine(
     calibration = None
     if precision == "int8":
         assert calibration_npz is not None
-        calibration = _Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
-    plan = _build_serialized(
-        trt,
-        onnx_path,
-        key,
-        calibration=calibration,
-        timing_cache=timing_cache,
-        workspace_mb=workspace_mb,
-        device=device,
+        calibration = Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
+    request = BuildRequest(precision, batches, profiles, max_length, workspace_mb, device)
+    plan = build_serialized(
+        trt, onnx_path, request, calibration=calibration, timing_cache=timing_cache, digest=digest
     )
     _write_plan(out_dir, key, onnx_path, plan)
     log.info("engine_built", plan=str(plan_path))
@@ -217,162 +215,21 @@ def _engine_key(
     )
 
 
-def _build_serialized(
-    trt: Any,
-    onnx_path: Path,
-    key: EngineKey,
-    *,
-    calibration: _Calibration | None,
-    timing_cache: Path | None,
-    workspace_mb: int,
-    device: int,
-) -> bytes:
-    """Runs the TensorRT builder for ``key`` and returns the serialized plan; the
-    timing cache file, if given, is rewritten with what this build learned.
-
-    The plan is copied out of TensorRT's host memory here, while the builder,
-    network, parser and calibrator it came from are all still referenced."""
-    import cupy
-
-    from worker.engines.tensorrt import make_logger
-
-    logger = make_logger(trt)
-    with cupy.cuda.Device(device):
-        builder = trt.Builder(logger)
-        network, _parser, inp, dims = _parse_network(trt, builder, logger, onnx_path)
-        config = builder.create_builder_config()
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
-        batches = (key.min_batch, key.opt_batch, key.max_batch)
-        first_profile = _add_profiles(builder, config, inp, dims, batches, key.profiles)
-        # Kept referenced until the build is done: TensorRT calls back into it.
-        _calibrator = _set_precision(
-            trt, config, key.precision, inp, dims, first_profile, calibration, device
-        )
-        cache = _attach_timing_cache(config, timing_cache)
-        log.info(
-            "engine_build_started", onnx=str(onnx_path), precision=key.precision, key=key.digest()
-        )
-        serialized = builder.build_serialized_network(network, config)
-        if serialized is None:
-            raise ConfigError(f"TensorRT failed to build {onnx_path}: {logger.last_errors()}")
-        if timing_cache is not None:
-            atomic_write(timing_cache, bytes(memoryview(cache.serialize())))
-        return bytes(memoryview(serialized))
-
-
 def _write_plan(out_dir: Path, key: EngineKey, onnx_path: Path, plan: bytes) -> None:
-    """``<digest>.plan`` and, beside it, ``<digest>.json`` naming what it was built from."""
+    """``<digest>.plan`` and, beside it, ``<digest>.json`` naming what it was built
+    from and ``<digest>.io.json``: the ONNX model's inputs and outputs with the
+    symbols of their dynamic dimensions, which the plan does not keep (the
+    engine reads them to cut per-token outputs back to each request's length)."""
+    from worker.config import ModelConfig
+    from worker.engines.onnxruntime import OnnxRuntimeEngine
+    from worker.engines.tensorrt_plan import io_json
+
     digest = key.digest()
     atomic_write(out_dir / f"{digest}.plan", plan)
     meta = {**asdict(key), "key": digest, "onnx": str(onnx_path)}
     atomic_write(out_dir / f"{digest}.json", json.dumps(meta, indent=2).encode())
-
-
-def _parse_network(
-    trt: Any, builder: Any, logger: Any, onnx_path: Path
-) -> tuple[Any, Any, Any, tuple[int, ...]]:
-    """The ONNX model as a TensorRT network, its parser (which holds the weights
-    the network refers to: keep it until the build is done), its one input and
-    that input's dims."""
-    network = builder.create_network(0)  # TensorRT 10: networks are explicit-batch
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ConfigError(f"{onnx_path}: TensorRT cannot parse it: {errors}")
-    if network.num_inputs != 1:
-        raise ConfigError(f"{onnx_path}: expected one input, found {network.num_inputs}")
-    inp = network.get_input(0)
-    dims = tuple(int(d) for d in inp.shape)
-    if any(d < 0 for d in dims[1:]):
-        raise ConfigError(f"{onnx_path}: only the batch dimension may be dynamic ({dims})")
-    return network, parser, inp, dims
-
-
-def _add_profiles(
-    builder: Any,
-    config: Any,
-    inp: Any,
-    dims: tuple[int, ...],
-    batches: tuple[int, int, int],
-    profiles: int,
-) -> Any:
-    """``profiles`` identical optimization profiles over the batch range; returns
-    the first (None for a static batch, which takes no profiles)."""
-    shapes = tuple((b, *dims[1:]) for b in batches)
-    first_profile: Any = None
-    if dims[0] >= 0:  # a static batch: no profiles, every run has dims[0] rows
-        log.warning("engine_static_batch", batch=dims[0], ignored="min/opt/max batch")
-    for _ in range(profiles if dims[0] < 0 else 0):
-        profile = builder.create_optimization_profile()
-        profile.set_shape(inp.name, *shapes)
-        config.add_optimization_profile(profile)
-        if first_profile is None:
-            first_profile = profile
-    return first_profile
-
-
-@dataclass(frozen=True)
-class _Calibration:
-    samples: Path
-    preprocess: PreprocessConfig
-    cache_file: Path
-    opt_batch: int
-
-
-def _set_precision(
-    trt: Any,
-    config: Any,
-    precision: Precision,
-    inp: Any,
-    dims: tuple[int, ...],
-    first_profile: Any,
-    calibration: _Calibration | None,
-    device: int,
-) -> Any:
-    """Builder flags for ``precision``; returns the INT8 calibrator (or None)."""
-    calibrator = None
-    if precision == "fp32":
-        # TensorRT enables TF32 (10-bit mantissa inputs to GEMMs/convolutions)
-        # by default; "fp32" promises no reduced precision.
-        config.clear_flag(trt.BuilderFlag.TF32)
-    if precision in ("fp16", "int8", "fp8"):
-        config.set_flag(trt.BuilderFlag.FP16)
-    if precision == "int8":
-        assert calibration is not None
-        inputs, _ = load_samples(calibration.samples, calibration.preprocess)
-        # TensorRT 10 calibrates at the calibration profile's OPT shape (its MIN
-        # and MAX are overwritten by OPT; getBatchSize is a deprecated leftover of
-        # implicit batch), so every get_batch buffer must hold exactly that many
-        # rows, in the network input's type.
-        calib_batch = dims[0] if dims[0] >= 0 else calibration.opt_batch
-        in_dtype = np.dtype(trt.nptype(inp.dtype))
-        calibrator = make_calibrator(trt, inputs, calib_batch, calibration.cache_file, in_dtype)
-        config.set_flag(trt.BuilderFlag.INT8)
-        config.int8_calibrator = calibrator
-        if first_profile is not None:
-            config.set_calibration_profile(first_profile)
-    if precision == "fp8":
-        if not hasattr(trt.BuilderFlag, "FP8"):
-            raise ConfigError(f"TensorRT {trt.__version__} has no FP8 builder flag")
-        if _compute_capability(device) < (8, 9):
-            raise ConfigError(
-                f"{gpu_name(device)} has no FP8 (needs compute capability 8.9+: Ada, Hopper)"
-            )
-        config.set_flag(trt.BuilderFlag.FP8)
-    return calibrator
-
-
-def _attach_timing_cache(config: Any, timing_cache: Path | None) -> Any:
-    cache_bytes = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b""
-    cache = config.create_timing_cache(cache_bytes)
-    # set_timing_cache returns False (and the cache is not used) for one made on
-    # another GPU or TensorRT version: start a fresh one, which then replaces
-    # the stale file, rather than failing the build or serialising nothing.
-    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
-        log.warning("timing_cache_mismatch", path=str(timing_cache), action="rebuilt")
-        cache = config.create_timing_cache(b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
-    return cache
+    described = OnnxRuntimeEngine(onnx_path, ModelConfig(path=str(onnx_path)))
+    atomic_write(out_dir / f"{digest}.io.json", io_json(described.info.io).encode())
 
 
 # --- CLI -----------------------------------------------------------------------------
@@ -403,6 +260,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profiles", type=int, default=4, help="optimization profiles = GPU slots it serves"
     )
+    parser.add_argument(
+        "--max-length", type=int, default=0,
+        help="the longest sequence, for models with a dynamic dimension besides the batch "
+        "(a text model's: its model.inputs.*.max_length)",
+    )  # fmt: skip
     parser.add_argument(
         "--calibration", type=Path, default=None, help="int8: samples npz (images or inputs)"
     )
@@ -483,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
             workspace_mb=args.workspace_mb,
             device=args.device,
             force=args.force,
+            max_length=args.max_length,
         )
         print(plan)
         if args.evaluate is not None:

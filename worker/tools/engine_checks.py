@@ -177,7 +177,8 @@ def evaluate_accuracy(
             chunk = inputs[start : start + step]
             pad = max(0, engine.min_batch_size - len(chunk))
             padded = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)]) if pad else chunk
-            feeds = {engine.input.name: padded.astype(engine.input.dtype)}
+            (spec,) = engine.inputs  # an image classifier: one input
+            feeds = {spec.name: padded.astype(spec.dtype)}
             got.append(engine.run(feeds)[out_name][: len(chunk)])
             (ref,) = session.run([out_name], {in_name: chunk})
             want.append(np.asarray(ref))

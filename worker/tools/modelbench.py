@@ -310,14 +310,17 @@ def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> 
     H200 of this workplace) and would flatter the engine."""
     import cupy
 
+    from worker.engines.base import SlotShapes
     from worker.inference.gpu.slots import Allocations, Slot, SlotLayout
 
     device = settings.gpu.device
     n = settings.batching.max_batch_size
+    b = settings.batching
+    engine.prepare(SlotShapes(bucket_sizes(max(n, engine.min_batch_size), b.preferred_batch_sizes)))
     layout = SlotLayout(
         device=device,
         max_batch_size=max(n, engine.min_batch_size),
-        engine_input=engine.input,
+        engine_inputs=engine.inputs,
         engine_outputs=engine.outputs,
     )
     slot = Slot.create(0, layout, Allocations())
@@ -326,13 +329,13 @@ def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> 
             slot.context = engine.create_context(slot)
             # The buffers were zero-filled on the legacy default stream (see the stage).
             cupy.cuda.runtime.deviceSynchronize()
-            x = slot.engine_input
-            x[...] = cupy.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+            for x in slot.engine_inputs.values():
+                x[...] = cupy.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
             cupy.cuda.runtime.deviceSynchronize()
             for _ in range(ENGINE_WARM_RUNS):
-                engine.enqueue(slot, n)
+                engine.enqueue(slot, n, {})
             slot.stream.synchronize()
-            return timed(lambda: engine.enqueue(slot, n), slot.stream.synchronize, seconds)
+            return timed(lambda: engine.enqueue(slot, n, {}), slot.stream.synchronize, seconds)
     finally:
         slot.close()
 

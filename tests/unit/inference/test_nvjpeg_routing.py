@@ -32,6 +32,7 @@ from worker.inference.gpu.stage import (
     split_chunks,
     staged_bytes,
 )
+from worker.model import ModelIO, TensorDesc
 from worker.records import Answer, Job, TopicPartition
 
 RNG = np.random.default_rng(11)
@@ -254,10 +255,13 @@ def test_the_gpu_stage_fails_start_up_naming_gpu_decode(monkeypatch: pytest.Monk
     """Checked before CuPy is touched, so it names what is missing even on a host
     without CUDA; ``infer-worker`` exits 2 on a ConfigError."""
     monkeypatch.setitem(sys.modules, "torch", None)
+    f32 = np.dtype(np.float32)
+    io = ModelIO((TensorDesc("image", f32, (3, 8, 8)),), (TensorDesc("logits", f32, (10,)),))
     engine = types.SimpleNamespace(
         max_batch_size=8,
         min_batch_size=1,
-        input=TensorSpec("image", np.dtype(np.float32), (3, 8, 8)),
+        input=TensorSpec("image", f32, (3, 8, 8)),
+        info=types.SimpleNamespace(io=io),
     )
     with pytest.raises(ConfigError, match=r"gpu\.decode = 'nvjpeg' needs torch"):
         GpuInferenceStage(

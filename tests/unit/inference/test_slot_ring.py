@@ -179,7 +179,7 @@ def test_slot_layout_accounting_and_validation() -> None:
     layout = SlotLayout(
         device=0,
         max_batch_size=4,
-        engine_input=TensorSpec("image", f32, (1, 8, 8)),
+        engine_inputs=(TensorSpec("image", f32, (1, 8, 8)),),
         engine_outputs=(TensorSpec("logits", f32, (10,)),),
         results=(
             TensorSpec("topk_indices", np.dtype(np.int64), (3,)),
@@ -191,9 +191,9 @@ def test_slot_layout_accounting_and_validation() -> None:
     assert layout.device_bytes == 4 * (256 + 40 + 24 + 12 + 24) + 1000
     assert layout.pinned_bytes == 4 * (24 + 12 + 24) + 1000
     with pytest.raises(ValueError, match="unknown"):
-        SlotLayout(0, 4, layout.engine_input, layout.engine_outputs, copy_back=("nope",))
+        SlotLayout(0, 4, layout.engine_inputs, layout.engine_outputs, copy_back=("nope",))
     with pytest.raises(ValueError, match="collide"):
-        SlotLayout(0, 4, layout.engine_input, layout.engine_outputs, results=layout.engine_outputs)
+        SlotLayout(0, 4, layout.engine_inputs, layout.engine_outputs, results=layout.engine_outputs)
 
 
 async def test_occupancy_is_reported_on_every_change() -> None:
