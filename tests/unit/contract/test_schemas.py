@@ -79,6 +79,16 @@ REQUESTS = {
     "image file": Request(
         v=1, id="f", inputs={"image": EncodedImage("jpeg", b"\xff\xd8\xff\xe0 a jpeg file")}
     ),
+    "text": Request(v=1, id="t", inputs={"text": "How do I reset my password?"}),
+    "several inputs": Request(
+        v=1,
+        id="m",
+        inputs={
+            "features": tensor(np.ones(4, np.float32)),
+            "ids": tensor(np.arange(12, dtype=np.int64)),
+            "query": "a text beside tensors",
+        },
+    ),
 }
 
 SOURCE = Source("infer.requests", 0, 17)
@@ -119,6 +129,12 @@ def test_schemas_are_valid_draft_2020_12(schema: dict[str, Any]) -> None:
 @pytest.mark.parametrize("req", list(REQUESTS.values()), ids=list(REQUESTS))
 def test_encoded_requests_validate(req: Request) -> None:
     assert errors(REQUEST_SCHEMA, wire(encode_request(req))) == []
+
+
+def test_an_input_that_is_neither_tensor_file_nor_text_fails_validation() -> None:
+    instance = wire(encode_request(REQUESTS["text"]))
+    instance["inputs"]["text"] = 42
+    assert errors(REQUEST_SCHEMA, instance)
 
 
 @pytest.mark.parametrize("res", list(RESULTS.values()), ids=list(RESULTS))
