@@ -131,8 +131,9 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     topic = args.topic or s.kafka.input_topics[0]
     kafka = dataclasses.replace(s.kafka, input_topics=(topic,))
     return run_produce(
-        kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json
-    )
+        kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
+        texts=args.text, input_name=args.input, sample_model=args.model,
+    )  # fmt: skip
 
 
 def _cmd_consume(args: argparse.Namespace) -> int:
@@ -289,15 +290,28 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def _client_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = _add(
-        sub, "produce", "send images as requests and print their answers",
-        "Send image files (JPEG, PNG or WebP as they are; .npy arrays as uint8 tensors) "
-        "or bundled digit samples to the input topic, each with a unique id, then wait for "
-        "their answers and print them (top classes, or the error).",
+        sub, "produce", "send images or texts as requests and print their answers",
+        "Send image files (JPEG, PNG or WebP as they are; .npy arrays as tensors), texts "
+        "(--text) or a bundled model's samples to the input topic, each with a unique id, "
+        "then wait for their answers and print them (top classes, the outputs, or the error).",
         _cmd_produce,
-        epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg",
+        epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg\n"
+        '  infer-worker produce --text "The battery was great"\n'
+        "  infer-worker produce --samples 3 --model sentiment",
     )  # fmt: skip
     p.add_argument("files", nargs="*", metavar="IMAGE", help="image files or .npy arrays")
-    p.add_argument("--samples", type=int, default=0, help="also send N bundled digit samples")
+    p.add_argument(
+        "--text", action="append", default=[], help="send this text (repeatable)"
+    )  # fmt: skip
+    p.add_argument(
+        "--input", default=None,
+        help="the request input to send them as (default: image for files, text for texts)",
+    )  # fmt: skip
+    p.add_argument("--samples", type=int, default=0, help="also send N bundled samples")
+    p.add_argument(
+        "--model", choices=("digits", "sentiment"), default="digits",
+        help="whose samples --samples sends (default digits)",
+    )  # fmt: skip
     p.add_argument("--topic", help="input topic (default: the config's first input topic)")
     p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")

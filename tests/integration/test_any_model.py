@@ -223,3 +223,46 @@ async def test_the_bundled_text_model(broker: EmbeddedBroker, names: dict[str, s
     assert results["empty"].error.message == "inputs.text: the text is empty"
     assert results["tensor"].error is not None
     assert "expected a text (a UTF-8 string), got a tensor" in results["tensor"].error.message
+
+
+async def test_produce_sends_texts_and_samples_of_the_text_model(
+    broker: EmbeddedBroker, names: dict[str, str]
+) -> None:
+    """``infer-worker produce --text`` and ``--samples N --model sentiment`` against a
+    worker serving the bundled text model: every request answered, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    await create_topics(broker.bootstrap, {names["requests"]: 1, names["results"]: 1,
+                                           names["dlq"]: 1})  # fmt: skip
+    w = spawn_worker(
+        broker.bootstrap, input_topics=[names["requests"]], output_topic=names["results"],
+        dlq_topic=names["dlq"], group_id=names["group"],
+        extra_env={"INFER_WORKER_MODEL__PATH": "builtin:sentiment"},
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 1, 60.0, "assignment"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+        env.update({
+            "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+            "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+        })  # fmt: skip
+        argv = [sys.executable, "-m", "worker", "produce", "--bootstrap-servers", broker.bootstrap,
+                "--text", "The screen was brilliant, i love it", "--samples", "2",
+                "--model", "sentiment", "--json", "--timeout", "60"]  # fmt: skip
+        proc = await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 3 and all(r["status"] == "ok" for r in lines), proc.stdout
+    text = next(r for r in lines if r["id"].startswith("text-"))
+    assert int(np.argmax(text["outputs"]["logits"])) == 1  # positive

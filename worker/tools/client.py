@@ -1,9 +1,10 @@
-"""``infer-worker produce`` and ``infer-worker consume``: send images, see answers.
+"""``infer-worker produce`` and ``infer-worker consume``: send requests, see answers.
 
 For a person at a terminal, not for throughput: ``produce`` sends image files
-(JPEG, PNG or WebP as they are; ``.npy`` arrays as uint8 tensors) or samples of
-the bundled digits model, each with a fresh unique id, and by default waits for
-their answers and prints them. ``consume`` prints results as they arrive.
+(JPEG, PNG or WebP as they are; ``.npy`` arrays as tensors), texts, or samples
+of a bundled model (digits, sentiment), each with a fresh unique id, and by
+default waits for their answers and prints them. ``consume`` prints results as
+they arrive.
 
 Results are found by id (the ``id`` header), reading the output and DLQ topics
 from the beginning without a consumer group: nothing is committed, no worker's
@@ -49,15 +50,16 @@ class Outgoing:
     value: bytes
 
 
-def from_file(path: Path, limits: LimitsConfig) -> Outgoing:
-    """A request for one file: image files as sent, ``.npy`` as a uint8 tensor."""
+def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> Outgoing:
+    """A request for one file: image files as sent, ``.npy`` as a tensor (any
+    dtype the contract carries: the worker checks it against the model)."""
     rid = f"{path.stem}-{uuid.uuid4().hex[:8]}"
     if path.suffix.lower() == ".npy":
         array = np.load(path, allow_pickle=False)
-        if array.dtype != np.uint8 or array.ndim not in (2, 3):
-            raise ConfigError(f"{path}: expected a uint8 [H, W] or [H, W, C] array, got "
-                              f"{array.dtype} {list(array.shape)}")  # fmt: skip
-        image: Tensor | EncodedImage = Tensor.from_numpy(array)
+        try:
+            image: Tensor | EncodedImage = Tensor.from_numpy(array)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
     else:
         data = path.read_bytes()
         fmt = sniff_format(data)
@@ -69,15 +71,35 @@ def from_file(path: Path, limits: LimitsConfig) -> Outgoing:
                 f"limits.max_tensor_bytes = {limits.max_tensor_bytes}"
             )
         image = EncodedImage(fmt, data)
-    return Outgoing(rid, str(path), encode_request(Request(v=1, id=rid, inputs={"image": image})))
+    request = Request(v=1, id=rid, inputs={input_name: image})
+    return Outgoing(rid, str(path), encode_request(request))
 
 
-def from_samples(n: int) -> list[Outgoing]:
-    """``n`` labelled held-out digits of the bundled model (8x8, grey)."""
-    from worker.tools.demo import labelled_samples
+def from_text(text: str, input_name: str = "text") -> Outgoing:
+    """A request for one text (a text input: the worker tokenizes it)."""
+    rid = f"text-{uuid.uuid4().hex[:8]}"
+    label = text if len(text) <= 40 else text[:37] + "..."
+    return Outgoing(
+        rid, repr(label), encode_request(Request(v=1, id=rid, inputs={input_name: text}))
+    )
 
+
+def from_samples(n: int, model: str = "digits") -> list[Outgoing]:
+    """``n`` labelled held-out samples of a bundled model: digits (8x8, grey) or
+    sentiment (review texts; 1 = positive)."""
     out = []
     run = uuid.uuid4().hex[:8]
+    if model == "sentiment":
+        from worker.tools.samples import sentiment_samples
+
+        for i, text in enumerate(sentiment_samples(1)[:n]):
+            rid = f"sample-{i}-{run}"
+            request = Request(v=1, id=rid, inputs={"text": text.text})
+            label = f"sample {i} ({'positive' if text.label else 'negative'})"
+            out.append(Outgoing(rid, label, encode_request(request)))
+        return out
+    from worker.tools.samples import labelled_samples
+
     for i, sample in enumerate(labelled_samples(1)[:n]):
         rid = f"sample-{i}-{run}"
         request = Request(v=1, id=rid, inputs={"image": Tensor.from_numpy(sample.image)})
@@ -214,10 +236,16 @@ def run_produce(
     wait: bool,
     timeout: float,
     json_lines: bool,
+    *,
+    texts: Sequence[str] = (),
+    input_name: str | None = None,
+    sample_model: str = "digits",
 ) -> int:
-    requests = [from_file(Path(f), limits) for f in files] + from_samples(samples)
+    requests = [from_file(Path(f), limits, input_name or "image") for f in files]
+    requests += [from_text(t, input_name or "text") for t in texts]
+    requests += from_samples(samples, sample_model)
     if not requests:
-        raise ConfigError("nothing to send: give image files, or --samples N")
+        raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
 
     async def go() -> int:
         await send(kafka, kafka.input_topics[0], requests, request_size(limits))
