@@ -1,10 +1,18 @@
 """Backlog drain on the CPU: the worker against the ingest ceiling, same run.
 
     .venv/bin/python -m bench.drain --records 30000 [--repeat 3] [--peers ...] [--json out.json]
+    .venv/bin/python -m bench.drain --payload text|tensor --peers   # the other input kinds
 
-Starts the embedded broker, produces a backlog of the bundled model's digit
-requests (8x8, 16x16 and 24x24, as the demo sends them) over ``--partitions``,
-then drains the same records twice, one after the other, on the same machine:
+Starts the embedded broker, produces a backlog over ``--partitions`` and drains
+the same records several times, one after the other, on the same machine. The
+backlog (``--payload``): ``digits`` (default), the bundled model's digit
+requests (8x8, 16x16 and 24x24, as the demo sends them); ``text``, the bundled
+text model's held-out reviews (the worker tokenizes them; 7 to 40 tokens);
+``tensor``, a two-input ranker (features float32 [4] and ids int64 [1..128],
+lengths uniform) written by tests/onnx_models.py. For text and tensor the
+worker's padding is reported (padding / data elements, from
+``infer_padded_elements_total``), and ``--env
+INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false`` gives the unsplit figure. Drains:
 
 * ``ceiling``: a bare aiokafka consumer that decodes each value with msgpack and
   discards it. No processor can beat it: it is the rate Kafka and the client
@@ -28,11 +36,15 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
+from worker.contract import Request, Tensor, encode_request
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import encode_samples, labelled_samples
 from worker.tools.drain import Drain, arrivals_after, drain_ceiling
@@ -93,17 +105,58 @@ async def drain_worker(
         raise RuntimeError(f"{len(bad)} results not ok, worker exit {exit_code}")
     times = [r.received_at for r in results]
     first, last = times[0], times[-1]
-    return Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m))
+    data = m.get('infer_padded_elements_total{kind="data"}', 0.0)
+    padding = m.get('infer_padded_elements_total{kind="padding"}', 0.0) / data if data else 0.0
+    return Drain(
+        "worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding
+    )
+
+
+def payload(
+    kind: str, n: int, tmp: Path
+) -> tuple[list[tuple[bytes | None, bytes]], dict[str, str]]:
+    """The backlog's records and the worker settings that serve them."""
+    if kind == "digits":
+        samples = labelled_samples(max(1, -(-n // 360)))[:n]
+        return encode_samples(samples), {}
+    if kind == "text":
+        from worker.tools.samples import sentiment_samples
+
+        texts = sentiment_samples(max(1, -(-n // 400)))[:n]
+        records: list[tuple[bytes | None, bytes]] = [
+            (t.id.encode(), encode_request(Request(v=1, id=t.id, inputs={"text": t.text})))
+            for t in texts
+        ]
+        return records, {"INFER_WORKER_MODEL__PATH": "builtin:sentiment"}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.onnx_models import ranker
+
+    path = ranker(tmp / "ranker.onnx")
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(n):
+        inputs = {
+            "features": Tensor.from_numpy(rng.normal(size=4).astype(np.float32)),
+            "ids": Tensor.from_numpy(
+                rng.integers(1, 50, int(rng.integers(1, 129))).astype(np.int64)
+            ),
+        }
+        records.append((str(i).encode(), encode_request(Request(v=1, id=str(i), inputs=inputs))))
+    env = {
+        "INFER_WORKER_MODEL__PATH": str(path),
+        "INFER_WORKER_MODEL__INPUTS__IDS__MAX_LENGTH": "128",
+    }
+    return records, env
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
-    samples = labelled_samples(max(1, -(-args.records // 360)))[: args.records]
-    records = encode_samples(samples)
+    tmp = Path(tempfile.mkdtemp(prefix="drain-"))
+    records, payload_env = payload(args.payload, args.records, tmp)
     baseline_path = args.baseline_path  # made absolute in main()
     names = ["ceiling", "worker"] + (["baseline"] if args.baseline_path else [])
     names += list(args.peers)
     runs: dict[str, list[Drain]] = {name: [] for name in names}
-    env = dict(item.split("=", 1) for item in args.env)
+    env = {**payload_env, **dict(item.split("=", 1) for item in args.env)}
     with EmbeddedBroker() as broker:
         topics = {"requests": "drain.requests", "results": "drain.results", "dlq": "drain.dlq"}
         await create_topics(
@@ -140,6 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                       file=sys.stderr, flush=True)  # fmt: skip
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
     summary: dict[str, object] = {
+        "payload": args.payload,
         "records": len(records),
         "partitions": args.partitions,
         "procs": args.procs,
@@ -147,6 +201,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "ceiling_rec_s": [round(d.rate) for d in runs["ceiling"]],
         "worker_rec_s": [round(d.rate) for d in runs["worker"]],
         "worker_mean_batch": [round(d.mean_batch, 1) for d in runs["worker"]],
+        "worker_padding_per_data_element": [round(d.padding, 3) for d in runs["worker"]],
         "ratio_worker_to_ceiling": [round(r, 4) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 4),
         **{f"{peer}_rec_s": [round(d.rate) for d in runs[peer]] for peer in args.peers},
@@ -181,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=30_000)
+    parser.add_argument("--payload", choices=("digits", "text", "tensor"), default="digits")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="drains of each, alternating")
     parser.add_argument(

@@ -28,6 +28,7 @@ class Drain:
     records: int
     seconds: float
     mean_batch: float = 0.0
+    padding: float = 0.0  # padding / data elements of inputs with free dimensions
 
     @property
     def rate(self) -> float:
