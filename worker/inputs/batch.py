@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class ModelInputs:
             for symbol in kind.padded_symbols():
                 symbols.setdefault(symbol, []).append(kind.name)
         self.symbols = {s: tuple(dict.fromkeys(names)) for s, names in symbols.items()}
+        # Per record, only the kinds that pad anything report lengths (the hot path
+        # of an image classifier does no length bookkeeping at all).
+        self._measured = frozenset(k.name for k in self.kinds if k.padded_symbols())
 
     @property
     def padded_symbols(self) -> frozenset[str]:
@@ -91,19 +94,15 @@ class ModelInputs:
             values: dict[str, Any] = {}
             lengths: dict[str, int] = {}
             given = request.inputs
-            for name in given:
-                if name not in self.by_name:
-                    raise InvalidRequest(
-                        f"inputs.{name[:64]}: unknown input; the model takes {self._names}"
-                    )
+            if len(given) != len(self.kinds) or not all(n in self.by_name for n in given):
+                self._name_problem(given)
             for kind in self.kinds:
                 value = given.get(kind.name)
                 if value is None:
-                    raise InvalidRequest(
-                        f"inputs.{kind.name}: missing (the model takes {self._names}; got "
-                        f"{', '.join(sorted(given)) or 'none'})"
-                    )
+                    self._name_problem(given)
                 row = values[kind.name] = kind.check(value)
+                if kind.name not in self._measured:
+                    continue
                 for symbol, n in kind.lengths(row).items():
                     seen = lengths.setdefault(symbol, n)
                     if seen != n:
@@ -116,6 +115,19 @@ class ModelInputs:
             exc.request_id, exc.meta = request.id, request.meta
             raise
         return values, lengths
+
+    def _name_problem(self, given: Mapping[str, Any]) -> NoReturn:
+        """Raise for an input the model does not take, else for one it lacks."""
+        for name in given:
+            if name not in self.by_name:
+                raise InvalidRequest(
+                    f"inputs.{name[:64]}: unknown input; the model takes {self._names}"
+                )
+        missing = next(k.name for k in self.kinds if k.name not in given)
+        raise InvalidRequest(
+            f"inputs.{missing}: missing (the model takes {self._names}; got "
+            f"{', '.join(sorted(given)) or 'none'})"
+        )
 
     # --- inference stage (worker threads, per batch) ---------------------------------
 
