@@ -107,9 +107,7 @@ async def drain_worker(
     first, last = times[0], times[-1]
     data = m.get('infer_padded_elements_total{kind="data"}', 0.0)
     padding = m.get('infer_padded_elements_total{kind="padding"}', 0.0) / data if data else 0.0
-    return Drain(
-        "worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding
-    )
+    return Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding)
 
 
 def payload(
@@ -155,6 +153,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     baseline_path = args.baseline_path  # made absolute in main()
     names = ["ceiling", "worker"] + (["baseline"] if args.baseline_path else [])
     names += list(args.peers)
+    # --variant NAME:KEY=VALUE,...: the worker again with other settings, same run.
+    variants = {
+        name: dict(item.split("=", 1) for item in settings.split(","))
+        for name, settings in (v.split(":", 1) for v in args.variant)
+    }
+    names += list(variants)
     runs: dict[str, list[Drain]] = {name: [] for name in names}
     env = {**payload_env, **dict(item.split("=", 1) for item in args.env)}
     with EmbeddedBroker() as broker:
@@ -181,7 +185,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     topics["results"] = f"drain.results.{name}.{i}"
                     await create_topics(broker.bootstrap, {topics["results"]: args.partitions})
                     d = await drain_worker(
-                        broker.bootstrap, topics, len(records), f"{name}{i}", env,
+                        broker.bootstrap, topics, len(records), f"{name}{i}",
+                        {**env, **variants.get(name, {})},
                         baseline_path if name == "baseline" else None,
                         1 if name == "baseline" else args.procs,
                         name if name in args.peers else None,
@@ -205,6 +210,20 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "ratio_worker_to_ceiling": [round(r, 4) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 4),
         **{f"{peer}_rec_s": [round(d.rate) for d in runs[peer]] for peer in args.peers},
+        **{f"{name}_rec_s": [round(d.rate) for d in runs[name]] for name in variants},
+        **{
+            f"{name}_padding_per_data_element": [round(d.padding, 3) for d in runs[name]]
+            for name in variants
+        },
+        **{
+            f"ratio_worker_to_{name}_median": round(
+                statistics.median(
+                    w.rate / v.rate for w, v in zip(runs["worker"], runs[name], strict=True)
+                ),
+                2,
+            )
+            for name in variants
+        },
         **{
             f"ratio_worker_to_{peer}_median": round(
                 statistics.median(
@@ -254,6 +273,14 @@ def main() -> int:
         help="bench/peers/NAME.py contenders (install the bench extra for faust and quix)",
     )
     parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:INFER_WORKER_X=V,...",
+        help="also drain with the worker under other settings, e.g. "
+        "nosplit:INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false",
+    )
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()
