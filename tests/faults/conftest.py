@@ -1,4 +1,4 @@
-"""Helpers for fault tests: real worker processes against the real embedded broker."""
+"""Helpers for fault tests: real worker processes against the real brokers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker
+from worker.tools.broker import Broker
 from worker.tools.processes import WorkerProcess, spawn_worker
 from worker.tools.topics import Collector
 from worker.tools.verify import InputRecord, Reply, Report, check, read_topics
@@ -34,7 +34,7 @@ def request(i: int, size: int = 8, corner: int | None = None) -> bytes:
     )
 
 
-def start(broker: EmbeddedBroker, names: Mapping[str, str], **env: str) -> WorkerProcess:
+def start(broker: Broker, names: Mapping[str, str], **env: str) -> WorkerProcess:
     return spawn_worker(
         broker.bootstrap,
         input_topics=[names["requests"]],
@@ -88,7 +88,7 @@ class Answers:
     task: asyncio.Task[bool]
 
     @classmethod
-    async def start(cls, broker: EmbeddedBroker, names: Mapping[str, str]) -> Answers:
+    async def start(cls, broker: Broker, names: Mapping[str, str]) -> Answers:
         c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
         await c.start()
         return cls(c, asyncio.create_task(c.collect(lambda _: False, 3600)))
@@ -109,7 +109,7 @@ class Answers:
 
 
 async def verify_topics(
-    broker: EmbeddedBroker,
+    broker: Broker,
     names: Mapping[str, str],
     *,
     strict: bool = False,

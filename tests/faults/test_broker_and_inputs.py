@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, EmbeddedBroker, create_topics
 from worker.tools.processes import WorkerProcess
 from worker.tools.topics import committed_offsets, produce_all
 
@@ -207,7 +207,7 @@ garbage = st.one_of(
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(garbage, min_size=150, max_size=150))
 async def test_hostile_stream_every_record_answered_worker_stays_up(
-    broker: EmbeddedBroker, names: dict[str, str], fuzz: list[bytes]
+    broker: Broker, names: dict[str, str], fuzz: list[bytes]
 ) -> None:
     names = {k: f"{v}-h" for k, v in names.items()}
     classes = hostile_payloads()

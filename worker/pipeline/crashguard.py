@@ -39,6 +39,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.pipeline.kafka import topic_partitions
 from worker.records import TopicPartition
 
 log = structlog.get_logger(__name__)
@@ -106,8 +107,7 @@ class CrashGuard:
         consumer = AIOKafkaConsumer(**self._connection, enable_auto_commit=False)
         await consumer.start()
         try:
-            await consumer.topics()
-            parts = consumer.partitions_for_topic(self._topic) or set()
+            parts = await topic_partitions(consumer, self._topic)
             ktps = [KafkaTP(self._topic, p) for p in parts]
             consumer.assign(ktps)
             await consumer.seek_to_beginning(*ktps)

@@ -123,3 +123,18 @@ def token_provider(spec: str | None) -> Any:
             "aiokafka.abc.AbstractTokenProvider"
         )
     return provider
+
+
+async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    """``topic``'s partitions, from a metadata request for every topic (which,
+    unlike one naming the topic, never auto-creates it); empty where it does not
+    exist.
+
+    ``await consumer.topics()`` then ``consumer.partitions_for_topic(topic)``
+    looks like the same thing and is not: ``topics()`` fills a metadata object
+    of its own, and the consumer's cache holds what its bootstrap asked for,
+    which on Apache Kafka is no topic at all (aiokafka bootstraps with a request
+    for an empty topic list; the embedded broker answers that with every topic,
+    which hid the difference). aiokafka has no public call for this."""
+    cluster = await consumer._client.fetch_all_metadata()
+    return set(cluster.partitions_for_topic(topic) or ())

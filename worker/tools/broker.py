@@ -211,12 +211,23 @@ async def create_topics(bootstrap: str, partitions: Mapping[str, int]) -> None:
                 await admin.create_topics(
                     [NewTopic(name, num_partitions=count, replication_factor=1)]
                 )
-        # Metadata is eventually consistent: wait until every topic is visible.
-        for _ in range(200):
-            known = set(await admin.list_topics())
-            if set(partitions) <= known:
+        # Metadata is eventually consistent, and Kafka elects a new partition's
+        # leader after CreateTopics has returned (a client that looks meanwhile
+        # sees the topic without partitions): wait until every topic is listed
+        # with a leader for each of its partitions.
+        pending = set(partitions)
+        for _ in range(500):
+            for topic in await admin.describe_topics(sorted(pending)):
+                parts = topic["partitions"]
+                if (
+                    topic["error_code"] == 0
+                    and parts
+                    and all(p["error_code"] == 0 and p["leader"] >= 0 for p in parts)
+                ):
+                    pending.discard(topic["topic"])
+            if not pending:
                 return
             await asyncio.sleep(0.02)
-        raise BrokerError(f"topics not visible after creation: {sorted(set(partitions) - known)}")
+        raise BrokerError(f"topics not ready after creation: {sorted(pending)}")
     finally:
         await admin.close()

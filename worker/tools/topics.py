@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
+from worker.pipeline.kafka import topic_partitions
 
 
 @dataclass
@@ -146,13 +147,12 @@ class Collector:
         await consumer.start()
         tps = []
         for topic in self.topics:
-            parts = consumer.partitions_for_topic(topic)
+            parts = await topic_partitions(consumer, topic)
             for _ in range(100):
                 if parts:
                     break
                 await asyncio.sleep(0.05)
-                await consumer._client.force_metadata_update()
-                parts = consumer.partitions_for_topic(topic)
+                parts = await topic_partitions(consumer, topic)
             if not parts:
                 await consumer.stop()
                 raise RuntimeError(f"topic {topic} has no partitions")
