@@ -48,9 +48,7 @@ async def start_worker(
     return w
 
 
-async def collect(
-    broker: Broker, topics: list[str], n: int, timeout: float = 60.0
-) -> Collector:
+async def collect(broker: Broker, topics: list[str], n: int, timeout: float = 60.0) -> Collector:
     c = Collector(broker.bootstrap, topics)
     await c.start()
     try:
@@ -63,9 +61,7 @@ async def collect(
     return c
 
 
-async def test_round_trip_order_batching_and_commits(
-    broker: Broker, names: dict[str, str]
-) -> None:
+async def test_round_trip_order_batching_and_commits(broker: Broker, names: dict[str, str]) -> None:
     n, parts = 600, 4
     await create_topics(
         broker.bootstrap, {names["requests"]: parts, names["results"]: 1, names["dlq"]: 1}
@@ -119,9 +115,7 @@ async def test_round_trip_order_batching_and_commits(
     assert committed == expected
 
 
-async def test_restart_reprocesses_nothing_committed(
-    broker: Broker, names: dict[str, str]
-) -> None:
+async def test_restart_reprocesses_nothing_committed(broker: Broker, names: dict[str, str]) -> None:
     parts = 2
     await create_topics(
         broker.bootstrap, {names["requests"]: parts, names["results"]: 2, names["dlq"]: 1}
