@@ -32,10 +32,10 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
@@ -81,13 +81,20 @@ def _key(group: str, tp: TopicPartition) -> bytes:
     return f"{group}/{tp.topic}/{tp.partition}".encode()
 
 
+class MarkSender(Protocol):
+    """Where marks are written: the result sink (``ResultSink.send_and_wait``),
+    whose producer may be replaced while the guard lives."""
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any: ...
+
+
 class CrashGuard:
     def __init__(
         self,
         connection: Mapping[str, Any],
         topic: str,
         group: str,
-        producer: AIOKafkaProducer,
+        producer: MarkSender,
     ) -> None:
         """``connection``: aiokafka bootstrap and security arguments (the guard
         reads its topic with a consumer of its own, on the same cluster)."""
