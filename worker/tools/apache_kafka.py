@@ -80,6 +80,33 @@ logger.server.level = info
 """
 
 
+def server_properties(
+    node_id: int, port: int, controller_port: int, voters: str, size: int, data: Path
+) -> dict[str, str]:
+    """One node's ``server.properties`` in a cluster of ``size`` combined
+    broker/controller nodes with the static quorum ``voters``."""
+    replication = str(min(size, 3))
+    min_isr = "1" if size == 1 else "2"
+    return {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(data),
+        "message.max.bytes": str(16 * 1024 * 1024),
+        "offsets.topic.replication.factor": replication,
+        "transaction.state.log.replication.factor": replication,
+        "transaction.state.log.min.isr": min_isr,
+        "share.coordinator.state.topic.replication.factor": replication,
+        "share.coordinator.state.topic.min.isr": min_isr,
+        **TEST_SETTINGS,
+    }
+
+
 def cluster_id() -> str:
     """A KRaft cluster id: a random UUID in URL-safe base64 without padding
     (Kafka's own ``Uuid.randomUuid`` never returns one starting with '-')."""
@@ -269,30 +296,10 @@ class KafkaCluster:
             proc.wait()
 
     def _properties(self, node: _Node, voters: str) -> str:
-        replication = min(self.size, 3)
-        min_isr = 1 if self.size == 1 else 2
-        settings = {
-            "process.roles": "broker,controller",
-            "node.id": str(node.node_id),
-            "controller.quorum.voters": voters,
-            "listeners": (
-                f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}"
-            ),
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
-            "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "log.dirs": str(node.home / "data"),
-            "message.max.bytes": str(16 * 1024 * 1024),
-            "offsets.topic.replication.factor": str(replication),
-            "transaction.state.log.replication.factor": str(replication),
-            "transaction.state.log.min.isr": str(min_isr),
-            "share.coordinator.state.topic.replication.factor": str(replication),
-            "share.coordinator.state.topic.min.isr": str(min_isr),
-            **TEST_SETTINGS,
-            **self._extra,
-        }
-        return "".join(f"{k}={v}\n" for k, v in settings.items())
+        settings = server_properties(
+            node.node_id, node.port, node.controller_port, voters, self.size, node.home / "data"
+        )
+        return "".join(f"{k}={v}\n" for k, v in {**settings, **self._extra}.items())
 
     def _java(self, node: _Node, main: str, *args: str) -> list[str]:
         assert self._libs is not None
