@@ -417,6 +417,7 @@ def main() -> None:
     import sys
 
     size = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    stop = {signal.SIGINT, signal.SIGTERM}
     t0 = time.monotonic()
     with KafkaCluster(size) as cluster:
         print(
@@ -424,8 +425,9 @@ def main() -> None:
             f"{cluster.bootstrap}",
             flush=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        # Blocked only now, so the nodes (started above) do not inherit the mask.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.sigwait(stop)
 
 
 if __name__ == "__main__":
