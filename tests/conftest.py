@@ -1,21 +1,101 @@
-"""Shared fixtures: the real embedded broker and unique topic names per test."""
+"""Shared fixtures: the real brokers and unique topic names per test.
+
+``broker`` is parametrized over the embedded broker (Tansu) and Apache Kafka
+(``worker/tools/apache_kafka.py``): every test that takes it runs on both, with
+``[embedded]`` / ``[kafka]`` in its name. Each broker starts once per session,
+and only when a test of its kind runs. Tests that need a broker of their own
+(they stop or restart it) take ``broker_factory``, parametrized the same way.
+
+Where Java or Maven is missing, or Kafka's jars cannot be fetched, the Kafka
+tests skip with the reason; with ``CI=true`` that is an error instead, so CI
+can never pass without having run them.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from worker.tools.broker import EmbeddedBroker
+from worker.tools.apache_kafka import KafkaCluster
+from worker.tools.broker import Broker, BrokerKind, EmbeddedBroker
+from worker.tools.kafka_runtime import KafkaUnavailable, kafka_libs
+
+BROKER_KINDS: tuple[BrokerKind, ...] = ("embedded", "kafka")
 
 _counter = itertools.count()
+_kafka_problem: list[KafkaUnavailable] = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_kafka() -> None:
+    """Skip (outside CI) or fail (in CI) where Apache Kafka cannot run here."""
+    if not _kafka_problem:
+        try:
+            kafka_libs()
+        except KafkaUnavailable as exc:
+            _kafka_problem.append(exc)
+        else:
+            return
+    problem = _kafka_problem[0]
+    if _in_ci():
+        raise problem
+    pytest.skip(f"Apache Kafka unavailable: {problem}")
+
+
+def new_broker(kind: BrokerKind, nodes: int = 1) -> Broker:
+    """A started broker of ``kind`` (not shared: the caller stops it)."""
+    if kind == "embedded":
+        return EmbeddedBroker().start()
+    require_kafka()
+    return KafkaCluster(nodes).start()
 
 
 @pytest.fixture(scope="session")
-def broker() -> Iterator[EmbeddedBroker]:
+def embedded_broker() -> Iterator[EmbeddedBroker]:
     with EmbeddedBroker() as b:
         yield b
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaCluster]:
+    require_kafka()
+    with KafkaCluster() as b:
+        yield b
+
+
+@pytest.fixture(params=BROKER_KINDS)
+def broker_kind(request: pytest.FixtureRequest) -> BrokerKind:
+    kind: BrokerKind = request.param
+    return kind
+
+
+@pytest.fixture
+def broker(request: pytest.FixtureRequest, broker_kind: BrokerKind) -> Broker:
+    """The session's broker of this test's kind (shared: tests use their own topics)."""
+    b: Broker = request.getfixturevalue(f"{broker_kind}_broker")
+    return b
+
+
+@pytest.fixture
+def broker_factory(broker_kind: BrokerKind) -> Iterator[Callable[[], Broker]]:
+    """Starts brokers of this test's kind that the test may stop, kill or restart;
+    whatever is still running at the end is stopped."""
+    started: list[Broker] = []
+
+    def make() -> Broker:
+        b = new_broker(broker_kind)
+        started.append(b)
+        return b
+
+    yield make
+    for b in started:
+        b.stop()
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ from worker.contract import (
     encode_request,
     sniff_format,
 )
+from worker.pipeline.kafka import topic_partitions
 
 
 class InferenceClient:
@@ -70,8 +71,7 @@ class InferenceClient:
                 bootstrap_servers=self._bootstrap, enable_auto_commit=False
             )
             await self._consumer.start()
-            await self._consumer.topics()  # metadata of every topic
-            parts = self._consumer.partitions_for_topic(self._output_topic)
+            parts = await topic_partitions(self._consumer, self._output_topic)
             if not parts:
                 raise LookupError(f"output topic {self._output_topic!r} does not exist")
             tps = [TopicPartition(self._output_topic, p) for p in sorted(parts)]

@@ -1,4 +1,4 @@
-"""Helpers for fault tests: real worker processes against the real embedded broker."""
+"""Helpers for fault tests: real worker processes against the real brokers."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Literal
 import numpy as np
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker
+from worker.tools.broker import Broker
 from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import Collector
+from worker.tools.topics import Collector, end_offsets
 from worker.tools.verify import InputRecord, Reply, Report, check, read_topics
 
 # Short group timeouts keep rebalances (about session/2 on this broker) fast.
@@ -34,7 +34,7 @@ def request(i: int, size: int = 8, corner: int | None = None) -> bytes:
     )
 
 
-def start(broker: EmbeddedBroker, names: Mapping[str, str], **env: str) -> WorkerProcess:
+def start(broker: Broker, names: Mapping[str, str], **env: str) -> WorkerProcess:
     return spawn_worker(
         broker.bootstrap,
         input_topics=[names["requests"]],
@@ -88,7 +88,7 @@ class Answers:
     task: asyncio.Task[bool]
 
     @classmethod
-    async def start(cls, broker: EmbeddedBroker, names: Mapping[str, str]) -> Answers:
+    async def start(cls, broker: Broker, names: Mapping[str, str]) -> Answers:
         c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
         await c.start()
         return cls(c, asyncio.create_task(c.collect(lambda _: False, 3600)))
@@ -109,23 +109,32 @@ class Answers:
 
 
 async def verify_topics(
-    broker: EmbeddedBroker,
+    broker: Broker,
     names: Mapping[str, str],
     *,
     strict: bool = False,
     seen: Answers | None = None,
 ) -> Report:
-    """Verify from a fresh read of the topics, united with what the test's live
-    reader saw (``seen``). Under concurrent producers the embedded broker can
-    hand a reader a partition's batches out of order, and the reader then skips
-    the earlier one; an answer seen by either read exists on the broker. The
-    same output record read twice counts once."""
+    """Verify from a fresh read of the topics. On the embedded broker it is united
+    with what the test's live reader saw (``seen``): under concurrent producers
+    Tansu can hand a reader a partition's batches out of order, and the reader
+    then skips the earlier one; an answer seen by either read exists on the
+    broker, and the same output record read twice counts once. Kafka needs no
+    such help, and answers ``end_offsets`` truly: there the fresh read alone
+    must have reached the end of every partition it read."""
+    topics = [names["requests"], names["results"], names["dlq"]]
     inputs, observed = await read_topics(
-        broker.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=1.5
+        broker.bootstrap, topics[:1], topics[1], topics[2], idle_timeout=1.5
     )
     assert observed.complete
     answers = {(a.kind, a.output_partition, a.output_offset): a for a in observed.answers}
-    if seen is not None:
+    if broker.kind == "kafka":
+        ends = await end_offsets(broker.bootstrap, topics)
+        for p, offsets in inputs[names["requests"]].items():
+            assert len(offsets) == ends[(names["requests"], p)], (p, len(offsets), ends)
+        written = sum(v for (t, _), v in ends.items() if t != names["requests"])
+        assert len(answers) + len(observed.unparseable) == written, (len(answers), ends)
+    elif seen is not None:
         kinds: tuple[tuple[str, Literal["result", "dlq"]], ...] = (
             (names["results"], "result"),
             (names["dlq"], "dlq"),

@@ -6,6 +6,7 @@ import asyncio
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.apache_kafka import KafkaCluster
+from worker.tools.broker import Broker, EmbeddedBroker, create_topics
 from worker.tools.processes import WorkerProcess
 from worker.tools.topics import committed_offsets, produce_all
 
@@ -48,9 +50,15 @@ async def wait_ready(w: WorkerProcess, code: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-async def test_broker_restart_worker_reports_not_ready_and_resumes(names: dict[str, str]) -> None:
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_broker_restart_worker_reports_not_ready_and_resumes(
+    names: dict[str, str], broker_factory: Callable[[], Broker]
+) -> None:
+    """Tansu only: it keeps everything in memory, so its restart loses topics,
+    data and offsets (Kafka's counterpart, data kept, is the next test)."""
     topics = {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
-    broker = EmbeddedBroker().start()
+    broker = broker_factory()
+    assert isinstance(broker, EmbeddedBroker)
     await create_topics(broker.bootstrap, topics)
     w = start(broker, names, INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS="3000")
     try:
@@ -105,6 +113,61 @@ async def test_broker_restart_worker_reports_not_ready_and_resumes(names: dict[s
         broker.stop()
     record_scenario("broker stopped and restarted (state lost)", report, recovery)
     assert report.totals.lost == 0 and report.totals.requests == 50
+
+
+@pytest.mark.parametrize("broker_kind", ["kafka"])
+async def test_broker_restart_with_data_kept_worker_resumes_where_it_left_off(
+    names: dict[str, str], broker_factory: Callable[[], Broker]
+) -> None:
+    """Kafka keeps its log and the group's offsets across a restart: the worker
+    reports not-ready while the broker is away, then goes on from its committed
+    offsets, answering what was produced after the restart and nothing twice."""
+    topics = {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
+    broker = broker_factory()
+    assert isinstance(broker, KafkaCluster)
+    await create_topics(broker.bootstrap, topics)
+    w = start(broker, names, INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS="3000")
+    try:
+        await wait_assigned([w], 2)
+        assert await asyncio.to_thread(ready, w) == 200
+        await produce_all(
+            broker.bootstrap, names["requests"], [(None, request(i)) for i in range(50)]
+        )
+        await wait_committed(broker, names, 50)
+        broker.stop_node(1)
+        await wait_ready(w, 503, 30)
+        t0 = time.monotonic()
+        broker.start_node(1)
+        await produce_all(
+            broker.bootstrap, names["requests"], [(None, request(i)) for i in range(50, 100)]
+        )
+        answers = await Answers.start(broker, names)
+        await answers.wait_for(100, 60)
+        recovery = time.monotonic() - t0
+        await wait_committed(broker, names, 100)
+        await wait_ready(w, 200, 30)
+        assert w.terminate() == 0, w.log_tail()
+        report = await verify_topics(broker, names, strict=True, seen=answers)
+        await answers.stop()
+    finally:
+        w.kill()
+    record_scenario("broker stopped and restarted (data kept)", report, recovery)
+    # Everything answered exactly once: nothing committed before the restart was
+    # read again, nothing after it was skipped.
+    assert report.ok and report.totals.requests == 100, report.format()
+
+
+async def wait_committed(
+    broker: Broker, names: dict[str, str], total: int, timeout: float = 30.0
+) -> None:
+    """Until the group's committed offsets over both input partitions add up to ``total``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], 2)
+        if sum(committed.values()) == total:
+            return
+        assert time.monotonic() < deadline, f"committed {committed}, wanted {total} in all"
+        await asyncio.sleep(0.1)
 
 
 def assigned_rebalances(w: WorkerProcess) -> float:
@@ -207,7 +270,7 @@ garbage = st.one_of(
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(garbage, min_size=150, max_size=150))
 async def test_hostile_stream_every_record_answered_worker_stays_up(
-    broker: EmbeddedBroker, names: dict[str, str], fuzz: list[bytes]
+    broker: Broker, names: dict[str, str], fuzz: list[bytes]
 ) -> None:
     names = {k: f"{v}-h" for k, v in names.items()}
     classes = hostile_payloads()

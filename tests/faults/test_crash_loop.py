@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.faults.conftest import request, start
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import Collector, committed_offsets, produce_all
 
 CRASH_HOOK = """
@@ -34,11 +35,11 @@ MARKED = 7
 
 
 async def test_a_record_that_kills_the_process_is_quarantined_after_max_attempts(
-    names: dict[str, str], tmp_path: Path
+    names: dict[str, str], tmp_path: Path, broker_factory: Callable[[], Broker]
 ) -> None:
     (tmp_path / "sitecustomize.py").write_text(CRASH_HOOK)
     n = 20
-    broker = EmbeddedBroker().start()
+    broker = broker_factory()
     try:
         await create_topics(
             broker.bootstrap,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import committed_offsets, produce_all
 
 from .conftest import (
@@ -29,7 +29,7 @@ INFLIGHT = {
 
 
 async def test_sigkill_one_of_three_workers_loses_nothing(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     parts, n = 6, 3000
     await create_topics(
@@ -69,7 +69,7 @@ async def test_sigkill_one_of_three_workers_loses_nothing(
 
 
 async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     parts, n = 3, 3000
     await create_topics(
@@ -126,7 +126,7 @@ async def test_sigterm_drains_commits_everything_and_duplicates_nothing(
 
 
 async def test_rolling_restarts_lose_nothing_and_exit_cleanly(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     parts, n = 6, 4000
     await create_topics(

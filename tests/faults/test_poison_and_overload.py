@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import produce_all
 
 from .conftest import (
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.faults
 
 
 async def test_only_the_poison_request_fails(
-    broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path
+    broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     model = build(tmp_path / "poison.onnx")
     n, poison = 400, {37, 200, 351}
@@ -73,7 +73,7 @@ async def test_only_the_poison_request_fails(
 
 
 async def test_input_faster_than_inference_pauses_and_stays_bounded(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     n, bound, poll = 600, 64, 20
     await create_topics(

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 from tests.faults.conftest import request, start, wait_assigned
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import produce_all
 
 DRAIN_MS = 2000
@@ -17,10 +18,10 @@ MARGIN_S = 3.0  # process exit, interpreter shutdown, closing sockets
 
 
 async def test_sigterm_during_a_broker_outage_exits_within_the_drain_deadline(
-    names: dict[str, str],
+    names: dict[str, str], broker_factory: Callable[[], Broker]
 ) -> None:
     topics = {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}
-    broker = EmbeddedBroker().start()
+    broker = broker_factory()
     await create_topics(broker.bootstrap, topics)
     w = start(
         broker,

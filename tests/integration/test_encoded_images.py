@@ -9,7 +9,7 @@ import pytest
 from tests.images import encode, png_bomb
 from tests.integration.test_pipeline import collect, start_worker
 from worker.contract import EncodedImage, Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.demo import labelled_samples
 from worker.tools.topics import produce_all
 
@@ -33,7 +33,7 @@ def _peak_rss_kib(pid: int) -> int:
 
 
 async def test_files_are_answered_like_tensors_and_bad_files_precisely(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     topics = {names["requests"]: 1, names["results"]: 1, names["dlq"]: 1}
     await create_topics(broker.bootstrap, topics)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import produce_all
 
 pytestmark = pytest.mark.integration
 
 
 async def test_paced_sends_have_exponential_gaps_at_the_mean_rate(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     await create_topics(broker.bootstrap, {names["requests"]: 1})
     rate, n = 200.0, 300

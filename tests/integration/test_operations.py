@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from tests.integration.test_pipeline import collect, request_bytes, start_worker
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.topics import produce_all
 
 pytestmark = pytest.mark.integration
@@ -29,7 +29,7 @@ def exposition(port: int) -> str:
 
 
 async def test_probes_build_info_and_latency_histograms(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     topics = {names["requests"]: 2, names["results"]: 1, names["dlq"]: 1}
     await create_topics(broker.bootstrap, topics)
@@ -81,7 +81,7 @@ async def test_probes_build_info_and_latency_histograms(
 
 
 async def test_async_client_request_response_with_many_calls_in_flight(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     """``worker.client.InferenceClient``: concurrent calls each get their own
     answer; a call nobody answers times out."""

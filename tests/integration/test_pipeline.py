@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_worker
 from worker.tools.topics import Collector, committed_offsets, produce_all
 
@@ -29,7 +29,7 @@ def request_bytes(i: int, size: int = 8, **extra: object) -> bytes:
 
 
 async def start_worker(
-    broker: EmbeddedBroker, names: dict[str, str], partitions: int, **env: str
+    broker: Broker, names: dict[str, str], partitions: int, **env: str
 ) -> WorkerProcess:
     w = spawn_worker(
         broker.bootstrap,
@@ -48,9 +48,7 @@ async def start_worker(
     return w
 
 
-async def collect(
-    broker: EmbeddedBroker, topics: list[str], n: int, timeout: float = 60.0
-) -> Collector:
+async def collect(broker: Broker, topics: list[str], n: int, timeout: float = 60.0) -> Collector:
     c = Collector(broker.bootstrap, topics)
     await c.start()
     try:
@@ -63,9 +61,7 @@ async def collect(
     return c
 
 
-async def test_round_trip_order_batching_and_commits(
-    broker: EmbeddedBroker, names: dict[str, str]
-) -> None:
+async def test_round_trip_order_batching_and_commits(broker: Broker, names: dict[str, str]) -> None:
     n, parts = 600, 4
     await create_topics(
         broker.bootstrap, {names["requests"]: parts, names["results"]: 1, names["dlq"]: 1}
@@ -119,9 +115,7 @@ async def test_round_trip_order_batching_and_commits(
     assert committed == expected
 
 
-async def test_restart_reprocesses_nothing_committed(
-    broker: EmbeddedBroker, names: dict[str, str]
-) -> None:
+async def test_restart_reprocesses_nothing_committed(broker: Broker, names: dict[str, str]) -> None:
     parts = 2
     await create_topics(
         broker.bootstrap, {names["requests"]: parts, names["results"]: 2, names["dlq"]: 1}
@@ -148,7 +142,7 @@ async def test_restart_reprocesses_nothing_committed(
 
 
 async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     await create_topics(
         broker.bootstrap, {names["requests"]: 1, names["results"]: 1, names["dlq"]: 1}
@@ -239,7 +233,7 @@ async def test_bad_records_dlq_and_error_results_while_neighbours_succeed(
 
 
 async def test_stale_backlog_is_answered_without_engine_time(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     """Issue 10: with ``batching.max_record_age_ms``, records whose Kafka timestamp
     is older than that are answered ``deadline_exceeded`` (counted by rule) and
@@ -283,7 +277,7 @@ async def test_stale_backlog_is_answered_without_engine_time(
 
 
 async def test_procs_runs_one_group_of_members_and_stops_them_together(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     """``run --procs 2``: two members share the partitions, every request is
     answered once, and one SIGTERM drains both (exit 0)."""

@@ -5,6 +5,7 @@ image's answer (an earlier answer on the topic is never taken for it); then the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import select
@@ -18,7 +19,10 @@ import numpy as np
 import pytest
 
 from tests.images import encode
+from worker.tools.apache_kafka import KafkaCluster
+from worker.tools.broker import create_topics
 from worker.tools.demo import labelled_samples
+from worker.tools.processes import spawn_worker
 
 pytestmark = pytest.mark.integration
 
@@ -77,9 +81,39 @@ def _digit_file(tmp_path: Path, index: int, fmt: str) -> tuple[Path, int]:
 def test_readme_client_example_twice_then_produce_and_consume(
     embedded: str, tmp_path: Path
 ) -> None:
+    client_paths(embedded, tmp_path)
+
+
+def test_readme_client_example_and_produce_consume_on_kafka(
+    kafka_broker: KafkaCluster, tmp_path: Path
+) -> None:
+    """The same against Apache Kafka, with the README's topic names (only this
+    test uses them on the session's Kafka) and a worker started as an operator would."""
+    asyncio.run(
+        create_topics(
+            kafka_broker.bootstrap, {"infer.requests": 2, "infer.results": 2, "infer.dlq": 1}
+        )
+    )
+    w = spawn_worker(
+        kafka_broker.bootstrap,
+        input_topics=["infer.requests"],
+        output_topic="infer.results",
+        dlq_topic="infer.dlq",
+        group_id="infer-worker",
+    )
+    try:
+        w.wait_until(lambda m: m.get("infer_assigned_partitions", 0) >= 2, 60.0, "assignment")
+        client_paths(kafka_broker.bootstrap, tmp_path)
+        assert w.terminate() == 0, w.log_tail()
+    finally:
+        w.kill()
+
+
+def client_paths(bootstrap: str, tmp_path: Path) -> None:
+    """The README's client example twice, then ``produce`` and ``consume``."""
     script = tmp_path / "client.py"
     script.write_text(readme_example("client.py"))
-    env = {**os.environ, "KAFKA_BOOTSTRAP": embedded}
+    env = {**os.environ, "KAFKA_BOOTSTRAP": bootstrap}
     # Two different digits, one after the other: the second run must print the
     # second digit's answer, not the first one's (still on the topic).
     for index, fmt in ((2, "PNG"), (0, "JPEG")):
@@ -94,7 +128,7 @@ def test_readme_client_example_twice_then_produce_and_consume(
         assert rest.startswith(f"[{label},"), (label, proc.stdout)
 
     cli = [sys.executable, "-m", "worker"]
-    flags = ["--bootstrap-servers", embedded]
+    flags = ["--bootstrap-servers", bootstrap]
     image, label = _digit_file(tmp_path, 3, "PNG")
     produced = subprocess.run(
         [*cli, "produce", str(image), "--samples", "2", *flags],

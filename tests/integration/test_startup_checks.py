@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def test_metrics_port_in_use_exits_2_naming_the_setting() -> None:
 
 
 async def test_missing_input_topic_exits_2_and_is_not_created(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     await create_topics(broker.bootstrap, {names["results"]: 1, names["dlq"]: 1})
     misspelt = names["requests"] + "-typo"

@@ -22,7 +22,7 @@ from worker.contract import (
     encode_request,
     encode_result,
 )
-from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.broker import Broker, create_topics
 from worker.tools.processes import spawn_worker
 from worker.tools.topics import Collector, produce_all
 from worker.tools.verify import (
@@ -47,7 +47,7 @@ def request_bytes(i: int) -> bytes:
 
 
 async def read_and_check(
-    broker: EmbeddedBroker, names: dict[str, str], *, strict: bool = False
+    broker: Broker, names: dict[str, str], *, strict: bool = False
 ) -> tuple[Report, Observed]:
     inputs, observed = await read_topics(
         broker.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=IDLE
@@ -58,7 +58,7 @@ async def read_and_check(
     ), observed
 
 
-async def wait_for_answers(broker: EmbeddedBroker, names: dict[str, str], n: int) -> None:
+async def wait_for_answers(broker: Broker, names: dict[str, str], n: int) -> None:
     c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
     await c.start()
     try:
@@ -67,7 +67,7 @@ async def wait_for_answers(broker: EmbeddedBroker, names: dict[str, str], n: int
         await c.stop()
 
 
-def cli_args(broker: EmbeddedBroker, names: dict[str, str], *extra: str) -> argparse.Namespace:
+def cli_args(broker: Broker, names: dict[str, str], *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args(
@@ -88,7 +88,7 @@ def cli_args(broker: EmbeddedBroker, names: dict[str, str], *extra: str) -> argp
 
 
 async def test_worker_output_verifies_then_loss_and_duplicate_are_pinpointed(
-    broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path
+    broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     parts, n = 2, 30
     await create_topics(
@@ -164,7 +164,7 @@ async def test_worker_output_verifies_then_loss_and_duplicate_are_pinpointed(
 
 
 async def test_read_topics_parses_records_and_reports_unparseable_ones(
-    broker: EmbeddedBroker, names: dict[str, str]
+    broker: Broker, names: dict[str, str]
 ) -> None:
     req, res, dlq = names["requests"], names["results"], names["dlq"]
     await create_topics(broker.bootstrap, {req: 2, res: 2, dlq: 1})

@@ -52,6 +52,10 @@ class KafkaConfig:
     # results (doubling up to 10 s) while the broker is unreachable.
     retry_backoff_ms: int = 200
     metadata_max_age_ms: int = 300000
+    # Idempotent producer (the producer's own retries never duplicate a result):
+    # "auto" tries it and, where the broker refuses InitProducerId (the embedded
+    # broker does), warns and produces without; true requires it; false: off.
+    enable_idempotence: Literal["auto", True, False] = "auto"
     # Any other aiokafka consumer/producer argument, passed through as given
     # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
     # Arguments the worker sets itself are refused: they carry its guarantees.
@@ -80,6 +84,11 @@ class KafkaConfig:
         check(self.max_poll_records >= 1, "kafka.max_poll_records", "must be >= 1")
         check(self.max_request_size >= 1024, "kafka.max_request_size", "must be >= 1024")
         check(self.request_timeout_ms > 0, "kafka.request_timeout_ms", "must be > 0")
+        check(
+            isinstance(self.enable_idempotence, bool) or self.enable_idempotence == "auto",
+            "kafka.enable_idempotence",
+            'must be "auto", true or false',
+        )
         if self.security_protocol.startswith("SASL") and self.sasl_mechanism in (
             "PLAIN",
             "SCRAM-SHA-256",

@@ -29,6 +29,7 @@ import binascii
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -63,7 +64,16 @@ REQUEST_KEYS: Final = ("id", "parameters", "inputs", "outputs")
 INPUT_KEYS: Final = ("name", "shape", "datatype", "data", "parameters")
 
 
-def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Request:
+@dataclass(frozen=True)
+class OipRequest:
+    """An OIP request: the contract's ``Request``, and the outputs it names (None:
+    every output the worker returns)."""
+
+    request: Request
+    outputs: tuple[str, ...] | None = None
+
+
+def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> OipRequest:
     """An OIP v2 JSON request as the contract's ``Request``; the same exceptions
     as ``decode_request`` (``UndecodableRecord``: DLQ; ``InvalidRequest``: an error
     answer carrying the recovered id and parameters)."""
@@ -104,15 +114,8 @@ def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> 
     except InvalidRequest as exc:
         exc.request_id, exc.meta = request_id, meta
         raise
-    return Request(
-        v=1,
-        id=request_id,
-        inputs=inputs,
-        deadline_ms=deadline,
-        meta=meta or None,
-        outputs=outputs,
-        wire="oip",
-    )
+    request = Request(v=1, id=request_id, inputs=inputs, deadline_ms=deadline, meta=meta or None)
+    return OipRequest(request, outputs)
 
 
 _JSON_KINDS: Final[dict[type, str]] = {dict: "an object", list: "an array", str: "a string"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from worker.contract.encoded import EncodedImage, sniff_format
 from worker.contract.limits import DEFAULT_LIMITS, Limits
@@ -47,12 +47,6 @@ class Request:
     inputs: Mapping[str, InputValue]
     deadline_ms: int | None = None
     meta: Mapping[str, Any] | None = None
-    # The outputs the answer carries, by name (None: all the worker returns). The
-    # Open Inference Protocol's request can name them (``worker.contract.oip``).
-    outputs: tuple[str, ...] | None = None
-    # The format it came in and is answered in: msgpack (contract v1) or "oip"
-    # (Open Inference Protocol v2 JSON, whose tensors may carry a batch of 1).
-    wire: Literal["msgpack", "oip"] = "msgpack"
 
 
 def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Request:

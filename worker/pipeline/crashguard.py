@@ -32,13 +32,14 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.pipeline.kafka import topic_partitions
 from worker.records import TopicPartition
 
 log = structlog.get_logger(__name__)
@@ -80,13 +81,20 @@ def _key(group: str, tp: TopicPartition) -> bytes:
     return f"{group}/{tp.topic}/{tp.partition}".encode()
 
 
+class MarkSender(Protocol):
+    """Where marks are written: the result sink (``ResultSink.send_and_wait``),
+    whose producer may be replaced while the guard lives."""
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any: ...
+
+
 class CrashGuard:
     def __init__(
         self,
         connection: Mapping[str, Any],
         topic: str,
         group: str,
-        producer: AIOKafkaProducer,
+        producer: MarkSender,
     ) -> None:
         """``connection``: aiokafka bootstrap and security arguments (the guard
         reads its topic with a consumer of its own, on the same cluster)."""
@@ -106,8 +114,7 @@ class CrashGuard:
         consumer = AIOKafkaConsumer(**self._connection, enable_auto_commit=False)
         await consumer.start()
         try:
-            await consumer.topics()
-            parts = consumer.partitions_for_topic(self._topic) or set()
+            parts = await topic_partitions(consumer, self._topic)
             ktps = [KafkaTP(self._topic, p) for p in parts]
             consumer.assign(ktps)
             await consumer.seek_to_beginning(*ktps)

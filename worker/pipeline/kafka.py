@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
+import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import BrokerResponseError
 
 from worker.config import KafkaConfig
 from worker.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 # Never passed through: (de)serialisers would change what the worker reads and
 # writes, auto-commit and transactions would break "commit after the ack".
@@ -42,10 +47,12 @@ def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
     return with_options(managed, k.consumer_options, AIOKafkaConsumer, "consumer_options")
 
 
-def producer_kwargs(k: KafkaConfig) -> dict[str, Any]:
+def producer_kwargs(k: KafkaConfig, idempotent: bool | None = None) -> dict[str, Any]:
     """aiokafka producer arguments for results and DLQ records: acknowledged by
-    every in-sync replica, since offsets are committed on that acknowledgement."""
-    managed = {
+    every in-sync replica, since offsets are committed on that acknowledgement;
+    idempotent or not as ``idempotent`` says (see ``start_producer``)."""
+    mode = idempotence(k)  # checked here too: start-up refuses a contradiction
+    managed: dict[str, Any] = {
         "acks": "all",
         "max_request_size": k.max_request_size,
         "compression_type": None if k.compression_type == "none" else k.compression_type,
@@ -56,7 +63,65 @@ def producer_kwargs(k: KafkaConfig) -> dict[str, Any]:
         "max_batch_size": min(k.max_request_size, 1 << 20),
         **client_kwargs(k),
     }
+    if idempotent is not None and "enable_idempotence" not in k.producer_options:
+        managed["enable_idempotence"] = idempotent
+    elif idempotent is not None and idempotent is not mode:
+        raise ConfigError(f"kafka.producer_options.enable_idempotence is {mode}")
     return with_options(managed, k.producer_options, AIOKafkaProducer, "producer_options")
+
+
+def idempotence(k: KafkaConfig) -> bool | Literal["auto"]:
+    """``kafka.enable_idempotence``, or ``kafka.producer_options.enable_idempotence``
+    where an operator set it there (it passed through before the key existed and
+    still does): an explicit choice, so no fallback."""
+    option = k.producer_options.get("enable_idempotence")
+    if option is None:
+        return k.enable_idempotence
+    name = "kafka.producer_options.enable_idempotence"
+    if not isinstance(option, bool):
+        raise ConfigError(f"{name}: expected true/false, got {option!r}")
+    if k.enable_idempotence != "auto" and k.enable_idempotence is not option:
+        raise ConfigError(f"{name}: {option} contradicts kafka.enable_idempotence")
+    return option
+
+
+async def start_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
+    """The results producer, started, and whether it is idempotent.
+
+    With ``kafka.enable_idempotence = "auto"`` the idempotent producer is tried
+    first. Its ``start()`` asks the broker for a producer id (InitProducerId); a
+    broker that refuses (the embedded one answers UNKNOWN), or does not answer
+    within ``request_timeout_ms``, gets a warning and a producer without. Probing
+    the broker's API versions instead would not do: the embedded broker lists
+    InitProducerId among them and then fails it. A broker that cannot be reached
+    at all fails both attempts, with the connection error, as before."""
+    mode = idempotence(k)
+    if mode != "auto":
+        return await _started(AIOKafkaProducer(**producer_kwargs(k, mode))), mode
+    try:
+        producer = await asyncio.wait_for(
+            _started(AIOKafkaProducer(**producer_kwargs(k, True))), k.request_timeout_ms / 1000
+        )
+    except (BrokerResponseError, TimeoutError) as exc:
+        log.warning(
+            "idempotence_unavailable",
+            error=repr(exc) if str(exc) else type(exc).__name__,
+            effect="results are produced without idempotence: a send the producer "
+            "retries may write a result twice (same source)",
+            silence="kafka.enable_idempotence = false",
+        )
+        return await _started(AIOKafkaProducer(**producer_kwargs(k, False))), False
+    return producer, True
+
+
+async def _started(producer: AIOKafkaProducer) -> AIOKafkaProducer:
+    """``producer`` started; closed again if its start fails or is cancelled."""
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer
 
 
 def with_options(
@@ -123,3 +188,18 @@ def token_provider(spec: str | None) -> Any:
             "aiokafka.abc.AbstractTokenProvider"
         )
     return provider
+
+
+async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    """``topic``'s partitions, from a metadata request for every topic (which,
+    unlike one naming the topic, never auto-creates it); empty where it does not
+    exist.
+
+    ``await consumer.topics()`` then ``consumer.partitions_for_topic(topic)``
+    looks like the same thing and is not: ``topics()`` fills a metadata object
+    of its own, and the consumer's cache holds what its bootstrap asked for,
+    which on Apache Kafka is no topic at all (aiokafka bootstraps with a request
+    for an empty topic list; the embedded broker answers that with every topic,
+    which hid the difference). aiokafka has no public call for this."""
+    cluster = await consumer._client.fetch_all_metadata()
+    return set(cluster.partitions_for_topic(topic) or ())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -19,8 +20,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     KafkaError,
     MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
     RecordListTooLargeError,
     RecordTooLargeError,
+    UnknownProducerId,
 )
 from aiokafka.partitioner import DefaultPartitioner
 
@@ -31,7 +34,7 @@ from worker.errors import DeliveryFailed, FailureBudgetExceeded
 from worker.logs import RateLimited
 from worker.pipeline.budget import FailureBudget
 from worker.pipeline.commit import Committer
-from worker.pipeline.kafka import producer_kwargs
+from worker.pipeline.kafka import start_producer
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.outgoing import FallbackCode, Outgoing, Topics, fallback, outgoing
 from worker.records import Completed
@@ -41,6 +44,14 @@ log = structlog.get_logger(__name__)
 # Broker and client refusals that mean "this record is too large": the fallback
 # is then a ``too_large`` answer; any other permanent refusal is ``internal``.
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+# What an idempotent producer's broken sequence looks like. aiokafka numbers a
+# partition's record batches as it sends them and never renumbers: once the
+# broker refuses one for good (too large, say), it refuses every later batch of
+# that partition as out of order. Those records were never written; they are
+# re-sent through a new producer (new producer id, sequences from 0).
+_SEQUENCE_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
+
+ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
 
 
 def refusal_code(exc: BaseException) -> FallbackCode:
@@ -67,6 +78,7 @@ class ResultSink:
         committer: Committer,
         max_pending_acks: int,
         budget: FailureBudget | None = None,
+        producer_factory: ProducerFactory = start_producer,
     ) -> None:
         self._source = source
         self._kafka = kafka
@@ -83,16 +95,20 @@ class ResultSink:
         self._rejections = RateLimited(burst=10, interval=10.0)
         self._partitioner = DefaultPartitioner()
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
+        self._producer_factory = producer_factory
+        self._renew = False  # an idempotent producer's sequence may be broken
         self.producer: AIOKafkaProducer | None = None
+        self.idempotent = False
 
     async def start(self) -> None:
-        producer = AIOKafkaProducer(**producer_kwargs(self._kafka))
-        try:
-            await producer.start()
-        except BaseException:
-            await producer.stop()
-            raise
-        self.producer = producer
+        self.producer, self.idempotent = await self._producer_factory(self._kafka)
+        log.info("producer_started", idempotent=self.idempotent)
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
+        """One record through the current producer, acknowledged (for the crash
+        guard's marks: the producer may be replaced, see ``_renew_producer``)."""
+        assert self.producer is not None, "start() first"
+        return await self.producer.send_and_wait(topic, value, key=key)
 
     async def existing_topics(self) -> set[str]:
         """Topics the cluster has, from one metadata request for all topics (which,
@@ -274,13 +290,28 @@ class ResultSink:
                     continue
                 # Not acknowledged: the offset stays pending (never committed) and
                 # the record is re-sent by _redeliver.
-                self._undelivered.append(out)
+                self._undelivered.append(self._to_resend(out, failure))
                 self._delivery_failed.set()
                 log.warning("delivery_failed", source=str(out.job.source), error=repr(failure))
             self._acknowledged(acked)
             self._committer.notify()
         finally:
             self._ack_slots.release()
+
+    def _to_resend(self, out: Outgoing, failure: BaseException) -> Outgoing:
+        """What to re-send for a record whose send failed: the record itself, or,
+        when the broker refused it for good, its small fallback at once (re-sent
+        as it was, beside its neighbours in one record batch, the refused bytes
+        would have them refused too)."""
+        if getattr(failure, "retriable", True):
+            return out
+        # A refusal for good leaves a gap in an idempotent producer's sequence:
+        # the records after it fail with a sequence error, and are re-sent as
+        # they are, through a new producer.
+        self._renew = self._renew or self.idempotent
+        if isinstance(failure, _SEQUENCE_BROKEN) or out.fallback:
+            return out
+        return fallback(out, refusal_code(failure), repr(failure), self._model)
 
     def _acknowledged(self, acked: list[Outgoing]) -> None:
         now, wall_ms = time.monotonic(), time.time() * 1000.0
@@ -310,6 +341,8 @@ class ResultSink:
         metrics.set_condition("delivery", False)
         backoff = self._kafka.retry_backoff_ms / 1000.0
         while self._undelivered:
+            if self._renew:
+                await self._renew_producer()
             pending = sorted(self._undelivered, key=lambda o: o.seq)
             self._undelivered = []
             live = [o for o in pending if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)]
@@ -322,12 +355,17 @@ class ResultSink:
                 if not isinstance(outcome, BaseException):
                     self._acknowledged([out])
                     continue
+                if self.idempotent and isinstance(outcome, _SEQUENCE_BROKEN):
+                    self._renew = True  # never written: the same bytes, new producer
+                    self._undelivered.append(out)
+                    continue
                 if getattr(outcome, "retriable", True):
                     failed += 1
                     self._undelivered.append(out)
                 elif not out.fallback:
                     # Refused for good (e.g. too large for the broker): retrying
                     # the same bytes cannot help; send the small fallback instead.
+                    self._renew = self._renew or self.idempotent
                     self._undelivered.append(
                         fallback(out, refusal_code(outcome), repr(outcome), self._model)
                     )
@@ -343,6 +381,25 @@ class ResultSink:
                 backoff = min(backoff * 2, 10.0)
         metrics.set_condition("delivery", True)
         log.info("delivery_recovered")
+
+    async def _renew_producer(self) -> None:
+        """Replace the producer (called with no send of this sink in flight): an
+        idempotent producer's partition sequence is broken after a refusal for
+        good. A new one gets a new producer id, its sequences start again."""
+        backoff = self._kafka.retry_backoff_ms / 1000.0
+        while True:
+            try:
+                producer, idempotent = await self._producer_factory(self._kafka)
+                break
+            except KafkaError as exc:  # the broker answered a moment ago: retry
+                log.warning("producer_renewal_failed", error=repr(exc), backoff_s=backoff)
+                await asyncio.sleep(backoff * random.uniform(0.75, 1.25))
+                backoff = min(backoff * 2, 10.0)
+        old, self.producer, self.idempotent = self.producer, producer, idempotent
+        self._renew = False
+        log.info("producer_renewed", idempotent=idempotent, reason="a batch was refused for good")
+        if old is not None:
+            await old.stop()
 
     async def close(self) -> None:
         producer, self.producer = self.producer, None

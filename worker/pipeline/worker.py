@@ -160,11 +160,9 @@ class Worker:
                 fix="create it (compacted, 1 partition), or set limits.max_crash_attempts = 0",
             )
             return None
-        assert stages.sink.producer is not None
         guard = CrashGuard(
-            client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id,
-            stages.sink.producer,
-        )  # fmt: skip
+            client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.sink
+        )
         b = s.batching
         window = b.max_batch_size * b.max_inflight_batches + s.kafka.max_poll_records
         stages.source.protect(guard, s.limits.max_crash_attempts, window, stages.committer.settled)

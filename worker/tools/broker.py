@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
+from typing import Literal, Protocol
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -30,6 +31,37 @@ from worker.errors import WorkerError
 
 class BrokerError(WorkerError):
     code = "broker_error"
+
+
+BrokerKind = Literal["embedded", "kafka"]
+
+
+class Broker(Protocol):
+    """What tests, the demo and the tools use of a broker they start: the
+    embedded one (``EmbeddedBroker``) or Apache Kafka
+    (``worker.tools.apache_kafka.KafkaCluster``)."""
+
+    @property
+    def kind(self) -> BrokerKind: ...
+
+    @property
+    def bootstrap(self) -> str: ...
+
+    @property
+    def supports_transactions(self) -> bool:
+        """Idempotent and transactional producers (InitProducerId): Kafka has
+        them; the embedded broker fails them at the producer's ``start()``."""
+        ...
+
+    def start(self) -> Broker: ...
+
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> Broker: ...
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
 
 def tansu_binary() -> Path:
@@ -86,6 +118,9 @@ def _ephemeral_low() -> int:
 class EmbeddedBroker:
     """A Tansu process on a loopback port; ``start()`` returns once it accepts
     connections, ``stop()`` is idempotent."""
+
+    kind: BrokerKind = "embedded"
+    supports_transactions = False
 
     def __init__(self, port: int | None = None, startup_timeout: float = 15.0) -> None:
         self.port = port or free_port()
@@ -176,12 +211,23 @@ async def create_topics(bootstrap: str, partitions: Mapping[str, int]) -> None:
                 await admin.create_topics(
                     [NewTopic(name, num_partitions=count, replication_factor=1)]
                 )
-        # Metadata is eventually consistent: wait until every topic is visible.
-        for _ in range(200):
-            known = set(await admin.list_topics())
-            if set(partitions) <= known:
+        # Metadata is eventually consistent, and Kafka elects a new partition's
+        # leader after CreateTopics has returned (a client that looks meanwhile
+        # sees the topic without partitions): wait until every topic is listed
+        # with a leader for each of its partitions.
+        pending = set(partitions)
+        for _ in range(500):
+            for topic in await admin.describe_topics(sorted(pending)):
+                parts = topic["partitions"]
+                if (
+                    topic["error_code"] == 0
+                    and parts
+                    and all(p["error_code"] == 0 and p["leader"] >= 0 for p in parts)
+                ):
+                    pending.discard(topic["topic"])
+            if not pending:
                 return
             await asyncio.sleep(0.02)
-        raise BrokerError(f"topics not visible after creation: {sorted(set(partitions) - known)}")
+        raise BrokerError(f"topics not ready after creation: {sorted(pending)}")
     finally:
         await admin.close()

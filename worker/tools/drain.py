@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import msgpack
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from worker.pipeline.kafka import topic_partitions
+
 
 def arrivals_after(times: Iterable[float], start: float) -> int:
     """How many of ``times`` fall after ``start``. A drain's rate counts what
@@ -55,8 +57,7 @@ async def drain_ceiling(bootstrap: str, topic: str, n: int, timeout: float = 600
     await consumer.start()
     seen = 0
     try:
-        await consumer.topics()  # metadata for the topic's partitions
-        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        partitions = sorted(await topic_partitions(consumer, topic))
         if not partitions:
             raise ValueError(f"{topic}: no such topic")
         assigned = [TopicPartition(topic, p) for p in partitions]

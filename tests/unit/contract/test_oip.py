@@ -33,11 +33,12 @@ def raw(obj: Any) -> bytes:
 
 
 def test_a_request_becomes_the_contract_s_request() -> None:
-    req = decode_oip_request(
+    oip = decode_oip_request(
         raw(body(parameters={"deadline_ms": 123, "tenant": "a"}, outputs=[{"name": "score"}]))
     )
-    assert (req.id, req.wire, req.deadline_ms, req.meta) == ("42", "oip", 123, {"tenant": "a"})
-    assert req.outputs == ("score",)
+    req = oip.request
+    assert (req.id, req.deadline_ms, req.meta) == ("42", 123, {"tenant": "a"})
+    assert oip.outputs == ("score",)
     features, ids = req.inputs["features"], req.inputs["ids"]
     assert isinstance(features, Tensor) and isinstance(ids, Tensor)
     assert (features.dtype, features.shape) == ("float32", (1, 4))
@@ -51,7 +52,7 @@ def test_texts_and_base64_image_files_travel_as_bytes() -> None:
         {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["How do I reset it?"]},
         {"name": "image", "shape": [1], "datatype": "BYTES", "data": [b64],
          "parameters": {"content_type": "base64"}},
-    ]}))  # fmt: skip
+    ]})).request  # fmt: skip
     assert req.inputs["text"] == "How do I reset it?"
     assert req.inputs["image"] == EncodedImage("png", png)
 
