@@ -56,6 +56,10 @@ class KafkaConfig:
     # "auto" tries it and, where the broker refuses InitProducerId (the embedded
     # broker does), warns and produces without; true requires it; false: off.
     enable_idempotence: Literal["auto", True, False] = "auto"
+    # How a record without a content-type header is read: msgpack (contract v1) or
+    # the Open Inference Protocol's JSON (for topics whose producers cannot set
+    # headers: kcat, Kafka Connect). A record's own header always wins.
+    content_type: Literal["application/msgpack", "application/json"] = "application/msgpack"
     # Any other aiokafka consumer/producer argument, passed through as given
     # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
     # Arguments the worker sets itself are refused: they carry its guarantees.

@@ -38,6 +38,7 @@ from worker.pipeline.kafka import start_producer
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.outgoing import FallbackCode, Outgoing, Topics, fallback, outgoing
 from worker.records import Completed
+from worker.tracing import Tracer, answer_span
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +80,7 @@ class ResultSink:
         max_pending_acks: int,
         budget: FailureBudget | None = None,
         producer_factory: ProducerFactory = start_producer,
+        tracer: Tracer | None = None,
     ) -> None:
         self._source = source
         self._kafka = kafka
@@ -87,6 +89,7 @@ class ResultSink:
         self._tracker = tracker
         self._committer = committer
         self._budget = budget
+        self._tracer = tracer or Tracer()
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
         self._undelivered: list[Outgoing] = []
@@ -159,9 +162,14 @@ class ResultSink:
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
                 continue  # partition revoked or reset meanwhile: its new owner answers it
             self._seq += 1
+            trace = None
+            if job.trace is not None or self._tracer.exporting:
+                trace = answer_span(self._tracer, answer, self._model.name,
+                                    len(completed.answers), now)  # fmt: skip
             out = outgoing(
-                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size
-            )
+                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size,
+                trace,
+            )  # fmt: skip
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
                     answer.error is not None and answer.error.code == "inference_failed"

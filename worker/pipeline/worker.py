@@ -41,6 +41,7 @@ from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs, producer
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.produce import ResultSink
 from worker.records import Batch, Completed, Job, TopicPartition
+from worker.tracing import OtelTracer, Tracer
 
 if TYPE_CHECKING:
     from worker.inference.gpu.stage import GpuInferenceStage
@@ -71,6 +72,14 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started = False
         self._guard: CrashGuard | None = None
+        # Span ids for answers carrying a trace context; with tracing.enabled, an
+        # OpenTelemetry tracer that also exports a span per request (exit 2 here
+        # if its SDK is missing, before anything starts).
+        self._tracer = (
+            OtelTracer(settings.tracing.service_name, settings.tracing.endpoint)
+            if settings.tracing.enabled
+            else Tracer()
+        )
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -198,7 +207,7 @@ class Worker:
         )
         source = KafkaSource(
             s.kafka,
-            JobFactory(inputs, s.limits, b.max_record_age_ms),
+            JobFactory(inputs, s.limits, b.max_record_age_ms, s.kafka.content_type),
             jobs,
             self.tracker,
             self._on_revoke,
@@ -214,6 +223,7 @@ class Worker:
             committer,
             max_pending_acks=2 * b.max_inflight_batches,
             budget=FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window),
+            tracer=self._tracer,
         )
         return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
 
@@ -368,6 +378,7 @@ class Worker:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+        self._tracer.close()  # exports the spans still buffered
 
     async def __aenter__(self) -> Worker:
         await self.start()
