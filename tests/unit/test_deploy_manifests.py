@@ -91,6 +91,22 @@ def test_promtool_accepts_the_alert_rules() -> None:
     assert f"SUCCESS: {count} rules found" in run.stdout, run.stdout
 
 
+def test_promtool_rule_tests_pass_and_cover_every_alert() -> None:
+    """deploy/prometheus/alerts_test.yaml: each alert fires on its trouble, after
+    its ``for:``, with its labels and summary, and not on a healthy worker."""
+    tests = DEPLOY / "prometheus" / "alerts_test.yaml"
+    run = promtool("test", "rules", str(tests))
+    assert run.returncode == 0, run.stdout + run.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
+    fired = {
+        case["alertname"]
+        for test in yaml.safe_load(tests.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert fired == alerts, f"alerts without a firing case: {sorted(alerts - fired)}"
+
+
 def test_promtool_accepts_the_compose_prometheus_config(tmp_path: Path) -> None:
     """The shipped config, with its rule files at the repository paths compose
     mounts into the container (promtool checks that they exist and checks them
