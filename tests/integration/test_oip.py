@@ -288,3 +288,46 @@ async def test_the_readme_kcat_one_liner_gets_an_answer(
     logits = {o["name"]: o["data"] for o in answer["outputs"]}["logits"]
     assert logits[1] > logits[0]  # positive
     assert json.loads(results[0].value)["id"] == "kcat-1"
+
+
+async def test_the_client_and_produce_speak_it(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """``InferenceClient(wire="oip")`` with several inputs by name, and ``infer-worker
+    produce --oip``: JSON out, JSON back, read as results like msgpack ones."""
+    import os
+    import sys
+
+    from worker.client import InferenceClient
+
+    path = ranker(tmp_path / "ranker.onnx")
+    features, ids = np.array([1, 2, 3, 4], np.float32), np.array([9, 8], np.int64)
+    alone = run_alone(path, {"features": features, "ids": ids})
+    w = await run_worker(broker, names, {"INFER_WORKER_MODEL__PATH": str(path)})
+    try:
+        client = InferenceClient(
+            broker.bootstrap, input_topic=names["requests"], output_topic=names["results"],
+            wire="oip",
+        )  # fmt: skip
+        async with client:
+            result = await client.infer(inputs={"features": features, "ids": ids}, timeout=30)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+        env.update({"INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+                    "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+                    "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"]})  # fmt: skip
+        np.save(tmp_path / "features.npy", features)
+        argv = [sys.executable, "-m", "worker", "produce", "--bootstrap-servers", broker.bootstrap,
+                str(tmp_path / "features.npy"), "--input", "features", "--oip", "--json",
+                "--timeout", "60"]  # fmt: skip
+        proc = await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True,
+                                       text=True, timeout=120)  # fmt: skip
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert result.status == "ok", result.error
+    np.testing.assert_allclose(result.outputs["score"].to_numpy(), alone["score"], rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    assert result.outputs["token_scores"].shape == (2,)
+    # produce --oip sent one input of two: answered, as JSON, with the error naming it.
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert line["status"] == "error" and "inputs.ids: missing" in line["error"]["message"]
