@@ -111,19 +111,24 @@ class OtelTracer(Tracer):
 
     exporting = True
 
-    def __init__(self, service_name: str, endpoint: str) -> None:
+    def __init__(self, service_name: str, endpoint: str, sample_ratio: float = 1.0) -> None:
         try:
             from opentelemetry import trace
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         except ImportError as exc:
             raise ConfigError(
                 "tracing.enabled: needs the OpenTelemetry SDK: pip install -e '.[tracing]'"
             ) from exc
         self._trace = trace
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        # Parent-based: the caller's sampled flag decides; roots by ratio.
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+        )
         exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("infer-worker")

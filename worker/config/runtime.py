@@ -183,6 +183,11 @@ class TracingConfig:
     # SDK's (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else localhost:4318).
     endpoint: str = ""
     service_name: str = "infer-worker"
+    # Share of traces recorded: a request whose traceparent says sampled (or not)
+    # is recorded (or not) as its caller decided; a request without one starts a
+    # trace recorded with this probability. Unrecorded spans cost almost nothing.
+    sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check(bool(self.service_name), "tracing.service_name", "must not be empty")
+        check(0.0 <= self.sample_ratio <= 1.0, "tracing.sample_ratio", "must be in [0, 1]")

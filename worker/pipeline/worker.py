@@ -76,7 +76,11 @@ class Worker:
         # OpenTelemetry tracer that also exports a span per request (exit 2 here
         # if its SDK is missing, before anything starts).
         self._tracer = (
-            OtelTracer(settings.tracing.service_name, settings.tracing.endpoint)
+            OtelTracer(
+                settings.tracing.service_name,
+                settings.tracing.endpoint,
+                settings.tracing.sample_ratio,
+            )
             if settings.tracing.enabled
             else Tracer()
         )
