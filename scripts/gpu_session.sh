@@ -27,9 +27,9 @@ mkdir -p "$OUT"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PATH=/tmp/site/bin:$PATH
 # Compiled kernels are cached per call; a later phase reuses the earlier ones.

@@ -18,6 +18,7 @@ import pytest
 from worker.config import load_settings
 from worker.tools.demo import override_env
 from worker.tools.modelbench import engine_rate, payload_images
+from worker.tools.processes import extended_pythonpath
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 
@@ -81,7 +82,8 @@ def test_resnet50_jpeg_bench_end_to_end(tmp_path: Path) -> None:
         text=True,
         timeout=420,
         cwd=tmp_path,  # engines/ (the exported program) goes here, not into the checkout
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # Extended, never replaced: the GPU machine's packages are on PYTHONPATH.
+        env={**os.environ, "PYTHONPATH": extended_pythonpath(ROOT)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = results.iterdir()
