@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from worker.tools.broker import EmbeddedBroker
+from worker.tools.children import children_die_with_this_process
 from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_on_fresh_topics
 from worker.tools.samples import (
     LabelledSet,
@@ -316,4 +317,5 @@ async def _demo(opts: DemoOptions) -> int:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    return asyncio.run(_demo(opts))
+    with children_die_with_this_process("demo"):
+        return asyncio.run(_demo(opts))

@@ -64,6 +64,7 @@ from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
 from worker.engines.buckets import bucket_sizes
 from worker.errors import ConfigError, WorkerError
 from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import labelled_samples, override_env
 from worker.tools.drain import arrivals_after, drain_ceiling
 from worker.tools.processes import (
@@ -841,7 +842,8 @@ def run_modelbench(opts: ModelBenchOptions) -> int:
     """0 when every request was answered ok and the worker stopped cleanly (the
     summary is written and printed); BenchError (exit 1) otherwise; ConfigError
     (exit 2) for bad options or a missing library."""
-    summary = asyncio.run(_bench(opts))
+    with children_die_with_this_process("bench"):
+        summary = asyncio.run(_bench(opts))
     print(table(summary))
     path = write_summary(summary, opts)
     print(f"results: {path}" + (f" (and {opts.json_out})" if opts.json_out else ""))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.tools.broker import create_topics, free_port
+from worker.tools.children import kill_tree
 
 
 @dataclass
@@ -76,13 +77,15 @@ class WorkerProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             raise
 
     def kill(self) -> None:
+        """SIGKILL the process and everything it started: ``run --procs N``'s
+        members run in sessions of their own, and killing their supervisor
+        alone left them running (``worker.tools.children``)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            kill_tree(self.proc.pid)
         self.proc.wait()
 
 

@@ -29,6 +29,7 @@ from worker.config import BatchingConfig, Settings, load_settings
 from worker.contract import Request, Tensor, encode_request
 from worker.errors import ConfigError, WorkerError
 from worker.tools.broker import EmbeddedBroker
+from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import labelled_samples, override_env
 from worker.tools.processes import WorkerProcess, spawn_on_fresh_topics
 from worker.tools.topics import Collected, Collector, Produced, produce_all
@@ -600,4 +601,5 @@ async def _run(opts: SweepOptions) -> int:
 def run_sweep(opts: SweepOptions) -> int:
     """0: a setting meets the SLO (printed with its config lines); 1: none does
     (the closest is printed); configuration errors raise ConfigError."""
-    return asyncio.run(_run(opts))
+    with children_die_with_this_process("bench --sweep"):
+        return asyncio.run(_run(opts))
