@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from worker.config import load_settings
-from worker.tools.demo import override_env
-from worker.tools.modelbench import engine_rate, payload_images
-from worker.tools.processes import extended_pythonpath
+from worker.tools.bench.engine import engine_rate
+from worker.tools.bench.payloads import payload_images
+from worker.tools.processes import extended_pythonpath, override_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 

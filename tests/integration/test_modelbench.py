@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from worker.tools.modelbench import STAGES
+from worker.tools.bench.openloop import STAGES
 
 pytestmark = pytest.mark.integration
 

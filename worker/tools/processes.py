@@ -89,6 +89,14 @@ class WorkerProcess:
         self.proc.wait()
 
 
+def override_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """``section.key=value`` settings as the worker's environment variables."""
+    return {
+        "INFER_WORKER_" + "__".join(part.upper() for part in key.split(".")): value
+        for key, value in overrides.items()
+    }
+
+
 def extended_pythonpath(*entries: str | os.PathLike[str], base: str | None = None) -> str:
     """``entries`` in front of ``base`` (default: this process's PYTHONPATH),
     duplicates and empty entries dropped. A child's environment extends

@@ -16,23 +16,13 @@ from worker.__main__ import main
 from worker.config import load_settings
 from worker.contract import EncodedImage, Tensor, decode_request
 from worker.inference.decode import decode_image
-from worker.tools.demo import override_env
-from worker.tools.modelbench import (
-    STAGES,
-    BenchError,
-    Sample,
-    all_joined,
-    busy_fraction,
-    device_slug,
-    encode_image,
-    engine_rate,
-    model_overrides,
-    payload_images,
-    request_records,
-    results_path,
-    score_drain,
-    stage_summary,
-)
+from worker.tools.bench.drain import Sample, all_joined, busy_fraction, score_drain
+from worker.tools.bench.engine import engine_rate
+from worker.tools.bench.openloop import STAGES, stage_summary
+from worker.tools.bench.options import BenchError, model_overrides
+from worker.tools.bench.payloads import encode_image, payload_images, request_records
+from worker.tools.bench.report import device_slug, results_path
+from worker.tools.processes import override_env
 from worker.tools.topics import Collected
 
 
