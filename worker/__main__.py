@@ -445,7 +445,8 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--records", type=int, default=None,
-        help="with --model: the backlog to drain (default 5000 for digits, 20000 for resnet50)",
+        help="with --model: the backlog to drain (default: at least 10 s of drain at the "
+        "rate expected for the model, payload and --procs)",
     )  # fmt: skip
     p.add_argument(
         "--results-dir", type=Path, default=None,

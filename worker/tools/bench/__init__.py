@@ -3,8 +3,9 @@
 
 - ``options``: ``bench --model``'s options and the worker settings per model
 - ``payloads``: the images each model's requests carry, as records
+- ``backlog``: how many records make a drain of at least ten seconds
 - ``engine``: the worker's engine alone, on its largest batch
-- ``drain``: ``run --procs N`` draining the backlog
+- ``drain``: ``run --procs N`` draining the backlog, scored over its steady state
 - ``openloop``: Poisson arrivals at a rate, their latencies and stages
 - ``report``: names, the summary's table and its results file
 - ``modelbench``: ``bench --model`` from start to end

@@ -1,13 +1,16 @@
 """The worker drain (``worker_img_s``): ``run --procs N`` in a fresh group drains
 the backlog, and every request must be answered ``ok``.
 
-The rate counts the results that arrived after its clock started. With one
-process the clock runs from the first result to the last; with several, from
-the moment every member holds its partitions (a member that finishes starting
-first drains alone until the others join, and rebalances pause them all), so
-the figure is what N members sustain together. The mean batch comes from the
-members' Prometheus metrics over the same span, the GPU busy fraction from
-NVML's utilisation sampled during it (None without NVML or for a CPU model).
+The rate is the drain's steady state. Its clock starts at the first result with
+one process; with several, once every member holds its partitions (a member
+that finishes starting first drains alone until the others join, and
+rebalances pause them all), so the figure is what N members sustain together.
+Of the results after that, the first and last ``STEADY_SKIP`` are left out:
+the first are warm-up (first fetches, caches, the pipeline filling), the last
+the partitions running dry one by one. The mean batch comes from the members'
+Prometheus metrics over the same span (to a sampling interval), the GPU busy
+fraction from NVML's utilisation sampled during it (None without NVML or for a
+CPU model).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from worker.tools.topics import Collected, Collector
 
 # How often member metrics and NVML are sampled during the drain, seconds.
 SAMPLE_INTERVAL: Final = 0.1
+# The fraction of the drain's results left out at each end (warm-up, run-out).
+STEADY_SKIP: Final = 0.1
 
 
 def all_joined(assigned: Sequence[int], partitions: int) -> bool:
@@ -110,12 +115,30 @@ def open_nvml(settings: Settings) -> tuple[Any, str | None]:
 
 @dataclass
 class WorkerDrain:
-    rate: float  # results/s over the span (see the module docstring)
+    rate: float  # results/s over the steady window (see the module docstring)
     first_to_last_rate: float
-    seconds: float
+    seconds: float  # the clock's start (first result or group formed) to the last result
+    steady_seconds: float  # the steady window
     mean_batch: float
     gpu_busy: float | None
     join_seconds: float  # first result -> the whole group holding its partitions
+
+
+def steady_window(times: Sequence[float], start: float) -> tuple[float, float, int]:
+    """(from, to, results counted) of the steady window: among the results that
+    arrived after ``start`` (sorted), the span between the one ``STEADY_SKIP``
+    of the way in and the one as far from the end, counting those after the
+    first instant (its results, a whole batch, came before any interval)."""
+    after = sorted(t for t in times if t > start)
+    if not after:
+        return start, start, 0
+    skip = int(len(after) * STEADY_SKIP)
+    lo, hi = after[skip], after[len(after) - 1 - skip]
+    return lo, hi, arrivals_after(after, lo) - arrivals_after(after, hi)
+
+
+def _at_or_before(samples: Sequence[Sample], t: float) -> Sample | None:
+    return next((s for s in reversed(samples) if s.at <= t), None)
 
 
 def score_drain(
@@ -127,27 +150,28 @@ def score_drain(
     times = sorted(r.received_at for r in results)
     first, last = times[0], times[-1]
     whole = arrivals_after(times, first) / (last - first) if last > first else 0.0
-    if procs == 1:
-        start, base = first, None
-    else:
+    start = first
+    if procs > 1:
         joined = joined_at(samples, partitions)
         if joined is None or joined.at >= last:
             raise BenchError(
                 f"the backlog was drained before all {procs} processes held their "
                 f"partitions; send more records (--records)"
             )
-        start, base = max(first, joined.at), joined
-    counted = arrivals_after(times, start)
-    seconds = last - start
-    batches = final.batch_count - (base.batch_count if base else 0.0)
-    rows = final.batch_sum - (base.batch_sum if base else 0.0)
+        start = max(first, joined.at)
+    lo, hi, counted = steady_window(times, start)
+    base = _at_or_before(samples, lo)
+    end = next((s for s in samples if s.at >= hi), final)
+    batches = end.batch_count - (base.batch_count if base else 0.0)
+    rows = end.batch_sum - (base.batch_sum if base else 0.0)
     return WorkerDrain(
-        rate=counted / seconds if seconds > 0 else 0.0,
+        rate=counted / (hi - lo) if hi > lo else 0.0,
         first_to_last_rate=whole,
-        seconds=seconds,
+        seconds=last - start,
+        steady_seconds=hi - lo,
         mean_batch=rows / batches if batches > 0 else 0.0,
-        gpu_busy=busy_fraction(samples, start, last),
-        join_seconds=max(0.0, start - first),
+        gpu_busy=busy_fraction(samples, lo, hi),
+        join_seconds=start - first,
     )
 
 

@@ -9,7 +9,8 @@ ways, so the ratios between the figures mean something:
    msgpack-decodes the backlog and discards it (``worker.tools.drain``).
 3. **worker drain** (``worker_img_s``, ``drain``): ``infer-worker run --procs N``
    in a fresh group drains the same backlog, every request answered ``ok``;
-   the rate counts the results after its clock started (``drain``).
+   the rate is the drain's steady state. The backlog is sized for at least ten
+   seconds of drain at the rate expected (``backlog``) unless ``--records``.
 4. **paced** (``paced``, ``openloop``): the same workers, sent open-loop Poisson
    arrivals at half the drain rate (or ``--rate``) for ``--duration`` seconds:
    end-to-end p50/p95/p99, and each stage's p50 and p99 from ``timing_us``.
@@ -33,16 +34,11 @@ import numpy as np
 from worker import __version__
 from worker.config import Settings, load_settings
 from worker.contract import EncodedImage, Tensor
+from worker.tools.bench.backlog import plan_backlog, short_drain_note
 from worker.tools.bench.drain import WorkerDrain, drain_worker, open_nvml
 from worker.tools.bench.engine import engine_rate
 from worker.tools.bench.openloop import paced
-from worker.tools.bench.options import (
-    DEFAULT_RECORDS,
-    BenchError,
-    ModelBenchOptions,
-    check_options,
-    run_overrides,
-)
+from worker.tools.bench.options import BenchError, ModelBenchOptions, check_options, run_overrides
 from worker.tools.bench.payloads import Records, encode_image, payload_images, request_records
 from worker.tools.bench.report import (
     command_line,
@@ -64,24 +60,33 @@ from worker.tools.topics import Collector, produce_all
 async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
     check_options(opts)
     opts.partitions = max(opts.partitions, opts.procs)
-    n = opts.records or DEFAULT_RECORDS[opts.model]
     started = time.monotonic()
     images = payload_images(opts.model)  # before building: a missing library exits 2 early
     overrides = run_overrides(opts)
     settings = load_settings(env=override_env(overrides))
     device = run_device(settings)
     inputs = [encode_image(img, opts.payload) for img in images]
-    backlog = request_records(inputs, "drain", n)
-    record_bytes = float(np.mean([len(v) for _, v in backlog]))
+    sample = request_records(inputs, "size", len(inputs))
+    record_bytes = float(np.mean([len(v) for _, v in sample]))
     print(
         f"infer-worker bench --model {opts.model} --payload {opts.payload}: {device}, "
         f"{settings.model.backend} engine, {opts.procs} process(es), {opts.partitions} "
-        f"partitions, {n} records of {record_bytes:,.0f} bytes on average, embedded broker",
+        f"partitions, records of {record_bytes:,.0f} bytes on average, embedded broker",
         flush=True,
     )
     note(f"engine alone at batch {settings.batching.max_batch_size} ...")
     engine_img_s = await asyncio.to_thread(engine_rate, settings, images, opts.engine_seconds)
     note(f"engine alone: {engine_img_s:,.0f} img/s")
+    plan = plan_backlog(opts.model, opts.payload, opts.procs, engine_img_s, record_bytes)
+    n = opts.records or plan.records
+    if opts.records:
+        note(f"backlog: {n:,} records (--records)")
+    else:
+        note(
+            f"backlog: {n:,} records, {plan.seconds:.0f} s at the {plan.expected_rate:,.0f} "
+            f"img/s expected (bound: {plan.bound})"
+        )
+    backlog = request_records(inputs, "drain", n)
     nvml, nvml_reason = open_nvml(settings)
     try:
         with EmbeddedBroker() as broker:
@@ -91,6 +96,9 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
     finally:
         if nvml is not None:
             nvml.close()
+    short = short_drain_note(drain.seconds, drain.rate, n)
+    if short:
+        note(short)
     return {
         "date": dt.date.today().isoformat(),
         "device": device,
@@ -99,18 +107,23 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
         "procs": opts.procs,
         "partitions": opts.partitions,
         "records": n,
+        "records_sized_by": "--records" if opts.records else f"time (bound: {plan.bound})",
+        "expected_img_s": round(plan.expected_rate, 1),
         "record_bytes_mean": round(record_bytes, 1),
         "engine_batch": settings.batching.max_batch_size,
         "engine_img_s": round(engine_img_s, 1),
         "ingest_ceiling_rec_s": round(ceiling, 1),
         "worker_img_s": round(drain.rate, 1),
         "worker_first_to_last_img_s": round(drain.first_to_last_rate, 1),
+        "worker_drain_s": round(drain.seconds, 3),
+        "worker_steady_s": round(drain.steady_seconds, 3),
         "worker_join_s": round(drain.join_seconds, 3),
         "worker_to_ceiling": ratio(drain.rate, ceiling),
         "worker_to_engine": ratio(drain.rate, engine_img_s),
         "mean_batch": round(drain.mean_batch, 2),
         "gpu_busy": drain.gpu_busy,
         "gpu_busy_note": nvml_reason,
+        "drain_note": short,
         "paced": paced_run,
         "worker_exit": exit_code,
         "command": command_line(opts, n),
@@ -159,7 +172,10 @@ async def _on_broker(
         await collector.start()
         keys = {k for k, _ in backlog if k is not None}
         drain = await drain_worker(opts.procs, parts, topics, worker, collector, keys, nvml)
-        note(f"worker drain: {drain.rate:,.0f} img/s, mean batch {drain.mean_batch:.1f}")
+        note(
+            f"worker drain: {drain.rate:,.0f} img/s steady ({drain.steady_seconds:.1f} s of "
+            f"{drain.seconds:.1f} s), mean batch {drain.mean_batch:.1f}"
+        )
         rate = opts.rate or drain.rate / 2
         note(f"paced at {rate:,.0f} requests/s for {opts.duration:g} s ...")
         paced_run = await paced(

@@ -20,7 +20,6 @@ from worker.tools.processes import override_env
 
 MODELS: Final = ("digits", "resnet50")
 PAYLOADS: Final = ("jpeg", "png", "raw")
-DEFAULT_RECORDS: Final = {"digits": 5000, "resnet50": 20000}
 DEFAULT_RESULTS_DIR: Final = Path("benchmarks") / "results"
 IMAGENET_MEAN: Final = (0.485, 0.456, 0.406)
 IMAGENET_STD: Final = (0.229, 0.224, 0.225)
@@ -37,7 +36,7 @@ class ModelBenchOptions:
     model: str
     payload: str = "jpeg"
     procs: int = 1
-    records: int | None = None  # None: DEFAULT_RECORDS[model]
+    records: int | None = None  # None: sized by time (worker.tools.bench.backlog)
     partitions: int = 4  # raised to procs when lower: every member gets a partition
     duration: float = 5.0  # seconds of paced arrivals
     rate: float = 0.0  # paced requests/s; 0 = half the worker's drain rate

@@ -132,6 +132,11 @@ def table(summary: Mapping[str, Any]) -> str:
             f"{s['worker_img_s']:,.0f} img/s  ({_fmt(s['worker_to_ceiling'], '.3g')}x the "
             f"ceiling, {_fmt(s['worker_to_engine'], '.3g')}x the engine)",
         ),
+        (
+            "  steady state of the drain",
+            f"{s['worker_steady_s']:.1f} s of {s['worker_drain_s']:.1f} s, "
+            f"{s['records']:,} records",
+        ),
         ("mean batch in the drain", f"{s['mean_batch']:.1f}"),
         ("GPU busy in the drain", busy_text),
         (
@@ -146,6 +151,8 @@ def table(summary: Mapping[str, Any]) -> str:
     lines = [f"  {label:<32} {value}" for label, value in rows]
     for stage, q in p["stages"].items():
         lines.append(f"  {'  ' + stage:<32} p50 {q['p50_ms']:.2f} ms  p99 {q['p99_ms']:.2f} ms")
+    if s.get("drain_note"):
+        lines.append(f"  note: {s['drain_note']}")
     return "\n".join(lines)
 
 
