@@ -92,3 +92,19 @@ def test_the_guard_sees_a_replacement() -> None:
     assert m is not None and not m.group("value").startswith("extended_pythonpath(")
     sh = _SH_SET.search("    export PYTHONPATH=/tmp/site:$PWD")
     assert sh is not None and "PYTHONPATH" not in sh.group("value")
+
+
+def test_the_compile_cache_reaches_every_worker_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu_session.sh names one torch compile cache per call; the bench's
+    worker (``worker_env``) and each member of ``run --procs N`` (the
+    supervisor's ``child_env``) must inherit it to share compiled graphs."""
+    from worker.config import load_settings
+    from worker.pipeline.supervisor import child_env
+
+    cache = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/cc", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    for key, value in cache.items():
+        monkeypatch.setenv(key, value)
+    bench_worker = _env()
+    member = child_env(load_settings(env={}), 1, bench_worker)
+    for key, value in cache.items():
+        assert bench_worker[key] == value and member[key] == value
