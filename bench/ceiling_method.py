@@ -20,6 +20,7 @@ import statistics
 import sys
 
 from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import encode_samples, labelled_samples
 from worker.tools.drain import drain_ceiling
 from worker.tools.topics import produce_all
@@ -61,7 +62,9 @@ def main() -> None:
     p.add_argument("--records", type=int, default=30000)
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--repeat", type=int, default=4)
-    print(json.dumps(asyncio.run(run(p.parse_args())), indent=2))
+    with children_die_with_this_process("bench.ceiling_method"):
+        summary = asyncio.run(run(p.parse_args()))
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from bench.peers import argv as peer_argv
 from worker.contract import Request, Tensor, decode_request, encode_request
 from worker.contract.oip import encode_oip_request
 from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import encode_samples, labelled_samples
 from worker.tools.drain import Drain, arrivals_after, drain_ceiling
 from worker.tools.processes import mean_batch_size, spawn_worker, summed
@@ -332,7 +333,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.baseline_path:
         args.baseline_path = os.path.abspath(args.baseline_path)
-    summary = asyncio.run(run(args))
+    with children_die_with_this_process("bench.drain"):
+        summary = asyncio.run(run(args))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

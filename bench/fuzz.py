@@ -32,6 +32,7 @@ from PIL import Image
 
 from worker.contract import decode_result
 from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.children import children_die_with_this_process
 from worker.tools.processes import spawn_worker
 from worker.tools.topics import Collector, produce_all
 
@@ -181,7 +182,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the outcome here")
     args = parser.parse_args()
-    outcome = asyncio.run(run(args.payloads, args.seed))
+    with children_die_with_this_process("bench.fuzz"):
+        outcome = asyncio.run(run(args.payloads, args.seed))
     doc = vars(outcome)
     print(json.dumps(doc, indent=2))
     if args.json:

@@ -20,7 +20,7 @@ from PIL import Image
 from worker.contract import EncodedImage
 from worker.contract.images import header_problem
 from worker.inference.decode import decode_image
-from worker.tools.modelbench import encode_image, payload_images
+from worker.tools.bench.payloads import encode_image, payload_images
 
 
 def _pil(image: EncodedImage) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from worker.tools.broker import EmbeddedBroker
+from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import encode_samples, labelled_samples
 from worker.tools.processes import spawn_on_fresh_topics
 from worker.tools.topics import Collector, produce_all
@@ -157,7 +158,8 @@ def main() -> int:
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    results = asyncio.run(run(args))
+    with children_die_with_this_process("bench.latency"):
+        results = asyncio.run(run(args))
     summary = {
         "rate": args.rate,
         "records": args.records,

@@ -39,6 +39,7 @@ import numpy as np
 
 from worker.contract import Request, encode_request
 from worker.tools.broker import EmbeddedBroker, create_topics
+from worker.tools.children import children_die_with_this_process
 from worker.tools.drain import Drain
 from worker.tools.processes import mean_batch_size, spawn_worker
 from worker.tools.samples import sentiment_samples
@@ -234,7 +235,8 @@ def main() -> int:
     args = parser.parse_args()
     if not (Path(args.model_dir) / "model.onnx").is_file():
         parser.error(f"no export in {args.model_dir}: run scripts/export_minilm.py first")
-    summary = asyncio.run(run(args))
+    with children_die_with_this_process("bench.minilm"):
+        summary = asyncio.run(run(args))
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -9,21 +9,40 @@ and only when a test of its kind runs. Tests that need a broker of their own
 Where Java or Maven is missing, or Kafka's jars cannot be fetched, the Kafka
 tests skip with the reason; with ``CI=true`` that is an error instead, so CI
 can never pass without having run them.
+
+A test run stopped by SIGTERM (``timeout``, as scripts/gpu_session.sh runs the
+GPU suite) kills every process the tests started, brokers and workers and the
+tools they ran, before it exits: none may run on into the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from worker.tools.apache_kafka import KafkaCluster
 from worker.tools.broker import Broker, BrokerKind, EmbeddedBroker
+from worker.tools.children import children_die_with_this_process
 from worker.tools.kafka_runtime import KafkaUnavailable, kafka_libs
 
 BROKER_KINDS: tuple[BrokerKind, ...] = ("embedded", "kafka")
+
+_on_sigterm = contextlib.ExitStack()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGINT stays pytest's: Ctrl-C still ends with a summary and teardowns.
+    _on_sigterm.enter_context(children_die_with_this_process("pytest", (signal.SIGTERM,)))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _on_sigterm.close()
+
 
 _counter = itertools.count()
 _kafka_problem: list[KafkaUnavailable] = []

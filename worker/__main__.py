@@ -185,7 +185,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     """``bench --sweep``: the batching grid at several rates, and the setting to use."""
-    from worker.tools.sweep import SweepOptions, run_sweep
+    from worker.tools.bench.sweep import SweepOptions, run_sweep
 
     if args.rate:
         raise ConfigError("--rate: not with --sweep (give the rates to sweep as --rates)")
@@ -209,7 +209,8 @@ _MODEL_ONLY = ("payload", "procs", "records", "results_dir")
 
 def _cmd_modelbench(args: argparse.Namespace) -> int:
     """``bench --model``: engine, ingest ceiling, worker drain and paced latency."""
-    from worker.tools.modelbench import DEFAULT_RESULTS_DIR, ModelBenchOptions, run_modelbench
+    from worker.tools.bench.modelbench import run_modelbench
+    from worker.tools.bench.options import DEFAULT_RESULTS_DIR, ModelBenchOptions
 
     if args.sweep:
         raise ConfigError("--model: not with --sweep")
@@ -462,7 +463,8 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--records", type=int, default=None,
-        help="with --model: the backlog to drain (default 5000 for digits, 20000 for resnet50)",
+        help="with --model: the backlog to drain (default: at least 10 s of drain at the "
+        "rate expected for the model, payload and --procs)",
     )  # fmt: skip
     p.add_argument(
         "--results-dir", type=Path, default=None,

@@ -6,13 +6,13 @@ next worker sends it to the DLQ unrun and answers everything else."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.faults.conftest import request, start
 from worker.tools.broker import Broker, create_topics
+from worker.tools.processes import extended_pythonpath
 from worker.tools.topics import Collector, committed_offsets, produce_all
 
 CRASH_HOOK = """
@@ -50,7 +50,7 @@ async def test_a_record_that_kills_the_process_is_quarantined_after_max_attempts
         ]
         await produce_all(broker.bootstrap, names["requests"], records)
         env = {
-            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "PYTHONPATH": extended_pythonpath(tmp_path),
             "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC": names["guard"],
             "INFER_WORKER_LIMITS__MAX_CRASH_ATTEMPTS": "3",
         }

@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from worker.tools.broker import EmbeddedBroker
-from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_on_fresh_topics
+from worker.tools.children import children_die_with_this_process
+from worker.tools.processes import (
+    WorkerProcess,
+    mean_batch_size,
+    override_env,
+    spawn_on_fresh_topics,
+)
 from worker.tools.samples import (
     LabelledSet,
     Sample,
@@ -36,7 +42,8 @@ from worker.tools.samples import (
 )
 from worker.tools.topics import Collector, Produced, committed_offsets, produce_all
 
-# Moved to worker.tools.samples; importable from here as before.
+# Moved to worker.tools.samples (and override_env to worker.tools.processes);
+# importable from here as before.
 __all__ = [
     "DemoOptions",
     "Sample",
@@ -71,14 +78,6 @@ def naive_argv(expect: int) -> list[str]:
     script = naive_baseline()
     assert script is not None, "checked before the run"
     return [sys.executable, str(script), "--expect", str(expect)]
-
-
-def override_env(overrides: dict[str, str]) -> dict[str, str]:
-    """``section.key=value`` settings as the worker's environment variables."""
-    return {
-        "INFER_WORKER_" + "__".join(part.upper() for part in key.split(".")): value
-        for key, value in overrides.items()
-    }
 
 
 @dataclass
@@ -316,4 +315,5 @@ async def _demo(opts: DemoOptions) -> int:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    return asyncio.run(_demo(opts))
+    with children_die_with_this_process("demo"):
+        return asyncio.run(_demo(opts))

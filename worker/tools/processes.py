@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.tools.broker import create_topics, free_port
+from worker.tools.children import kill_tree
 
 
 @dataclass
@@ -76,14 +77,39 @@ class WorkerProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             raise
 
     def kill(self) -> None:
+        """SIGKILL the process and everything it started: ``run --procs N``'s
+        members run in sessions of their own, and killing their supervisor
+        alone left them running (``worker.tools.children``)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            kill_tree(self.proc.pid)
         self.proc.wait()
+
+
+def override_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """``section.key=value`` settings as the worker's environment variables."""
+    return {
+        "INFER_WORKER_" + "__".join(part.upper() for part in key.split(".")): value
+        for key, value in overrides.items()
+    }
+
+
+def extended_pythonpath(*entries: str | os.PathLike[str], base: str | None = None) -> str:
+    """``entries`` in front of ``base`` (default: this process's PYTHONPATH),
+    duplicates and empty entries dropped. A child's environment extends
+    PYTHONPATH and never replaces it: the GPU machine's packages live in a
+    directory that only PYTHONPATH names (scripts/gpu_session.sh), so a child
+    given a PYTHONPATH of its own fails at its first import there."""
+    inherited = os.environ.get("PYTHONPATH", "") if base is None else base
+    out: list[str] = []
+    given = [os.fspath(e) for e in entries]
+    for entry in os.pathsep.join([*given, inherited]).split(os.pathsep):
+        if entry and entry not in out:
+            out.append(entry)
+    return os.pathsep.join(out)
 
 
 def worker_env(
@@ -96,6 +122,9 @@ def worker_env(
     metrics_port: int,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
+    """This process's environment (its ``INFER_WORKER_*`` settings dropped), the
+    worker's settings for these topics, then ``extra``; a ``PYTHONPATH`` in
+    ``extra`` goes in front of the inherited one (``extended_pythonpath``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
     env.update(
         {
@@ -116,7 +145,11 @@ def worker_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    env.update(extra or {})
+    extra = dict(extra or {})
+    if "PYTHONPATH" in extra:
+        inherited = env.get("PYTHONPATH", "")
+        extra["PYTHONPATH"] = extended_pythonpath(extra["PYTHONPATH"], base=inherited)
+    env.update(extra)
     return env
 
 

@@ -16,23 +16,19 @@ from worker.__main__ import main
 from worker.config import load_settings
 from worker.contract import EncodedImage, Tensor, decode_request
 from worker.inference.decode import decode_image
-from worker.tools.demo import override_env
-from worker.tools.modelbench import (
-    STAGES,
-    BenchError,
-    Sample,
-    all_joined,
-    busy_fraction,
-    device_slug,
-    encode_image,
-    engine_rate,
-    model_overrides,
-    payload_images,
-    request_records,
-    results_path,
-    score_drain,
-    stage_summary,
+from worker.tools.bench.backlog import (
+    DRAIN_SECONDS,
+    PROCESS_RATE,
+    plan_backlog,
+    short_drain_note,
 )
+from worker.tools.bench.drain import Sample, all_joined, busy_fraction, score_drain
+from worker.tools.bench.engine import engine_rate
+from worker.tools.bench.openloop import STAGES, stage_summary
+from worker.tools.bench.options import BenchError, model_overrides
+from worker.tools.bench.payloads import encode_image, payload_images, request_records
+from worker.tools.bench.report import device_slug, results_path
+from worker.tools.processes import override_env
 from worker.tools.topics import Collected
 
 
@@ -97,17 +93,31 @@ def _sample(at: float, assigned: tuple[int, ...], rows: float, batches: float) -
     return Sample(at, assigned, rows, batches, gpu_busy=at / 10)
 
 
-def test_one_process_drains_from_first_to_last_result() -> None:
+def test_one_process_is_timed_over_the_middle_of_its_drain() -> None:
     # A first batch of 64 at t = 10, then 100 results over the next second: the
-    # rate counts what arrived after the clock started.
+    # rate counts what arrived after the steady window's clock started.
     results = _results([10.0] * 64 + [10.0 + (i + 1) * 0.01 for i in range(100)])
     samples = [_sample(9.0, (4,), 0, 0), _sample(10.5, (4,), 3200, 50)]
     final = _sample(11.5, (4,), 6400, 100)
     drain = score_drain(results, samples, 1, 4, final)
     assert drain.rate == pytest.approx(100.0)
     assert drain.first_to_last_rate == pytest.approx(100.0)
+    assert drain.seconds == pytest.approx(1.0)
+    assert drain.steady_seconds == pytest.approx(0.79)  # 10.11 .. 10.90: 10% off each end
     assert drain.mean_batch == 64.0 and drain.join_seconds == 0.0
-    assert drain.gpu_busy == pytest.approx(1.05)  # the one sample inside [10, 11]
+    assert drain.gpu_busy == pytest.approx(1.05)  # the one sample inside the window
+
+
+def test_warm_up_and_run_out_are_left_out_of_the_rate() -> None:
+    """A slow start (10/s for 5 s), 400 results at 100/s, then a slow end: the
+    first-to-last rate mixes them (36/s); the steady rate is the middle's."""
+    warm = [0.1 * i for i in range(50)]
+    steady = [5.0 + 0.01 * (j + 1) for j in range(400)]
+    tail = [9.0 + 0.1 * (k + 1) for k in range(50)]
+    drain = score_drain(_results(warm + steady + tail), [], 1, 4, _sample(15.0, (4,), 0, 0))
+    assert drain.first_to_last_rate == pytest.approx(499 / 14.0)
+    assert drain.rate == pytest.approx(400 / 4.09)  # 5.01 .. 9.1
+    assert drain.seconds == pytest.approx(14.0)
 
 
 def test_several_processes_drain_from_when_all_hold_partitions() -> None:
@@ -122,10 +132,12 @@ def test_several_processes_drain_from_when_all_hold_partitions() -> None:
     final = _sample(14.5, (2, 2), 2000, 60)
     drain = score_drain(results, samples, 2, 4, final)
     assert drain.join_seconds == pytest.approx(2.0)
-    assert drain.rate == pytest.approx(20 / 2.0)  # results after t = 12, over 2 s
+    # The 20 results after t = 12; the steady window 12.3 .. 13.8 holds 15 of them.
+    assert drain.rate == pytest.approx(15 / 1.5)
+    assert drain.seconds == pytest.approx(2.0)
     assert drain.first_to_last_rate == pytest.approx(40 / 4.0)
     assert drain.mean_batch == pytest.approx((2000 - 400) / (60 - 40))
-    assert drain.gpu_busy == pytest.approx((1.2 + 1.3) / 2)
+    assert drain.gpu_busy == pytest.approx(1.3)  # the sample at 13.0
 
 
 def test_a_backlog_gone_before_the_group_formed_is_refused() -> None:
@@ -218,3 +230,23 @@ def test_refused_before_anything_starts(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_backlog_lasts_ten_seconds_at_the_lowest_expected_rate() -> None:
+    # digits on the CPU: the engine alone is far faster; the processes bind.
+    digits = plan_backlog("digits", "raw", 2, engine_img_s=3e6, record_bytes=150)
+    assert digits.bound == "processes"
+    assert digits.records == 2 * PROCESS_RATE[("digits", "raw")] * DRAIN_SECONDS
+    # resnet50 at 20k img/s: 20,000 records would last one second; this lasts ten.
+    jpeg = plan_backlog("resnet50", "jpeg", 4, engine_img_s=20_000, record_bytes=19_500)
+    assert (jpeg.bound, jpeg.records, jpeg.seconds) == ("engine", 200_000, 10.0)
+    # Raw 256x256 pixels: the broker's bytes bind (450 MB/s), 4.5 GB in all.
+    raw = plan_backlog("resnet50", "raw", 4, engine_img_s=20_000, record_bytes=196_700)
+    assert raw.bound == "broker" and raw.records * 196_700 == pytest.approx(4.5e9, rel=1e-3)
+    assert plan_backlog("digits", "png", 1, engine_img_s=10, record_bytes=200).records == 1000
+
+
+def test_a_drain_shorter_than_ten_seconds_says_how_many_records_would_fill_them() -> None:
+    assert short_drain_note(12.0, 5000, 60_000) is None
+    note = short_drain_note(4.0, 10_000, 40_000)
+    assert note is not None and "--records 120000" in note and "4.0 s" in note

@@ -13,17 +13,15 @@ import pytest
 from worker.__main__ import build_parser, main
 from worker.config import load_settings
 from worker.errors import ConfigError
-from worker.tools import sweep
-from worker.tools.sweep import (
-    Setting,
-    SweepOptions,
-    SweepPoint,
+from worker.tools.bench import sweep, sweep_report
+from worker.tools.bench.openloop import Setting, SweepPoint
+from worker.tools.bench.recommend import (
     best_setting,
-    check_options,
     closest_setting,
     config_lines,
     recommendation_text,
 )
+from worker.tools.bench.sweep import SweepOptions, check_options
 
 
 def point(
@@ -178,13 +176,13 @@ def test_plot_is_drawn_and_without_matplotlib_the_points_still_are_written(
     points.append(point(64, 5, 1000, 400, throughput=700))
     chosen = best_setting(points, 50)
     png = tmp_path / "sweep.png"
-    sweep.write_plot(points, chosen, 50, str(png))
+    sweep_report.write_plot(points, chosen, 50, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
     opts = SweepOptions(plot=str(tmp_path / "again.png"))
-    summary = sweep.sweep_summary(opts, points, [], chosen, True, 1.0)
-    sweep._write_outputs(opts, summary, points, chosen)
+    summary = sweep_report.sweep_summary(opts, points, [], chosen, True, 1.0)
+    sweep_report.write_outputs(opts, summary, points, chosen)
     out = capsys.readouterr().out
     assert "pip install matplotlib" in out and not (tmp_path / "again.png").exists()
     written = json.loads((tmp_path / "again.json").read_text())

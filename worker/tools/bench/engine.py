@@ -1,0 +1,121 @@
+"""The worker's engine alone (``engine_img_s``): the figure a drain is read against.
+
+The engine is loaded with the run's settings exactly as a worker loads it and
+timed on its largest batch. A CPU engine runs a preprocessed batch
+(``Engine.run``); a GPU engine gets one slot as the GPU stage builds it and is
+timed enqueueing the largest batch again and again on the slot's stream, with
+one synchronisation at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Final, cast
+
+import numpy as np
+
+from worker.config import Settings
+from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.engines.buckets import bucket_sizes
+
+# The engine runs until its time is up or it ran this often, after a warm-up.
+ENGINE_MAX_RUNS: Final = 1000
+ENGINE_WARM_RUNS: Final = 3
+
+
+def load_run_engine(settings: Settings) -> Engine | GpuEngine:
+    """The engine as the worker loads it (``worker.pipeline.worker``)."""
+    s = settings
+    return load_engine(
+        s.model,
+        device=s.gpu.device,
+        max_batch_size=s.batching.max_batch_size,
+        cuda_graphs=s.gpu.cuda_graphs,
+        buckets=bucket_sizes(s.batching.max_batch_size, s.batching.preferred_batch_sizes),
+    )
+
+
+def timed(
+    step: Callable[[], object],
+    finish: Callable[[], object],
+    seconds: float,
+    max_runs: int = ENGINE_MAX_RUNS,
+) -> float:
+    """Seconds per ``step``: run it until ``seconds`` have passed or it ran
+    ``max_runs`` times, then ``finish`` (waiting for work ``step`` only
+    enqueued) inside the timed span."""
+    runs = 0
+    start = time.perf_counter()
+    while True:
+        step()
+        runs += 1
+        if runs >= max_runs or time.perf_counter() - start >= seconds:
+            break
+    finish()
+    return (time.perf_counter() - start) / runs
+
+
+def engine_rate(settings: Settings, images: Sequence[np.ndarray], seconds: float) -> float:
+    """Images/s of the run's engine alone at ``batching.max_batch_size``."""
+    engine = load_run_engine(settings)
+    try:
+        if is_gpu_backend(settings.model.backend):
+            per_batch = gpu_batch_seconds(cast(GpuEngine, engine), settings, seconds)
+        else:
+            per_batch = cpu_batch_seconds(engine, settings, images, seconds)
+    finally:
+        engine.close()
+    return settings.batching.max_batch_size / per_batch
+
+
+def cpu_batch_seconds(
+    engine: Engine, settings: Settings, images: Sequence[np.ndarray], seconds: float
+) -> float:
+    from worker.inference.preprocess import preprocess
+
+    n = settings.batching.max_batch_size
+    batch = preprocess([images[i % len(images)] for i in range(n)], settings.model.preprocess)
+    feeds = {engine.info.io.inputs[0].name: batch}
+    for _ in range(ENGINE_WARM_RUNS):
+        engine.run(feeds)
+    return timed(lambda: engine.run(feeds), lambda: None, seconds)
+
+
+def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> float:
+    """One slot made as the GPU stage makes it (``worker.inference.gpu.stage``:
+    the layout, the buffers, the engine's context, which warms and captures
+    every bucket); then the largest batch enqueued on the slot's stream over and
+    over, synchronised once at the end. The input holds random normal values,
+    not zeros: matrix units can run faster on zeros (13% for a bf16 product on an
+    H200 of this workplace) and would flatter the engine."""
+    import cupy
+
+    from worker.engines.base import SlotShapes
+    from worker.inference.gpu.slots import Allocations, Slot, SlotLayout
+
+    device = settings.gpu.device
+    n = settings.batching.max_batch_size
+    b = settings.batching
+    engine.prepare(SlotShapes(bucket_sizes(max(n, engine.min_batch_size), b.preferred_batch_sizes)))
+    layout = SlotLayout(
+        device=device,
+        max_batch_size=max(n, engine.min_batch_size),
+        engine_inputs=engine.inputs,
+        engine_outputs=engine.outputs,
+    )
+    slot = Slot.create(0, layout, Allocations())
+    try:
+        with cupy.cuda.Device(device):
+            slot.context = engine.create_context(slot)
+            # The buffers were zero-filled on the legacy default stream (see the stage).
+            cupy.cuda.runtime.deviceSynchronize()
+            for x in slot.engine_inputs.values():
+                x[...] = cupy.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+            cupy.cuda.runtime.deviceSynchronize()
+            for _ in range(ENGINE_WARM_RUNS):
+                engine.enqueue(slot, n, {})
+            slot.stream.synchronize()
+            return timed(lambda: engine.enqueue(slot, n, {}), slot.stream.synchronize, seconds)
+    finally:
+        slot.close()
