@@ -19,6 +19,7 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
     RecordListTooLargeError,
@@ -50,6 +51,18 @@ _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeE
 # that partition as out of order. Those records were never written; they are
 # re-sent through a new producer (new producer id, sequences from 0).
 _SEQUENCE_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
+
+
+def retriable(exc: BaseException) -> bool:
+    """Whether sending the same record again can succeed. aiokafka raises
+    ``KafkaTimeoutError`` (which does not call itself retriable) when a record
+    could not even be queued within ``request_timeout_ms``, because its
+    partition's pending batch was not drained: the partition's leader is gone
+    (measured: SIGKILL of a partition leader of a three-broker cluster). The
+    record was never written and took no sequence number: it is re-sent as it
+    is, not replaced by a fallback as a refusal for good would be."""
+    return isinstance(exc, KafkaTimeoutError) or bool(getattr(exc, "retriable", True))
+
 
 ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
 
@@ -303,7 +316,7 @@ class ResultSink:
         when the broker refused it for good, its small fallback at once (re-sent
         as it was, beside its neighbours in one record batch, the refused bytes
         would have them refused too)."""
-        if getattr(failure, "retriable", True):
+        if retriable(failure):
             return out
         # A refusal for good leaves a gap in an idempotent producer's sequence:
         # the records after it fail with a sequence error, and are re-sent as
@@ -359,7 +372,7 @@ class ResultSink:
                     self._renew = True  # never written: the same bytes, new producer
                     self._undelivered.append(out)
                     continue
-                if getattr(outcome, "retriable", True):
+                if retriable(outcome):
                     failed += 1
                     self._undelivered.append(out)
                 elif not out.fallback:
