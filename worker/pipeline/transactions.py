@@ -103,7 +103,7 @@ class TransactionalSink(Writer):
         self._max_batches = max(1, max_batches)
         self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences
         self._in_txn = False
-        self._open: list[Outgoing] = []  # acknowledged in the open transaction
+        self._open: list[Outgoing] = []  # sent in the open transaction (or being sent)
         self._retry: list[Outgoing] = []  # to send again: their transaction was aborted
         self._wake = asyncio.Event()  # records wait in _retry (after a fence)
         self._held: asyncio.Future[Completed] | None = None  # taken, not yet completed
