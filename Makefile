@@ -23,7 +23,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/infer-worker demo
 
+# ci_tools.sh installs the outside tools some tests run (promtool, prometheus)
+# under CI=true only, and only when missing: a no-op on a developer's machine.
 test: $(VENV)/.installed-test
+	bash scripts/ci_tools.sh
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

@@ -48,7 +48,8 @@ import numpy as np
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
-from worker.contract import Request, Tensor, encode_request
+from worker.contract import Request, Tensor, decode_request, encode_request
+from worker.contract.oip import encode_oip_request
 from worker.tools.apache_kafka import KafkaCluster
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.demo import encode_samples, labelled_samples
@@ -116,6 +117,26 @@ async def drain_worker(
     return Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding)
 
 
+def otlp_sink() -> str:
+    """A local HTTP server that takes OTLP trace exports and discards them: the
+    exporter's cost is measured, not a collector's. Returns its traces URL."""
+    import http.server
+    import threading
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
 def payload(
     kind: str, n: int, tmp: Path
 ) -> tuple[list[tuple[bytes | None, bytes]], dict[str, str]]:
@@ -165,13 +186,27 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for name, settings in (v.split(":", 1) for v in args.variant)
     }
     names += list(variants)
+    if args.oip:
+        names.append("worker-oip")
     runs: dict[str, list[Drain]] = {name: [] for name in names}
     env = {**payload_env, **dict(item.split("=", 1) for item in args.env)}
+    sink = (
+        otlp_sink() if any("{OTLP}" in v for s in variants.values() for v in s.values()) else None
+    )
+    if sink is not None:
+        for settings in variants.values():
+            for key, value in settings.items():
+                settings[key] = value.replace("{OTLP}", sink)
     # On Kafka the results are read as a read_committed client would: an
     # exactly-once variant's answers count once their transaction committed.
     isolation = "read_committed" if args.broker == "kafka" else "read_uncommitted"
     with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
         topics = {"requests": "drain.requests", "results": "drain.results", "dlq": "drain.dlq"}
+        if args.oip:  # the same requests as Open Inference Protocol JSON
+            oip = [(k, encode_oip_request(decode_request(v))) for k, v in records]
+            await create_topics(broker.bootstrap, {"drain.requests.oip": args.partitions})
+            await produce_all(broker.bootstrap, "drain.requests.oip", oip,
+                              partition_of=lambda i: i % args.partitions)  # fmt: skip
         await create_topics(
             broker.bootstrap,
             {topics["requests"]: args.partitions, topics["results"]: args.partitions,
@@ -193,9 +228,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     # A fresh results topic per drain keeps the collector's count honest.
                     topics["results"] = f"drain.results.{name}.{i}"
                     await create_topics(broker.bootstrap, {topics["results"]: args.partitions})
+                    extra = variants.get(name, {})
+                    drained = topics
+                    if name == "worker-oip":
+                        drained = {**topics, "requests": "drain.requests.oip"}
+                        extra = {"INFER_WORKER_KAFKA__CONTENT_TYPE": "application/json"}
                     d = await drain_worker(
-                        broker.bootstrap, topics, len(records), f"{name}{i}",
-                        {**env, **variants.get(name, {})},
+                        broker.bootstrap, drained, len(records), f"{name}{i}", {**env, **extra},
                         baseline_path if name == "baseline" else None,
                         1 if name == "baseline" else args.procs,
                         name if name in args.peers else None,
@@ -207,6 +246,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                       + (f", mean batch {d.mean_batch:.1f})" if name != "ceiling" else ")"),
                       file=sys.stderr, flush=True)  # fmt: skip
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
+    others = [*variants, *(["worker-oip"] if args.oip else [])]
     summary: dict[str, object] = {
         "broker": args.broker,
         "payload": args.payload,
@@ -221,7 +261,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "ratio_worker_to_ceiling": [round(r, 4) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 4),
         **{f"{peer}_rec_s": [round(d.rate) for d in runs[peer]] for peer in args.peers},
-        **{f"{name}_rec_s": [round(d.rate) for d in runs[name]] for name in variants},
+        **{f"{name}_rec_s": [round(d.rate) for d in runs[name]] for name in others},
         **{
             f"{name}_padding_per_data_element": [round(d.padding, 3) for d in runs[name]]
             for name in variants
@@ -233,7 +273,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 ),
                 2,
             )
-            for name in variants
+            for name in others
         },
         **{
             f"ratio_worker_to_{peer}_median": round(
@@ -285,12 +325,18 @@ def main() -> int:
     )
     parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
     parser.add_argument(
+        "--oip",
+        action="store_true",
+        help="also drain the same requests as Open Inference Protocol JSON (worker-oip)",
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         default=[],
         metavar="NAME:INFER_WORKER_X=V,...",
         help="also drain with the worker under other settings, e.g. "
-        "nosplit:INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false",
+        "nosplit:INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false; {OTLP} in a value is the "
+        "URL of a local OTLP/HTTP sink the bench starts (tracing.endpoint)",
     )
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
     parser.add_argument(

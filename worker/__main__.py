@@ -132,7 +132,7 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     kafka = dataclasses.replace(s.kafka, input_topics=(topic,))
     return run_produce(
         kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
-        texts=args.text, input_name=args.input, sample_model=args.model,
+        texts=args.text, input_name=args.input, sample_model=args.model, oip=args.oip,
     )  # fmt: skip
 
 
@@ -308,6 +308,10 @@ def _client_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the request input to send them as (default: image for files, text for texts)",
     )  # fmt: skip
     p.add_argument("--samples", type=int, default=0, help="also send N bundled samples")
+    p.add_argument(
+        "--oip", action="store_true",
+        help="send Open Inference Protocol v2 JSON (content-type: application/json), not msgpack",
+    )  # fmt: skip
     p.add_argument(
         "--model", choices=("digits", "sentiment"), default="digits",
         help="whose samples --samples sends (default digits)",

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -38,7 +38,28 @@ from worker.contract import (
     encode_request,
     sniff_format,
 )
+from worker.contract.oip import CONTENT_TYPE as JSON
+from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.pipeline.kafka import topic_partitions
+
+
+def _as_image(image: np.ndarray | bytes | None) -> np.ndarray | bytes:
+    if image is None:
+        raise ValueError("give an image, or inputs by name")
+    if isinstance(image, bytes):
+        return image
+    return np.ascontiguousarray(image, dtype=np.uint8)
+
+
+def _input(value: np.ndarray | bytes | str) -> Tensor | EncodedImage | str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        fmt = sniff_format(value)
+        if fmt is None:
+            raise ValueError("bytes are not a JPEG, PNG or WebP file")
+        return EncodedImage(fmt, value)
+    return Tensor.from_numpy(np.ascontiguousarray(value))
 
 
 class InferenceClient:
@@ -50,7 +71,12 @@ class InferenceClient:
         output_topic: str = "infer.results",
         input_name: str = "image",
         max_request_size: int = 8 * 1024 * 1024 + 64 * 1024,
+        wire: Literal["msgpack", "oip"] = "msgpack",
     ) -> None:
+        """``wire``: how requests travel: msgpack (contract v1), or Open Inference
+        Protocol v2 JSON (``content-type: application/json``); answers are read in
+        either format."""
+        self._wire = wire
         self._bootstrap = bootstrap_servers
         self._input_topic = input_topic
         self._output_topic = output_topic
@@ -108,37 +134,38 @@ class InferenceClient:
 
     async def infer(
         self,
-        image: np.ndarray | bytes,
+        image: np.ndarray | bytes | None = None,
         *,
+        inputs: Mapping[str, np.ndarray | bytes | str] | None = None,
         timeout: float = 30.0,
         meta: Mapping[str, Any] | None = None,
         key: bytes | None = None,
     ) -> Result:
-        """Send one image (a uint8 array, or a JPEG/PNG/WebP file's bytes) and
-        return its result; an error result is returned, not raised. Raises
+        """Send one request and return its result; an error result is returned, not
+        raised. ``image``: a uint8 array or a JPEG/PNG/WebP file's bytes, sent as
+        the input named ``input_name``; or ``inputs``: every input by name (an
+        array is a tensor of its dtype, bytes an image file, a str a text). Raises
         ``TimeoutError`` when no result arrives within ``timeout`` seconds (the
         request's ``deadline_ms`` is set to the same moment, so a worker that
         gets to it later answers ``deadline_exceeded`` without computing it)."""
         assert self._producer is not None, "start() first"
         request_id = uuid.uuid4().hex
-        value: Tensor | EncodedImage
-        if isinstance(image, bytes):
-            fmt = sniff_format(image)
-            if fmt is None:
-                raise ValueError("image bytes are not a JPEG, PNG or WebP file")
-            value = EncodedImage(fmt, image)
-        else:
-            value = Tensor.from_numpy(np.ascontiguousarray(image, dtype=np.uint8))
+        given: Mapping[str, np.ndarray | bytes | str] = (
+            inputs if inputs is not None else {self._input_name: _as_image(image)}
+        )
         deadline_ms = int((time.time() + timeout) * 1000)
         request = Request(
-            v=1, id=request_id, inputs={self._input_name: value}, deadline_ms=deadline_ms,
-            meta=meta,
+            v=1, id=request_id, inputs={n: _input(v) for n, v in given.items()},
+            deadline_ms=deadline_ms, meta=meta,
         )  # fmt: skip
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
+        oip = self._wire == "oip"
+        value = encode_oip_request(request) if oip else encode_request(request)
+        headers = [("content-type", JSON.encode())] if oip else []
         try:
             await self._producer.send_and_wait(
-                self._input_topic, encode_request(request), key=key or request_id.encode()
+                self._input_topic, value, key=key or request_id.encode(), headers=headers
             )
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -150,10 +177,13 @@ class InferenceClient:
             fetched = await self._consumer.getmany(timeout_ms=500)
             for records in fetched.values():
                 for record in records:
-                    rid = dict(record.headers or ()).get("id", b"").decode(errors="replace")
+                    headers = dict(record.headers or ())
+                    rid = headers.get("id", b"").decode(errors="replace")
                     fut = self._waiting.get(rid)
                     if fut is not None and not fut.done():
+                        json_answer = headers.get("content-type", b"").startswith(JSON.encode())
+                        decode = decode_oip_result if json_answer else decode_result
                         try:
-                            fut.set_result(decode_result(record.value))
+                            fut.set_result(decode(record.value))
                         except Exception as exc:  # boundary: a corrupt record is its caller's error
                             fut.set_exception(exc)

@@ -17,6 +17,7 @@ import numpy as np
 
 from worker.contract import ErrorInfo, Request, Source
 from worker.errors import RecordError
+from worker.tracing import TraceContext
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
 
@@ -51,6 +52,11 @@ class Job:
     attempts: int = 0  # engine runs this request took part in that failed
     expiry: ExpiryRule | None = None  # which rule set ``deadline``
     timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
+    # How it came and is answered: msgpack (contract v1) or Open Inference Protocol
+    # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants.
+    wire: Literal["msgpack", "oip"] = "msgpack"
+    outputs_wanted: tuple[str, ...] | None = None
+    trace: TraceContext | None = None  # the record's W3C trace context, if it had one
 
     @property
     def source(self) -> Source:

@@ -23,9 +23,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from worker.errors import ConfigError
+
+if TYPE_CHECKING:  # records imports this module: the type only, at check time
+    from worker.records import Answer
 
 _PARENT: Final = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 ZERO_TRACE: Final = "0" * 32
@@ -108,22 +111,28 @@ class OtelTracer(Tracer):
 
     exporting = True
 
-    def __init__(self, service_name: str, endpoint: str) -> None:
+    def __init__(self, service_name: str, endpoint: str, sample_ratio: float = 1.0) -> None:
         try:
             from opentelemetry import trace
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         except ImportError as exc:
             raise ConfigError(
                 "tracing.enabled: needs the OpenTelemetry SDK: pip install -e '.[tracing]'"
             ) from exc
         self._trace = trace
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        # Parent-based: the caller's sampled flag decides; roots by ratio.
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+        )
         exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("infer-worker")
+        self._open = True
 
     def span(
         self,
@@ -155,10 +164,45 @@ class OtelTracer(Tracer):
         )  # fmt: skip
 
     def close(self) -> None:
-        """Export what is buffered (shutdown)."""
-        self._provider.shutdown()
+        """Export what is buffered (shutdown; once, however often it is called)."""
+        if self._open:
+            self._open = False
+            self._provider.shutdown()
 
 
 def wall_ns(monotonic: float) -> int:
     """Epoch nanoseconds of a monotonic instant of this process (span times)."""
     return time.time_ns() - round((time.monotonic() - monotonic) * 1e9)
+
+
+def answer_span(
+    tracer: Tracer, answer: Answer, model: str, batch_size: int, now: float
+) -> TraceContext | None:
+    """The answer's span, a child of the request's: from the record's arrival to
+    ``now`` (monotonic), its stages as events at their ends (from the answer's
+    timings), where it came from and how it ended as attributes."""
+    from worker.contract import ErrorInfo
+
+    job = answer.job
+    start = wall_ns(job.arrived)
+    events: list[tuple[str, float]] = []
+    at = start
+    for stage in ("queue", "decode", "preprocess", "infer", "d2h"):
+        if stage in answer.timing_us:
+            at += answer.timing_us[stage] * 1000
+            events.append((stage, float(at)))
+    end = wall_ns(now)
+    events.append(("produce", float(end)))
+    error = answer.error or (ErrorInfo.from_error(job.failure) if job.failure else None)
+    attributes: dict[str, Any] = {
+        "messaging.system": "kafka",
+        "messaging.source.name": job.tp.topic,
+        "messaging.kafka.source.partition": job.tp.partition,
+        "messaging.kafka.message.offset": job.offset,
+        "infer.batch_size": batch_size,
+        "infer.model": model,
+        "infer.status": "error" if error is not None else "ok",
+    }
+    if error is not None:
+        attributes["infer.error_code"] = error.code
+    return tracer.span(job.trace, attributes, events, start, end)

@@ -1,21 +1,29 @@
-"""deploy/ is for operators (issue 13); Docker and Kubernetes do not run here, so
-the files are checked statically: they parse, every metric a rule or a panel
-queries is one the worker exports, every environment variable is a setting, and
-the grace period outlasts the drain."""
+"""deploy/ is for operators (issue 13). Docker and Kubernetes do not run here,
+so the files are checked by the tools that do: promtool checks the Prometheus
+config and rules as Prometheus loads them (tests/integration/test_prometheus.py
+runs them), the Kubernetes manifests validate against the API's schemas
+(kubernetes-validate, offline), every metric a rule or a panel queries is one
+the worker exports, every environment variable is a setting, and the grace
+period outlasts the drain."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from tests import required_tools
+from tests.prometheus import config_here
 from worker import metrics
 from worker.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 
 
 def exported_metric_names() -> set[str]:
@@ -61,3 +69,88 @@ def test_keda_lag_threshold_is_above_the_inflight_window() -> None:
     (trigger,) = scaled["spec"]["triggers"]
     inflight = load_settings(env={}).batching.max_inflight_records
     assert int(trigger["metadata"]["lagThreshold"]) > inflight
+
+
+# --- checked by the real tools --------------------------------------------------
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [required_tools.binary("promtool"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_promtool_accepts_the_alert_rules() -> None:
+    run = promtool("check", "rules", "--lint=all", "--lint-fatal", str(ALERTS))
+    assert run.returncode == 0, run.stdout + run.stderr
+    count = sum(len(g["rules"]) for g in yaml.safe_load(ALERTS.read_text())["groups"])
+    assert f"SUCCESS: {count} rules found" in run.stdout, run.stdout
+
+
+def test_promtool_rule_tests_pass_and_cover_every_alert() -> None:
+    """deploy/prometheus/alerts_test.yaml: each alert fires on its trouble, after
+    its ``for:``, with its labels and summary, and not on a healthy worker."""
+    tests = DEPLOY / "prometheus" / "alerts_test.yaml"
+    run = promtool("test", "rules", str(tests))
+    assert run.returncode == 0, run.stdout + run.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
+    fired = {
+        case["alertname"]
+        for test in yaml.safe_load(tests.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert fired == alerts, f"alerts without a firing case: {sorted(alerts - fired)}"
+
+
+def test_promtool_accepts_the_compose_prometheus_config(tmp_path: Path) -> None:
+    """The shipped config, with its rule files at the repository paths compose
+    mounts into the container (promtool checks that they exist and checks them
+    too); nothing else is rewritten: promtool resolves no DNS names."""
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(config_here()))
+    run = promtool("check", "config", "--lint=all", "--lint-fatal", str(config))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"Checking {ALERTS}" in run.stdout, run.stdout
+
+
+def manifests() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (path.name, doc)
+        for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+# Custom resources kubernetes-validate has no schema for (it ships the core
+# API's): their own tests above check what the worker needs of them.
+NO_SCHEMA = {("keda.sh/v1alpha1", "ScaledObject")}
+
+
+def test_kubernetes_manifests_validate_against_the_api_schemas() -> None:
+    """Strict (an unknown field is an error, as `kubectl apply` rejects it), against
+    every Kubernetes version the package has schemas for, from the files it
+    ships: nothing is downloaded."""
+    kv = required_tools.module("kubernetes_validate")
+    versions = sorted(set(kv.utils.all_versions()), key=lambda v: tuple(map(int, v.split("."))))
+    validated = []
+    for name, doc in manifests():
+        kind = (doc["apiVersion"], doc["kind"])
+        for version in versions:
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.SchemaNotFoundError:
+                assert kind in NO_SCHEMA, f"{name}: no schema for {kind} in Kubernetes {version}"
+                continue
+            except kv.ValidationError as exc:
+                path = ".".join(map(str, exc.path))
+                raise AssertionError(f"{name} ({version}): {path}: {exc.message}") from None
+            validated.append(kind)
+    kinds = {(doc["apiVersion"], doc["kind"]) for _, doc in manifests()}
+    assert ("apps/v1", "Deployment") in validated
+    assert set(validated) == kinds - NO_SCHEMA

@@ -25,6 +25,7 @@ from worker.config.runtime import (
     LoggingConfig,
     MetricsConfig,
     ShutdownConfig,
+    TracingConfig,
 )
 
 
@@ -39,6 +40,7 @@ class Settings:
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
@@ -66,6 +68,7 @@ __all__ = [
     "Settings",
     "ShutdownConfig",
     "TorchConfig",
+    "TracingConfig",
     "load_settings",
     "redacted",
 ]

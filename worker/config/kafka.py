@@ -73,6 +73,10 @@ class KafkaConfig:
     # transaction takes those completed while the previous one committed, and
     # never waits for more. 0 = batching.max_inflight_batches.
     transaction_batches: int = 0
+    # How a record without a content-type header is read: msgpack (contract v1) or
+    # the Open Inference Protocol's JSON (for topics whose producers cannot set
+    # headers: kcat, Kafka Connect). A record's own header always wins.
+    content_type: Literal["application/msgpack", "application/json"] = "application/msgpack"
     # Any other aiokafka consumer/producer argument, passed through as given
     # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
     # Arguments the worker sets itself are refused: they carry its guarantees.

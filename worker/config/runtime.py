@@ -170,3 +170,24 @@ class MetricsConfig:
 class LoggingConfig:
     format: Literal["auto", "json", "console"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """W3C trace context is always carried from a request to its answer; with
+    ``enabled`` the worker also emits one span per request (OpenTelemetry SDK,
+    the ``tracing`` extra) over OTLP/HTTP."""
+
+    enabled: bool = False
+    # OTLP/HTTP traces endpoint, e.g. "http://collector:4318/v1/traces"; "" = the
+    # SDK's (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else localhost:4318).
+    endpoint: str = ""
+    service_name: str = "infer-worker"
+    # Share of traces recorded: a request whose traceparent says sampled (or not)
+    # is recorded (or not) as its caller decided; a request without one starts a
+    # trace recorded with this probability. Unrecorded spans cost almost nothing.
+    sample_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(bool(self.service_name), "tracing.service_name", "must not be empty")
+        check(0.0 <= self.sample_ratio <= 1.0, "tracing.sample_ratio", "must be in [0, 1]")

@@ -46,6 +46,10 @@ class InputKind(ABC):
         """The symbols of the free dimensions this input pads (per request lengths)."""
         return tuple(dict.fromkeys(s for f in self.feeds for s in f.symbols()))
 
+    def row_ranks(self) -> tuple[int, ...]:
+        """The ranks a request's tensor for this input may have (one row)."""
+        return tuple(len(f.shape) for f in self.feeds[:1])
+
     def max_lengths(self) -> Mapping[str, int]:
         """The bound on each padded symbol's length (0: none; a GPU needs one)."""
         return {}

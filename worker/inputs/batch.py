@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from worker.contract import Request
+from worker.contract import Request, Tensor
 from worker.errors import InvalidRequest
 from worker.inputs.base import InputKind
 from worker.records import Answer
@@ -32,6 +32,13 @@ class Collated:
 
     feeds: dict[str, np.ndarray]
     padded: dict[str, int]
+
+
+def _unbatched(value: Tensor, ranks: tuple[int, ...]) -> Tensor:
+    shape = value.shape
+    if len(shape) - 1 in ranks and shape and shape[0] == 1:
+        return Tensor(value.dtype, shape[1:], value.data)
+    return value
 
 
 def length_bucket(length: int, buckets: Sequence[int]) -> int:
@@ -86,10 +93,14 @@ class ModelInputs:
 
     # --- intake (event loop, per record) -------------------------------------------
 
-    def check(self, request: Request) -> tuple[dict[str, Any], dict[str, int]]:
+    def check(
+        self, request: Request, batched: bool = False
+    ) -> tuple[dict[str, Any], dict[str, int]]:
         """The request's inputs validated (by request input name) and the lengths of
         their free dimensions known so far; raises ``InvalidRequest`` /
-        ``TensorTooLarge`` naming the input, with the request's id and meta."""
+        ``TensorTooLarge`` naming the input, with the request's id and meta.
+        ``batched``: tensors may carry a leading batch dimension of 1 (the Open
+        Inference Protocol's), dropped where the input's row has one rank fewer."""
         try:
             values: dict[str, Any] = {}
             lengths: dict[str, int] = {}
@@ -100,6 +111,8 @@ class ModelInputs:
                 value = given.get(kind.name)
                 if value is None:
                     self._name_problem(given)
+                if batched and isinstance(value, Tensor):
+                    value = _unbatched(value, kind.row_ranks())
                 row = values[kind.name] = kind.check(value)
                 if kind.name not in self._measured:
                     continue

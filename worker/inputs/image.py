@@ -43,6 +43,9 @@ class ImageKind(InputKind):
         self.produced_shape = batch_shape(cfg, 1)[1:]
         _check_fits(cfg, feed, setting)
 
+    def row_ranks(self) -> tuple[int, ...]:
+        return (2, 3) if self.cfg.channels == 1 else (3,)
+
     def padded_symbols(self) -> tuple[str, ...]:
         return ()  # resized to a fixed size: nothing is padded
 

@@ -66,6 +66,9 @@ class TextKind(InputKind):
                 )
         self._pads = {feeds[0].name: self.pad_id}
 
+    def row_ranks(self) -> tuple[int, ...]:
+        return ()  # a text is a string, not a tensor
+
     def max_lengths(self) -> Mapping[str, int]:
         return {symbol: self.cfg.max_length for symbol in self.padded_symbols()}
 

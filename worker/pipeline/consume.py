@@ -316,6 +316,7 @@ class KafkaSource:
             record.key,
             record.value,
             record.timestamp,
+            record.headers,
         )
         job.epoch = epoch
         if self._quarantine.get(tp) == record.offset:

@@ -20,8 +20,11 @@ from worker.contract import (
     encode_ok_result,
     encode_result,
 )
+from worker.contract.oip import CONTENT_TYPE as JSON
+from worker.contract.oip import encode_oip_result
 from worker.errors import CrashLoop, InvalidRequest, UndecodableRecord
 from worker.records import Answer, Job
+from worker.tracing import TraceContext
 
 # Room for the record batch framing around one record, so a result that passes
 # this check is never rejected by the producer's own size limit.
@@ -120,12 +123,32 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
 
 
 def outgoing(
-    answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float, max_bytes: int
+    answer: Answer,
+    model: ModelInfo,
+    topics: Topics,
+    seq: int,
+    now: float,
+    max_bytes: int,
+    trace: TraceContext | None = None,
 ) -> Outgoing:
     """The record for one answer: an undecodable record goes to the DLQ with its
-    original bytes; everything else becomes a result. One that would exceed
-    ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback."""
+    original bytes; everything else becomes a result, in the format the request
+    came in (msgpack, or Open Inference Protocol JSON). One that would exceed
+    ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback.
+    ``trace``: the answer's trace context (a child span of the request's), carried
+    in its headers."""
+    out = _outgoing(answer, model, topics, seq, now)
+    if trace is not None:
+        out.headers.extend(trace.headers())
+    if out.size <= max_bytes:
+        return out
+    return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
+
+
+def _outgoing(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
     job = answer.job
+    if job.wire == "oip" and not isinstance(job.failure, UndecodableRecord):
+        return _oip(answer, model, topics, seq, now)
     if isinstance(job.failure, UndecodableRecord):
         stage = "crash_loop" if isinstance(job.failure, CrashLoop) else "decode"
         headers = dlq_headers(job, job.failure.code, str(job.failure), stage)
@@ -136,32 +159,56 @@ def outgoing(
             # a KafkaError), which killed the worker on it at every restart.
             value = b""
         error = ErrorInfo.from_error(job.failure)
-        out = Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
-    elif answer.outputs is not None and answer.error is None and job.failure is None:
+        return Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
+    if answer.outputs is not None and answer.error is None and job.failure is None:
         # The common case, on the hot path: encoded straight from the output rows.
         request_id, meta = _echo(job)
         timing = _timing(answer, now)
         value = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
-        out = Outgoing(
+        return Outgoing(
             job, topics.output, job.key, value, [("id", request_id.encode())], "ok", seq,
             request_id=request_id,
         )  # fmt: skip
-    else:
-        result = build_result(answer, model, now)
-        out = Outgoing(
-            job,
-            topics.output,
-            job.key,
-            encode_result(result),
-            [("id", result.id.encode())],
-            result.status,
-            seq,
-            request_id=result.id,
-            error=result.error,
-        )
-    if out.size <= max_bytes:
-        return out
-    return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
+    result = build_result(answer, model, now)
+    return Outgoing(
+        job,
+        topics.output,
+        job.key,
+        encode_result(result),
+        [("id", result.id.encode())],
+        result.status,
+        seq,
+        request_id=result.id,
+        error=result.error,
+    )
+
+
+def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
+    """An Open Inference Protocol answer: the outputs the request named (all by
+    default), or an OIP error; header ``content-type: application/json``."""
+    job = answer.job
+    request_id, meta = _echo(job)
+    error = ErrorInfo.from_error(job.failure) if job.failure is not None else answer.error
+    outputs = answer.outputs
+    wanted = job.outputs_wanted
+    if error is None and outputs is not None and wanted is not None:
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            error = ErrorInfo(
+                "invalid_request",
+                f"outputs: {', '.join(missing)[:200]} not among the answer's outputs "
+                f"({', '.join(outputs)[:400]})",
+            )
+        else:
+            outputs = {name: outputs[name] for name in wanted}
+    value = encode_oip_result(
+        request_id, model, job.source, _timing(answer, now), meta,
+        outputs=outputs if error is None else None, error=error,
+    )  # fmt: skip
+    headers = [("id", request_id.encode()), ("content-type", JSON.encode())]
+    kind: Kind = "ok" if error is None else "error"
+    return Outgoing(job, topics.output, job.key, value, headers, kind, seq,
+                    request_id=request_id, error=error)  # fmt: skip
 
 
 def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -> Outgoing:
@@ -178,12 +225,19 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
             job, out.topic, out.key, b"", headers, "dlq", out.seq,
             request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason[:1024]),
         )  # fmt: skip
+    error = ErrorInfo(code, f"{reason} (stage produce)")
+    if job.wire == "oip":
+        value = encode_oip_result(out.request_id, model, job.source, {}, None, error=error)
+        headers = [("id", out.request_id.encode()), ("content-type", JSON.encode())]
+        headers += [h for h in out.headers if h[0] in ("traceparent", "tracestate")]
+        return Outgoing(job, out.topic, out.key, value, headers, "error", out.seq,
+                        request_id=out.request_id, fallback=True, error=error)  # fmt: skip
     result = Result(
         id=out.request_id,
         status="error",
         source=job.source,
         model=model,
-        error=ErrorInfo(code, f"{reason} (stage produce)"),
+        error=error,
     )
     return Outgoing(
         job,

@@ -32,6 +32,7 @@ from worker.pipeline.sending import (
     retriable,
 )
 from worker.records import Completed
+from worker.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +59,9 @@ class ResultSink(Writer):
         max_pending_acks: int,
         budget: FailureBudget | None = None,
         producer_factory: ProducerFactory = start_producer,
+        tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(kafka, model, tracker, budget, producer_factory)
+        super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
         self._source = source
         self._committer = committer
         self._ack_slots = asyncio.Semaphore(max_pending_acks)

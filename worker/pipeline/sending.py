@@ -39,6 +39,7 @@ from worker.pipeline.budget import FailureBudget
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.outgoing import FallbackCode, Outgoing, Topics, outgoing
 from worker.records import Completed
+from worker.tracing import Tracer, answer_span
 
 log = structlog.get_logger(__name__)
 
@@ -82,8 +83,10 @@ class Writer:
         tracker: OffsetTracker,
         budget: FailureBudget | None,
         producer_factory: ProducerFactory,
+        tracer: Tracer | None = None,
     ) -> None:
         self._kafka = kafka
+        self._tracer = tracer or Tracer()
         self._model = model
         self._metrics = metrics.ModelMetrics(model.name, model.version)
         self._tracker = tracker
@@ -126,9 +129,14 @@ class Writer:
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
                 continue  # partition revoked or reset meanwhile: its new owner answers it
             self._seq += 1
+            trace = None
+            if job.trace is not None or self._tracer.exporting:
+                trace = answer_span(self._tracer, answer, self._model.name,
+                                    len(completed.answers), now)  # fmt: skip
             out = outgoing(
-                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size
-            )
+                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size,
+                trace,
+            )  # fmt: skip
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
                     answer.error is not None and answer.error.code == "inference_failed"

@@ -61,6 +61,7 @@ from worker.pipeline.sending import (
     retriable,
 )
 from worker.records import Completed, TopicPartition
+from worker.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
@@ -95,8 +96,9 @@ class TransactionalSink(Writer):
         max_batches: int,
         budget: FailureBudget | None = None,
         producer_factory: ProducerFactory = start_transactional_producer,
+        tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(kafka, model, tracker, budget, producer_factory)
+        super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
         self._source = source
         self._committer = committer
         self._lease = lease

@@ -49,6 +49,7 @@ from worker.pipeline.produce import ResultSink
 from worker.pipeline.sending import Writer
 from worker.pipeline.transactions import TransactionalSink
 from worker.records import Batch, Completed, Job, TopicPartition
+from worker.tracing import OtelTracer, Tracer
 
 if TYPE_CHECKING:
     from worker.inference.gpu.stage import GpuInferenceStage
@@ -79,6 +80,18 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started = False
         self._guard: CrashGuard | None = None
+        # Span ids for answers carrying a trace context; with tracing.enabled, an
+        # OpenTelemetry tracer that also exports a span per request (exit 2 here
+        # if its SDK is missing, before anything starts).
+        self._tracer = (
+            OtelTracer(
+                settings.tracing.service_name,
+                settings.tracing.endpoint,
+                settings.tracing.sample_ratio,
+            )
+            if settings.tracing.enabled
+            else Tracer()
+        )
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -206,7 +219,7 @@ class Worker:
         )
         source = KafkaSource(
             s.kafka,
-            JobFactory(inputs, s.limits, b.max_record_age_ms),
+            JobFactory(inputs, s.limits, b.max_record_age_ms, s.kafka.content_type),
             jobs,
             self.tracker,
             self._on_revoke,
@@ -224,12 +237,12 @@ class Worker:
             sink = TransactionalSink(
                 completed, s.kafka, model, self.tracker, committer, lease,
                 max_batches=s.kafka.transaction_batches or b.max_inflight_batches,
-                budget=budget,
+                budget=budget, tracer=self._tracer,
             )  # fmt: skip
         else:
             sink = ResultSink(
                 completed, s.kafka, model, self.tracker, committer,
-                max_pending_acks=2 * b.max_inflight_batches, budget=budget,
+                max_pending_acks=2 * b.max_inflight_batches, budget=budget, tracer=self._tracer,
             )  # fmt: skip
         return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
 
@@ -384,6 +397,7 @@ class Worker:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+        self._tracer.close()  # exports the spans still buffered
 
     async def __aenter__(self) -> Worker:
         await self.start()

@@ -32,10 +32,13 @@ from worker.contract import (
     Request,
     Result,
     Tensor,
+    decode_request,
     decode_result,
     encode_request,
     sniff_format,
 )
+from worker.contract.oip import CONTENT_TYPE as JSON
+from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.errors import ConfigError
 from worker.tools.topics import Collected, Collector
 
@@ -108,15 +111,19 @@ def from_samples(n: int, model: str = "digits") -> list[Outgoing]:
 
 
 async def send(
-    kafka: KafkaConfig, topic: str, requests: Sequence[Outgoing], max_bytes: int
+    kafka: KafkaConfig, topic: str, requests: Sequence[Outgoing], max_bytes: int, oip: bool = False
 ) -> None:
+    """Send ``requests``; with ``oip``, as Open Inference Protocol JSON (header
+    ``content-type: application/json``) instead of msgpack."""
     producer = AIOKafkaProducer(
         bootstrap_servers=kafka.bootstrap_servers, acks="all", max_request_size=max_bytes
     )
     await producer.start()
     try:
         for r in requests:
-            await producer.send_and_wait(topic, r.value, key=r.id.encode())
+            value = encode_oip_request(decode_request(r.value)) if oip else r.value
+            headers = [("content-type", JSON.encode())] if oip else []
+            await producer.send_and_wait(topic, value, key=r.id.encode(), headers=headers)
             print(f"sent {r.id}  ({r.label})", file=sys.stderr)
     finally:
         await producer.stop()
@@ -198,7 +205,8 @@ async def watch(
         if wanted and rid not in wanted:
             return
         try:
-            result = decode_result(rec.value)
+            is_json = rec.headers.get("content-type", b"").startswith(JSON.encode())
+            result = decode_oip_result(rec.value) if is_json else decode_result(rec.value)
         except Exception as exc:  # boundary: a foreign or corrupt record on the topic
             print(f"(unreadable record at {topic}/{rec.partition}@{rec.offset}: {exc})")
             return
@@ -240,6 +248,7 @@ def run_produce(
     texts: Sequence[str] = (),
     input_name: str | None = None,
     sample_model: str = "digits",
+    oip: bool = False,
 ) -> int:
     requests = [from_file(Path(f), limits, input_name or "image") for f in files]
     requests += [from_text(t, input_name or "text") for t in texts]
@@ -248,7 +257,7 @@ def run_produce(
         raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
 
     async def go() -> int:
-        await send(kafka, kafka.input_topics[0], requests, request_size(limits))
+        await send(kafka, kafka.input_topics[0], requests, request_size(limits), oip)
         if not wait:
             return 0
         ids = {r.id for r in requests}

@@ -145,3 +145,28 @@ def test_results_are_oip_responses() -> None:
     ))  # fmt: skip
     assert err["error"] == "inputs.x: missing" and "outputs" not in err
     assert err["parameters"]["code"] == "invalid_request" and err["parameters"]["status"] == "error"
+
+
+def test_requests_and_responses_match_their_json_schemas() -> None:
+    import jsonschema
+
+    from tests.unit.contract.test_schemas import load
+
+    request_schema, response_schema = load("oip-request.json"), load("oip-response.json")
+    for schema in (request_schema, response_schema):
+        jsonschema.Draft202012Validator.check_schema(schema)
+    requests = [body(), body(parameters={"deadline_ms": 5}, outputs=[{"name": "score"}])]
+    for obj in requests:
+        decode_oip_request(raw(obj))  # what the worker takes, the schema takes
+        assert list(jsonschema.Draft202012Validator(request_schema).iter_errors(obj)) == []
+    bad = body()
+    bad["inputs"][0]["datatype"] = "UINT64"
+    assert list(jsonschema.Draft202012Validator(request_schema).iter_errors(bad))
+    model, source = ModelInfo("m", "v"), Source("in", 0, 1)
+    ok = encode_oip_result("1", model, source, {"total": 1}, None,
+                           outputs={"y": np.ones(2, np.float32)})  # fmt: skip
+    err = encode_oip_result("1", model, source, {}, None, error=ErrorInfo("too_large", "big"))
+    validator = jsonschema.Draft202012Validator(response_schema)
+    for value in (ok, err):
+        errors = list(validator.iter_errors(json.loads(value)))
+        assert errors == [], errors
