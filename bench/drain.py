@@ -20,6 +20,10 @@ INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false`` gives the unsplit figure. Drains:
 * ``worker``: one ``infer-worker run`` process in a fresh group; the rate is
   counted from its first result to its last (start-up and model loading are
   not part of a drain), and every request must be answered ``ok``.
+* a ``--variant NAME:INFER_WORKER_X=V,...``: the worker again with other
+  settings, e.g. exactly-once against at-least-once (with ``--broker kafka``:
+  ``--variant eos:INFER_WORKER_KAFKA__PROCESSING_GUARANTEE=exactly-once,``
+  ``INFER_WORKER_KAFKA__GROUP_INSTANCE_ID=drain``).
 * ``baseline`` (with ``--baseline-path DIR``): the same, but the worker process
   runs the ``worker`` package found in DIR (e.g. a ``git worktree`` of an older
   commit), so two versions are compared on the same backlog in the same run.
@@ -46,6 +50,7 @@ from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from worker.contract import Request, Tensor, decode_request, encode_request
 from worker.contract.oip import encode_oip_request
+from worker.tools.apache_kafka import KafkaCluster
 from worker.tools.broker import EmbeddedBroker, create_topics
 from worker.tools.children import children_die_with_this_process
 from worker.tools.demo import encode_samples, labelled_samples
@@ -68,8 +73,9 @@ async def drain_worker(
     package_dir: str | None = None,
     procs: int = 1,
     peer: str | None = None,
+    isolation_level: str = "read_uncommitted",
 ) -> Drain:
-    collector = Collector(bootstrap, [topics["results"]])
+    collector = Collector(bootstrap, [topics["results"]], isolation_level=isolation_level)
     await collector.start()
     worker = spawn_worker(
         bootstrap,
@@ -192,7 +198,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for settings in variants.values():
             for key, value in settings.items():
                 settings[key] = value.replace("{OTLP}", sink)
-    with EmbeddedBroker() as broker:
+    # On Kafka the results are read as a read_committed client would: an
+    # exactly-once variant's answers count once their transaction committed.
+    isolation = "read_committed" if args.broker == "kafka" else "read_uncommitted"
+    with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
         topics = {"requests": "drain.requests", "results": "drain.results", "dlq": "drain.dlq"}
         if args.oip:  # the same requests as Open Inference Protocol JSON
             oip = [(k, encode_oip_request(decode_request(v))) for k, v in records]
@@ -230,6 +239,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                         baseline_path if name == "baseline" else None,
                         1 if name == "baseline" else args.procs,
                         name if name in args.peers else None,
+                        isolation,
                     )  # fmt: skip
                     d.name = name
                 runs[name].append(d)
@@ -239,6 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
     others = [*variants, *(["worker-oip"] if args.oip else [])]
     summary: dict[str, object] = {
+        "broker": args.broker,
         "payload": args.payload,
         "records": len(records),
         "partitions": args.partitions,
@@ -329,6 +340,13 @@ def main() -> int:
         "URL of a local OTLP/HTTP sink the bench starts (tracing.endpoint)",
     )
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
+    parser.add_argument(
+        "--broker",
+        choices=("embedded", "kafka"),
+        default="embedded",
+        help="kafka: a single-node Apache Kafka started for the run (needed for "
+        "exactly-once variants; Java 17 and Maven, see README)",
+    )
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()
     if args.baseline_path:

@@ -97,6 +97,13 @@ class DeliveryFailed(WorkerError):
     retriable = True
 
 
+class TransactionFenced(WorkerError):
+    """Exactly-once: another process took this member's transactional id (a
+    restarted instance of it), so this one is a zombie and must stop."""
+
+    code = "transaction_fenced"
+
+
 class BrokerUnavailable(WorkerError):
     """The Kafka cluster cannot be reached (at start-up)."""
 

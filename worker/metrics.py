@@ -144,6 +144,12 @@ REVOKE_FENCED = Counter(
 DELIVERY_RETRIES = Counter(
     "infer_delivery_retries_total", "Result/DLQ records re-sent after a failed delivery"
 )
+TRANSACTIONS = Counter(
+    "infer_transactions_total",
+    "Exactly-once: transactions of results, DLQ records and offsets, by outcome "
+    "(committed; aborted: their records are sent again, or left to a partition's new owner)",
+    ["outcome"],
+)
 PADDED_ELEMENTS = Counter(
     "infer_padded_elements_total",
     "Elements of inputs with free dimensions (text, sequences) sent to the engine, by "

@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -176,6 +178,25 @@ def record_scenario(
     }
     with open(path, "a") as fh:
         fh.write(json.dumps(row) + "\n")
+
+
+def ready(w: WorkerProcess) -> int:
+    """The worker's /ready status code."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/ready", timeout=1) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+async def wait_ready(w: WorkerProcess, code: int, timeout: float) -> float:
+    """Until /ready answers ``code``; returns the seconds it took."""
+    t0 = time.monotonic()
+    while await asyncio.to_thread(ready, w) != code:
+        assert w.proc.poll() is None, w.log_tail()
+        assert time.monotonic() - t0 < timeout, f"/ready never became {code}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def no_crash_in_log(w: WorkerProcess) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 
 import msgpack
@@ -23,31 +21,16 @@ from worker.tools.topics import committed_offsets, produce_all
 from .conftest import (
     Answers,
     no_crash_in_log,
+    ready,
     record_scenario,
     request,
     start,
     verify_topics,
     wait_assigned,
+    wait_ready,
 )
 
 pytestmark = pytest.mark.faults
-
-
-def ready(w: WorkerProcess) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/ready", timeout=1) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-async def wait_ready(w: WorkerProcess, code: int, timeout: float) -> float:
-    t0 = time.monotonic()
-    while await asyncio.to_thread(ready, w) != code:
-        assert w.proc.poll() is None, w.log_tail()
-        assert time.monotonic() - t0 < timeout, f"/ready never became {code}"
-        await asyncio.sleep(0.1)
-    return time.monotonic() - t0
 
 
 @pytest.mark.parametrize("broker_kind", ["embedded"])

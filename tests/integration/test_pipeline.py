@@ -48,8 +48,14 @@ async def start_worker(
     return w
 
 
-async def collect(broker: Broker, topics: list[str], n: int, timeout: float = 60.0) -> Collector:
-    c = Collector(broker.bootstrap, topics)
+async def collect(
+    broker: Broker,
+    topics: list[str],
+    n: int,
+    timeout: float = 60.0,
+    isolation_level: str = "read_uncommitted",
+) -> Collector:
+    c = Collector(broker.bootstrap, topics, isolation_level=isolation_level)
     await c.start()
     try:
         ok = await c.collect(lambda c: c.count() >= n, timeout)

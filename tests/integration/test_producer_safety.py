@@ -60,15 +60,18 @@ async def test_idempotent_where_the_broker_supports_it_else_a_warned_fallback(
 
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
+@pytest.mark.parametrize("guarantee", ["at-least-once", "exactly-once"])
 async def test_a_result_refused_for_good_does_not_stall_its_partition(
-    broker: Broker, names: dict[str, str]
+    broker: Broker, names: dict[str, str], guarantee: str
 ) -> None:
     """The results topic takes record batches up to 2 KiB; every fifth request
     asks for a ~4 KiB result. The broker refuses those for good, and with them
     (aiokafka does not renumber an idempotent producer's batches) every later
     batch of the partition as out of order. The worker answers the large ones
     ``too_large`` and re-sends the rest through a new producer: every request is
-    answered once, in order, and committed."""
+    answered once, in order, and committed. Exactly-once does it by aborting the
+    transaction and sending it again (the records one per record batch, then
+    with the refused one's fallback): a read_committed reader sees each once."""
     n = 30
     admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
     await admin.start()
@@ -88,9 +91,15 @@ async def test_a_result_refused_for_good_does_not_stall_its_partition(
         [(None, request(i, pad=3500 if i in large else 0)) for i in range(n)],
     )
     # One result per record batch, so only the large ones exceed the limit.
-    w = await start_worker(broker, names, 1, INFER_WORKER_BATCHING__MAX_BATCH_SIZE="1")
+    env = {"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "1"}
+    if guarantee == "exactly-once":
+        env |= {
+            "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": guarantee,
+            "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "w1",
+        }
+    w = await start_worker(broker, names, 1, **env)
     try:
-        c = await collect(broker, [names["results"]], n)
+        c = await collect(broker, [names["results"]], n, isolation_level="read_committed")
         assert w.proc.poll() is None, w.log_tail()
         assert w.terminate() == 0, w.log_tail()
     finally:
@@ -101,9 +110,16 @@ async def test_a_result_refused_for_good_does_not_stall_its_partition(
     assert [r.source.offset for r in results] == sorted(r.source.offset for r in results)
     log = events(w)
     assert any(e.get("event") == "producer_renewed" for e in log), w.log_tail()
+    if guarantee == "exactly-once":
+        assert any(e.get("event") == "transaction_aborted" for e in log), w.log_tail()
     assert await committed_offsets(broker.bootstrap, names["group"], names["requests"], 1) == {0: n}
     inputs, observed = await read_topics(
-        broker.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=1.0
+        broker.bootstrap,
+        [names["requests"]],
+        names["results"],
+        names["dlq"],
+        idle_timeout=1.0,
+        isolation_level="read_committed",
     )
     report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=True)
     assert report.ok, report.format()

@@ -114,3 +114,30 @@ def test_nvjpeg_decoding_a_cpu_model_cannot_use_exits_2_before_the_engine_loads(
     assert proc.returncode == 2, proc.stderr
     assert "gpu.decode" in proc.stderr and "model.preprocess.device" in proc.stderr
     assert "engine_loaded" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_exactly_once_exits_2_where_the_broker_has_no_transactions(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """The embedded broker refuses a transactional producer (InitProducerId answers
+    UNKNOWN): exactly-once cannot be had there, and the worker says so at
+    start-up. (On Apache Kafka the same settings serve: tests/faults/test_exactly_once.py.)"""
+    await create_topics(
+        broker.bootstrap, {names["requests"]: 1, names["results"]: 1, names["dlq"]: 1}
+    )
+    proc = run_worker(
+        {
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap,
+            "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+            "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+            "INFER_WORKER_KAFKA__GROUP_ID": names["group"],
+            "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": "exactly-once",
+            "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "w1",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "kafka.processing_guarantee" in proc.stderr and "transactions" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -56,6 +56,23 @@ class KafkaConfig:
     # "auto" tries it and, where the broker refuses InitProducerId (the embedded
     # broker does), warns and produces without; true requires it; false: off.
     enable_idempotence: Literal["auto", True, False] = "auto"
+    # "exactly-once": results, DLQ records and the input offsets they answer are
+    # committed in one Kafka transaction, so a read_committed reader sees each
+    # request answered once across crashes and rebalances (Apache Kafka only; the
+    # worker refuses it at start-up on a broker without transactions).
+    processing_guarantee: Literal["at-least-once", "exactly-once"] = "at-least-once"
+    # Exactly-once: the member's transactional id, which must survive its restarts
+    # (a restarted member then fences its former self) and be unique per member.
+    # "" = "<group_id>.<group_instance_id>", so group_instance_id must be set.
+    transactional_id: str = ""
+    # Exactly-once: the broker aborts a transaction left open this long (a member
+    # that died for good); until then read_committed readers of the partitions it
+    # wrote to wait. A member that restarts aborts its own at once.
+    transaction_timeout_ms: int = 60000
+    # Exactly-once: the most completed batches one transaction carries; a
+    # transaction takes those completed while the previous one committed, and
+    # never waits for more. 0 = batching.max_inflight_batches.
+    transaction_batches: int = 0
     # How a record without a content-type header is read: msgpack (contract v1) or
     # the Open Inference Protocol's JSON (for topics whose producers cannot set
     # headers: kcat, Kafka Connect). A record's own header always wins.
@@ -93,6 +110,27 @@ class KafkaConfig:
             "kafka.enable_idempotence",
             'must be "auto", true or false',
         )
+        check(
+            self.processing_guarantee in ("at-least-once", "exactly-once"),
+            "kafka.processing_guarantee",
+            'must be "at-least-once" or "exactly-once"',
+        )
+        check(self.transaction_timeout_ms > 0, "kafka.transaction_timeout_ms", "must be > 0")
+        check(self.transaction_batches >= 0, "kafka.transaction_batches", "must be >= 0")
+        if self.processing_guarantee == "exactly-once":
+            check(
+                self.enable_idempotence is not False,
+                "kafka.enable_idempotence",
+                'false contradicts processing_guarantee = "exactly-once" (a transactional '
+                "producer is idempotent)",
+            )
+            check(
+                bool(self.transactional_id or self.group_instance_id),
+                "kafka.processing_guarantee",
+                '"exactly-once" needs a transactional id that survives restarts: set '
+                "kafka.group_instance_id (unique per member, e.g. the pod name) or "
+                "kafka.transactional_id",
+            )
         if self.security_protocol.startswith("SASL") and self.sasl_mechanism in (
             "PLAIN",
             "SCRAM-SHA-256",

@@ -4,6 +4,11 @@
 ``consumer.commit`` calls for partitions this member still owns. It is the one
 place commits happen: after acks during the run, for revoked partitions during
 a rebalance, and once more at shutdown.
+
+Under exactly-once (``transactional=True``) offsets are committed inside the
+results' transactions by ``worker.pipeline.transactions``, never here: the
+committer then only records what those transactions committed (``record``) and
+keeps its waiting and revocation roles.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import structlog
@@ -41,10 +46,15 @@ class Committer:
     """
 
     def __init__(
-        self, tracker: OffsetTracker, consumer: CommitTarget, timeout: float = 30.0
+        self,
+        tracker: OffsetTracker,
+        consumer: CommitTarget,
+        timeout: float = 30.0,
+        transactional: bool = False,
     ) -> None:
         self._tracker = tracker
         self._consumer = consumer
+        self._transactional = transactional
         # aiokafka's commit() retries the coordinator lookup and retriable errors
         # without end while the broker is unreachable: bounded here, or the final
         # commit of Worker.stop() (and a revocation's) never returns.
@@ -89,6 +99,8 @@ class Committer:
         self, only: Iterable[TopicPartition] | None = None, timeout: float | None = None
     ) -> bool:
         """Commit what is committable for owned partitions; True when nothing failed."""
+        if self._transactional:
+            return True  # committed with the results, in their transactions
         async with self._lock:
             owned = {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
             if only is not None:
@@ -108,20 +120,30 @@ class Committer:
                 metrics.COMMIT_FAILURES.inc()
                 log.warning("commit_failed", error=repr(exc), partitions=len(offsets))
                 return False
-            self._tracker.mark_committed(offsets)
-            now = time.monotonic()
-            for tp, offset in offsets.items():
-                self.last_commit[tp] = now
-                self.last_offsets[tp] = offset
-            metrics.COMMITS.inc()
+            self.record(offsets)
             return True
 
+    def record(self, offsets: dict[TopicPartition, int]) -> None:
+        """``offsets`` are committed (here, or by a transaction under exactly-once)."""
+        self._tracker.mark_committed(offsets)
+        now = time.monotonic()
+        for tp, offset in offsets.items():
+            self.last_commit[tp] = now
+            self.last_offsets[tp] = offset
+        metrics.COMMITS.inc()
+
     async def settle_revoked(
-        self, revoked: set[TopicPartition], bound: float, failed: Callable[[], bool]
+        self,
+        revoked: set[TopicPartition],
+        bound: float,
+        failed: Callable[[], bool],
+        fence: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
     ) -> int:
         """On revocation: let in-flight work of ``revoked`` finish (up to ``bound``
         seconds, or until ``failed()``), commit it, and forget the partitions so
-        late results are recognised as stale. Returns how many offsets were fenced
+        late results are recognised as stale. ``fence`` (exactly-once) runs just
+        before they are forgotten: no answer of theirs may stay in an open
+        transaction past the hand-over. Returns how many offsets were fenced
         (left uncommitted for the next owner)."""
         deadline = time.monotonic() + bound
         while any(self._tracker.in_flight(tp) for tp in revoked):
@@ -133,6 +155,8 @@ class Committer:
         await self.commit_now(only=revoked)
         fenced = sum(self._tracker.in_flight(tp) for tp in revoked)
         metrics.REVOKE_FENCED.inc(fenced)
+        if fence is not None:
+            await fence(revoked)
         self._tracker.forget(revoked)
         return fenced
 

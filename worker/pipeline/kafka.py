@@ -23,6 +23,7 @@ log = structlog.get_logger(__name__)
 _NEVER = frozenset({
     "loop", "key_serializer", "value_serializer", "key_deserializer", "value_deserializer",
     "enable_auto_commit", "auto_commit_interval_ms", "transactional_id",
+    "transaction_timeout_ms",
 })  # fmt: skip
 
 
@@ -44,7 +45,22 @@ def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
         "max_partition_fetch_bytes": k.max_partition_fetch_bytes,
         **client_kwargs(k),
     }
+    if exactly_once(k) and "isolation_level" not in k.consumer_options:
+        # Requests written by transactional producers upstream are answered only
+        # once committed, as Kafka Streams does under exactly-once.
+        managed["isolation_level"] = "read_committed"
     return with_options(managed, k.consumer_options, AIOKafkaConsumer, "consumer_options")
+
+
+def exactly_once(k: KafkaConfig) -> bool:
+    return k.processing_guarantee == "exactly-once"
+
+
+def transactional_id(k: KafkaConfig) -> str:
+    """This member's transactional id: as configured, or the group id and the
+    static member id, both stable across the member's restarts (so a restarted
+    member's InitProducerId fences the process it replaces)."""
+    return k.transactional_id or f"{k.group_id}.{k.group_instance_id}"
 
 
 def producer_kwargs(k: KafkaConfig, idempotent: bool | None = None) -> dict[str, Any]:
@@ -111,6 +127,37 @@ async def start_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
             silence="kafka.enable_idempotence = false",
         )
         return await _started(AIOKafkaProducer(**producer_kwargs(k, False))), False
+    return producer, True
+
+
+async def start_transactional_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
+    """The exactly-once results producer, started: transactional (hence
+    idempotent), with this member's transactional id.
+
+    Its ``start()`` sends InitProducerId for that id, which also fences an
+    earlier incarnation of this member: the broker aborts that one's open
+    transaction, and its later transactional requests fail (ProducerFenced). A
+    broker that refuses it (the embedded one answers UNKNOWN) or does not
+    answer within ``request_timeout_ms`` cannot give exactly-once: that is a
+    configuration error (exit 2), not something to fall back from silently."""
+    kwargs = {
+        **producer_kwargs(k, True),
+        "transactional_id": transactional_id(k),
+        "transaction_timeout_ms": k.transaction_timeout_ms,
+    }
+    try:
+        producer = await asyncio.wait_for(
+            _started(AIOKafkaProducer(**kwargs)), k.request_timeout_ms / 1000
+        )
+    except (BrokerResponseError, TimeoutError) as exc:
+        raise ConfigError(
+            'kafka.processing_guarantee = "exactly-once": the broker at '
+            f"{k.bootstrap_servers} gave no transactional producer (InitProducerId for "
+            f"transactional id {transactional_id(k)!r}: "
+            f"{repr(exc) if str(exc) else type(exc).__name__}). Exactly-once needs a "
+            "broker with transactions (Apache Kafka; not the embedded broker) whose "
+            '__transaction_state topic can be created; or use "at-least-once"'
+        ) from exc
     return producer, True
 
 

@@ -7,7 +7,8 @@ watermark: offset k+1 is committed only when every tracked offset <= k is done.
 ``worker.pipeline.commit`` turns the watermarks into commits.
 
 Callers, by method: ``track`` (consume); ``owns`` and ``done`` (produce);
-``committable``, ``mark_committed`` (commit); ``forget`` and ``in_flight``
+``committable``, ``mark_committed`` (commit); ``watermarks_with`` (the
+exactly-once sink, ``worker.pipeline.transactions``); ``forget`` and ``in_flight``
 (the worker's revoke handling and backpressure).
 """
 
@@ -119,6 +120,38 @@ class OffsetTracker:
             and s.watermark != s.committed
             and (allowed is None or tp in allowed)
         }
+
+    def watermarks_with(
+        self, answered: Iterable[tuple[TopicPartition, int, int]]
+    ) -> tuple[dict[TopicPartition, int], bool]:
+        """What the watermarks of the partitions in ``answered`` (partition,
+        offset, epoch) would be were those offsets done too, and whether every
+        one of them would then be below its partition's watermark. Changes
+        nothing: the exactly-once sink commits these watermarks in the
+        transaction that carries the answers, and marks them done only once the
+        transaction committed. "False" means a gap: an earlier offset of a
+        partition is still unanswered (batches can complete out of offset
+        order), so committing now would leave answers above the committed
+        offset, and a member that took over would answer them again."""
+        extra: dict[TopicPartition, set[int]] = {}
+        for tp, offset, epoch in answered:
+            state = self._parts.get(tp)
+            if state is not None and state.epoch == epoch and offset in state.sizes:
+                extra.setdefault(tp, set()).add(offset)
+        out: dict[TopicPartition, int] = {}
+        complete = True
+        for tp, offsets in extra.items():
+            state = self._parts[tp]
+            done = state.done | offsets
+            watermark, below = state.watermark, 0
+            for offset in state.pending:
+                if offset not in done:
+                    break
+                watermark, below = offset + 1, below + 1
+            complete = complete and below == len(done)
+            if watermark is not None:
+                out[tp] = watermark
+        return out, complete
 
     def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
         for tp, offset in offsets.items():

@@ -37,9 +37,17 @@ from worker.pipeline.commit import Committer
 from worker.pipeline.consume import KafkaSource, report_partitions, watch_broker
 from worker.pipeline.crashguard import CrashGuard
 from worker.pipeline.intake import JobFactory
-from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs, producer_kwargs
+from worker.pipeline.kafka import (
+    client_kwargs,
+    exactly_once,
+    group_consumer_kwargs,
+    producer_kwargs,
+)
+from worker.pipeline.lease import GroupLease
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.produce import ResultSink
+from worker.pipeline.sending import Writer
+from worker.pipeline.transactions import TransactionalSink
 from worker.records import Batch, Completed, Job, TopicPartition
 from worker.tracing import OtelTracer, Tracer
 
@@ -56,7 +64,7 @@ class _Stages:
     source: KafkaSource
     batcher: MicroBatcher[Job]
     infer: InferenceStage | GpuInferenceStage
-    sink: ResultSink
+    sink: ResultSink | TransactionalSink
     committer: Committer
 
 
@@ -181,7 +189,7 @@ class Worker:
         stages.source.protect(guard, s.limits.max_crash_attempts, window, stages.committer.settled)
         return guard
 
-    async def _check_input_topics(self, sink: ResultSink) -> set[str]:
+    async def _check_input_topics(self, sink: Writer) -> set[str]:
         """A misspelt input topic must stop the worker with a clear message: the
         consumer would otherwise wait on it silently (or a broker that creates
         topics on demand would create it, empty)."""
@@ -217,18 +225,25 @@ class Worker:
             self._on_revoke,
             Backpressure(b.max_inflight_records, b.max_inflight_bytes),
         )
-        committer = Committer(self.tracker, source, timeout=s.kafka.request_timeout_ms / 1000.0)
+        timeout = s.kafka.request_timeout_ms / 1000.0
+        eos = exactly_once(s.kafka)
+        committer = Committer(self.tracker, source, timeout=timeout, transactional=eos)
         infer = await self._inference_stage(batches, completed, engine, policy, inputs)
-        sink = ResultSink(
-            completed,
-            s.kafka,
-            ModelInfo(name=engine.info.name, version=engine.info.version),
-            self.tracker,
-            committer,
-            max_pending_acks=2 * b.max_inflight_batches,
-            budget=FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window),
-            tracer=self._tracer,
-        )
+        model = ModelInfo(name=engine.info.name, version=engine.info.version)
+        budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
+        sink: ResultSink | TransactionalSink
+        if eos:
+            lease = GroupLease(lambda: source.consumer, s.kafka.session_timeout_ms, timeout)
+            sink = TransactionalSink(
+                completed, s.kafka, model, self.tracker, committer, lease,
+                max_batches=s.kafka.transaction_batches or b.max_inflight_batches,
+                budget=budget, tracer=self._tracer,
+            )  # fmt: skip
+        else:
+            sink = ResultSink(
+                completed, s.kafka, model, self.tracker, committer,
+                max_pending_acks=2 * b.max_inflight_batches, budget=budget, tracer=self._tracer,
+            )  # fmt: skip
         return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
 
     async def _inference_stage(
@@ -398,8 +413,12 @@ class Worker:
         if self._stages is None:
             return
         bound = self.settings.kafka.session_timeout_ms / 2000.0
+        sink = self._stages.sink
         fenced = await self._stages.committer.settle_revoked(
-            revoked, bound, lambda: self._failure is not None
+            revoked,
+            bound,
+            lambda: self._failure is not None,
+            fence=sink.fence if isinstance(sink, TransactionalSink) else None,
         )
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer

@@ -23,6 +23,11 @@ Kafka's defaults, see README "Apache Kafka in the tests"):
   ``min.isr`` 1 for one node, 2 for three.
 - ``num.partitions=1``, ``auto.create.topics.enable=false``: the worker and the
   tests create every topic explicitly; a test that relied on auto-creation fails.
+- ``broker.heartbeat.interval.ms=500``, ``broker.session.timeout.ms=3000``
+  (2 s and 9 s), ``controller.quorum.fetch.timeout.ms=1000``,
+  ``controller.quorum.election.timeout.ms=500`` (2 s and 1 s): how soon a
+  killed or paused node is fenced (and, if it was the active controller,
+  replaced) and its partitions get new leaders; the cluster fault tests wait so long.
 - a 512 MiB JVM heap and the serial collector: CI has 2 cores and runs up to
   three nodes beside the workers.
 
@@ -63,6 +68,10 @@ TEST_SETTINGS: Mapping[str, str] = {
     "transaction.state.log.num.partitions": "4",
     "num.partitions": "1",
     "auto.create.topics.enable": "false",
+    "broker.heartbeat.interval.ms": "500",
+    "broker.session.timeout.ms": "3000",
+    "controller.quorum.fetch.timeout.ms": "1000",
+    "controller.quorum.election.timeout.ms": "500",
 }
 JVM_OPTIONS = ("-Xms128m", "-Xmx512m", "-XX:+UseSerialGC", "-Djava.awt.headless=true")
 
@@ -250,22 +259,27 @@ class KafkaCluster:
     def resume(self, node: int) -> None:
         self._signal(node, signal.SIGCONT)
 
-    def stop_node(self, node: int, timeout: float = 30.0) -> None:
-        """A clean stop (SIGTERM; SIGKILL after ``timeout``), data kept on disk."""
-        n = self._node(node)
-        if n.proc is not None and n.proc.poll() is None:
-            n.proc.send_signal(signal.SIGCONT)
-            n.proc.terminate()
-        self._reap(n, timeout)
+    def stop_node(self, *nodes: int, timeout: float = 30.0) -> None:
+        """A clean stop (SIGTERM; SIGKILL after ``timeout``), data kept on disk.
+        Several nodes are signalled together (the whole cluster, say: one by
+        one, the last would wait for a controller quorum that is gone)."""
+        stopping = [self._node(i) for i in nodes]
+        for n in stopping:
+            if n.proc is not None and n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGCONT)
+                n.proc.terminate()
+        for n in stopping:
+            self._reap(n, timeout)
 
-    def start_node(self, node: int) -> None:
-        """Start a stopped or killed node again on its ports, with its data, and
-        wait until the cluster lists it among its brokers."""
-        n = self._node(node)
-        if n.running:
-            return
-        self._launch(n)
-        self._wait_ready({node})
+    def start_node(self, *nodes: int) -> None:
+        """Start stopped or killed nodes again on their ports, with their data,
+        and wait until the cluster lists them among its brokers (together: a
+        controller quorum needs a majority of the voters up)."""
+        starting = {i for i in nodes if not self._node(i).running}
+        for i in sorted(starting):
+            self._launch(self._nodes[i])
+        if starting:
+            self._wait_ready(starting)
 
     def node_port(self, node: int) -> int:
         return self._node(node).port

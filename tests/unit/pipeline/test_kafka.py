@@ -8,7 +8,13 @@ from aiokafka.abc import AbstractTokenProvider
 
 from worker.config import load_settings
 from worker.errors import ConfigError
-from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs, producer_kwargs
+from worker.pipeline.kafka import (
+    client_kwargs,
+    exactly_once,
+    group_consumer_kwargs,
+    producer_kwargs,
+    transactional_id,
+)
 
 
 class StaticToken(AbstractTokenProvider):
@@ -88,3 +94,24 @@ def test_oauthbearer_needs_a_provider_that_is_one() -> None:
         )
         with pytest.raises(ConfigError, match=message):
             client_kwargs(k)
+
+
+def test_exactly_once_needs_a_stable_transactional_id_and_reads_committed() -> None:
+    default = kafka()
+    assert default.processing_guarantee == "at-least-once" and not exactly_once(default)
+    assert "isolation_level" not in group_consumer_kwargs(default)
+    with pytest.raises(ConfigError, match="group_instance_id"):
+        kafka(processing_guarantee="exactly-once")  # a random member id fences nothing
+    static = kafka(processing_guarantee="exactly-once", group_instance_id="pod-0")
+    assert transactional_id(static) == "infer-worker.pod-0"
+    assert group_consumer_kwargs(static)["isolation_level"] == "read_committed"
+    named = kafka(processing_guarantee="exactly-once", transactional_id="t-7")
+    assert transactional_id(named) == "t-7"
+    with pytest.raises(ConfigError, match="enable_idempotence"):
+        kafka(
+            processing_guarantee="exactly-once", group_instance_id="p", enable_idempotence="false"
+        )
+    with pytest.raises(ConfigError, match="processing_guarantee"):
+        kafka(processing_guarantee="exactly_once")
+    with pytest.raises(ConfigError, match="transaction_timeout_ms"):
+        producer_kwargs(kafka(producer_options__transaction_timeout_ms="1000"))

@@ -125,3 +125,22 @@ def test_failure_budget_consecutive_and_ratio() -> None:
     reason = r.record(True)  # window: F T F T -> still 2/4
     assert reason is None
     assert r.record(True) is not None  # T F T T -> 3/4
+
+
+def test_watermarks_with_previews_without_marking_and_reports_gaps() -> None:
+    """What the exactly-once sink commits with a transaction: the watermark were
+    its answers done, and whether all of them would be below it."""
+    t = OffsetTracker()
+    e = {off: t.track(A, off) for off in range(4)}
+    eb = t.track(B, 7)
+    later = [(A, 2, e[2]), (A, 3, e[3])]
+    assert t.watermarks_with(later) == ({}, False)  # 0 and 1 unanswered: a gap
+    assert t.watermarks_with([(A, 0, e[0]), *later]) == ({A: 1}, False)
+    assert t.watermarks_with([(A, o, e[o]) for o in range(4)] + [(B, 7, eb)]) == (
+        {A: 4, B: 8},
+        True,
+    )
+    assert t.committable() == {} and t.in_flight() == 5  # nothing was marked
+    stale = t.track(A, 0)  # offsets went backwards: a reset, a new epoch
+    assert t.watermarks_with(later) == ({}, True)  # the old epoch's answers count for nothing
+    assert t.watermarks_with([(A, 0, stale)]) == ({A: 1}, True)

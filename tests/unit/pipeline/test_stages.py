@@ -19,7 +19,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from tests.models import model_inputs
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
-from worker.contract import ErrorInfo, ModelInfo
+from worker.contract import ErrorInfo, ModelInfo, decode_result
 from worker.engines import load_engine
 from worker.inference.cpu import InferenceStage
 from worker.pipeline.backpressure import Backpressure
@@ -145,6 +145,10 @@ async def test_failed_acks_are_redelivered_without_waiting_for_another_batch() -
     try:
         await until_done(tracker, committer, A)
         assert len(producer.acked) == 1 and tracker.committable() == {A: 1}
+        # Re-sent as it was: a record that could not be queued in time (aiokafka's
+        # KafkaTimeoutError while a partition has no leader) was never refused.
+        result = decode_result(producer.acked[0][2] or b"")
+        assert result.error is not None and result.error.code == "deadline_exceeded"
     finally:
         source.put_nowait(None)
         await asyncio.wait_for(task, 5)

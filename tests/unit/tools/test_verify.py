@@ -338,7 +338,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
     seen: dict[str, object] = {}
 
     async def fake_read(
-        bootstrap: str, inputs: list[str], output: str, dlq: str, **kw: float
+        bootstrap: str, inputs: list[str], output: str, dlq: str, **kw: object
     ) -> object:
         seen.update(bootstrap=bootstrap, inputs=list(inputs), output=output, dlq=dlq, **kw)
         return {"x": {0: [0]}, "y": {}}, verify_module.Observed(
@@ -367,6 +367,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
         "dlq": "other.dlq",
         "idle_timeout": 0.5,
         "timeout": 60.0,
+        "isolation_level": "read_uncommitted",  # the config runs at-least-once
     }
     doc = json.loads(out.read_text())
     assert doc["ok"] is True and doc["complete"] is True
@@ -396,6 +397,36 @@ def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) ->
     assert run(parse()) == 0
     k = KafkaConfig()
     assert seen == [(k.bootstrap_servers, list(k.input_topics), k.output_topic, k.dlq_topic)]
+
+
+def test_cli_reads_committed_transactions_when_asked_or_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker running exactly-once writes answers in transactions: its clients
+    read them read_committed, and so does the verifier, by flag or because the
+    configuration it reads runs exactly-once."""
+    from worker.tools import verify as verify_module
+    from worker.tools.verify import cli as verify_cli
+
+    for name in [n for n in os.environ if n.startswith("INFER_WORKER_")]:
+        monkeypatch.delenv(name)
+    levels: list[object] = []
+
+    async def fake_read(
+        bootstrap: str, inputs: list[str], output: str, dlq: str, **kw: object
+    ) -> object:
+        levels.append(kw["isolation_level"])
+        return {}, verify_module.Observed((), (), True)
+
+    monkeypatch.setattr(verify_cli, "read_topics", fake_read)
+    cfg = tmp_path / "worker.toml"
+    cfg.write_text(
+        '[kafka]\nprocessing_guarantee = "exactly-once"\ngroup_instance_id = "w1"\n'
+    )
+    assert run(parse()) == 0
+    assert run(parse("--read-committed")) == 0
+    assert run(parse("--config", str(cfg))) == 0
+    assert levels == ["read_uncommitted", "read_committed", "read_committed"]
 
 
 @pytest.mark.parametrize(

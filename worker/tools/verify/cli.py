@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strict", action="store_true", help="duplicates fail the check too (exactly-once)"
     )
     parser.add_argument(
+        "--read-committed",
+        action="store_true",
+        help="read only committed transactions (a worker running exactly-once; "
+        "implied when --config sets kafka.processing_guarantee = \"exactly-once\")",
+    )
+    parser.add_argument(
         "--idle-timeout",
         type=float,
         default=2.0,
@@ -98,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
                 kafka.dlq_topic,
                 idle_timeout=args.idle_timeout,
                 timeout=args.timeout,
+                isolation_level=(
+                    "read_committed"
+                    if args.read_committed or kafka.processing_guarantee == "exactly-once"
+                    else "read_uncommitted"
+                ),
             )
         )
     except Exception as exc:  # aiokafka raises its own hierarchy, Collector RuntimeError

@@ -73,6 +73,7 @@ async def read_topics(
     *,
     idle_timeout: float = 2.0,
     timeout: float = 60.0,
+    isolation_level: str = "read_uncommitted",
 ) -> tuple[dict[str, dict[int, list[int]]], Observed]:
     """Read every record of the input, output and DLQ topics from the beginning.
 
@@ -84,7 +85,9 @@ async def read_topics(
     ``seek_to_end`` and ``offsets_for_times`` wrongly, and a verifier that
     trusted them would report phantom losses. The price is that answers still
     being produced after the quiet period are missed; give ``idle_timeout``
-    more than the worker's longest pause.
+    more than the worker's longest pause. With ``isolation_level``
+    "read_committed" only committed transactions' records are read (the
+    answers of a worker running exactly-once).
 
     Records are boiled down to positions as they arrive and the collector's
     buffers emptied, so memory grows with the number of records, not their
@@ -102,7 +105,9 @@ async def read_topics(
         raise ValueError("the output and DLQ topics must not be input topics")
 
     sorter = _Sorter(inputs_unique, output_topic, dlq_topic, idle_timeout)
-    collector = Collector(bootstrap, [*inputs_unique, *answer_topics])
+    collector = Collector(
+        bootstrap, [*inputs_unique, *answer_topics], isolation_level=isolation_level
+    )
     await collector.start()
     try:
         # The collector reads every partition the metadata lists: record them
