@@ -1,0 +1,74 @@
+"""``infer-worker produce`` and ``consume``: a client's view of the topics."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from worker.cli.common import Subparsers, add_command, client_settings, kafka_flags
+
+
+def produce_command(args: argparse.Namespace) -> int:
+    from worker.tools.client import run_produce
+
+    s = client_settings(args)
+    topic = args.topic or s.kafka.input_topics[0]
+    kafka = dataclasses.replace(s.kafka, input_topics=(topic,))
+    return run_produce(
+        kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
+        texts=args.text, input_name=args.input, sample_model=args.model, oip=args.oip,
+    )  # fmt: skip
+
+
+def consume_command(args: argparse.Namespace) -> int:
+    from worker.tools.client import run_consume
+
+    return run_consume(client_settings(args).kafka, args.id, args.timeout, args.json)
+
+
+def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
+    p = add_command(
+        sub, "produce", "send images or texts as requests and print their answers",
+        "Send image files (JPEG, PNG or WebP as they are; .npy arrays as tensors), texts "
+        "(--text) or a bundled model's samples to the input topic, each with a unique id, "
+        "then wait for their answers and print them (top classes, the outputs, or the error).",
+        produce_command,
+        epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg\n"
+        '  infer-worker produce --text "The battery was great"\n'
+        "  infer-worker produce --samples 3 --model sentiment",
+    )  # fmt: skip
+    p.add_argument("files", nargs="*", metavar="IMAGE", help="image files or .npy arrays")
+    p.add_argument(
+        "--text", action="append", default=[], help="send this text (repeatable)"
+    )  # fmt: skip
+    p.add_argument(
+        "--input", default=None,
+        help="the request input to send them as (default: image for files, text for texts)",
+    )  # fmt: skip
+    p.add_argument("--samples", type=int, default=0, help="also send N bundled samples")
+    p.add_argument(
+        "--oip", action="store_true",
+        help="send Open Inference Protocol v2 JSON (content-type: application/json), not msgpack",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", choices=("digits", "sentiment"), default="digits",
+        help="whose samples --samples sends (default digits)",
+    )  # fmt: skip
+    p.add_argument("--topic", help="input topic (default: the config's first input topic)")
+    p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    p.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    kafka_flags(p)
+    c = add_command(
+        sub, "consume", "print results as they arrive",
+        "Print the results on the output topic (from its beginning; no consumer group "
+        "is joined, nothing is committed) and the DLQ's records, until --timeout or Ctrl-C. "
+        "With --id, only those results, and exit once all have arrived (1 if some did not).",
+        consume_command,
+        epilog="examples:\n  infer-worker consume --timeout 10\n"
+        "  infer-worker consume --id sample-0-1a2b3c4d --timeout 30",
+    )  # fmt: skip
+    c.add_argument("--id", action="append", default=[], help="wait for this request id")
+    c.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    c.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    kafka_flags(c)
