@@ -167,3 +167,77 @@ def test_precision_falls_back_to_autocast_for_a_program_that_casts_itself(
     engine, _ = make_engine(path, "bfloat16", "off")
     assert engine._autocast  # converted weights fail on the program's own .float()
     engine.close()
+
+
+CNN = """
+import torch
+
+
+class Cnn(torch.nn.Module):
+    '''A small image classifier: convolutions, batch norm, pooling, a linear head.'''
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, image):
+        return self.head(self.features(image).flatten(1))
+"""
+
+
+def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: Path) -> None:
+    """The same weights exported twice, as a .pt2 for the torch engine (channels_last,
+    compiled, every batch bucket warmed) and as ONNX for ONNX Runtime: each padded
+    batch's logits equal ONNX Runtime's on the same pixels."""
+    import onnxruntime as ort
+    import torch
+
+    src = tmp_path / "cnn_src.py"
+    src.write_text(CNN)
+    spec = importlib.util.spec_from_file_location("cnn_src", src)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Cnn().eval()
+    with torch.no_grad():  # batch norm statistics that are not the identity
+        model.features[1].running_mean.uniform_(-0.5, 0.5)
+        model.features[1].running_var.uniform_(0.5, 2.0)
+    example = (torch.randn(2, 3, 16, 16),)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    pt2 = tmp_path / "cnn.pt2"
+    torch.export.save(torch.export.export(model, example, dynamic_shapes=({0: batch},)), str(pt2))
+    onnx_path = tmp_path / "cnn.onnx"
+    torch.onnx.export(model, example, str(onnx_path), input_names=["image"],
+                      output_names=["logits"], dynamic_axes={"image": {0: "batch"}},
+                      dynamo=False)  # fmt: skip
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+
+    from worker.engines.torch import TorchEngine
+
+    torch_cfg = TorchConfig(precision="float32", channels_last=True, cuda_graphs=False)
+    cfg = ModelConfig(path=str(pt2), backend="torch", torch=torch_cfg)
+    engine = TorchEngine(pt2, cfg, device="cpu", max_batch_size=8)
+    (image,) = engine.inputs
+    assert image.shape == (3, 16, 16)
+    convs = [w for w in engine._eager.parameters() if w.dim() == 4]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    engine.prepare(SlotShapes((1, 2, 4, 8)))
+    slot = host_slot(engine, 8)
+    slot.context = engine.create_context(slot)
+    rng = np.random.default_rng(1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (3, 8, 1, 6):  # 3 and 6 run padded to the buckets 4 and 8
+            pixels = rng.normal(size=(n, 3, 16, 16)).astype(np.float32)
+            dense(slot.engine_inputs[image.name], n, (3, 16, 16))[:] = pixels
+            shapes = engine.enqueue(slot, n, {})
+            (out,) = engine.outputs
+            got = dense(slot.engine_outputs[out.name], n, shapes[out.name])
+            (want,) = session.run(None, {"image": pixels})
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    engine.close()
