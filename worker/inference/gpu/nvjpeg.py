@@ -43,17 +43,21 @@ time, and stay cached for the next batch, so a steady stream of batches makes
 no ``cudaMalloc``; nvJPEG keeps its own pinned and device buffers besides.
 
 torch and torchvision are imported only when ``gpu.decode = "nvjpeg"``; the
-header reading and the routing are pure and run anywhere.
+header reading and the routing are pure and run anywhere. For tests without a
+GPU, ``NvJpeg(..., decoder="cpu")`` runs the same batching, fallbacks, checks and
+placement with torchvision's CPU decoder into host tensors
+(tests/unit/inference/test_nvjpeg_cpu.py); the worker never builds it so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import structlog
 
@@ -115,7 +119,7 @@ def check_available(decode: str, preprocess: PreprocessConfig) -> None:
         _import_torchvision()
 
 
-def _import_torchvision() -> tuple[Any, Any, Any]:
+def _import_torchvision(need_cuda: bool = True) -> tuple[Any, Any, Any]:
     hint = (
         "gpu.decode = 'nvjpeg' needs torch and torchvision with CUDA "
         "(pip install -e '.[gpu,torch]'), or set gpu.decode = 'host'"
@@ -125,7 +129,7 @@ def _import_torchvision() -> tuple[Any, Any, Any]:
         from torchvision.io import ImageReadMode, decode_jpeg
     except (ImportError, OSError) as exc:  # OSError: a wheel's CUDA libraries missing
         raise ConfigError(f"{hint}: {type(exc).__name__}: {exc}") from exc
-    if not torch.cuda.is_available():
+    if need_cuda and not torch.cuda.is_available():
         raise ConfigError(f"{hint}: torch {torch.__version__} sees no CUDA device")
     return torch, decode_jpeg, ImageReadMode
 
@@ -159,16 +163,18 @@ class NvJpeg:
     ``place`` run on the stage's threads, each for the slot that thread holds.
     """
 
-    def __init__(self, device: int, channels: int) -> None:
-        torch, decode_jpeg, modes = _import_torchvision()
-        count = torch.cuda.device_count()
-        if device >= count:
+    def __init__(
+        self, device: int, channels: int, decoder: Literal["cuda", "cpu"] = "cuda"
+    ) -> None:
+        torch, decode_jpeg, modes = _import_torchvision(need_cuda=decoder == "cuda")
+        self._on_cuda = decoder == "cuda"
+        if self._on_cuda and device >= (count := torch.cuda.device_count()):
             raise ConfigError(f"gpu.device: {device}, but torch sees {count} CUDA device(s)")
         self._torch = torch
         self._decode_jpeg = decode_jpeg
         self._mode = modes.GRAY if channels == 1 else modes.RGB
         self._device = device
-        self._target = torch.device("cuda", device)
+        self._target = torch.device("cuda", device) if self._on_cuda else torch.device("cpu")
         self._channels = channels
         self._views: dict[int, _SlotViews] = {}
         self._lock = threading.Lock()
@@ -188,22 +194,34 @@ class NvJpeg:
             warnings.simplefilter("ignore")
             try:
                 source = torch.frombuffer(_tiny_jpeg(), dtype=torch.uint8)
-                with torch.cuda.device(self._device):
+                with self._on(None):
                     self._decode_jpeg([source], mode=self._mode, device=self._target)
-                    torch.cuda.synchronize(self._device)
+                    if self._on_cuda:
+                        torch.cuda.synchronize(self._device)
             except Exception as exc:  # boundary: any failure here means no nvJPEG
                 raise ConfigError(
                     f"gpu.decode = 'nvjpeg': torchvision cannot decode JPEGs on "
-                    f"cuda:{self._device}: {type(exc).__name__}: {exc}"
+                    f"{self._target}: {type(exc).__name__}: {exc}"
                 ) from exc
+
+    def _on(self, stream: Any) -> contextlib.ExitStack[bool | None]:
+        """The device, and the stream when given, as torch's current ones."""
+        stack = contextlib.ExitStack()
+        if self._on_cuda:
+            stack.enter_context(self._torch.cuda.device(self._device))
+            if stream is not None:
+                stack.enter_context(self._torch.cuda.stream(stream))
+        return stack
 
     def attach(self, slot: Slot) -> None:
         """Wrap the slot's stream and packed device buffer for torch (start-up)."""
         torch = self._torch
-        with torch.cuda.device(self._device):
-            stream = torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._target)
+        stream = None
+        with self._on(None):
+            if self._on_cuda:
+                stream = torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._target)
             packed = torch.from_dlpack(slot.dev_packed)
-        if packed.data_ptr() != int(slot.dev_packed.data.ptr):
+        if packed.data_ptr() != _address(slot.dev_packed):
             raise ConfigError("gpu.decode: the DLPack import of the slot's staging made a copy")
         self._views[slot.index] = _SlotViews(stream, packed)
 
@@ -224,7 +242,7 @@ class NvJpeg:
         slot.stream.synchronize()
         sources = [torch.frombuffer(image.data, dtype=torch.uint8) for image in images]
         outputs: list[Any]
-        with torch.cuda.device(self._device), torch.cuda.stream(views.stream):
+        with self._on(views.stream):
             try:
                 outputs = list(self._decode_jpeg(sources, mode=self._mode, device=self._target))
             except RuntimeError as exc:  # boundary: one bad file fails the whole call
@@ -288,9 +306,8 @@ class NvJpeg:
         """Enqueue on the slot's stream one device-to-device copy per decoded image
         into the packed staging buffer at its byte offset, planar CHW to the
         interleaved HWC the preprocess kernel reads (a strided torch copy)."""
-        torch = self._torch
         views = self._views[slot.index]
-        with torch.cuda.device(self._device), torch.cuda.stream(views.stream):
+        with self._on(views.stream):
             for offset, image in on_device:
                 if image.pixels is None:
                     raise ValueError("a device image was staged before it was decoded")
@@ -298,3 +315,9 @@ class NvJpeg:
                 hwc.view(image.height, image.width, image.channels).copy_(
                     image.pixels.permute(1, 2, 0)
                 )
+
+
+def _address(array: Any) -> int:
+    """The first byte's address of a CuPy (device) or NumPy (host) array."""
+    data = array.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(array.ctypes.data)
