@@ -17,7 +17,7 @@ import pytest
 
 from worker.config import load_settings
 from worker.tools.bench.engine import engine_rate
-from worker.tools.bench.payloads import payload_images
+from worker.tools.bench.payloads import payload_inputs, requests
 from worker.tools.processes import extended_pythonpath, override_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
@@ -51,7 +51,7 @@ def test_gpu_engine_alone_on_one_slot(tiny_torchscript: Path, cuda_graphs: str) 
             }
         )
     )
-    rate = engine_rate(settings, payload_images("digits"), seconds=0.2)
+    rate = engine_rate(settings, requests(*payload_inputs("digits", "raw"), "e", 3), seconds=0.2)
     assert 0 < rate < float("inf")
 
 

@@ -1,6 +1,7 @@
-"""``bench --model digits`` end to end, as CI runs it: the embedded broker, the
-engine alone, the bare-consumer drain, ``run --procs N`` draining the same
-backlog with every request answered, and the paced run with its stages."""
+"""``bench --model digits`` and ``--model sentiment`` end to end, as CI runs it:
+the embedded broker, the engine alone, the bare-consumer drain, ``run --procs N``
+draining the same backlog with every request answered, and the paced run with
+its stages."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from worker.tools.bench.openloop import STAGES
 pytestmark = pytest.mark.integration
 
 
-def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], Path, str]:
+def _bench(tmp_path: Path, *args: str, model: str = "digits") -> tuple[dict[str, Any], Path, str]:
     out = tmp_path / "copy.json"
     results = tmp_path / "results"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "worker", "bench", "--model", "digits", *args,
+            sys.executable, "-m", "worker", "bench", "--model", model, *args,
             "--duration", "1", "--results-dir", str(results), "--json", str(out),
         ],
         capture_output=True,
@@ -40,9 +41,11 @@ def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], Path, str]:
     return summary, written[0], proc.stdout
 
 
-def _check_common(summary: dict[str, Any], payload: str, procs: int, records: int) -> None:
+def _check_common(
+    summary: dict[str, Any], payload: str, procs: int, records: int, model: str = "digits"
+) -> None:
     assert summary["device"] == f"cpu{os.cpu_count()}"
-    assert (summary["model"], summary["payload"], summary["procs"]) == ("digits", payload, procs)
+    assert (summary["model"], summary["payload"], summary["procs"]) == (model, payload, procs)
     assert summary["records"] == records and summary["worker_exit"] == 0
     assert summary["records_sized_by"] == "--records"
     # The steady window lies inside the drain and holds most of it (10% off each end).
@@ -70,8 +73,8 @@ def _check_common(summary: dict[str, Any], payload: str, procs: int, records: in
         assert 0 <= q["p50_ms"] <= q["p99_ms"], stage
     assert paced["stages"]["total"]["p50_ms"] > 0
     assert paced["stages"]["total"]["p99_ms"] <= paced["max_ms"]
-    assert summary["command"].startswith(f"infer-worker bench --model digits --payload {payload}")
-    assert summary["settings"]["model"]["path"] == "builtin:digits"
+    assert summary["command"].startswith(f"infer-worker bench --model {model} --payload {payload}")
+    assert summary["settings"]["model"]["path"] == f"builtin:{model}"
 
 
 def test_png_payload_one_process(tmp_path: Path) -> None:
@@ -90,3 +93,12 @@ def test_raw_payload_two_processes_timed_once_the_group_has_formed(tmp_path: Pat
     _check_common(summary, "raw", 2, 6000)
     assert summary["partitions"] == 4 and summary["worker_join_s"] >= 0
     assert "decode" not in summary["paced"]["stages"]
+
+
+def test_the_text_model_takes_texts(tmp_path: Path) -> None:
+    """The bundled text model: the engine alone runs a tokenized, padded batch, and
+    the worker tokenizes every review it drains; rates are texts/s."""
+    summary, path, stdout = _bench(tmp_path, "--records", "3000", model="sentiment")
+    assert path.name == f"{dt.date.today().isoformat()}-cpu{os.cpu_count()}-text.json"
+    _check_common(summary, "text", 1, 3000, model="sentiment")
+    assert "texts/s" in stdout and "decode" not in summary["paced"]["stages"]

@@ -33,10 +33,13 @@ that drain rate for --duration seconds (end-to-end p50/p95/p99 and each stage's
 p50/p99 from the results' timing_us). digits: the bundled CPU model and digits;
 resnet50: torchvision ResNet-50, random weights, torch engine, fp16, on the GPU,
 with scikit-image's photographs at 256x256 (needs the gpu, torch and bench
-extras). The summary goes to --results-dir as <date>-<device>-<payload>.json."""
+extras); sentiment: the bundled text model on the CPU, sent its held-out
+reviews as texts (--payload text; rates count texts). The summary goes to
+--results-dir as <date>-<device>-<payload>.json."""
 
 MODEL_EXAMPLES = """
   infer-worker bench --model digits --payload png
+  infer-worker bench --model sentiment
   infer-worker bench --model resnet50 --payload jpeg --procs 4 --partitions 8"""
 
 # bench --model's own flags: refused on the demo's and the sweep's runs.
@@ -91,14 +94,18 @@ def _sweep(args: argparse.Namespace) -> int:
 def _modelbench(args: argparse.Namespace) -> int:
     """``bench --model``: engine, ingest ceiling, worker drain and paced latency."""
     from worker.tools.bench.modelbench import run_modelbench
-    from worker.tools.bench.options import DEFAULT_RESULTS_DIR, ModelBenchOptions
+    from worker.tools.bench.options import (
+        DEFAULT_RESULTS_DIR,
+        ModelBenchOptions,
+        default_payload,
+    )
 
     if args.sweep:
         raise ConfigError("--model: not with --sweep")
     return run_modelbench(
         ModelBenchOptions(
             model=args.model,
-            payload=args.payload or "jpeg",
+            payload=args.payload or default_payload(args.model),
             procs=1 if args.procs is None else args.procs,
             records=args.records,
             partitions=args.partitions,
@@ -211,14 +218,14 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
 def _model_arguments(p: argparse.ArgumentParser) -> None:
     """``bench --model``; --partitions, --duration, --rate, --json and --set apply too."""
     p.add_argument(
-        "--model", choices=("digits", "resnet50"), default=None,
+        "--model", choices=("digits", "resnet50", "sentiment"), default=None,
         help="benchmark this model end to end (see above); --rate then sets the paced "
         "rate (default: half the worker's drain rate)",
     )  # fmt: skip
     p.add_argument(
-        "--payload", choices=("jpeg", "png", "raw"), default=None,
+        "--payload", choices=("jpeg", "png", "raw", "text"), default=None,
         help="with --model: the image as a JPEG (quality 90) or PNG file, or a raw "
-        "uint8 tensor (default jpeg)",
+        "uint8 tensor (default jpeg); text for sentiment (its default)",
     )  # fmt: skip
     p.add_argument(
         "--procs", type=int, default=None,

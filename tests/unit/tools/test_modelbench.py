@@ -26,7 +26,13 @@ from worker.tools.bench.drain import Sample, all_joined, busy_fraction, score_dr
 from worker.tools.bench.engine import engine_rate
 from worker.tools.bench.openloop import STAGES, stage_summary
 from worker.tools.bench.options import BenchError, model_overrides
-from worker.tools.bench.payloads import encode_image, payload_images, request_records
+from worker.tools.bench.payloads import (
+    encode_image,
+    payload_images,
+    payload_inputs,
+    request_records,
+    requests,
+)
 from worker.tools.bench.report import device_slug, results_path
 from worker.tools.processes import override_env
 from worker.tools.topics import Collected
@@ -158,7 +164,7 @@ def test_digit_payloads_decode_as_the_worker_decodes_them(payload: str) -> None:
     images = payload_images("digits")
     assert {img.shape for img in images} == {(8, 8, 1), (16, 16, 1), (24, 24, 1)}
     inputs = [encode_image(img, payload) for img in images[:3]]
-    records = request_records(inputs, "t", 5)
+    records = request_records("image", inputs, "t", 5)
     assert [k for k, _ in records] == [f"t-{i}".encode() for i in range(5)]
     request = decode_request(records[4][1])  # cycles: the second image again
     assert request.id == "t-4"
@@ -195,7 +201,8 @@ def test_resnet50_photographs() -> None:
 
 def test_cpu_engine_alone_runs_the_largest_batch() -> None:
     settings = load_settings(env={"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "32"})
-    assert engine_rate(settings, payload_images("digits"), seconds=0.05) > 0
+    name, inputs = payload_inputs("digits", "png")
+    assert engine_rate(settings, requests(name, inputs, "e", 3), seconds=0.05) > 0
 
 
 def test_without_scikit_image_resnet50_exits_2_saying_so(
@@ -223,6 +230,8 @@ def test_without_torch_resnet50_exits_2_saying_so(capsys: pytest.CaptureFixture[
         (["bench", "--model", "digits", "--procs", "0"], "--procs: must be >= 1"),
         (["bench", "--model", "digits", "--records", "0"], "--records: must be >= 1"),
         (["bench", "--model", "digits", "--duration", "0"], "--duration"),
+        (["bench", "--model", "digits", "--payload", "text"], "digits takes jpeg, png, raw"),
+        (["bench", "--model", "sentiment", "--payload", "png"], "sentiment takes text, not png"),
     ],
 )
 def test_refused_before_anything_starts(

@@ -1,10 +1,12 @@
 """The worker's engine alone (``engine_img_s``): the figure a drain is read against.
 
 The engine is loaded with the run's settings exactly as a worker loads it and
-timed on its largest batch. A CPU engine runs a preprocessed batch
-(``Engine.run``); a GPU engine gets one slot as the GPU stage builds it and is
-timed enqueueing the largest batch again and again on the slot's stream, with
-one synchronisation at the end.
+timed on its largest batch. A CPU engine runs one batch of the run's requests,
+prepared and collated once as the worker does it (decoded, preprocessed or
+tokenized, padded: ``worker.inputs``), over and over (``Engine.run``); a GPU
+engine gets one slot as the GPU stage builds it and is timed enqueueing the
+largest batch again and again on the slot's stream, with one synchronisation at
+the end.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final, cast
 
-import numpy as np
-
 from worker.config import Settings
+from worker.contract import Request
 from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
 from worker.engines.buckets import bucket_sizes
+from worker.records import Answer, Job, TopicPartition
 
 # The engine runs until its time is up or it ran this often, after a warm-up.
 ENGINE_MAX_RUNS: Final = 1000
@@ -56,27 +58,34 @@ def timed(
     return (time.perf_counter() - start) / runs
 
 
-def engine_rate(settings: Settings, images: Sequence[np.ndarray], seconds: float) -> float:
-    """Images/s of the run's engine alone at ``batching.max_batch_size``."""
+def engine_rate(settings: Settings, requests: Sequence[Request], seconds: float) -> float:
+    """Requests/s (images or texts) of the run's engine alone at
+    ``batching.max_batch_size``."""
     engine = load_run_engine(settings)
     try:
         if is_gpu_backend(settings.model.backend):
             per_batch = gpu_batch_seconds(cast(GpuEngine, engine), settings, seconds)
         else:
-            per_batch = cpu_batch_seconds(engine, settings, images, seconds)
+            per_batch = cpu_batch_seconds(engine, settings, requests, seconds)
     finally:
         engine.close()
     return settings.batching.max_batch_size / per_batch
 
 
 def cpu_batch_seconds(
-    engine: Engine, settings: Settings, images: Sequence[np.ndarray], seconds: float
+    engine: Engine, settings: Settings, requests: Sequence[Request], seconds: float
 ) -> float:
-    from worker.inference.preprocess import preprocess
+    from worker.inputs import bind
 
-    n = settings.batching.max_batch_size
-    batch = preprocess([images[i % len(images)] for i in range(n)], settings.model.preprocess)
-    feeds = {engine.info.io.inputs[0].name: batch}
+    inputs = bind(settings.model, engine.info.io, settings.limits)
+    answers = []
+    for i in range(settings.batching.max_batch_size):
+        job = Job(TopicPartition("bench", 0), i, None, arrived=0.0, deadline=None)
+        job.inputs, job.lengths = inputs.check(requests[i % len(requests)])
+        answers.append(Answer(job))
+    if len(inputs.prepare(answers)) != len(answers):
+        raise ValueError(f"a benchmark request was refused: {[a.error for a in answers]}")
+    feeds = inputs.collate(answers).feeds
     for _ in range(ENGINE_WARM_RUNS):
         engine.run(feeds)
     return timed(lambda: engine.run(feeds), lambda: None, seconds)

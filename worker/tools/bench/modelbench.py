@@ -1,4 +1,4 @@
-"""``infer-worker bench --model NAME --payload jpeg|png|raw``: one model, measured end to end.
+"""``infer-worker bench --model NAME --payload jpeg|png|raw|text``: one model, end to end.
 
 One run, on the embedded broker and one machine, measures the same records four
 ways, so the ratios between the figures mean something:
@@ -15,7 +15,9 @@ ways, so the ratios between the figures mean something:
    arrivals at half the drain rate (or ``--rate``) for ``--duration`` seconds:
    end-to-end p50/p95/p99, and each stage's p50 and p99 from ``timing_us``.
 
-Models and payloads: ``options`` and ``payloads``. Outputs: ``report``.
+Models and payloads: ``options`` and ``payloads``. Outputs: ``report``. For the
+text model (``sentiment``) the rates count texts; the summary's keys keep their
+``img_s`` names so every results file has one shape.
 Stopped by SIGTERM or SIGINT, it kills the broker and every worker process
 before it exits (``worker.tools.children``).
 """
@@ -33,13 +35,18 @@ import numpy as np
 
 from worker import __version__
 from worker.config import Settings, load_settings
-from worker.contract import EncodedImage, Tensor
 from worker.tools.bench.backlog import plan_backlog, short_drain_note
 from worker.tools.bench.drain import WorkerDrain, drain_worker, open_nvml
 from worker.tools.bench.engine import engine_rate
 from worker.tools.bench.openloop import paced
-from worker.tools.bench.options import BenchError, ModelBenchOptions, check_options, run_overrides
-from worker.tools.bench.payloads import Records, encode_image, payload_images, request_records
+from worker.tools.bench.options import (
+    BenchError,
+    ModelBenchOptions,
+    check_options,
+    run_overrides,
+    unit,
+)
+from worker.tools.bench.payloads import Records, Value, payload_inputs, request_records, requests
 from worker.tools.bench.report import (
     command_line,
     library_versions,
@@ -61,12 +68,11 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
     check_options(opts)
     opts.partitions = max(opts.partitions, opts.procs)
     started = time.monotonic()
-    images = payload_images(opts.model)  # before building: a missing library exits 2 early
+    name, inputs = payload_inputs(opts.model, opts.payload)  # before building (exit 2 early)
     overrides = run_overrides(opts)
     settings = load_settings(env=override_env(overrides))
     device = run_device(settings)
-    inputs = [encode_image(img, opts.payload) for img in images]
-    sample = request_records(inputs, "size", len(inputs))
+    sample = request_records(name, inputs, "size", len(inputs))
     record_bytes = float(np.mean([len(v) for _, v in sample]))
     print(
         f"infer-worker bench --model {opts.model} --payload {opts.payload}: {device}, "
@@ -75,8 +81,10 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
         flush=True,
     )
     note(f"engine alone at batch {settings.batching.max_batch_size} ...")
-    engine_img_s = await asyncio.to_thread(engine_rate, settings, images, opts.engine_seconds)
-    note(f"engine alone: {engine_img_s:,.0f} img/s")
+    engine_img_s = await asyncio.to_thread(
+        engine_rate, settings, requests(name, inputs, "engine", len(inputs)), opts.engine_seconds
+    )
+    note(f"engine alone: {engine_img_s:,.0f} {unit(opts.model)}")
     plan = plan_backlog(opts.model, opts.payload, opts.procs, engine_img_s, record_bytes)
     n = opts.records or plan.records
     if opts.records:
@@ -84,14 +92,14 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
     else:
         note(
             f"backlog: {n:,} records, {plan.seconds:.0f} s at the {plan.expected_rate:,.0f} "
-            f"img/s expected (bound: {plan.bound})"
+            f"{unit(opts.model)} expected (bound: {plan.bound})"
         )
-    backlog = request_records(inputs, "drain", n)
+    backlog = request_records(name, inputs, "drain", n)
     nvml, nvml_reason = open_nvml(settings)
     try:
         with EmbeddedBroker() as broker:
             ceiling, drain, paced_run, exit_code = await _on_broker(
-                broker, opts, settings, overrides, inputs, backlog, nvml
+                broker, opts, settings, overrides, name, inputs, backlog, nvml
             )
     finally:
         if nvml is not None:
@@ -139,7 +147,8 @@ async def _on_broker(
     opts: ModelBenchOptions,
     settings: Settings,
     overrides: Mapping[str, str],
-    inputs: Sequence[Tensor | EncodedImage],
+    name: str,
+    inputs: Sequence[Value],
     backlog: Records,
     nvml: Any,
 ) -> tuple[float, WorkerDrain, dict[str, Any], int]:
@@ -173,13 +182,14 @@ async def _on_broker(
         keys = {k for k, _ in backlog if k is not None}
         drain = await drain_worker(opts.procs, parts, topics, worker, collector, keys, nvml)
         note(
-            f"worker drain: {drain.rate:,.0f} img/s steady ({drain.steady_seconds:.1f} s of "
-            f"{drain.seconds:.1f} s), mean batch {drain.mean_batch:.1f}"
+            f"worker drain: {drain.rate:,.0f} {unit(opts.model)} steady "
+            f"({drain.steady_seconds:.1f} s of {drain.seconds:.1f} s), "
+            f"mean batch {drain.mean_batch:.1f}"
         )
         rate = opts.rate or drain.rate / 2
         note(f"paced at {rate:,.0f} requests/s for {opts.duration:g} s ...")
         paced_run = await paced(
-            broker.bootstrap, settings, topics, worker, collector, inputs,
+            broker.bootstrap, settings, topics, worker, collector, name, inputs,
             rate=rate, duration=opts.duration, procs=opts.procs, partitions=parts,
         )  # fmt: skip
         exit_code = await asyncio.to_thread(worker.terminate)

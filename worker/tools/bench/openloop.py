@@ -17,8 +17,7 @@ from typing import Any, Final
 import numpy as np
 
 from worker.config import Settings
-from worker.contract import EncodedImage, Tensor
-from worker.tools.bench.payloads import request_records
+from worker.tools.bench.payloads import Value, request_records
 from worker.tools.processes import WorkerProcess, mean_batch_size, summed
 from worker.tools.topics import Collected, Collector, Produced, produce_all
 
@@ -197,7 +196,8 @@ async def paced(
     topics: Mapping[str, str],
     worker: WorkerProcess,
     collector: Collector,
-    inputs: Sequence[Tensor | EncodedImage],
+    name: str,
+    inputs: Sequence[Value],
     *,
     rate: float,
     duration: float,
@@ -208,7 +208,7 @@ async def paced(
     to the running ``worker`` (``run --procs procs``); latencies end to end and
     per stage (the results' ``timing_us``), and the mean batch meanwhile."""
     n = max(1, round(rate * duration))
-    records = request_records(inputs, "paced", n)
+    records = request_records(name, inputs, "paced", n)
     before = summed(await asyncio.to_thread(worker.member_metrics, procs))
     b = settings.batching
     point = SweepPoint(b.max_batch_size, b.max_queue_delay_ms, rate, n)

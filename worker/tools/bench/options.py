@@ -18,8 +18,14 @@ from worker.config import load_settings
 from worker.errors import ConfigError, WorkerError
 from worker.tools.processes import override_env
 
-MODELS: Final = ("digits", "resnet50")
-PAYLOADS: Final = ("jpeg", "png", "raw")
+MODELS: Final = ("digits", "resnet50", "sentiment")
+PAYLOADS: Final = ("jpeg", "png", "raw", "text")
+# What each model's requests can carry; the first is the default.
+MODEL_PAYLOADS: Final[dict[str, tuple[str, ...]]] = {
+    "digits": ("jpeg", "png", "raw"),
+    "resnet50": ("jpeg", "png", "raw"),
+    "sentiment": ("text",),
+}
 DEFAULT_RESULTS_DIR: Final = Path("benchmarks") / "results"
 IMAGENET_MEAN: Final = (0.485, 0.456, 0.406)
 IMAGENET_STD: Final = (0.229, 0.224, 0.225)
@@ -54,6 +60,9 @@ def check_options(opts: ModelBenchOptions) -> None:
         raise ConfigError(f"--model: {opts.model!r} is not one of {', '.join(MODELS)}")
     if opts.payload not in PAYLOADS:
         raise ConfigError(f"--payload: {opts.payload!r} is not one of {', '.join(PAYLOADS)}")
+    if opts.payload not in MODEL_PAYLOADS[opts.model]:
+        allowed = ", ".join(MODEL_PAYLOADS[opts.model])
+        raise ConfigError(f"--payload: {opts.model} takes {allowed}, not {opts.payload}")
     if opts.procs < 1:
         raise ConfigError(f"--procs: must be >= 1, got {opts.procs}")
     if opts.records is not None and opts.records < 1:
@@ -66,11 +75,22 @@ def check_options(opts: ModelBenchOptions) -> None:
         raise ConfigError(f"--rate: must be >= 0 requests/s, got {opts.rate}")
 
 
+def default_payload(model: str) -> str:
+    """``--payload`` when not given: jpeg for the image models, text for sentiment."""
+    return MODEL_PAYLOADS.get(model, PAYLOADS)[0]
+
+
+def unit(model: str) -> str:
+    """What the rates count: images, or texts for the text model. (The summary's
+    keys say ``img_s`` for either, so results files keep one shape.)"""
+    return "texts/s" if model == "sentiment" else "img/s"
+
+
 def model_overrides(model: str) -> dict[str, str]:
     """The worker settings a model runs with, as dotted keys (TOML literals);
     resnet50's ``model.path`` is added once its program is built."""
-    if model == "digits":
-        return {"model.name": "digits", "model.path": "builtin:digits",
+    if model in ("digits", "sentiment"):
+        return {"model.name": model, "model.path": f"builtin:{model}",
                 "model.backend": "onnxruntime"}  # fmt: skip
     return {
         "model.name": "resnet50",

@@ -1,9 +1,10 @@
-"""What the benchmark's requests carry: bundled images only, nothing downloaded.
+"""What the benchmark's requests carry: bundled data only, nothing downloaded.
 
 ``digits``: the bundled held-out digits at 8x8, 16x16 and 24x24 (the worker
 resizes). ``resnet50``: scikit-image's bundled colour photographs at 256x256.
 Payloads: ``jpeg`` (quality 90) and ``png`` files sent as they are, ``raw`` as
-uint8 HWC tensors.
+uint8 HWC tensors. ``sentiment``: the bundled held-out reviews as ``text``
+(7-40 tokens; the worker tokenizes them).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import numpy as np
 
 from worker.contract import EncodedImage, Request, Tensor, encode_request
 from worker.errors import ConfigError
-from worker.tools.samples import labelled_samples
+from worker.tools.samples import labelled_samples, sentiment_samples
 
 PHOTOS: Final = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "ihc")
 PHOTO_SIZE: Final = 256
 JPEG_QUALITY: Final = 90
 
 Records = list[tuple[bytes | None, bytes]]
+Value = Tensor | EncodedImage | str
 
 
 def photos(size: int = PHOTO_SIZE) -> list[np.ndarray]:
@@ -54,6 +56,14 @@ def payload_images(model: str) -> list[np.ndarray]:
     return photos()
 
 
+def payload_inputs(model: str, payload: str) -> tuple[str, list[Value]]:
+    """The request input's name and the values the requests cycle through.
+    Images are read first, so a missing library exits 2 before anything starts."""
+    if payload == "text":
+        return "text", [s.text for s in sentiment_samples()]
+    return "image", [encode_image(img, payload) for img in payload_images(model)]
+
+
 def encode_image(pixels: np.ndarray, payload: str) -> Tensor | EncodedImage:
     """One request's ``inputs.image``: the tensor, or the image as a file."""
     if payload == "raw":
@@ -70,12 +80,13 @@ def encode_image(pixels: np.ndarray, payload: str) -> Tensor | EncodedImage:
     return EncodedImage("png", buf.getvalue())
 
 
-def request_records(inputs: Sequence[Tensor | EncodedImage], tag: str, n: int) -> Records:
-    """``n`` request records cycling through ``inputs``; id and key ``TAG-i``
+def requests(name: str, values: Sequence[Value], tag: str, n: int) -> list[Request]:
+    """``n`` requests cycling through ``values`` as input ``name``; id ``TAG-i``."""
+    return [Request(v=1, id=f"{tag}-{i}", inputs={name: values[i % len(values)]})
+            for i in range(n)]  # fmt: skip
+
+
+def request_records(name: str, values: Sequence[Value], tag: str, n: int) -> Records:
+    """``n`` request records cycling through ``values``; id and key ``TAG-i``
     (unique keys: answers are matched to requests by key)."""
-    out: Records = []
-    for i in range(n):
-        rid = f"{tag}-{i}"
-        request = Request(v=1, id=rid, inputs={"image": inputs[i % len(inputs)]})
-        out.append((rid.encode(), encode_request(request)))
-    return out
+    return [(r.id.encode(), encode_request(r)) for r in requests(name, values, tag, n)]

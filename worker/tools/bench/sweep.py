@@ -116,7 +116,7 @@ class _Run:
 
     async def measure(self, tag: str, rate: float, n: int) -> SweepPoint:
         inputs = [Tensor.from_numpy(image) for image in self.images]
-        records = request_records(inputs, tag, n)
+        records = request_records("image", inputs, tag, n)
         sum0, count0 = await asyncio.to_thread(_batch_totals, self.worker)
         point = SweepPoint(self.setting.max_batch_size, self.setting.max_queue_delay_ms, rate, n)
         await send_open_loop(
