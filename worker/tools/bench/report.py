@@ -19,7 +19,7 @@ from typing import Any
 
 from worker.config import Settings
 from worker.engines import is_gpu_backend
-from worker.tools.bench.options import ModelBenchOptions
+from worker.tools.bench.options import ModelBenchOptions, unit
 from worker.tools.files import atomic_write
 
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
@@ -121,15 +121,16 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
 def table(summary: Mapping[str, Any]) -> str:
     s, p = summary, summary["paced"]
     busy = s["gpu_busy"]
+    per_s = unit(s["model"])
     busy_text = "n/a" if busy is None else f"{busy:.0%}"
     if busy is None and s["gpu_busy_note"]:
         busy_text += f"  ({s['gpu_busy_note']})"
     rows = [
-        (f"engine alone, batch {s['engine_batch']}", f"{s['engine_img_s']:,.0f} img/s"),
+        (f"engine alone, batch {s['engine_batch']}", f"{s['engine_img_s']:,.0f} {per_s}"),
         ("bare consumer drain (ceiling)", f"{s['ingest_ceiling_rec_s']:,.0f} rec/s"),
         (
             f"worker drain, run --procs {s['procs']}",
-            f"{s['worker_img_s']:,.0f} img/s  ({_fmt(s['worker_to_ceiling'], '.3g')}x the "
+            f"{s['worker_img_s']:,.0f} {per_s}  ({_fmt(s['worker_to_ceiling'], '.3g')}x the "
             f"ceiling, {_fmt(s['worker_to_engine'], '.3g')}x the engine)",
         ),
         (
