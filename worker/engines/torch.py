@@ -243,10 +243,15 @@ class TorchEngine:
 
     # --- running the module ----------------------------------------------------------
 
-    def _call(self, module: Any, inputs: list[Any]) -> list[tuple[str | None, Any]]:
+    def _call(
+        self, module: Any, inputs: list[Any], mark: bool = False
+    ) -> list[tuple[str | None, Any]]:
         """``module`` on ``inputs`` (in the model's order), floating inputs in the
         compute dtype (one copy at most) and 4-D ones in NHWC with
-        ``channels_last``; under autocast when precision needs it."""
+        ``channels_last``; under autocast when precision needs it. ``mark``: mark
+        the dynamic dimensions of the tensors the module gets, after any cast (a
+        mark on the tensor before a copy is lost: the first compilation would
+        specialise on the batch, and the next bucket compile again)."""
         torch = self._torch
         target = torch.float32 if self._autocast else self._dtype
         cast = []
@@ -257,6 +262,9 @@ class TorchEngine:
                 cast.append(x.to(target))
             else:
                 cast.append(x)
+        if mark:
+            for x, desc in zip(cast, self._io.inputs, strict=True):
+                self._mark_dynamic(x, desc)
         if self._autocast:
             with torch.autocast(self._device.type, dtype=self._dtype):
                 return self._flatten(module(*cast))
@@ -310,13 +318,10 @@ class TorchEngine:
         its outputs copied into the slot's output buffers (on the current stream);
         records each output's row shape for the run. ``mark``: mark the batch and
         padded dimensions dynamic (the warm-up's first call compiles for them)."""
-        inputs = []
-        for desc in self._io.inputs:
-            x = dense(c.inputs[desc.name], rows, row_shape(desc, lengths))
-            if mark and self._module is not self._eager:
-                self._mark_dynamic(x, desc)
-            inputs.append(x)
-        values = self._call(self._module, inputs)
+        inputs = [
+            dense(c.inputs[desc.name], rows, row_shape(desc, lengths)) for desc in self._io.inputs
+        ]
+        values = self._call(self._module, inputs, mark=mark and self._module is not self._eager)
         if len(values) != len(self.outputs):
             raise InferenceFailed(
                 f"torch: model returned {len(values)} outputs, expected {len(self.outputs)}"
