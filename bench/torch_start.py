@@ -14,7 +14,8 @@ them; all children share one ``TORCHINDUCTOR_CACHE_DIR`` made for this run:
   of ``run --procs N`` or a restart finds it.
 
 Each child reports its load, warm-up and per-bucket milliseconds (the engine's
-``torch_slot_warmed`` log) as one JSON line; the summary goes to ``--json``.
+``torch_slot_warmed`` log) and how many graphs dynamo compiled, as one JSON
+line; the summary goes to ``--json``.
 CPU figures say how the parts compare, not what a GPU takes (nothing here
 compiles for CUDA or captures graphs).
 """
@@ -91,6 +92,7 @@ else:
     warmed = [e for e in events if e.get("event") == "torch_slot_warmed"]
     out = {"load_s": round(t0 - started, 2), "warm_s": round(time.monotonic() - t0, 2),
            "shape_ms": warmed[0]["shape_ms"] if warmed else {}}
+out["compilations"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 print(json.dumps(out))
 """
 

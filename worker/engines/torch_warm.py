@@ -3,11 +3,13 @@ run, then captured as one CUDA graph each.
 
 Shapes are run largest first (the largest sizes the caching allocator's pools),
 ``WARM_RUNS`` times each: the first call compiles (dynamic in the batch and the
-padded dimensions: one compilation for the buckets, marked by the first call)
-and lets cuDNN time its algorithms; later calls must hit the compiled code with
-nothing left to set up, which is what the graphs then capture. Progress is
-logged per shape (``torch_shape_warmed``): for a large model the first slot's
-compilation is the bulk of the worker's start-up.
+padded dimensions: one compilation for the buckets; each shape's first call
+marks them, so a compilation that the batch of 1 or a model's own
+specialisation forces is dynamic in the rest) and lets cuDNN time its
+algorithms; later calls must hit the compiled code with nothing left to set
+up, which is what the graphs then capture. Progress is logged per shape
+(``torch_shape_warmed``): for a large model the first slot's compilation is the
+bulk of the worker's start-up.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def warm(
             for i, (batch, lengths) in enumerate(combos):
                 t0 = time.monotonic()
                 for run in range(WARM_RUNS):
-                    run_into(c, batch, lengths, i == 0 and run == 0)
+                    run_into(c, batch, lengths, run == 0)
                 if c.stream is not None:
                     c.stream.synchronize()
                 name = _name(batch, lengths)
