@@ -23,10 +23,11 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/infer-worker demo
 
-# ci_tools.sh installs the outside tools some tests run (promtool, prometheus)
-# under CI=true only, and only when missing: a no-op on a developer's machine.
+# ci_tools.sh installs the outside tools some tests run (promtool, prometheus,
+# kcat; torch into the venv) under CI=true only, and only when missing: a no-op
+# on a developer's machine.
 test: $(VENV)/.installed-test
-	bash scripts/ci_tools.sh
+	bash scripts/ci_tools.sh $(BIN)/python
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests import required_tools
 from worker.tools.apache_kafka import KafkaCluster
 from worker.tools.broker import Broker, BrokerKind, EmbeddedBroker
 from worker.tools.children import children_die_with_this_process
@@ -42,6 +43,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _on_sigterm.close()
+
+
+@pytest.fixture
+def torch_installed() -> None:
+    """torch and torchvision, for the tests of the torch engine and the nvJPEG path
+    on the CPU: a skip on a developer's machine without them, a failure in CI
+    (which installs them: scripts/ci_tools.sh)."""
+    required_tools.module("torch", required_tools.TORCH_INSTALL)
+    required_tools.module("torchvision", required_tools.TORCH_INSTALL)
 
 
 _counter = itertools.count()

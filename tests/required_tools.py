@@ -1,4 +1,5 @@
-"""Outside tools some tests run for real (promtool, Prometheus, kubernetes-validate).
+"""Outside tools some tests run for real (promtool, Prometheus, kubernetes-validate,
+torch and torchvision for the torch engine on the CPU).
 
 On a developer's machine a missing tool skips the test, with the command that
 installs it in the reason. Under ``CI=true`` it fails instead: CI installs the
@@ -22,6 +23,8 @@ PROMETHEUS_INSTALL = (
     "apt-get install prometheus (Debian/Ubuntu), or put prometheus and promtool on PATH"
 )
 DEV_INSTALL = "pip install -e '.[dev]' (or make .venv/.installed-test)"
+# PyPI's torch is a CUDA build that runs on the CPU (about 5.4 GB with torchvision).
+TORCH_INSTALL = "pip install -e '.[torch]'"
 
 
 def in_ci() -> bool:

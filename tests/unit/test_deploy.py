@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests import required_tools
 from worker.__main__ import build_parser
 from worker.config import Settings, load_settings
 
@@ -477,7 +478,7 @@ def test_the_gpu_image_model_conversion_writes_a_torchscript_equal_to_onnxruntim
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("onnx")
-    pytest.importorskip("torch")
+    required_tools.module("torch", required_tools.TORCH_INSTALL)
     out = tmp_path / "digits.pt"
     assert digits_torchscript().main([str(out)]) == 0
     assert out.stat().st_size > 0

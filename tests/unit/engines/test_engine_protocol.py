@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ from worker.tools import build_engine
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 SAMPLES = Path(str(files("worker") / "models" / "digits_samples.npz"))
 
 F32 = np.dtype(np.float32)
@@ -85,9 +85,12 @@ def test_tensorrt_engine_without_tensorrt_is_a_clear_config_error(tmp_path: Path
     assert isinstance(info.value, ConfigError)
 
 
-@pytest.mark.skipif(HAS_TORCH, reason="torch is installed: the unavailable path differs")
-def test_torch_engine_without_torch_is_a_clear_config_error(tmp_path: Path) -> None:
+def test_torch_engine_without_torch_is_a_clear_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from worker.engines.torch import TorchEngine  # imports without torch
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import fails as if not installed
 
     model = tmp_path / "model.pt"
     model.write_bytes(b"x")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from worker.tools import build_engine
 from worker.tools.build_torch import ProgramKey, resolve_source
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+needs_torch = pytest.mark.usefixtures("torch_installed")
 
 TINY = """
 import torch
@@ -113,8 +114,11 @@ def test_cli_torch_needs_a_shape(capsys: pytest.CaptureFixture[str]) -> None:
         assert code == 2 and "needs PyTorch" in err
 
 
-@pytest.mark.skipif(HAS_TORCH, reason="torch is installed")
-def test_cli_without_torch_explains(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_cli_without_torch_explains(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("torch", "torchvision"):  # imports fail as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
     argv = ["torchvision:resnet50", "--backend", "torch", "--input-shape", "3,8,8"]
     code = build_engine.run(_parse([*argv, "--out-dir", str(tmp_path)]))
     assert code == 2 and "needs PyTorch" in capsys.readouterr().err

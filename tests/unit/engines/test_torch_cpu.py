@@ -26,8 +26,7 @@ from worker.engines.base import SlotShapes, dense
 from worker.inference.gpu.plan import slot_shapes
 from worker.inputs import bind
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+pytestmark = pytest.mark.usefixtures("torch_installed")
 
 VOCAB, WIDTH, MAX_LEN = 40, 8, 16
 

@@ -12,7 +12,6 @@ tests run wherever they are.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import time
 from dataclasses import dataclass, field
@@ -28,8 +27,7 @@ from worker.inference.gpu.nvjpeg import NvJpeg
 from worker.inference.gpu.staging import route_encoded
 from worker.records import Answer, Job, TopicPartition
 
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
-pytestmark = pytest.mark.skipif(not HAS_TORCHVISION, reason="torchvision is not installed")
+pytestmark = pytest.mark.usefixtures("torch_installed")
 
 RNG = np.random.default_rng(5)
 SMOOTH = np.clip(

@@ -5,7 +5,6 @@ exercised in tests/integration/test_modelbench.py."""
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -214,9 +213,12 @@ def test_without_scikit_image_resnet50_exits_2_saying_so(
     assert "scikit-image" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
-def test_without_torch_resnet50_exits_2_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_torch_resnet50_exits_2_saying_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("skimage", reason="the photos are loaded first")
+    for name in ("torch", "torchvision"):  # imports fail as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
     assert main(["bench", "--model", "resnet50", "--payload", "raw"]) == 2
     assert "PyTorch" in capsys.readouterr().err
 
