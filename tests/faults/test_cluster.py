@@ -28,7 +28,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from tests.conftest import require_kafka
 from worker.tools.apache_kafka import KafkaCluster
 from worker.tools.processes import WorkerProcess
-from worker.tools.topics import committed_offsets, end_offsets, produce_all
+from worker.tools.topics import Produced, committed_offsets, end_offsets, produce_all
 
 from .conftest import (
     Answers,
@@ -179,6 +179,18 @@ async def offsets_at_least(
         await asyncio.sleep(0.1)
 
 
+def stream(
+    cluster: KafkaCluster, names: dict[str, str], n: int, rate: float
+) -> asyncio.Task[list[Produced]]:
+    """``n`` requests produced at ``rate`` a second over both input partitions,
+    in the background, while the test injects its fault."""
+    records = [(None, request(i)) for i in range(n)]
+    sending = produce_all(
+        cluster.bootstrap, names["requests"], records, partition_of=lambda i: i % 2, rate=rate
+    )
+    return asyncio.create_task(sending)
+
+
 def assert_all_ok(answers: Answers, names: dict[str, str]) -> None:
     """Every answer a result of status ok: none replaced by an error because the
     broker seemed to refuse it (what a send that timed out during a failover
@@ -199,15 +211,7 @@ async def test_sigkill_of_the_leader_and_coordinator_loses_nothing(
     watch = Watch(w)
     try:
         await wait_assigned([w], 2)
-        producing = asyncio.create_task(
-            produce_all(
-                kafka3.bootstrap,
-                names["requests"],
-                [(None, request(i)) for i in range(n)],
-                partition_of=lambda i: i % 2,
-                rate=400,
-            )
-        )
+        producing = stream(kafka3, names, n, rate=400)
         await answers.wait_for(n // 4, 60)
         kafka3.kill(victim)  # leader of every input and output partition, and coordinator
         killed_at = time.monotonic()
@@ -305,15 +309,7 @@ async def test_broker_paused_past_the_session_timeouts_loses_nothing(
     watch = Watch(w)
     try:
         await wait_assigned([w], 2)
-        producing = asyncio.create_task(
-            produce_all(
-                kafka3.bootstrap,
-                names["requests"],
-                [(None, request(i)) for i in range(n)],
-                partition_of=lambda i: i % 2,
-                rate=300,
-            )
-        )
+        producing = stream(kafka3, names, n, rate=300)
         await answers.wait_for(n // 4, 60)
         kafka3.pause(victim)
         paused_at = time.monotonic()
