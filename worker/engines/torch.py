@@ -115,7 +115,6 @@ class TorchEngine:
         self._torch = torch
         self.device = 0 if on_cpu else int(device)
         self._device = torch.device("cpu") if on_cpu else torch.device("cuda", self.device)
-        self._settings = cfg.torch
         self.min_batch_size = 1
         self.max_batch_size = max_batch_size
         batches = tuple(buckets) if buckets else bucket_sizes(max_batch_size)
@@ -123,6 +122,7 @@ class TorchEngine:
             raise ConfigError(f"torch: bucket {batches[-1]} exceeds the maximum batch")
         self.shapes = SlotShapes(batches)
         self._dtype = compute_dtype(torch, cfg.torch, cfg.preprocess.dtype)
+        self._channels_last = cfg.torch.channels_last  # read by _call, probes included
         self._cuda_graphs = cfg.torch.cuda_graphs and not on_cpu
         loaded = load_program(torch, path, self._device)
         self._bounds = loaded.bounds or {}
@@ -150,7 +150,6 @@ class TorchEngine:
                 )  # fmt: skip
             io = ModelIO((inp,), outputs)
         self._io = io
-        self._channels_last = cfg.torch.channels_last
         self.inputs: tuple[TensorSpec, ...] = ()
         self.outputs: tuple[TensorSpec, ...] = ()
         if not any(t.free_axes for t in (*io.inputs, *io.outputs)):
@@ -208,12 +207,10 @@ class TorchEngine:
             return
         except Exception as exc:  # boundary: a dtype the program's casts refuse
             reason = str(exc)[:200]
-        self._eager = self._eager.to(dtype=torch.float32)
+        # In place (Module.to converts the module itself), so the compiled wrapper,
+        # which has compiled nothing yet, wraps the converted module as it is.
+        self._eager.to(dtype=torch.float32)
         stripped = strip_dtype_asserts(torch, self._eager)
-        if self._module is not self._eager:
-            self._module = torch.compile(
-                self._eager, mode=self._settings.compile, fullgraph=False, dynamic=None
-            )
         self._autocast = True
         try:
             self._probe(io)
@@ -236,8 +233,7 @@ class TorchEngine:
             self._call(self._eager, probe)
 
     def _zeros(self, desc: TensorDesc, rows: int, lengths: Mapping[str, int]) -> Any:
-        dtype = self._torch.float32 if desc.dtype == np.float32 else None
-        dtype = dtype or self._torch.from_numpy(np.zeros(0, desc.dtype)).dtype
+        dtype = self._torch.from_numpy(np.zeros(0, desc.dtype)).dtype
         return self._torch.zeros((rows, *row_shape(desc, lengths)), dtype=dtype,
                                  device=self._device)  # fmt: skip
 

@@ -194,11 +194,8 @@ class Cnn(torch.nn.Module):
 """
 
 
-def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: Path) -> None:
-    """The same weights exported twice, as a .pt2 for the torch engine (channels_last,
-    compiled, every batch bucket warmed) and as ONNX for ONNX Runtime: each padded
-    batch's logits equal ONNX Runtime's on the same pixels."""
-    import onnxruntime as ort
+def cnn(tmp_path: Path) -> tuple[Any, tuple[Any, ...]]:
+    """The small classifier with seeded weights, and an example batch."""
     import torch
 
     src = tmp_path / "cnn_src.py"
@@ -212,10 +209,27 @@ def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: 
     with torch.no_grad():  # batch norm statistics that are not the identity
         model.features[1].running_mean.uniform_(-0.5, 0.5)
         model.features[1].running_var.uniform_(0.5, 2.0)
-    example = (torch.randn(2, 3, 16, 16),)
+    return model, (torch.randn(2, 3, 16, 16),)
+
+
+def export_cnn(model: Any, example: tuple[Any, ...], tmp_path: Path) -> Path:
+    import torch
+
     batch = torch.export.Dim("batch", min=1, max=64)
     pt2 = tmp_path / "cnn.pt2"
     torch.export.save(torch.export.export(model, example, dynamic_shapes=({0: batch},)), str(pt2))
+    return pt2
+
+
+def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: Path) -> None:
+    """The same weights exported twice, as a .pt2 for the torch engine (channels_last,
+    compiled, every batch bucket warmed) and as ONNX for ONNX Runtime: each padded
+    batch's logits equal ONNX Runtime's on the same pixels."""
+    import onnxruntime as ort
+    import torch
+
+    model, example = cnn(tmp_path)
+    pt2 = export_cnn(model, example, tmp_path)
     onnx_path = tmp_path / "cnn.onnx"
     torch.onnx.export(model, example, str(onnx_path), input_names=["image"],
                       output_names=["logits"], dynamic_axes={"image": {0: "batch"}},
@@ -250,4 +264,43 @@ def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: 
             got = dense(slot.engine_outputs[out.name], n, shapes[out.name])
             (want,) = session.run(None, {"image": pixels})
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    engine.close()
+
+
+@pytest.mark.parametrize("form", ["torchscript", "pt2-bfloat16"])
+def test_an_image_model_loads_in_channels_last_in_every_form(tmp_path: Path, form: str) -> None:
+    """Loading runs the module once before the first slot (a TorchScript file's
+    outputs are probed; a converted program is checked to run at all): with
+    channels_last on, for an image model as a TorchScript file and as a bfloat16
+    program, which then answers close to the module in float32."""
+    import torch
+
+    from worker.config import PreprocessConfig
+    from worker.engines.torch import TorchEngine
+
+    model, example = cnn(tmp_path)
+    if form == "torchscript":
+        path = tmp_path / "cnn.pt"
+        torch.jit.save(torch.jit.trace(model, example), str(path))
+        precision, rtol = "float32", 1e-4
+    else:
+        path = export_cnn(model, example, tmp_path)
+        precision, rtol = "bfloat16", 5e-2
+    torch_cfg = TorchConfig(precision=precision, channels_last=True, cuda_graphs=False)  # type: ignore[arg-type]
+    pp = PreprocessConfig(size=(16, 16), channels=3, mean=(0.0,) * 3, std=(1.0,) * 3)
+    cfg = ModelConfig(path=str(path), backend="torch", torch=torch_cfg, preprocess=pp)
+    engine = TorchEngine(path, cfg, device="cpu", max_batch_size=4)
+    assert not engine._autocast  # the program converts: no fallback was needed
+    (image,) = engine.inputs
+    engine.prepare(SlotShapes((1, 2, 4)))
+    slot = host_slot(engine, 4)
+    slot.context = engine.create_context(slot)
+    pixels = np.random.default_rng(2).normal(size=(3, 3, 16, 16)).astype(np.float32)
+    dense(slot.engine_inputs[image.name], 3, (3, 16, 16))[:] = pixels
+    shapes = engine.enqueue(slot, 3, {})
+    (out,) = engine.outputs
+    with torch.no_grad():
+        want = model(torch.from_numpy(pixels)).numpy()
+    got = dense(slot.engine_outputs[out.name], 3, shapes[out.name]).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
     engine.close()
