@@ -19,6 +19,7 @@ from worker.config import Settings
 from worker.contract import Request
 from worker.engines import Engine, GpuEngine, is_gpu_backend, load_engine
 from worker.engines.buckets import bucket_sizes
+from worker.inputs import ModelInputs, bind
 from worker.records import Answer, Job, TopicPartition
 
 # The engine runs until its time is up or it ran this often, after a warm-up.
@@ -62,54 +63,67 @@ def engine_rate(settings: Settings, requests: Sequence[Request], seconds: float)
     """Requests/s (images or texts) of the run's engine alone at
     ``batching.max_batch_size``."""
     engine = load_run_engine(settings)
+    inputs = bind(settings.model, engine.info.io, settings.limits, settings.batching)
     try:
         if is_gpu_backend(settings.model.backend):
-            per_batch = gpu_batch_seconds(cast(GpuEngine, engine), settings, seconds)
+            rows, per_batch = gpu_batch_seconds(cast(GpuEngine, engine), settings, inputs, seconds)
         else:
-            per_batch = cpu_batch_seconds(engine, settings, requests, seconds)
+            rows = settings.batching.max_batch_size
+            per_batch = cpu_batch_seconds(engine, inputs, requests, rows, seconds)
     finally:
         engine.close()
-    return settings.batching.max_batch_size / per_batch
+    return rows / per_batch
 
 
 def cpu_batch_seconds(
-    engine: Engine, settings: Settings, requests: Sequence[Request], seconds: float
+    engine: Engine, inputs: ModelInputs, requests: Sequence[Request], rows: int, seconds: float
 ) -> float:
-    from worker.inputs import bind
-
-    inputs = bind(settings.model, engine.info.io, settings.limits)
+    """One batch of ``rows`` requests, checked, prepared, grouped by length and
+    collated once as the CPU stage does it; its runs timed over and over."""
     answers = []
-    for i in range(settings.batching.max_batch_size):
+    for i in range(rows):
         job = Job(TopicPartition("bench", 0), i, None, arrived=0.0, deadline=None)
         job.inputs, job.lengths = inputs.check(requests[i % len(requests)])
         answers.append(Answer(job))
     if len(inputs.prepare(answers)) != len(answers):
         raise ValueError(f"a benchmark request was refused: {[a.error for a in answers]}")
-    feeds = inputs.collate(answers).feeds
+    runs = [inputs.collate(group).feeds for group in inputs.groups(answers)]
+
+    def batch() -> None:
+        for feeds in runs:
+            engine.run(feeds)
+
     for _ in range(ENGINE_WARM_RUNS):
-        engine.run(feeds)
-    return timed(lambda: engine.run(feeds), lambda: None, seconds)
+        batch()
+    return timed(batch, lambda: None, seconds)
 
 
-def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> float:
+def gpu_batch_seconds(
+    engine: GpuEngine, settings: Settings, inputs: ModelInputs, seconds: float
+) -> tuple[int, float]:
     """One slot made as the GPU stage makes it (``worker.inference.gpu.stage``:
     the layout, the buffers, the engine's context, which warms and captures
     every bucket); then the largest batch enqueued on the slot's stream over and
-    over, synchronised once at the end. The input holds random normal values,
-    not zeros: matrix units can run faster on zeros (13% for a bf16 product on an
-    H200 of this workplace) and would flatter the engine."""
+    over, at the longest lengths, synchronised once at the end. Returns the
+    rows run (the largest batch, at least the engine's smallest) and the seconds
+    per run. Floating inputs hold random normal values, not zeros: matrix units
+    can run faster on zeros (13% for a bf16 product on an H200 of this
+    workplace) and would flatter the engine; integer ones (token ids) stay 0, an
+    id every vocabulary has."""
     import cupy
 
-    from worker.engines.base import SlotShapes
+    from worker.inference.gpu.plan import slot_shapes
     from worker.inference.gpu.slots import Allocations, Slot, SlotLayout
 
     device = settings.gpu.device
-    n = settings.batching.max_batch_size
     b = settings.batching
-    engine.prepare(SlotShapes(bucket_sizes(max(n, engine.min_batch_size), b.preferred_batch_sizes)))
+    shapes = slot_shapes(inputs, b.max_batch_size, b.preferred_batch_sizes,
+                         inputs.length_buckets, engine.min_batch_size)  # fmt: skip
+    engine.prepare(shapes)
+    rows, lengths = shapes.batches[-1], shapes.max_lengths
     layout = SlotLayout(
         device=device,
-        max_batch_size=max(n, engine.min_batch_size),
+        max_batch_size=rows,
         engine_inputs=engine.inputs,
         engine_outputs=engine.outputs,
     )
@@ -120,11 +134,16 @@ def gpu_batch_seconds(engine: GpuEngine, settings: Settings, seconds: float) -> 
             # The buffers were zero-filled on the legacy default stream (see the stage).
             cupy.cuda.runtime.deviceSynchronize()
             for x in slot.engine_inputs.values():
-                x[...] = cupy.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+                if x.dtype.kind == "f":
+                    x[...] = cupy.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
             cupy.cuda.runtime.deviceSynchronize()
             for _ in range(ENGINE_WARM_RUNS):
-                engine.enqueue(slot, n, {})
+                engine.enqueue(slot, rows, lengths)
             slot.stream.synchronize()
-            return timed(lambda: engine.enqueue(slot, n, {}), slot.stream.synchronize, seconds)
+
+            def step() -> None:
+                engine.enqueue(slot, rows, lengths)
+
+            return rows, timed(step, slot.stream.synchronize, seconds)
     finally:
         slot.close()
