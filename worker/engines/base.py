@@ -107,6 +107,16 @@ class TensorSpec:
         return TensorDesc(self.name, self.dtype, self.shape)
 
 
+ShapeKey = tuple[int, tuple[tuple[str, int], ...]]
+"""A run's shape: its batch bucket and its length per padded symbol."""
+
+
+def shape_key(batch: int, lengths: Mapping[str, int]) -> ShapeKey:
+    """The one key an engine files a shape's graph, context state and output
+    shapes under, and finds them by (lengths in symbol order)."""
+    return batch, tuple(sorted(lengths.items()))
+
+
 @dataclass(frozen=True)
 class SlotShapes:
     """Every shape a slot's engine runs: the batch buckets, and for each padded

@@ -62,10 +62,12 @@ from worker.engines.base import (
     EngineInfo,
     EngineSlot,
     Feeds,
+    ShapeKey,
     SlotShapes,
     TensorSpec,
     content_version,
     row_shape,
+    shape_key,
 )
 from worker.engines.buckets import bucket_for, bucket_sizes
 from worker.engines.cuda import import_cupy, translate_gpu_error
@@ -81,13 +83,7 @@ log = structlog.get_logger(__name__)
 
 _THREAD_LOCAL_CAPTURE = 1  # cudaStreamCaptureModeThreadLocal
 
-Key = tuple[int, tuple[tuple[str, int], ...]]
-
 __all__ = ["TensorRTEngine", "import_tensorrt", "make_logger", "numpy_dtype"]
-
-
-def _key(batch: int, lengths: Mapping[str, int]) -> Key:
-    return batch, tuple(sorted(lengths.items()))
 
 
 @dataclass
@@ -96,12 +92,12 @@ class _Context:
 
     context: Any  # trt.IExecutionContext
     combos: list[tuple[int, dict[str, int]]]  # the shapes this slot runs, largest first
-    key: Key | None = None  # the current input shapes
+    key: ShapeKey | None = None  # the current input shapes
     # The largest shape's graph, valid only while the shapes have not changed since
     # it was captured (None: none yet, or discarded by a change).
     graph: Any = None
     graph_failed: bool = False  # a capture failed on this slot: never try again
-    shapes: dict[Key, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    shapes: dict[ShapeKey, dict[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class TensorRTEngine:
@@ -295,7 +291,7 @@ class TensorRTEngine:
             self._set_shapes(c, bucket, lengths)
             if c.graph is not None:
                 c.graph.launch(stream)
-                return c.shapes[_key(bucket, lengths)]
+                return c.shapes[shape_key(bucket, lengths)]
             self._execute(c, stream)
         except (InferenceFailed, EngineDead):
             raise
@@ -307,12 +303,12 @@ class TensorRTEngine:
             # shape, then capture) allows a capture now, replayed from the next.
             c.graph = self._capture(c, stream)
             c.graph_failed = c.graph is None
-        return c.shapes[_key(bucket, lengths)]
+        return c.shapes[shape_key(bucket, lengths)]
 
     def _set_shapes(self, c: _Context, batch: int, lengths: Mapping[str, int]) -> None:
         """Set the inputs' shapes when they change; that invalidates the graph. The
         outputs' shapes for these inputs are read once and kept."""
-        key = _key(batch, lengths)
+        key = shape_key(batch, lengths)
         if c.key == key:
             return
         c.graph, c.key = None, None  # unknown until it succeeds

@@ -51,11 +51,13 @@ from worker.engines.base import (
     EngineInfo,
     EngineSlot,
     Feeds,
+    ShapeKey,
     SlotShapes,
     TensorSpec,
     content_version,
     dense,
     row_shape,
+    shape_key,
 )
 from worker.engines.buckets import bucket_for, bucket_sizes
 from worker.engines.cuda import translate_gpu_error
@@ -79,22 +81,14 @@ log = structlog.get_logger(__name__)
 # The model's loading and preparation live in torch_module; importable from here.
 __all__ = ["TorchEngine", "compute_dtype", "import_torch", "load_module", "prepare_module"]
 
-Key = tuple[int, tuple[tuple[str, int], ...]]
-"""A run's shape: its batch bucket and its length per padded symbol."""
-
-
-def key_of(batch: int, lengths: Mapping[str, int]) -> Key:
-    return batch, tuple(sorted(lengths.items()))
-
-
 @dataclass
 class _Context:
     stream: Any  # torch.cuda.ExternalStream over the slot's stream (None on CPU)
     inputs: dict[str, Any]  # torch views of slot.engine_inputs
     outputs: dict[str, Any]  # torch views of slot.engine_outputs
     rows: int  # the slot's buffers' batch rows
-    graphs: dict[Key, Any] = field(default_factory=dict)  # shape -> torch.cuda.CUDAGraph
-    shapes: dict[Key, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # out rows
+    graphs: dict[ShapeKey, Any] = field(default_factory=dict)  # shape -> torch.cuda.CUDAGraph
+    shapes: dict[ShapeKey, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # out rows
 
 
 class TorchEngine:
@@ -337,7 +331,7 @@ class TorchEngine:
                 )
             dense(c.outputs[spec.name], rows, row).copy_(t)  # on the current stream
             shapes[spec.name] = row
-        c.shapes[key_of(rows, lengths)] = shapes
+        c.shapes[shape_key(rows, lengths)] = shapes
 
     def _mark_dynamic(self, x: Any, desc: TensorDesc) -> None:
         # maybe_: a model whose code specialises a marked dimension compiles for
@@ -363,7 +357,7 @@ class TorchEngine:
         c: _Context = slot.context
         try:
             bucket = bucket_for(batch_size, [b for b in self.shapes.batches if b <= c.rows])
-            key = key_of(bucket, lengths)
+            key = shape_key(bucket, lengths)
             graph = c.graphs.get(key)
             on_stream = (
                 torch.cuda.stream(c.stream) if c.stream is not None else contextlib.nullcontext()

@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from worker.engines.base import shape_key
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 
 log = structlog.get_logger(__name__)
@@ -35,10 +36,6 @@ class Context(Protocol):
 
 RunInto = Callable[[Any, int, Mapping[str, int], bool], None]
 """Runs the module on (context, rows, lengths, mark dynamic dims)."""
-
-
-def _key(batch: int, lengths: Mapping[str, int]) -> tuple[int, tuple[tuple[str, int], ...]]:
-    return batch, tuple(sorted(lengths.items()))
 
 
 def warm(
@@ -108,7 +105,7 @@ def capture(
                 ):
                     run_into(c, batch, lengths, False)
                 pool = graph.pool() if pool is None else pool
-                c.graphs[_key(batch, lengths)] = graph
+                c.graphs[shape_key(batch, lengths)] = graph
     except Exception as exc:  # boundary: a model that cannot be captured
         raise ConfigError(
             f"model.torch.cuda_graphs: the model cannot be captured as a CUDA graph "
