@@ -25,8 +25,8 @@ from worker.engines.base import TensorSpec
 from worker.errors import ConfigError
 from worker.inference.gpu.nvjpeg import NvJpeg, check_config, device_image
 from worker.inference.gpu.slots import DeviceImage, pack_batch
-from worker.inference.gpu.stage import (
-    GpuInferenceStage,
+from worker.inference.gpu.stage import GpuInferenceStage
+from worker.inference.gpu.staging import (
     reject_oversized,
     route_encoded,
     split_chunks,

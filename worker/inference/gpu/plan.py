@@ -18,7 +18,7 @@ import numpy as np
 
 from worker.config import ModelConfig, PostprocessConfig
 from worker.engines.base import GpuEngine, SlotShapes, TensorSpec
-from worker.engines.buckets import bucket_sizes
+from worker.engines.buckets import bucket_sizes, slot_buckets
 from worker.errors import ConfigError
 from worker.inputs import ModelInputs
 from worker.inputs.base import InputKind
@@ -148,8 +148,8 @@ def slot_shapes(
             )
         lengths.append((symbol, length_buckets_to(bound, length_buckets)))
     rows = max(max_batch_size, min_batch_size)
-    batches = tuple(sorted({max(b, min_batch_size) for b in bucket_sizes(rows, preferred)}))
-    return SlotShapes(batches, tuple(lengths))
+    return SlotShapes(slot_buckets(bucket_sizes(rows, preferred), rows, min_batch_size),
+                      tuple(lengths))  # fmt: skip
 
 
 def length_buckets_to(bound: int, configured: tuple[int, ...] = ()) -> tuple[int, ...]:

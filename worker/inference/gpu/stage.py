@@ -63,7 +63,6 @@ from worker.inference.gpu.staging import (
     needs_host_work,
     prepare_on_host,
     reject_oversized,
-    route_encoded,
     split_chunks,
     staged_bytes,
 )
@@ -74,16 +73,6 @@ from worker.records import Answer, Batch, Completed, Job
 from worker.streams import end_of_stream
 
 log = structlog.get_logger(__name__)
-
-# The staging helpers are importable from here too (tests, older callers).
-__all__ = [
-    "GpuInferenceStage",
-    "OnDevice",
-    "reject_oversized",
-    "route_encoded",
-    "split_chunks",
-    "staged_bytes",
-]
 
 
 def _check_sizes(engine: GpuEngine, max_batch_size: int, slots: int) -> None:
