@@ -215,11 +215,15 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
     """A small record for what could not be produced as it is (too large for
     the producer, or refused for good by the broker): results become a ``code``
     error result without outputs or meta; DLQ records keep their headers but not
-    the value, which is noted in a header. Stage ``produce`` either way."""
+    the value, which is noted in a header. Stage ``produce`` either way. The
+    record's trace context goes with it whatever it becomes: a failure is what a
+    trace is most often read for."""
     job = out.job
+    trace = [h for h in out.headers if h[0] in ("traceparent", "tracestate")]
     if out.kind == "dlq":
         headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
         headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
+        headers += trace
         # b"" rather than None: a record needs a key or a value.
         return Outgoing(
             job, out.topic, out.key, b"", headers, "dlq", out.seq,
@@ -228,8 +232,7 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
     error = ErrorInfo(code, f"{reason} (stage produce)")
     if job.wire == "oip":
         value = encode_oip_result(out.request_id, model, job.source, {}, None, error=error)
-        headers = [("id", out.request_id.encode()), ("content-type", JSON.encode())]
-        headers += [h for h in out.headers if h[0] in ("traceparent", "tracestate")]
+        headers = [("id", out.request_id.encode()), ("content-type", JSON.encode()), *trace]
         return Outgoing(job, out.topic, out.key, value, headers, "error", out.seq,
                         request_id=out.request_id, fallback=True, error=error)  # fmt: skip
     result = Result(
@@ -244,7 +247,7 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
         out.topic,
         out.key,
         encode_result(result),
-        [("id", out.request_id.encode())],
+        [("id", out.request_id.encode()), *trace],
         "error",
         out.seq,
         request_id=out.request_id,

@@ -8,8 +8,9 @@ import pytest
 
 from worker.contract import ModelInfo, Request, Tensor, decode_result, encode_result
 from worker.errors import UndecodableRecord
-from worker.pipeline.outgoing import Topics, build_result, outgoing
+from worker.pipeline.outgoing import Topics, build_result, fallback, outgoing
 from worker.records import Answer, Job, TopicPartition
+from worker.tracing import TraceContext
 
 MODEL = ModelInfo("digits", "abc123")
 TOPICS = Topics(output="out", dlq="dlq")
@@ -70,3 +71,20 @@ def test_a_result_over_the_size_limit_becomes_a_small_too_large_error() -> None:
     assert out.fallback and out.kind == "error"
     res = decode_result(out.value or b"")
     assert res.error is not None and res.error.code == "too_large" and res.id == "req-7"
+
+
+def test_a_fallback_keeps_the_records_trace_context() -> None:
+    """What the broker refused for good is replaced by a small record; the trace
+    context the original carried goes with it, result or DLQ record alike."""
+    trace = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "01", b"k=v")
+    result = outgoing(_answer({"x": np.zeros(2, np.float32)}, None), MODEL, TOPICS, seq=1,
+                      now=11.0, max_bytes=1 << 20, trace=trace)  # fmt: skip
+    job = Job(TopicPartition("in", 0), 5, b"key", arrived=0.0, deadline=None)
+    job.failure = UndecodableRecord("not msgpack")
+    job.raw_value = b"\xc1garbage"
+    dlq = outgoing(Answer(job), MODEL, TOPICS, seq=2, now=1.0, max_bytes=1 << 20, trace=trace)
+    for out in (result, dlq):
+        replaced = fallback(out, "too_large", "refused by the broker", MODEL)
+        assert replaced.fallback and replaced.kind == out.kind.replace("ok", "error")
+        kept = [h for h in replaced.headers if h[0] in ("traceparent", "tracestate")]
+        assert kept == trace.headers()
