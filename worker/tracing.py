@@ -184,6 +184,8 @@ def answer_span(
     from worker.contract import ErrorInfo
 
     job = answer.job
+    if not tracer.exporting:  # only the child context is carried: nothing to record
+        return tracer.span(job.trace, {}, (), 0, 0)
     start = wall_ns(job.arrived)
     events: list[tuple[str, float]] = []
     at = start
