@@ -34,9 +34,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from worker.contract.encoded import EncodedImage, sniff_format
+from worker.contract.encoded import EncodedImage
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.requests import InputValue, Request
+from worker.contract.requests import InputValue, Request, decode_encoded, decode_text
 from worker.contract.results import ErrorInfo, ModelInfo, Result, Source
 from worker.contract.tensors import Tensor
 from worker.contract.wire import kind, short_name
@@ -229,16 +229,8 @@ def _bytes(
             raw = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest(f"{path}.data: not base64 ({exc})") from None
-        if len(raw) > limits.max_tensor_bytes:
-            raise TensorTooLarge(f"{path}: file of {len(raw)} bytes; the limit is "
-                                 f"{limits.max_tensor_bytes}")  # fmt: skip
-        fmt = sniff_format(raw)
-        if fmt is None:
-            raise InvalidRequest(f"{path}: base64 data is not a JPEG, PNG or WebP file")
-        return EncodedImage(fmt, raw)
-    if len(text.encode("utf-8", "surrogatepass")) > limits.max_text_bytes:
-        raise TensorTooLarge(f"{path}: text of more than {limits.max_text_bytes} UTF-8 bytes")
-    return text
+        return decode_encoded(raw, path, limits, what="base64 data", hint="")
+    return decode_text(text, path, limits)
 
 
 # --- results ------------------------------------------------------------------------

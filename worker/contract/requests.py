@@ -162,17 +162,17 @@ def _decode_inputs(obj: dict[str, Any], limits: Limits) -> dict[str, InputValue]
             raise InvalidRequest(f"inputs: tensor names must be str, got {kind(name)}")
         path = f"inputs.{short_name(name)}"
         if isinstance(raw, bytes):
-            inputs[name] = _decode_encoded(raw, path, limits)
+            inputs[name] = decode_encoded(raw, path, limits)
         elif isinstance(raw, str):
-            inputs[name] = _decode_text(raw, path, limits)
+            inputs[name] = decode_text(raw, path, limits)
         else:
             inputs[name] = decode_tensor(raw, path, limits)
     return inputs
 
 
-def _decode_text(raw: str, path: str, limits: Limits) -> str:
+def decode_text(raw: str, path: str, limits: Limits) -> str:
     """A str input is a text, for the model's tokenizer (checked against the model's
-    inputs at intake: only a text input takes one)."""
+    inputs at intake: only a text input takes one). Both wire formats use it."""
     nbytes = len(raw.encode("utf-8", "surrogatepass"))
     if nbytes > limits.max_text_bytes:
         raise TensorTooLarge(
@@ -181,8 +181,15 @@ def _decode_text(raw: str, path: str, limits: Limits) -> str:
     return raw
 
 
-def _decode_encoded(raw: bytes, path: str, limits: Limits) -> EncodedImage:
-    """A bin input is an image file: JPEG, PNG or WebP by its magic bytes."""
+def decode_encoded(
+    raw: bytes,
+    path: str,
+    limits: Limits,
+    what: str = "bin",
+    hint: str = "; send an image file or a tensor map {dtype, shape, data}",
+) -> EncodedImage:
+    """A bin input (``what``: how the request carried the bytes) is an image file:
+    JPEG, PNG or WebP by its magic bytes. Both wire formats use it."""
     if len(raw) > limits.max_tensor_bytes:
         raise TensorTooLarge(
             f"{path}: encoded image of {len(raw)} bytes; the limit is {limits.max_tensor_bytes}"
@@ -190,9 +197,8 @@ def _decode_encoded(raw: bytes, path: str, limits: Limits) -> EncodedImage:
     fmt = sniff_format(raw)
     if fmt is None:
         raise InvalidRequest(
-            f"{path}: bin is not a JPEG, PNG or WebP file (starts with "
-            f"{raw[:8].hex() or 'nothing'}); send an image file or a tensor map "
-            "{dtype, shape, data}"
+            f"{path}: {what} is not a JPEG, PNG or WebP file (starts with "
+            f"{raw[:8].hex() or 'nothing'}){hint}"
         )
     return EncodedImage(fmt, raw)
 
