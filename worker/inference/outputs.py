@@ -64,17 +64,6 @@ class OutputPlan:
                 self.cuts[desc.name] = cuts
         self.used = tuple(dict.fromkeys((*self.passed, self.raw_name)))
 
-    @property
-    def forms(self) -> tuple[str, ...]:
-        """Names of the postprocessed forms a result carries (``active`` only)."""
-        p = self.post
-        names = [self.raw_name] if p.include_raw else []
-        if p.top_k:
-            names += ["topk_indices", "topk_scores"]
-        elif p.softmax:
-            names.append("probabilities")
-        return tuple(names)
-
     def scatter(
         self,
         raw: Mapping[str, np.ndarray],

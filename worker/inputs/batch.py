@@ -13,6 +13,7 @@ their order (the batch completes as one).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -87,9 +88,6 @@ class ModelInputs:
                 else:
                     out.setdefault(symbol, 0)
         return out
-
-    def describe(self) -> list[str]:
-        return [k.describe() for k in self.kinds]
 
     # --- intake (event loop, per record) -------------------------------------------
 
@@ -214,10 +212,11 @@ class ModelInputs:
             for feed in kind.feeds:
                 if not feed.free_axes or not set(feed.symbols()) <= self.symbols.keys():
                     continue
-                fixed = int(np.prod([d for d in feed.shape if isinstance(d, int)] or [1]))
+                # math.prod, not np.prod: a few ints per row, on the stage's thread
+                fixed = math.prod(d for d in feed.shape if isinstance(d, int))
                 syms = feed.symbols()
-                width = int(np.prod([padded[s] for s in syms]))
-                total += fixed * width * len(answers)
-                for a in answers:
-                    real += fixed * int(np.prod([a.job.lengths.get(s, 1) for s in syms]))
+                total += fixed * math.prod(padded[s] for s in syms) * len(answers)
+                real += fixed * sum(
+                    math.prod(a.job.lengths.get(s, 1) for s in syms) for a in answers
+                )
         return real, total
