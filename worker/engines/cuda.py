@@ -62,6 +62,13 @@ _DEAD_MESSAGES: Final = (
 )
 
 
+def buffer_address(array: Any) -> int:
+    """The first byte's address of a CuPy (device) or NumPy (host) array: what a
+    zero-copy DLPack import must point at."""
+    data = array.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(array.ctypes.data)
+
+
 def cuda_status(exc: BaseException) -> int | None:
     """The CUDA status code carried by a CuPy runtime/driver error, if any."""
     status = getattr(exc, "status", None)

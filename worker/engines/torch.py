@@ -60,7 +60,7 @@ from worker.engines.base import (
     shape_key,
 )
 from worker.engines.buckets import bucket_for, bucket_sizes
-from worker.engines.cuda import translate_gpu_error
+from worker.engines.cuda import buffer_address, translate_gpu_error
 from worker.engines.torch_module import (
     compute_dtype,
     import_torch,
@@ -290,9 +290,7 @@ class TorchEngine:
             inputs = {s.name: torch.from_dlpack(slot.engine_inputs[s.name]) for s in self.inputs}
             outputs = {s.name: torch.from_dlpack(slot.engine_outputs[s.name]) for s in self.outputs}
         for name, view in inputs.items():
-            buffer = slot.engine_inputs[name]
-            address = int(buffer.data.ptr) if hasattr(buffer.data, "ptr") else buffer.ctypes.data
-            if view.data_ptr() != address:
+            if view.data_ptr() != buffer_address(slot.engine_inputs[name]):
                 raise ConfigError(f"torch: DLPack import of the slot's input {name!r} made a copy")
         rows = int(next(iter(inputs.values())).shape[0])
         context = _Context(stream, inputs, outputs, rows)

@@ -65,7 +65,7 @@ from worker import metrics
 from worker.config import PreprocessConfig
 from worker.contract import EncodedImage
 from worker.contract.jpeg import read_frame
-from worker.engines.cuda import translate_gpu_error
+from worker.engines.cuda import buffer_address, translate_gpu_error
 from worker.errors import ConfigError, EngineDead
 from worker.inference.decode import decode_pending
 from worker.inference.gpu.slots import DeviceImage, Slot
@@ -221,7 +221,7 @@ class NvJpeg:
             if self._on_cuda:
                 stream = torch.cuda.ExternalStream(int(slot.stream.ptr), device=self._target)
             packed = torch.from_dlpack(slot.dev_packed)
-        if packed.data_ptr() != _address(slot.dev_packed):
+        if packed.data_ptr() != buffer_address(slot.dev_packed):
             raise ConfigError("gpu.decode: the DLPack import of the slot's staging made a copy")
         self._views[slot.index] = _SlotViews(stream, packed)
 
@@ -315,9 +315,3 @@ class NvJpeg:
                 hwc.view(image.height, image.width, image.channels).copy_(
                     image.pixels.permute(1, 2, 0)
                 )
-
-
-def _address(array: Any) -> int:
-    """The first byte's address of a CuPy (device) or NumPy (host) array."""
-    data = array.data
-    return int(data.ptr) if hasattr(data, "ptr") else int(array.ctypes.data)
