@@ -32,6 +32,7 @@ from worker.config import ModelConfig
 from worker.engines.base import resolve_model_path
 from worker.engines.onnxruntime import OnnxRuntimeEngine
 from worker.inference.preprocess import preprocess
+from worker.inputs.image import resolve
 
 OPS = ["Flatten", "Gemm", "Relu", "Gemm"]
 GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}
@@ -89,7 +90,11 @@ def held_out_batch() -> tuple[np.ndarray, np.ndarray]:
     """The bundled held-out samples, preprocessed as the worker does: (x, labels)."""
     with np.load(Path(str(files("worker") / "models" / "digits_samples.npz"))) as npz:
         images, labels = list(npz["images"]), np.asarray(npz["labels"])
-    return preprocess(images, ModelConfig().preprocess), labels
+    cfg = ModelConfig()
+    engine = OnnxRuntimeEngine(resolve_model_path(cfg.path), cfg)
+    pre = resolve(cfg.preprocess, engine.info.io.inputs[0])  # as the worker binds it
+    engine.close()
+    return preprocess(images, pre), labels
 
 
 def onnxruntime_logits(x: np.ndarray) -> np.ndarray:

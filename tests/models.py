@@ -3,9 +3,13 @@ stages or jobs without a worker process."""
 
 from __future__ import annotations
 
-from worker.config import LimitsConfig, ModelConfig
+from typing import Any
+
+from worker.config import LimitsConfig, ModelConfig, PreprocessConfig
 from worker.engines import load_engine
+from worker.inference.preprocess import ImagePreprocess
 from worker.inputs import ModelInputs, bind
+from worker.inputs.image import resolve_declared
 
 
 def model_inputs(
@@ -18,3 +22,11 @@ def model_inputs(
         return bind(cfg, engine.info.io, limits or LimitsConfig())
     finally:
         engine.close()
+
+
+def image_pre(**settings: Any) -> ImagePreprocess:
+    """Preprocessing from ``[model.preprocess]`` keys, completed as the worker
+    completes them; size and channels default to the bundled digits model's
+    (8x8, grey), which these tests were written for."""
+    cfg = PreprocessConfig(**{"size": (8, 8), "channels": 1, **settings})
+    return resolve_declared(cfg, "tests give the size")

@@ -12,9 +12,27 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.config import Settings, load_settings
+from worker.engines import load_engine
 from worker.engines.base import resolve_model_path
 from worker.inference.postprocess import postprocess
-from worker.inference.preprocess import preprocess
+from worker.inference.preprocess import ImagePreprocess, preprocess
+from worker.inputs import bind
+from worker.inputs.image import ImageKind
+
+
+def image_preprocess(settings: Settings) -> ImagePreprocess:
+    """The image input's preprocessing exactly as the worker binds it (its settings
+    completed from the model file)."""
+    engine = load_engine(settings.model)
+    try:
+        kind = bind(settings.model, engine.info.io, settings.limits).kinds[0]
+    finally:
+        engine.close()
+    if not isinstance(kind, ImageKind):
+        raise SystemExit(
+            f"the peers serve an image model; {settings.model.path} takes a {kind.kind}"
+        )
+    return kind.cfg
 
 
 class Model:
@@ -25,6 +43,7 @@ class Model:
         )
         self._in = self._session.get_inputs()[0].name
         self._out = s.model.output or self._session.get_outputs()[0].name
+        self._pre = image_preprocess(s)
 
     def answer(
         self, values: Sequence[bytes], sources: Sequence[tuple[str, int, int]]
@@ -37,7 +56,7 @@ class Model:
             t = req["inputs"]["image"]
             images.append(np.frombuffer(t["data"], np.uint8).reshape(t["shape"]))
         m = self.settings.model
-        batch = preprocess(images, m.preprocess)
+        batch = preprocess(images, self._pre)
         raw = self._session.run([self._out], {self._in: batch})[0]
         out = postprocess(raw, m.postprocess, self._out)
         total = round((time.monotonic() - started) * 1e6)

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.config import PreprocessConfig
+from tests.models import image_pre
 from worker.inference.gpu import kernels
 from worker.inference.gpu.slots import pack_images
 from worker.inference.postprocess import softmax, top_k
-from worker.inference.preprocess import batch_shape, preprocess
+from worker.inference.preprocess import ImagePreprocess, batch_shape, preprocess
 
 pytestmark = pytest.mark.gpu
 
@@ -41,15 +41,15 @@ SOFTMAX_RTOL = 1e-5
 SOFTMAX_ATOL = 1e-6
 
 CONFIGS = {
-    "digits-nchw-f32": PreprocessConfig(),
-    "rgb-nhwc-f32": PreprocessConfig(
+    "digits-nchw-f32": image_pre(),
+    "rgb-nhwc-f32": image_pre(
         size=(224, 224), channels=3, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
         layout="NHWC",
     ),
-    "rgb-nchw-f16": PreprocessConfig(
+    "rgb-nchw-f16": image_pre(
         size=(64, 48), channels=3, mean=(0.5, 0.5, 0.5), std=(0.25, 0.5, 1.0), dtype="float16",
     ),
-    "rgba-nhwc-f16": PreprocessConfig(
+    "rgba-nhwc-f16": image_pre(
         size=(17, 31), channels=4, mean=(0.1, 0.2, 0.3, 0.4), std=(1.0, 2.0, 3.0, 0.5),
         layout="NHWC", dtype="float16",
     ),
@@ -70,7 +70,7 @@ def _random_images(rng: np.random.Generator, n: int, channels: int) -> list[np.n
     return images
 
 
-def _gpu_preprocess(cp: Any, images: list[np.ndarray], cfg: PreprocessConfig) -> np.ndarray:
+def _gpu_preprocess(cp: Any, images: list[np.ndarray], cfg: ImagePreprocess) -> np.ndarray:
     total = sum(img.size for img in images)
     packed = np.zeros(total, np.uint8)
     table = np.zeros((len(images), 3), np.int64)
@@ -106,7 +106,7 @@ def test_preprocess_matches_numpy(cp: Any, name: str, batch: int | str) -> None:
 
 
 def test_preprocess_of_single_channel_2d_images(cp: Any) -> None:
-    cfg = PreprocessConfig()
+    cfg = image_pre()
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (h, w), dtype=np.uint8) for h, w in [(5, 9), (8, 8)]]
     got = _gpu_preprocess(cp, images, cfg)

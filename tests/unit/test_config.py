@@ -89,7 +89,7 @@ def test_string_list_keeps_names_that_look_like_toml(raw: str, topics: tuple[str
         ("[kafka]\nsecurity_protocol = 'TLS'\n", {}, "kafka.security_protocol"),
         ("[kafka]\noutput_topic = 'infer.requests'\n", {}, "kafka.output_topic"),
         ("[model]\nbackend = 'tensorflow'\n", {}, "model.backend"),
-        ("[model.preprocess]\nchannels = 3\n", {}, "model.preprocess.mean"),
+        ("[model.preprocess]\nchannels = 3\nmean = [0.1, 0.2]\n", {}, "model.preprocess.mean"),
         ("[model.preprocess]\nstd = [0.0]\n", {}, "model.preprocess.std"),
         ("[model.preprocess]\nsize = [8]\n", {}, "model.preprocess.size"),
         ("[kafka]\nsession_timeout_ms = true\n", {}, "kafka.session_timeout_ms"),

@@ -13,11 +13,15 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, Literal, NewType, TypeVar, get_args, get_origin, get_type_hints
 
 from worker.errors import ConfigError
 
 ENV_PREFIX = "INFER_WORKER_"
+
+TomlValue = NewType("TomlValue", object)
+"""A setting that takes a TOML number, boolean or (nested) list of them as it is
+(a constant input's value); kept as nested tuples, so settings stay hashable."""
 
 _T = TypeVar("_T")
 
@@ -88,6 +92,8 @@ def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
 
 
 def _convert(tp: Any, value: Any, name: str) -> Any:
+    if tp is TomlValue:
+        return _toml_value(value, name)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, _EnvValue):
             raise ConfigError(f"{name}: is a section; set its keys instead")
@@ -163,17 +169,45 @@ def _tagged(tp: Any, value: Any, name: str) -> Any:
     if len(members) > 1:
         kinds = {get_type_hints(m)["kind"]: m for m in members}
         by_kind = {get_args(k)[0]: m for k, m in kinds.items()}
-        raw = value.get("kind", get_args(next(iter(kinds)))[0])
-        kind = raw.raw if isinstance(raw, _EnvValue) else raw
-        if kind not in by_kind:
-            choices = ", ".join(repr(k) for k in by_kind)
-            raise ConfigError(f"{name}.kind: {kind!r} is not one of {choices}")
-        cls = by_kind[kind]
+        if "kind" in value:
+            raw = value["kind"]
+            kind = raw.raw if isinstance(raw, _EnvValue) else raw
+            if kind not in by_kind:
+                choices = ", ".join(repr(k) for k in by_kind)
+                raise ConfigError(f"{name}.kind: {kind!r} is not one of {choices}")
+            cls = by_kind[kind]
+        else:
+            # No kind: the first member that has every key given (a table with
+            # ``value`` is a constant; anything else, the first member's kind).
+            keys = set(value)
+            cls = next(
+                (m for m in members if keys <= {f.name for f in dataclasses.fields(m)}),
+                members[0],
+            )
     parent = name.rsplit(".", 1)[0]
     try:
         return _build(cls, value, f"{name}.")
     except ConfigError as exc:
         raise ConfigError(str(exc).replace(f"{parent}.*", name)) from None
+
+
+def _toml_value(value: Any, name: str) -> TomlValue:
+    """A number, a boolean, or a (nested) list of them, kept as nested tuples;
+    from the environment, a TOML literal."""
+    if isinstance(value, _EnvValue):
+        try:
+            value = tomllib.loads(f"v = {value.raw}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{name}: {value.raw!r} is not a TOML number or list") from exc
+
+    def frozen(v: Any) -> Any:
+        if isinstance(v, bool | int | float):
+            return v
+        if isinstance(v, list | tuple) and v:
+            return tuple(frozen(item) for item in v)
+        raise ConfigError(f"{name}: expected a number, a boolean or a list of them, got {value!r}")
+
+    return TomlValue(frozen(value))
 
 
 def _option(value: Any, name: str) -> str | int | float | bool:

@@ -1,12 +1,14 @@
 """``[model]``: which model runs where, and how its inputs and outputs are treated.
 
 A model's inputs are read from the model file; ``[model.inputs.NAME]`` says how
-the request input NAME becomes model inputs, by kind: ``tensor`` (passed through,
-padded on free dimensions), ``image`` (resized and normalised: today's
-``[model.preprocess]`` keys) or ``text`` (tokenized). Model inputs no entry
-claims are tensors of their own name; ``model.input`` + ``[model.preprocess]``
-stay the shorthand for the one image input of a classifier (see
-``worker.inputs.binding`` for how the two meet).
+the request input NAME becomes model inputs, by kind: ``tensor`` (passed through;
+padded on free dimensions only where ``pad`` says that is harmless), ``image``
+(resized and normalised: the ``[model.preprocess]`` keys), ``text`` (tokenized)
+or ``constant`` (``value``: the same every run, not sent by requests). Model
+inputs no entry claims are tensors of their own name; ``model.input`` +
+``[model.preprocess]`` stay the shorthand for the one image input of a
+classifier (see ``worker.inputs.binding`` for how the two meet). Defaults come
+from the model file, never from the bundled model.
 """
 
 from __future__ import annotations
@@ -16,55 +18,103 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.config.checks import check, derive
+from worker.config.loading import TomlValue
 
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    size: tuple[int, int] = (8, 8)  # model input (height, width)
-    channels: int = 1
+    """How an image becomes the model input. A key left unset comes from the
+    model input it feeds (``worker.inputs.image``): its channels, its fixed
+    height and width, its layout and dtype; mean and std default to 0.5 per
+    channel (pixels scaled to [-1, 1])."""
+
+    size: tuple[int, int] | None = None  # model input (height, width)
+    channels: int | None = None
     scale: float = 1.0 / 255.0  # applied to uint8 before mean/std
-    mean: tuple[float, ...] = (0.5,)
-    std: tuple[float, ...] = (0.5,)
-    layout: Literal["NCHW", "NHWC"] = "NCHW"
-    dtype: Literal["float32", "float16"] = "float32"
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    layout: Literal["NCHW", "NHWC"] | None = None
+    dtype: Literal["float32", "float16"] | None = None
     device: Literal["cpu", "gpu"] = "cpu"
 
     def __post_init__(self) -> None:
         p = self.where()
-        check(len(self.size) == 2 and min(self.size) >= 1, f"{p}.size", "must be [height, width]")
-        check(self.channels in (1, 3, 4), f"{p}.channels", "must be 1, 3 or 4")
-        check(len(self.mean) == self.channels, f"{p}.mean", "needs one value per channel")
-        check(len(self.std) == self.channels, f"{p}.std", "needs one value per channel")
-        check(all(s > 0 for s in self.std), f"{p}.std", "values must be > 0")
+        if self.size is not None:
+            check(len(self.size) == 2 and min(self.size) >= 1, f"{p}.size",
+                  "must be [height, width]")  # fmt: skip
+        check(self.channels in (None, 1, 3, 4), f"{p}.channels", "must be 1, 3 or 4")
+        for key, values in (("mean", self.mean), ("std", self.std)):
+            check(
+                values is None or self.channels is None or len(values) in (1, self.channels),
+                f"{p}.{key}",
+                "needs one value per channel",
+            )
+        check(self.std is None or all(s > 0 for s in self.std), f"{p}.std", "values must be > 0")
         check(math.isfinite(self.scale) and self.scale > 0, f"{p}.scale", "must be > 0")
 
     def where(self) -> str:
         """The settings table these keys are read from, for messages."""
         return "model.preprocess"
 
+    @property
+    def given(self) -> bool:
+        """Whether any key was set (``[model.preprocess]`` asks for the classifier
+        shorthand only then)."""
+        return self != PreprocessConfig()
+
 
 @dataclass(frozen=True)
 class TensorInput:
     """``kind = "tensor"``: the request carries a tensor of the model input's
-    dtype; fixed dimensions must match, free ones may differ per request and are
-    padded to the longest in the batch."""
+    dtype; fixed dimensions must match. Requests are batched together only when
+    their free dimensions are equal, unless ``pad`` says padding is harmless for
+    this input: then rows are padded with ``pad_value`` to the longest of their
+    run, and every output that follows a padded dimension is cut back to each
+    request's length (start-up refuses a model whose outputs cannot be)."""
 
     kind: Literal["tensor"] = "tensor"
     feed: str = ""  # the model input it feeds; "" = the one of the request input's name
-    pad_value: float = 0.0
+    # None: derived (true when pad_value is set, as before padding had to be asked for).
+    pad: bool | None = None
+    pad_value: float | None = None  # None: 0
     # A free dimension longer than this is answered too_large; 0 = bounded only by
     # limits.max_tensor_bytes (a GPU engine takes its own maximum).
     max_length: int = 0
 
     def __post_init__(self) -> None:
         check(self.max_length >= 0, "model.inputs.*.max_length", "must be >= 0 (0: no limit)")
-        check(math.isfinite(self.pad_value), "model.inputs.*.pad_value", "must be finite")
+        check(
+            self.pad_value is None or math.isfinite(self.pad_value),
+            "model.inputs.*.pad_value",
+            "must be finite",
+        )
+        if self.pad is None:
+            derive(self, "pad", self.pad_value is not None)
+        if self.pad_value is None:
+            derive(self, "pad_value", 0.0)
+
+
+@dataclass(frozen=True)
+class ConstantInput:
+    """``kind = "constant"`` (implied by ``value``): the same value fed to a model
+    input every run, never sent by a request: a sample rate, a flag, a threshold.
+    The only way to serve an input the whole batch shares (one without a batch
+    dimension, such as a scalar); for a batched input, ``value`` is one row,
+    repeated for every row of the batch."""
+
+    kind: Literal["constant"] = "constant"
+    value: TomlValue | None = None
+    feed: str = ""  # the model input it feeds; "" = the one of its own name
+
+    def __post_init__(self) -> None:
+        check(self.value is not None, "model.inputs.*.value", "a constant input needs a value")
 
 
 @dataclass(frozen=True)
 class ImageInput(PreprocessConfig):
     """``kind = "image"``: a uint8 ``[H, W, C]`` tensor or an image file, resized
-    and normalised as ``[model.preprocess]`` describes (same keys, same defaults)."""
+    and normalised as ``[model.preprocess]`` describes (same keys; what is left
+    unset comes from the model input it feeds)."""
 
     kind: Literal["image"] = "image"
     feed: str = ""  # the model input it feeds; "" = the one of the request input's name
@@ -95,7 +145,7 @@ class TextInput:
         check(len(set(names)) == 3, "model.inputs.*.ids", "ids, mask and type_ids must differ")
 
 
-InputConfig = TensorInput | ImageInput | TextInput
+InputConfig = TensorInput | ImageInput | TextInput | ConstantInput
 
 
 @dataclass(frozen=True)
@@ -166,7 +216,10 @@ class ModelConfig:
     backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
     # The shorthand for a classifier's one image input: the request input's name
     # (fed to the model's only image-shaped input) and its [model.preprocess].
-    input: str = "image"
+    # "" = "image", and the shorthand applies only where this or [model.preprocess]
+    # is set (or to the bundled digits model): a model input is a tensor unless
+    # the configuration says otherwise.
+    input: str = ""
     output: str | None = None  # engine output to postprocess; None = the first one
     # The outputs a result carries; () = every model output (postprocessed forms
     # replace model.output when softmax / top_k are on, and then only they come

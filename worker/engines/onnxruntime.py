@@ -17,7 +17,7 @@ import onnxruntime as ort
 from worker.config import ModelConfig
 from worker.engines.base import EngineInfo, Feeds, content_version
 from worker.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model import Dim, ModelIO, TensorDesc, onnx_desc
+from worker.model import RawTensor, batched_io, dim, onnx_dtype
 
 
 class OnnxRuntimeEngine:
@@ -32,28 +32,20 @@ class OnnxRuntimeEngine:
             )
         except Exception as exc:  # boundary: ORT raises its own untyped errors
             raise ConfigError(f"model.path: cannot load {path}: {exc}") from exc
-        batch_dims: list[Dim] = []
-        inputs: list[TensorDesc] = []
-        for arg in self._session.get_inputs():
-            batch, desc = onnx_desc(arg.name, arg.type, list(arg.shape), "input")
-            batch_dims.append(batch)
-            inputs.append(desc)
-        outputs = tuple(
-            onnx_desc(o.name, o.type, list(o.shape), "output")[1]
-            for o in self._session.get_outputs()
+        io = batched_io(
+            [_raw(arg, "input") for arg in self._session.get_inputs()],
+            [_raw(arg, "output") for arg in self._session.get_outputs()],
         )
-        io = ModelIO(tuple(inputs), outputs)
         if cfg.output is not None and cfg.output not in io.output_names:
             raise ConfigError(
                 f"model.output: {cfg.output!r} not in model outputs {list(io.output_names)}"
             )
-        fixed = [d for d in batch_dims if isinstance(d, int)]
         self.info = EngineInfo(
             backend="onnxruntime",
             name=cfg.name,
             version=content_version(path),
             io=io,
-            max_batch_size=min(fixed) if fixed else None,
+            max_batch_size=io.batch,
         )
         self._closed = False
 
@@ -68,3 +60,10 @@ class OnnxRuntimeEngine:
 
     def close(self) -> None:
         self._closed = True
+
+
+def _raw(arg: ort.NodeArg, where: str) -> RawTensor:
+    """A tensor as onnxruntime reports it: ``tensor(float)``, dims as ints, symbols
+    or ``None``."""
+    dtype = onnx_dtype(arg.type, f"{where} {arg.name!r}")
+    return arg.name, dtype, tuple(dim(d) for d in arg.shape)

@@ -74,12 +74,14 @@ from worker.engines.torch_module import (
 from worker.engines.torch_warm import warm
 from worker.errors import ConfigError, EngineDead, InferenceFailed
 from worker.inference.preprocess import batch_shape
+from worker.inputs.image import resolve_declared
 from worker.model import ModelIO, TensorDesc
 
 log = structlog.get_logger(__name__)
 
 # The model's loading and preparation live in torch_module; importable from here.
 __all__ = ["TorchEngine", "compute_dtype", "import_torch", "load_module", "prepare_module"]
+
 
 @dataclass
 class _Context:
@@ -115,7 +117,7 @@ class TorchEngine:
         if batches[-1] > max_batch_size:
             raise ConfigError(f"torch: bucket {batches[-1]} exceeds the maximum batch")
         self.shapes = SlotShapes(batches)
-        self._dtype = compute_dtype(torch, cfg.torch, cfg.preprocess.dtype)
+        self._dtype = compute_dtype(torch, cfg.torch, cfg.preprocess.dtype or "float32")
         self._channels_last = cfg.torch.channels_last  # read by _call, probes included
         self._cuda_graphs = cfg.torch.cuda_graphs and not on_cpu
         loaded = load_program(torch, path, self._device)
@@ -134,7 +136,9 @@ class TorchEngine:
             io = loaded.io
             self._fit_precision(io)
         else:  # TorchScript: one input, what [model.preprocess] produces; outputs probed
-            pp = cfg.preprocess
+            pp = resolve_declared(
+                cfg.preprocess, "a TorchScript file does not declare its input's shape"
+            )
             inp = TensorDesc("input", np.dtype(pp.dtype), batch_shape(pp, 1)[1:])
             rows = min(2, self.max_batch_size)
             with self._on_device():

@@ -43,7 +43,9 @@ Buffers = dict[str, np.ndarray]
 
 def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
     """One batch's preallocated feeds: the fixed-size ones (images) at the largest
-    batch; feeds with free dimensions are allocated per run, at its lengths."""
+    batch (or the model's fixed batch, if larger); feeds with free dimensions are
+    allocated per run, at its lengths."""
+    max_batch_size = max(max_batch_size, inputs.batch or 0)
     out: Buffers = {}
     for kind in inputs.kinds:
         if isinstance(kind, ImageKind):
@@ -82,9 +84,7 @@ class InferenceStage:
         for _ in range(max_inflight):
             self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
         post = model.postprocess.resolved(is_classifier(self._inputs))
-        self._outputs = OutputPlan(
-            engine.info.io, model, post, self._inputs.padded_symbols
-        )
+        self._outputs = OutputPlan(engine.info.io, model, post, self._inputs.padded_symbols)
         self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
 
     async def run(self) -> None:
@@ -146,10 +146,24 @@ class InferenceStage:
     def _run_rows_unchecked(self, answers: list[Answer], buffers: Buffers) -> None:
         n = len(answers)
         t0 = time.monotonic()
-        collated = self._inputs.collate(answers, buffers=buffers)
-        t1 = time.monotonic()
-        raw = self._engine.run(collated.feeds)
-        self._outputs.scatter(raw, answers)
+        fixed = self._inputs.batch
+        if fixed is None:
+            collated = self._inputs.collate(answers, buffers=buffers)
+            t1 = time.monotonic()
+            self._outputs.scatter(self._engine.run(collated.feeds), answers)
+        else:
+            # A model of fixed batch runs its rows in runs of that size, the last
+            # filled up with its own last row; the filler's answers are dropped.
+            collating = 0.0
+            for start in range(0, n, fixed):
+                part = answers[start : start + fixed]
+                filled = part + [part[-1]] * (fixed - len(part))
+                c0 = time.monotonic()
+                collated = self._inputs.collate(filled, buffers=buffers)
+                collating += time.monotonic() - c0
+                raw = self._outputs.first_rows(self._engine.run(collated.feeds), len(part))
+                self._outputs.scatter(raw, part)
+            t1 = t0 + collating
         t2 = time.monotonic()
         m = self._metrics
         m.batch_size.observe(n)

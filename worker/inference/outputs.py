@@ -11,7 +11,13 @@ Decided once at start-up (``OutputPlan``), applied per run on the stage's thread
 - an output axis that carries the symbol of a padded input dimension (ONNX
   names them: a per-token output of a text model shares ``sequence`` with
   ``input_ids``) is cut back to the request's own length, so padding never shows
-  in an answer. Postprocessing of such an output runs per row, after the cut.
+  in an answer. Postprocessing of such an output runs per row, after the cut;
+- a request's row of an output is taken at the output's batch axis (the first,
+  or a recurrent state's ``[layers, batch, hidden]`` middle one).
+
+Which outputs come back is ``worker.model.select_outputs``'s decision, shared
+with the start-up binding, which refuses padding an output could not be cut
+back from.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from worker.config import ModelConfig, PostprocessConfig
-from worker.errors import ConfigError, InferenceFailed
+from worker.errors import InferenceFailed
 from worker.inference.postprocess import l2_normalize, postprocess
-from worker.model import ModelIO
+from worker.model import ModelIO, select_outputs
 from worker.records import Answer
 
 
@@ -37,23 +43,15 @@ class OutputPlan:
     ) -> None:
         """``post``: resolved postprocessing settings; ``padded_symbols``: the free
         dimensions the inputs pad (``ModelInputs.padded_symbols``)."""
-        names = io.output_names
-        if not names:
-            raise ConfigError("model.path: the model declares no outputs")
-        self.raw_name = model.output or names[0]
-        if self.raw_name not in names:
-            raise ConfigError(f"model.output: {self.raw_name!r} not in model outputs {list(names)}")
-        for name in model.outputs:
-            if name not in names:
-                raise ConfigError(f"model.outputs: {name!r} not in model outputs {list(names)}")
+        selection = select_outputs(io, model.output, model.outputs, post.active)
+        self.raw_name = selection.raw
         self.post = post
         self.active = post.active
-        if self.active:
-            self.passed = tuple(model.outputs)  # returned as computed, beside the forms
-        else:
-            self.passed = tuple(model.outputs) or names
+        self.passed = selection.passed
         # Per output: the (axis, symbol) pairs cut back to each request's length.
         self.cuts: dict[str, tuple[tuple[int, str], ...]] = {}
+        # Per output not batched on its first axis: where its rows are (a state).
+        self.axes: dict[str, int] = {}
         for desc in io.outputs:
             cuts = tuple(
                 (axis, desc.symbol(axis))
@@ -62,7 +60,21 @@ class OutputPlan:
             )
             if cuts:
                 self.cuts[desc.name] = cuts
-        self.used = tuple(dict.fromkeys((*self.passed, self.raw_name)))
+            if desc.batch_axis:
+                self.axes[desc.name] = desc.batch_axis
+        # What each run must return a row of: the returned outputs, and model.output
+        # when postprocessing reads it.
+        self.used = selection.returned
+
+    def first_rows(self, raw: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of each output a result needs, at its batch axis (a
+        run of a fixed-batch model filled up past the requests it answers)."""
+        out = dict(raw)
+        for name in self.used:
+            arr = raw.get(name)
+            if arr is not None and arr.ndim > (axis := self.axes.get(name, 0)):
+                out[name] = arr[(slice(None),) * axis + (slice(0, n),)]
+        return out
 
     def scatter(
         self,
@@ -74,13 +86,17 @@ class OutputPlan:
         ``forms``: the postprocessed forms when the device computed them (then
         ``raw`` holds only the outputs passed as they are)."""
         n = len(answers)
+        raw = dict(raw)
         for name in self.used if forms is None else self.passed:
             arr = raw.get(name)
             if arr is None:
                 raise InferenceFailed(f"the engine returned no output {name!r}")
-            if arr.ndim < 1 or arr.shape[0] != n:  # a model that does not return a row each
-                raise InferenceFailed(f"output {name} has {arr.shape[0] if arr.ndim else 0} "
-                                      f"rows for {n} requests")  # fmt: skip
+            axis = self.axes.get(name, 0)
+            if arr.ndim <= axis or arr.shape[axis] != n:  # not a row for each request
+                raise InferenceFailed(f"output {name} has shape {list(arr.shape)}: not "
+                                      f"{n} rows on axis {axis}")  # fmt: skip
+            if axis:
+                raw[name] = np.moveaxis(arr, axis, 0)
         batch: dict[str, np.ndarray] = {}  # whole-batch arrays, one row per request
         rows: dict[str, list[np.ndarray]] = {}  # per-request rows (cut back)
         for name in self.passed:

@@ -12,14 +12,31 @@ model's dtype. Arithmetic is float32 throughout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from worker.config import PreprocessConfig
-
 F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class ImagePreprocess:
+    """One image input's preprocessing with every value decided: the settings
+    (``[model.preprocess]`` / ``[model.inputs.NAME]``) completed from the model
+    input they feed (``worker.inputs.image.resolve``). The NumPy reference, the
+    kernels and nvJPEG read this, never the settings."""
+
+    size: tuple[int, int]  # (height, width) of the model input
+    channels: int
+    scale: float
+    mean: tuple[float, ...]  # one per channel
+    std: tuple[float, ...]
+    layout: Literal["NCHW", "NHWC"]
+    dtype: Literal["float32", "float16"]
+    device: Literal["cpu", "gpu"] = "cpu"
 
 
 @lru_cache(maxsize=256)
@@ -60,13 +77,13 @@ def resize_bilinear_batch(images: np.ndarray, out_h: int, out_w: int) -> F32:
     return out
 
 
-def batch_shape(cfg: PreprocessConfig, n: int) -> tuple[int, int, int, int]:
+def batch_shape(cfg: ImagePreprocess, n: int) -> tuple[int, int, int, int]:
     h, w = cfg.size
     return (n, cfg.channels, h, w) if cfg.layout == "NCHW" else (n, h, w, cfg.channels)
 
 
 def preprocess_into(
-    images: Sequence[np.ndarray], cfg: PreprocessConfig, out: np.ndarray
+    images: Sequence[np.ndarray], cfg: ImagePreprocess, out: np.ndarray
 ) -> np.ndarray:
     """Write the preprocessed batch into ``out[:len(images)]`` (a buffer allocated
     once for the largest batch) and return that view.
@@ -95,7 +112,7 @@ def preprocess_into(
     return view
 
 
-def preprocess(images: Sequence[np.ndarray], cfg: PreprocessConfig) -> np.ndarray:
+def preprocess(images: Sequence[np.ndarray], cfg: ImagePreprocess) -> np.ndarray:
     """Allocating convenience wrapper around ``preprocess_into``."""
     out = np.empty(batch_shape(cfg, len(images)), dtype=np.dtype(cfg.dtype))
     return preprocess_into(images, cfg, out)

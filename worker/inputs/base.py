@@ -27,6 +27,10 @@ class InputKind(ABC):
     """One request input (``name``) and the model inputs it feeds."""
 
     kind: ClassVar[str]
+    # Whether rows of different lengths may be padded into one run: true only where
+    # padding provably changes no answer (a text's attention mask; a tensor the
+    # configuration marks ``pad``). Otherwise rows run together only at equal lengths.
+    pads: bool = False
 
     def __init__(self, name: str, feeds: tuple[TensorDesc, ...]) -> None:
         self.name = name
@@ -42,8 +46,8 @@ class InputKind(ABC):
         """The value in the form this kind works on; raises ``InvalidRequest`` (or
         ``TensorTooLarge``) with a message naming ``self.field`` and what it expects."""
 
-    def padded_symbols(self) -> tuple[str, ...]:
-        """The symbols of the free dimensions this input pads (per request lengths)."""
+    def free_symbols(self) -> tuple[str, ...]:
+        """The symbols of this input's free dimensions: lengths each request sets."""
         return tuple(dict.fromkeys(s for f in self.feeds for s in f.symbols()))
 
     def row_ranks(self) -> tuple[int, ...]:
@@ -113,14 +117,16 @@ def pad_rows(
 ) -> None:
     """``rows`` as one batch of ``desc`` into ``out[desc.name]``: fixed axes as they
     are, free axes padded with ``pad_value`` to ``padded[symbol]`` (the rows'
-    longest on the CPU, a compiled length bucket on a GPU). One copy per row; into
-    the preallocated buffer already in ``out`` under that name, if any."""
+    length, or their longest where the input pads; a compiled length bucket on a
+    GPU), stacked at the model input's batch axis. One copy per row; into the
+    preallocated buffer already in ``out`` under that name, if any."""
     n = len(rows)
     shape = batch_shape(desc, padded)
     buffer = out.get(desc.name)
     if buffer is None:
         if all(r.shape == shape for r in rows):
-            out[desc.name] = np.stack(rows).astype(desc.dtype, copy=False)
+            stacked = np.stack(rows, axis=desc.batch_axis or 0)
+            out[desc.name] = stacked.astype(desc.dtype, copy=False)
             return
         view = np.full((n, *shape), pad_value, dtype=desc.dtype)
     else:
@@ -130,4 +136,6 @@ def pad_rows(
     for i, row in enumerate(rows):
         index: tuple[int | slice, ...] = (i, *(slice(0, s) for s in row.shape))
         view[index] = row
+    if desc.batch_axis:  # a state's [layers, batch, hidden]: rows are stacked at its axis
+        view = np.ascontiguousarray(np.moveaxis(view, 0, desc.batch_axis))
     out[desc.name] = view

@@ -3,11 +3,17 @@ grouped by length and collated into the model's feeds.
 
 ``ModelInputs`` is what the stages hold (built once by ``binding.bind``): the
 intake calls ``check``; an inference stage calls ``prepare`` for a batch, then
-``groups`` and ``collate`` for each engine run. Grouping is how padding stays
-bounded: rows whose free-dimension lengths fall in different buckets
-(``batching.length_buckets``, powers of two by default) run as separate engine
-calls, each padded only to its own longest row, and the batch's answers keep
-their order (the batch completes as one).
+``groups`` and ``collate`` for each engine run.
+
+Grouping is how a batch answers each request exactly as that request alone.
+Rows run together only where their free dimensions are equal (Triton's rule),
+except on the dimensions binding found safe to pad (``padded_symbols``: a text's
+tokens, whose attention mask is fed; a tensor marked ``pad`` whose dependent
+outputs are cut back). There, rows whose lengths fall in one bucket
+(``batching.length_buckets``, powers of two by default) share a run, padded to
+its longest row, which keeps padding under 2x. A batch of several groups runs
+as several engine calls, and its answers keep their order (the batch completes
+as one).
 """
 
 from __future__ import annotations
@@ -56,30 +62,50 @@ class ModelInputs:
         self,
         kinds: Sequence[InputKind],
         *,
+        constants: Sequence[InputKind] = (),
+        padded: frozenset[str] = frozenset(),
         split_by_length: bool = True,
         length_buckets: Sequence[int] = (),
+        batch: int | None = None,
     ) -> None:
+        """``kinds``: the request inputs; ``constants``: inputs the worker feeds
+        itself; ``padded``: the free dimensions (by symbol) that rows of different
+        lengths may be padded on (``binding`` decides: every other free dimension
+        groups rows by its exact length); ``batch``: the model's fixed batch size,
+        if it has one."""
         self.kinds = tuple(kinds)
+        self.constants = tuple(constants)
         self.by_name = {k.name: k for k in self.kinds}
+        self._constant_names = {k.name: k for k in self.constants}
         self._names = ", ".join(sorted(self.by_name))
         self.split_by_length = split_by_length
         self.length_buckets = tuple(length_buckets)
+        self.batch = batch
         # Symbols of free dimensions, and the request inputs that give them.
         symbols: dict[str, list[str]] = {}
         for kind in self.kinds:
-            for symbol in kind.padded_symbols():
+            for symbol in kind.free_symbols():
                 symbols.setdefault(symbol, []).append(kind.name)
         self.symbols = {s: tuple(dict.fromkeys(names)) for s, names in symbols.items()}
-        # Per record, only the kinds that pad anything report lengths (the hot path
-        # of an image classifier does no length bookkeeping at all).
-        self._measured = frozenset(k.name for k in self.kinds if k.padded_symbols())
+        unknown = padded - self.symbols.keys()
+        if unknown:
+            raise ValueError(f"padded dimensions {sorted(unknown)} belong to no input")
+        self.padded_symbols = frozenset(padded)
+        # Per record, only the kinds with free dimensions report lengths (the hot
+        # path of an image classifier does no length bookkeeping at all).
+        self._measured = frozenset(k.name for k in self.kinds if k.free_symbols())
 
-    @property
-    def padded_symbols(self) -> frozenset[str]:
-        return frozenset(self.symbols)
+    def pad_candidates(self) -> frozenset[str]:
+        """Free dimensions every input carrying them may pad (before outputs are
+        considered): what binding starts from."""
+        return frozenset(
+            symbol
+            for symbol, names in self.symbols.items()
+            if all(self.by_name[n].pads for n in names)
+        )
 
     def max_lengths(self) -> dict[str, int]:
-        """Each padded symbol's bound: the smallest any input gives it (0: none)."""
+        """Each free dimension's bound: the smallest any input gives it (0: none)."""
         out: dict[str, int] = {}
         for kind in self.kinds:
             for symbol, bound in kind.max_lengths().items():
@@ -130,6 +156,9 @@ class ModelInputs:
     def _name_problem(self, given: Mapping[str, Any]) -> NoReturn:
         """Raise for an input the model does not take, else for one it lacks."""
         for name in given:
+            constant = self._constant_names.get(name)
+            if constant is not None:
+                constant.check(given[name])  # raises: the worker feeds it
             if name not in self.by_name:
                 raise InvalidRequest(
                     f"inputs.{name[:64]}: unknown input; the model takes {self._names}"
@@ -158,17 +187,27 @@ class ModelInputs:
     def groups(
         self, answers: list[Answer], buckets: Mapping[str, Sequence[int]] | None = None
     ) -> list[list[Answer]]:
-        """Runs of the batch that are padded together, in batch order within each:
-        rows whose lengths fall in the same bucket (``buckets`` per symbol: a GPU's
-        compiled lengths; else ``batching.length_buckets``)."""
-        if not self.symbols or not self.split_by_length or len(answers) < 2:
+        """Runs of the batch that go to the engine together, in batch order within
+        each: rows of equal free dimensions, except that on a padded dimension
+        rows share a run when their lengths fall in one bucket (``buckets`` per
+        symbol: a GPU's compiled lengths; else ``batching.length_buckets``), or
+        always with ``split_by_length`` off."""
+        if not self.symbols or len(answers) < 2:
             return [answers]
-        groups: dict[tuple[int, ...], list[Answer]] = {}
         names = tuple(self.symbols)
+        padded = self.padded_symbols
+        split = self.split_by_length
+        groups: dict[tuple[int, ...], list[Answer]] = {}
         for answer in answers:
             lengths = answer.job.lengths
             key = tuple(
-                length_bucket(lengths.get(s, 1), buckets[s] if buckets else self.length_buckets)
+                lengths.get(s, 1)
+                if s not in padded
+                else length_bucket(
+                    lengths.get(s, 1), buckets[s] if buckets else self.length_buckets
+                )
+                if split
+                else 0
                 for s in names
             )
             groups.setdefault(key, []).append(answer)
@@ -177,15 +216,17 @@ class ModelInputs:
     def bucketed(
         self, answers: Sequence[Answer], buckets: Mapping[str, Sequence[int]]
     ) -> dict[str, int]:
-        """The lengths a GPU runs ``answers`` at: each symbol's smallest compiled
-        bucket that holds the longest row."""
+        """The lengths a GPU runs ``answers`` (one group) at: on a padded
+        dimension, the smallest compiled bucket that holds the longest row; on
+        any other, the rows' own length."""
         return {
-            s: length_bucket(longest, buckets[s])
+            s: length_bucket(longest, buckets[s]) if s in self.padded_symbols else longest
             for s, longest in self.padded(answers).items()
         }
 
     def padded(self, answers: Sequence[Answer]) -> dict[str, int]:
-        """Each symbol's longest length among ``answers``: what the CPU pads to."""
+        """Each symbol's longest length among ``answers`` (one group): what the CPU
+        runs it at (every row's own length where the dimension is not padded)."""
         return {s: max(a.job.lengths.get(s, 1) for a in answers) for s in self.symbols}
 
     def collate(
@@ -197,11 +238,14 @@ class ModelInputs:
     ) -> Collated:
         """The feeds of one engine run, padded to ``padded`` (default: the longest
         rows), written into ``buffers`` where given (by feed name); ``kinds``: only
-        these inputs' feeds (a GPU preprocesses its image itself)."""
+        these inputs' feeds (a GPU preprocesses its image itself). Constant inputs
+        are always fed."""
         sizes = dict(padded) if padded is not None else self.padded(answers)
         out: dict[str, np.ndarray] = dict(buffers or {})
         for kind in self.kinds if kinds is None else kinds:
             kind.collate([a.job.inputs[kind.name] for a in answers], sizes, out)
+        for constant in self.constants:
+            constant.collate([None] * len(answers), sizes, out)
         return Collated(out, sizes)
 
     def waste(self, answers: Sequence[Answer], padded: Mapping[str, int]) -> tuple[int, int]:
@@ -210,7 +254,7 @@ class ModelInputs:
         real = total = 0
         for kind in self.kinds:
             for feed in kind.feeds:
-                if not feed.free_axes or not set(feed.symbols()) <= self.symbols.keys():
+                if not set(feed.symbols()) & self.padded_symbols:
                     continue
                 # math.prod, not np.prod: a few ints per row, on the stage's thread
                 fixed = math.prod(d for d in feed.shape if isinstance(d, int))

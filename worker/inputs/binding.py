@@ -1,18 +1,29 @@
-"""Which request input feeds which model input: decided once, at start-up.
+"""Which request input feeds which model input, and on which dimensions a batch
+may pad: decided once, at start-up.
 
-The rules, in order (each refusal is a ``ConfigError`` naming the setting, so
-the worker exits 2 before it reads a record):
+The rules, in order (each refusal is a ``ConfigError`` naming the setting to
+write, so the worker exits 2 before it reads a record):
 
 1. every ``[model.inputs.NAME]`` entry binds its kind to the model inputs it
-   names (``feed``, else NAME; a text's ``ids``, ``mask``, ``type_ids``);
-2. the classifier shorthand: with no image entry, the one remaining model input
-   shaped like an image (one row of rank 3, floating point) is fed by request
-   input ``model.input`` through ``[model.preprocess]``, as before inputs had
-   kinds (the bundled digits model, and every config written for it);
-3. every model input still unclaimed is a tensor of its own name.
+   names (``feed``, else NAME; a text's ``ids``, ``mask``, ``type_ids``); a
+   ``constant`` is fed by the worker, never by requests;
+2. the classifier shorthand: where ``[model.preprocess]`` or ``model.input`` is
+   set (or for the bundled digits model) and no entry is an image, the one
+   remaining model input shaped like an image (one row of rank 3, floating
+   point) is fed by request input ``model.input`` through ``[model.preprocess]``;
+3. every model input still unclaimed is a tensor of its own name (a model
+   input is a tensor unless the configuration says otherwise); one without a
+   batch dimension (the whole batch shares it) needs ``value``.
 
-A model input fed twice, a feed the model does not have, or a dtype the wire
-cannot carry stops start-up. The builtin text model brings its text input.
+Padding: rows of different lengths share an engine run only on a dimension
+every input carrying it may pad (a text: the attention mask is fed; a tensor
+marked ``pad``), and only when every output a result carries can be cut back
+to each request's length on it: each of the output's free dimensions carries
+an input's symbol. An output dimension an exporter names afresh (``unk__12``,
+``p2o.DynamicDimension.3``) or writes as an expression ties to nothing, so
+nothing is cut by guess: a tensor marked ``pad`` is refused at start-up (naming
+the input and the output), and a text falls back to runs of equal lengths.
+Every other free dimension groups rows by its exact length.
 """
 
 from __future__ import annotations
@@ -20,39 +31,60 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
+import structlog
+
 from worker.config import LimitsConfig, ModelConfig
-from worker.config.model import ImageInput, InputConfig, TensorInput, TextInput
+from worker.config.model import ConstantInput, ImageInput, InputConfig, TensorInput, TextInput
 from worker.config.runtime import BatchingConfig
 from worker.contract import DTYPES
 from worker.errors import ConfigError
 from worker.inputs.base import InputKind
 from worker.inputs.batch import ModelInputs
+from worker.inputs.constant import ConstantKind
 from worker.inputs.image import ImageKind
 from worker.inputs.tensor import TensorKind
 from worker.inputs.text import TextKind
-from worker.model import BUILTIN_MODELS, ModelIO, TensorDesc
+from worker.model import BUILTIN_MODELS, ModelIO, TensorDesc, select_outputs
+
+log = structlog.get_logger(__name__)
 
 Binder = Callable[[str, InputConfig, ModelIO, LimitsConfig, str], InputKind]
 
 
 def _tensor(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
     assert isinstance(cfg, TensorInput)
-    return TensorKind(name, cfg, _feed(name, cfg.feed, io, at), cfg.max_length)
+    feed = _feed(name, cfg.feed, io, at)
+    _needs_batch(feed, at)
+    return TensorKind(name, cfg, feed, cfg.max_length)
 
 
 def _image(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
     assert isinstance(cfg, ImageInput)
     feed = _feed(name, cfg.feed, io, at)
+    _needs_batch(feed, at, first=True)
     return ImageKind(name, cfg, feed, limits.max_image_pixels, setting=at)
 
 
 def _text(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
     assert isinstance(cfg, TextInput)
-    return TextKind(name, cfg, io, at)
+    kind = TextKind(name, cfg, io, at)
+    for feed in kind.feeds:
+        _needs_batch(feed, at, first=True)
+    return kind
+
+
+def _constant(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
+    assert isinstance(cfg, ConstantInput)
+    return ConstantKind(name, cfg, _feed(name, cfg.feed, io, at), at)
 
 
 # One line per kind: adding a kind is its module and this line.
-KINDS: Final[dict[str, Binder]] = {"tensor": _tensor, "image": _image, "text": _text}
+KINDS: Final[dict[str, Binder]] = {
+    "tensor": _tensor,
+    "image": _image,
+    "text": _text,
+    "constant": _constant,
+}
 
 
 def _feed(name: str, feed: str, io: ModelIO, at: str) -> TensorDesc:
@@ -67,8 +99,24 @@ def _feed(name: str, feed: str, io: ModelIO, at: str) -> TensorDesc:
     return desc
 
 
+def _needs_batch(desc: TensorDesc, at: str, first: bool = False) -> None:
+    """A request's row needs a batch dimension to join (the first, for images
+    and texts, which the stages lay out row by row)."""
+    if desc.batch_axis is None:
+        raise ConfigError(
+            f"{at}.value: the model input {desc.name!r} ({desc.shown()}) has no batch "
+            "dimension: the whole batch shares it, so requests cannot carry it; set "
+            "value = ... to feed it the same value every run"
+        )
+    if first and desc.batch_axis != 0:
+        raise ConfigError(
+            f"{at}: the model input {desc.name!r} ({desc.shown()}) has its batch dimension "
+            f"at axis {desc.batch_axis}; this kind feeds inputs batched on their first axis"
+        )
+
+
 def _image_shaped(desc: TensorDesc) -> bool:
-    return len(desc.shape) == 3 and desc.dtype.kind == "f"
+    return len(desc.shape) == 3 and desc.dtype.kind == "f" and desc.batch_axis == 0
 
 
 def configured_inputs(model: ModelConfig) -> dict[str, InputConfig]:
@@ -82,6 +130,13 @@ def configured_inputs(model: ModelConfig) -> dict[str, InputConfig]:
     return {"text": TextInput(tokenizer=f"builtin:{name}", max_length=builtin.max_length)}
 
 
+def _wants_shorthand(model: ModelConfig) -> bool:
+    """The classifier shorthand applies where the configuration asks for it (or
+    for the bundled digits model, which brings its image input as the text model
+    brings its text): never by default for a user's model."""
+    return model.preprocess.given or bool(model.input) or model.path == "builtin:digits"
+
+
 def bind(
     model: ModelConfig,
     io: ModelIO,
@@ -90,10 +145,11 @@ def bind(
 ) -> ModelInputs:
     """The request inputs of ``model`` bound to ``io`` (see the module docstring)."""
     kinds: list[InputKind] = []
+    constants: list[InputKind] = []
     fed_by: dict[str, str] = {}
 
     def claim(kind: InputKind, at: str) -> None:
-        if kind.name in {k.name for k in kinds}:
+        if kind.name in {k.name for k in (*kinds, *constants)}:
             raise ConfigError(f"{at}: request input {kind.name!r} is defined twice")
         for feed in kind.feeds:
             if feed.name in fed_by:
@@ -107,25 +163,94 @@ def bind(
                     f"contract cannot carry (supported: {', '.join(sorted(DTYPES))})"
                 )
             fed_by[feed.name] = kind.name
-        kinds.append(kind)
+        (constants if isinstance(kind, ConstantKind) else kinds).append(kind)
 
     entries = configured_inputs(model)
     for name, cfg in entries.items():
         at = f"model.inputs.{name}"
         claim(KINDS[cfg.kind](name, cfg, io, limits, at), at)
-    rest = [t for t in io.inputs if t.name not in fed_by]
-    images = [t for t in rest if _image_shaped(t)]
-    if not any(isinstance(c, ImageInput) for c in entries.values()) and len(images) == 1:
-        shorthand = ImageKind(model.input, model.preprocess, images[0], limits.max_image_pixels)
-        claim(shorthand, "model.input")
+    if not any(isinstance(c, ImageInput) for c in entries.values()) and _wants_shorthand(model):
+        images = [t for t in io.inputs if t.name not in fed_by and _image_shaped(t)]
+        if len(images) == 1:
+            shorthand = ImageKind(
+                model.input or "image", model.preprocess, images[0], limits.max_image_pixels
+            )
+            claim(shorthand, "model.input")
+        else:
+            log.warning(
+                "image_shorthand_unused",
+                reason=f"the model has {len(images)} image-shaped inputs, the shorthand feeds one",
+                fix='name each image input in [model.inputs.NAME] with kind = "image"',
+            )
     for desc in io.inputs:
         if desc.name not in fed_by:
             at = f"model.inputs.{desc.name}"
+            _needs_batch(desc, at)
             claim(TensorKind(desc.name, TensorInput(), desc, 0), at)
     if not kinds:
-        raise ConfigError("model.path: the model declares no inputs")
+        raise ConfigError("model.path: the model declares no inputs a request can carry")
     b = batching or BatchingConfig()
-    return ModelInputs(kinds, split_by_length=b.split_by_length, length_buckets=b.length_buckets)
+    candidate = ModelInputs(kinds, constants=constants)
+    post = model.postprocess.resolved(is_classifier(candidate))
+    selection = select_outputs(io, model.output, model.outputs, post.active)
+    returned = [d for d in io.outputs if d.name in selection.returned]
+    return ModelInputs(
+        kinds,
+        constants=constants,
+        padded=_padded(candidate, returned),
+        split_by_length=b.split_by_length,
+        length_buckets=b.length_buckets,
+        batch=io.batch,
+    )
+
+
+def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:
+    """The free dimensions rows may be padded on (see the module docstring)."""
+    for symbol, names in inputs.symbols.items():
+        asked = [n for n in names if isinstance(inputs.by_name[n], TensorKind)
+                 and inputs.by_name[n].pads]  # fmt: skip
+        others = [n for n in names if not inputs.by_name[n].pads]
+        if asked and others:
+            raise ConfigError(
+                f"model.inputs.{asked[0]}.pad: the dimension {symbol!r} is shared with "
+                f"inputs.{others[0]}, which is not padded; set pad = true there too (with its "
+                "pad_value), or leave pad off"
+            )
+    candidates = inputs.pad_candidates()
+    if not candidates:
+        return candidates
+    known = inputs.symbols.keys()
+    untied = [
+        (desc, desc.symbol(axis))
+        for desc in returned
+        for axis in desc.free_axes
+        if desc.symbol(axis) not in known
+    ]
+    if not untied:
+        return candidates
+    desc, symbol = untied[0]
+    for padded in sorted(candidates):
+        for name in inputs.symbols[padded]:
+            kind = inputs.by_name[name]
+            if isinstance(kind, TensorKind):
+                raise ConfigError(
+                    f"model.inputs.{name}.pad: the output {desc.name!r} ({desc.shown()}) has a "
+                    f"dimension {symbol!r} that no input's dimension names, so a run padded on "
+                    f"{padded!r} could not be cut back to each request's length; leave pad off "
+                    "(requests of equal lengths then share runs) or leave the output out "
+                    "(model.outputs)"
+                )
+    log.warning(
+        "padding_off",
+        dimensions=sorted(candidates),
+        output=desc.name,
+        shape=desc.shown(),
+        reason=f"dimension {symbol!r} of the output ties to no input: a padded run could not "
+        "be cut back to each request's length",
+        effect="rows run together only at equal lengths",
+        fix="leave the output out (model.outputs) to pad again",
+    )
+    return frozenset()
 
 
 def is_classifier(inputs: ModelInputs) -> bool:
@@ -134,5 +259,13 @@ def is_classifier(inputs: ModelInputs) -> bool:
 
 
 def summary(inputs: ModelInputs) -> Mapping[str, str]:
-    """For the start-up log: request input -> what it feeds."""
-    return {k.name: k.describe() for k in inputs.kinds}
+    """For the start-up log: request input -> what it feeds, and how rows batch."""
+    described = {k.name: k.describe() for k in (*inputs.kinds, *inputs.constants)}
+    if inputs.symbols:
+        described["(batching)"] = ", ".join(
+            f"{s}: {'padded' if s in inputs.padded_symbols else 'equal lengths'}"
+            for s in inputs.symbols
+        )
+    if inputs.batch is not None:
+        described["(fixed batch)"] = f"runs of {inputs.batch} rows"
+    return described

@@ -3,7 +3,11 @@
 The tensor must have the model input's dtype (no silent conversion: a float64
 sent to a float32 input is a client bug worth hearing about) and its rank;
 fixed dimensions must match, free ones may differ per request (at least 1,
-at most ``max_length``) and are padded per batch with ``pad_value``.
+at most ``max_length``). Requests run together only at equal free dimensions,
+unless the configuration marks the input ``pad``: then rows are padded per run
+with ``pad_value`` (the operator vouches that padding changes no answer, as a
+padding id whose embedding is zero does; start-up checks every output that
+follows the padded dimension can be cut back).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ class TensorKind(InputKind):
         """``max_length``: the bound on free dimensions (0: none)."""
         super().__init__(name, (feed,))
         self.desc = feed
-        self.pad_value = cfg.pad_value
+        self.pads = bool(cfg.pad)
+        self.pad_value = cfg.pad_value or 0.0
         self.max_length = max_length
         self._symbols = {axis: feed.symbol(axis) for axis in feed.free_axes}
 

@@ -49,6 +49,9 @@ def load_tokenizer(cfg: TextInput, setting: str) -> tuple[Any, int]:
 
 class TextKind(InputKind):
     kind = "text"
+    # The attention mask is fed, so padding tokens change no token's answer; the
+    # outputs that follow the sequence are cut back (``worker.inputs.binding``).
+    pads = True
 
     def __init__(self, name: str, cfg: TextInput, io: ModelIO, setting: str) -> None:
         feeds = _feeds(cfg, io, setting)
@@ -70,7 +73,7 @@ class TextKind(InputKind):
         return ()  # a text is a string, not a tensor
 
     def max_lengths(self) -> Mapping[str, int]:
-        return {symbol: self.cfg.max_length for symbol in self.padded_symbols()}
+        return {symbol: self.cfg.max_length for symbol in self.free_symbols()}
 
     def check(self, value: InputValue) -> str:
         if not isinstance(value, str):
@@ -139,7 +142,7 @@ def _feeds(cfg: TextInput, io: ModelIO, setting: str) -> tuple[TensorDesc, ...]:
     if ids is None:
         raise ConfigError(
             f"{setting}.ids: the model has no input {cfg.ids!r} (its inputs: "
-            f"{', '.join(io.input_names)}); name the token-ids input with ids = \"...\""
+            f'{", ".join(io.input_names)}); name the token-ids input with ids = "..."'
         )
     feeds = [ids]
     for name, desc in zip(names[1:], found[1:], strict=True):
@@ -147,7 +150,7 @@ def _feeds(cfg: TextInput, io: ModelIO, setting: str) -> tuple[TensorDesc, ...]:
             if name == cfg.mask and found[2] is not None:
                 raise ConfigError(
                     f"{setting}.mask: the model has no input {name!r} but has "
-                    f"{cfg.type_ids!r}; name its attention-mask input with mask = \"...\""
+                    f'{cfg.type_ids!r}; name its attention-mask input with mask = "..."'
                 )
             continue
         feeds.append(desc)

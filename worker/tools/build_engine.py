@@ -43,12 +43,14 @@ import structlog
 
 from worker.config import PreprocessConfig, load_settings
 from worker.errors import ConfigError, WorkerError
+from worker.inference.preprocess import ImagePreprocess
 from worker.tools.engine_checks import (
     AccuracyReport,
     calibration_sha256,
     compare_outputs,
     evaluate_accuracy,
     load_samples,
+    onnx_image_preprocess,
 )
 from worker.tools.files import atomic_write, file_sha256
 
@@ -147,7 +149,8 @@ def build_engine(
     opt = max_batch if opt_batch is None else opt_batch
     batches = (min_batch, opt, max_batch)
     _check_request(precision, batches, profiles, calibration_npz)
-    pp = preprocess_cfg or PreprocessConfig()
+    # Calibration images are preprocessed as the worker would, for this model.
+    pp = onnx_image_preprocess(onnx_path, preprocess_cfg) if calibration_npz else None
     key = _engine_key(trt, onnx_path, precision, batches, profiles, calibration_npz, pp, device)
     if max_length:
         key = EngineKey(**{**asdict(key), "max_length": max_length})
@@ -159,7 +162,7 @@ def build_engine(
 
     calibration = None
     if precision == "int8":
-        assert calibration_npz is not None
+        assert calibration_npz is not None and pp is not None
         calibration = Calibration(calibration_npz, pp, out_dir / f"{digest}.calib", opt)
     request = BuildRequest(precision, batches, profiles, max_length, workspace_mb, device)
     plan = build_serialized(
@@ -193,7 +196,7 @@ def _engine_key(
     batches: tuple[int, int, int],
     profiles: int,
     calibration_npz: Path | None,
-    preprocess_cfg: PreprocessConfig,
+    preprocess_cfg: ImagePreprocess | None,
     device: int,
 ) -> EngineKey:
     """The cache key of the plan these inputs would build."""
@@ -209,7 +212,7 @@ def _engine_key(
         profiles=profiles,
         calibration_sha256=(
             calibration_sha256(calibration_npz, preprocess_cfg)
-            if precision == "int8" and calibration_npz is not None
+            if precision == "int8" and calibration_npz is not None and preprocess_cfg is not None
             else None
         ),
     )

@@ -198,8 +198,10 @@ def _tensors(torch: Any, value: Any) -> list[Any]:
 def input_shape_of(preprocess: Any) -> tuple[int, ...]:
     """One request's model input, as ``[model.preprocess]`` produces it."""
     from worker.inference.preprocess import batch_shape
+    from worker.inputs.image import resolve_declared
 
-    return tuple(batch_shape(preprocess, 1)[1:])
+    pp = resolve_declared(preprocess, "the model is exported at the size it preprocesses to")
+    return tuple(batch_shape(pp, 1)[1:])
 
 
 def torch_missing() -> bool:

@@ -9,6 +9,7 @@ ONNX Runtime are imported inside functions: this module imports anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -21,11 +22,24 @@ import numpy as np
 
 from worker.config import ModelConfig, PreprocessConfig
 from worker.errors import ConfigError
-from worker.inference.preprocess import preprocess
+from worker.inference.preprocess import ImagePreprocess, preprocess
+from worker.inputs.image import resolve
 from worker.tools.files import atomic_write, file_sha256
 
 
-def load_samples(path: Path, cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndarray | None]:
+def onnx_image_preprocess(onnx_path: Path, cfg: PreprocessConfig | None) -> ImagePreprocess:
+    """``[model.preprocess]`` (or none) completed from the ONNX model's first input,
+    as the worker would bind it."""
+    from worker.engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = OnnxRuntimeEngine(onnx_path, ModelConfig(path=str(onnx_path)))
+    try:
+        return resolve(cfg or PreprocessConfig(), engine.info.io.inputs[0])
+    finally:
+        engine.close()
+
+
+def load_samples(path: Path, cfg: ImagePreprocess) -> tuple[np.ndarray, np.ndarray | None]:
     """Model inputs (float32, preprocessed) and labels (if present) from an npz with
     ``images`` (uint8 [N, H, W, C], preprocessed here) or ``inputs``."""
     with np.load(path) as npz:
@@ -38,7 +52,7 @@ def load_samples(path: Path, cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndar
                 raise ConfigError(f"{path}: images must be uint8 [N, H, W(, C)]")
             if images.ndim == 3:
                 images = images[..., None]
-            f32 = PreprocessConfig(**{**asdict(cfg), "dtype": "float32"})
+            f32 = dataclasses.replace(cfg, dtype="float32")
             inputs = preprocess(list(images), f32)
         else:
             raise ConfigError(f"{path}: needs an 'images' or an 'inputs' array")
@@ -52,7 +66,7 @@ def load_samples(path: Path, cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndar
 # --- building ------------------------------------------------------------------------
 
 
-def calibration_sha256(path: Path, cfg: PreprocessConfig) -> str:
+def calibration_sha256(path: Path, cfg: ImagePreprocess) -> str:
     """The calibration data's identity: the samples file and, since ``images`` are
     preprocessed here, the preprocessing that turns them into model inputs."""
     digest = hashlib.sha256(file_sha256(path).encode())
@@ -158,7 +172,7 @@ def evaluate_accuracy(
     if reference != "onnxruntime":
         raise ConfigError(f"unknown reference {reference!r}")
     cfg = preprocess_cfg or PreprocessConfig()
-    inputs, labels = load_samples(samples_npz, cfg)
+    inputs, labels = load_samples(samples_npz, onnx_image_preprocess(onnx_path, cfg))
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     in_name = session.get_inputs()[0].name
     out_name = output or session.get_outputs()[0].name

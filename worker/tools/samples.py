@@ -24,6 +24,7 @@ from worker.contract import Request, Result, Tensor, encode_request
 from worker.engines import load_engine
 from worker.inference.postprocess import softmax
 from worker.inference.preprocess import preprocess
+from worker.inputs.image import resolve
 from worker.model import resolve_tokenizer_path
 
 DEMO_MODELS: Final = ("digits", "sentiment")
@@ -97,10 +98,11 @@ def offline_correct(samples: list[Sample], model: ModelConfig) -> int:
     """Correct predictions of the same ONNX model run directly, no Kafka."""
     engine = load_engine(model)
     name = model.output or engine.info.output_names[0]
+    pre = resolve(model.preprocess, engine.info.io.inputs[0])
     correct = 0
     for start in range(0, len(samples), 256):
         chunk = samples[start : start + 256]
-        batch = preprocess([s.image for s in chunk], model.preprocess)
+        batch = preprocess([s.image for s in chunk], pre)
         probs = softmax(engine.run({engine.info.io.inputs[0].name: batch})[name])
         correct += int((probs.argmax(axis=1) == [s.label for s in chunk]).sum())
     engine.close()

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.config import PreprocessConfig
 from worker.errors import ConfigError
+from worker.inference.preprocess import ImagePreprocess
 from worker.tools.engine_checks import load_samples, make_calibrator
 from worker.tools.files import atomic_write
 
@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class Calibration:
     samples: Path
-    preprocess: PreprocessConfig
+    preprocess: ImagePreprocess
     cache_file: Path
     opt_batch: int
 

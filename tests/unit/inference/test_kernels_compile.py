@@ -30,17 +30,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.config import PreprocessConfig
+from tests.models import image_pre
 from worker.inference.gpu import kernels
 from worker.inference.gpu.slots import pack_images
-from worker.inference.preprocess import preprocess
+from worker.inference.preprocess import ImagePreprocess, preprocess
 
 KERNELS = kernels.kernel_dir()
 ARCHS = ("80", "90")
 
 PRE_CONFIGS = {
-    "digits": PreprocessConfig(),
-    "rgb-nhwc-half": PreprocessConfig(
+    "digits": image_pre(),
+    "rgb-nhwc-half": image_pre(
         size=(224, 224),
         channels=3,
         mean=(0.485, 0.456, 0.406),
@@ -48,7 +48,7 @@ PRE_CONFIGS = {
         layout="NHWC",
         dtype="float16",
     ),
-    "rgba-nchw-f32": PreprocessConfig(
+    "rgba-nchw-f32": image_pre(
         size=(31, 17), channels=4, mean=(0.1, 0.2, 0.3, 0.4), std=(1.0, 2.0, 3.0, 0.5)
     ),
 }
@@ -238,7 +238,7 @@ def host_compiler() -> str:
 
 
 def _host_preprocess(
-    cxx: str, work: Path, images: list[np.ndarray], cfg: PreprocessConfig
+    cxx: str, work: Path, images: list[np.ndarray], cfg: ImagePreprocess
 ) -> np.ndarray:
     cfg32 = dataclasses.replace(cfg, dtype="float32")
     exe = work / "pre"

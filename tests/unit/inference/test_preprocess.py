@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.config import PostprocessConfig, PreprocessConfig
+from tests.models import image_pre
+from worker.config import PostprocessConfig
 from worker.contract import Request, Tensor, check_image
 from worker.errors import InvalidRequest, TensorTooLarge
 from worker.inference.postprocess import postprocess, softmax, top_k
-from worker.inference.preprocess import preprocess, resize_bilinear
+from worker.inference.preprocess import ImagePreprocess, preprocess, resize_bilinear
 
 
 def test_identity_size_is_exact() -> None:
@@ -42,14 +43,14 @@ def test_nearest_upscaled_image_resizes_back_exactly() -> None:
 def test_normalise_and_layout_nchw_vs_nhwc() -> None:
     img = np.full((4, 4, 3), 255, dtype=np.uint8)
     img[..., 1] = 0
-    cfg = PreprocessConfig(size=(2, 2), channels=3, mean=(0.5, 0.5, 0.0), std=(0.5, 0.25, 1.0))
+    cfg = image_pre(size=(2, 2), channels=3, mean=(0.5, 0.5, 0.0), std=(0.5, 0.25, 1.0))
     nchw = preprocess([img, img], cfg)
     assert nchw.shape == (2, 3, 2, 2) and nchw.dtype == np.float32
     assert np.allclose(nchw[0, 0], 1.0) and np.allclose(nchw[0, 1], -2.0)
     assert np.allclose(nchw[0, 2], 1.0)
     nhwc = preprocess(
         [img],
-        PreprocessConfig(
+        image_pre(
             size=(2, 2),
             channels=3,
             mean=(0.5, 0.5, 0.0),
@@ -63,7 +64,7 @@ def test_normalise_and_layout_nchw_vs_nhwc() -> None:
 
 
 def test_varying_input_sizes_in_one_batch() -> None:
-    cfg = PreprocessConfig(size=(8, 8))
+    cfg = image_pre(size=(8, 8))
     imgs = [np.zeros((h, w, 1), dtype=np.uint8) for h, w in ((8, 8), (3, 17), (64, 5))]
     out = preprocess(imgs, cfg)
     assert out.shape == (3, 1, 8, 8)
@@ -121,7 +122,7 @@ def test_postprocess_outputs() -> None:
     assert set(probs) == {"probabilities"} and np.allclose(probs["probabilities"].sum(1), 1.0)
 
 
-def _one_by_one(images: list[np.ndarray], cfg: PreprocessConfig) -> np.ndarray:
+def _one_by_one(images: list[np.ndarray], cfg: ImagePreprocess) -> np.ndarray:
     """The reference written the plain way: one image at a time."""
     h, w = cfg.size
     rows = []
@@ -142,7 +143,7 @@ def test_grouped_batch_preprocessing_is_bit_identical_to_one_by_one(
     """Images are grouped by size and resized in one vectorised call per group;
     interleaved sizes (non-consecutive groups) must land in their own rows, with
     exactly the per-image reference's values."""
-    cfg = PreprocessConfig(
+    cfg = image_pre(
         size=(12, 10), channels=3, mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.25),
         layout=layout, dtype=dtype,  # type: ignore[arg-type]
     )  # fmt: skip

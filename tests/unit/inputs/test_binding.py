@@ -129,7 +129,7 @@ def test_an_image_entry_names_its_feed_and_keeps_its_preprocessing() -> None:
             r"model\.inputs\.x: the model input 'x' is uint64, which the wire contract cannot",
         ),
         (
-            ModelConfig(),
+            ModelConfig(preprocess=ImageInput(size=(8, 8))),
             ModelIO((TensorDesc("image", F32, (3, 224, 224)),), RANKER.outputs),
             r"model\.preprocess\.size: the model's input 'image' takes \[batch, 3, 224, 224\]",
         ),

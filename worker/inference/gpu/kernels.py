@@ -26,8 +26,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from worker.config import PreprocessConfig
 from worker.errors import ConfigError
+from worker.inference.preprocess import ImagePreprocess
 
 KERNEL_FILES: Final = ("preprocess.cu", "postprocess.cu")
 COMPILE_OPTIONS: Final = ("-std=c++17",)
@@ -69,7 +69,7 @@ def float_literal(value: float | np.floating[Any]) -> str:
 
 
 @lru_cache(maxsize=64)
-def preprocess_defines(cfg: PreprocessConfig) -> Defines:
+def preprocess_defines(cfg: ImagePreprocess) -> Defines:
     """The ``#define``s that specialise kernels/preprocess.cu for ``cfg``."""
     h, w = cfg.size
     # Exactly the float32 values worker/preprocess.py computes with.
@@ -172,7 +172,7 @@ def preprocess_batch(
     n_images: int,
     out: Any,
     *,
-    cfg: PreprocessConfig,
+    cfg: ImagePreprocess,
     stream: Any,
     device: int | None = None,
 ) -> None:

@@ -172,7 +172,7 @@ class Launcher:
         t0 = time.monotonic()
         collated = (
             self._inputs.collate(chunk.answers, chunk.lengths, slot.host_inputs, self._host).feeds
-            if self._host
+            if self._host or self._inputs.constants
             else {}
         )
         host_seconds = time.monotonic() - t0

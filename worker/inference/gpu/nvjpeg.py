@@ -69,6 +69,7 @@ from worker.engines.cuda import buffer_address, translate_gpu_error
 from worker.errors import ConfigError, EngineDead
 from worker.inference.decode import decode_pending
 from worker.inference.gpu.slots import DeviceImage, Slot
+from worker.inference.preprocess import ImagePreprocess
 from worker.records import Answer
 
 log = structlog.get_logger(__name__)
@@ -94,8 +95,9 @@ def device_image(image: EncodedImage, channels: int) -> DeviceImage | None:
     return DeviceImage(image.data, frame.height, frame.width, channels)
 
 
-def check_config(decode: str, preprocess: PreprocessConfig) -> None:
-    """What ``gpu.decode = "nvjpeg"`` needs of the model (start-up, no GPU needed)."""
+def check_config(decode: str, preprocess: PreprocessConfig | ImagePreprocess) -> None:
+    """What ``gpu.decode = "nvjpeg"`` needs of the model (start-up, no GPU needed):
+    the settings before the model is loaded, the resolved preprocessing after."""
     if decode != "nvjpeg":
         return
     if preprocess.device != "gpu":
@@ -103,14 +105,14 @@ def check_config(decode: str, preprocess: PreprocessConfig) -> None:
             "gpu.decode: 'nvjpeg' keeps decoded pixels on the device and needs "
             "model.preprocess.device = 'gpu'"
         )
-    if preprocess.channels not in (1, 3):
+    if preprocess.channels not in (None, 1, 3):
         raise ConfigError(
             f"gpu.decode: 'nvjpeg' decodes to 1 or 3 channels, but "
             f"model.preprocess.channels is {preprocess.channels}; use 'host'"
         )
 
 
-def check_available(decode: str, preprocess: PreprocessConfig) -> None:
+def check_available(decode: str, preprocess: PreprocessConfig | ImagePreprocess) -> None:
     """``check_config``, then that torch and torchvision with CUDA import: the
     worker calls it before loading the engine, so a missing library is exit 2 at
     once rather than after a long engine load."""

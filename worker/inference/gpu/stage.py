@@ -75,14 +75,27 @@ from worker.streams import end_of_stream
 log = structlog.get_logger(__name__)
 
 
-def _check_sizes(engine: GpuEngine, max_batch_size: int, slots: int) -> None:
-    if max_batch_size > engine.max_batch_size:
-        raise ConfigError(
-            f"batching.max_batch_size ({max_batch_size}) exceeds the engine's "
-            f"maximum batch ({engine.max_batch_size})"
-        )
+def _check_sizes(slots: int) -> None:
     if slots < 1:
         raise ConfigError("gpu.num_slots: must be >= 1")
+
+
+def _check_layout(inputs: ModelInputs) -> None:
+    """What the slots' buffers cannot hold yet (never run on a GPU: refused, not
+    guessed): an input without a batch dimension, or batched on another axis."""
+    for kind in (*inputs.kinds, *inputs.constants):
+        for feed in kind.feeds:
+            if feed.batch_axis != 0:
+                where = (
+                    "no batch dimension"
+                    if feed.batch_axis is None
+                    else (f"its batch dimension at axis {feed.batch_axis}")
+                )
+                raise ConfigError(
+                    f"model.inputs.{kind.name}: the model input {feed.name!r} has {where}; the "
+                    "GPU stage serves inputs batched on their first axis (use backend "
+                    "onnxruntime for this model)"
+                )
 
 
 def _no_bytes(answer: Answer) -> int:
@@ -110,8 +123,12 @@ class GpuInferenceStage:
         ``inputs``: the model's bound request inputs (bound here with default
         settings when not given); ``preferred_batch_sizes``: the batch buckets."""
         gpu = gpu or GpuConfig()
-        _check_sizes(engine, max_batch_size, num_slots)
+        _check_sizes(num_slots)
         inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        _check_layout(inputs)
+        # A batch larger than the engine takes runs in chunks of its maximum (a
+        # model of fixed batch: chunks of exactly that, padded up by the buckets).
+        max_batch_size = min(max_batch_size, engine.max_batch_size)
         image = device_image(inputs)
         nvjpeg.check_config(gpu.decode, image.cfg if image is not None else model.preprocess)
         # Before CuPy: a missing torch is named as what gpu.decode needs.
@@ -135,8 +152,9 @@ class GpuInferenceStage:
         # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
         # images exceed it runs in several chunks; one larger image is too_large.
         self._max_input_bytes = gpu.max_input_bytes if image is not None else None
+        preferred = tuple(p for p in preferred_batch_sizes if p <= max_batch_size)
         shapes = slot_shapes(
-            inputs, max_batch_size, preferred_batch_sizes, inputs.length_buckets,
+            inputs, max_batch_size, preferred, inputs.length_buckets,
             engine.min_batch_size,
         )  # fmt: skip
         self._buckets = dict(shapes.lengths)
@@ -156,7 +174,7 @@ class GpuInferenceStage:
             results=plan.result_specs,
             copy_back=plan.copy_back,
             max_input_bytes=gpu.max_input_bytes if image is not None else 0,
-            host_inputs=tuple(f.name for k in self._host for f in k.feeds),
+            host_inputs=tuple(f.name for k in (*self._host, *inputs.constants) for f in k.feeds),
         )
         self.allocations = Allocations()
         self._metrics.gpu_slots.set(num_slots)

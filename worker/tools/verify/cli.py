@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--read-committed",
         action="store_true",
         help="read only committed transactions (a worker running exactly-once; "
-        "implied when --config sets kafka.processing_guarantee = \"exactly-once\")",
+        'implied when --config sets kafka.processing_guarantee = "exactly-once")',
     )
     parser.add_argument(
         "--idle-timeout",
