@@ -3,13 +3,17 @@ stages or jobs without a worker process."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from worker.config import LimitsConfig, ModelConfig, PreprocessConfig
+from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PreprocessConfig
+from worker.contract import Request
 from worker.engines import load_engine
+from worker.inference.cpu import InferenceStage
 from worker.inference.preprocess import ImagePreprocess
 from worker.inputs import ModelInputs, bind
 from worker.inputs.image import resolve_declared
+from worker.records import Batch, Completed, Job, TopicPartition
 
 
 def model_inputs(
@@ -30,3 +34,39 @@ def image_pre(**settings: Any) -> ImagePreprocess:
     (8x8, grey), which these tests were written for."""
     cfg = PreprocessConfig(**{"size": (8, 8), "channels": 1, **settings})
     return resolve_declared(cfg, "tests give the size")
+
+
+def jobs_for(inputs: Any, requests: list[dict[str, Any]]) -> list[Job]:
+    jobs = []
+    for i, given in enumerate(requests):
+        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None)
+        job.request = Request(v=1, id=f"r{i}", inputs=given)
+        job.inputs, job.lengths = inputs.check(job.request)
+        jobs.append(job)
+    return jobs
+
+
+async def run_stage(
+    cfg: ModelConfig,
+    requests: list[dict[str, Any]],
+    batching: BatchingConfig | None = None,
+    runs: list[dict[str, tuple[int, ...]]] | None = None,
+) -> Completed:
+    """``requests`` as one batch through a CPU stage over ``cfg``'s real engine;
+    ``runs`` collects each engine run's feed shapes."""
+    engine = load_engine(cfg)
+    if runs is not None:
+        run = engine.run
+
+        def recorded(feeds: Any) -> Any:
+            runs.append({k: tuple(v.shape) for k, v in feeds.items()})
+            return run(feeds)
+
+        engine.run = recorded  # type: ignore[method-assign]
+    inputs = bind(cfg, engine.info.io, LimitsConfig(), batching)
+    stage = InferenceStage(None, None, engine, cfg, 64, 1, inputs=inputs)  # type: ignore[arg-type]
+    try:
+        return await stage.run_batch(Batch(jobs_for(inputs, requests), time.monotonic(), "full"))
+    finally:
+        stage.close()
+        engine.close()

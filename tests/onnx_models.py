@@ -142,3 +142,90 @@ def sklearn_pipeline(path: Path, seed: int = 0) -> tuple[Path, Any]:
     )
     path.write_bytes(onnx_model.SerializeToString())
     return path, pipeline
+
+
+def strided(path: Path) -> Path:
+    """``x`` float32 [batch, length] -> ``half`` float32 [batch, half]: every second
+    value (``x[:, ::2]``), times 2. The output's length follows the input's but
+    under a fresh symbol, as exporters write it (``p2o.DynamicDimension.3``,
+    ``unk__12``): nothing ties the two, so no padded run could be cut back."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Slice", ["x", "start", "end", "axis", "step"], ["every"]),
+            helper.make_node("Mul", ["every", "two"], ["half"]),
+        ],
+        "strided",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "length"])],
+        [helper.make_tensor_value_info("half", TensorProto.FLOAT, ["batch", "half"])],
+        [
+            numpy_helper.from_array(np.array([0], np.int64), "start"),
+            numpy_helper.from_array(np.array([1 << 30], np.int64), "end"),
+            numpy_helper.from_array(np.array([1], np.int64), "axis"),
+            numpy_helper.from_array(np.array([2], np.int64), "step"),
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        ],
+    )
+    return _save(graph, path)
+
+
+def fixed_batch(path: Path, batch: int = 2, seed: int = 0) -> Path:
+    """``x`` float32 [``batch``, 4] -> ``y`` float32 [``batch``, 3]: a linear layer
+    exported with its batch dimension fixed (as many mobile and TensorRT-era
+    exports are)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).normal(size=(FEATURES, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "fixed_batch",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, FEATURES])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return _save(graph, path)
+
+
+def recurrent(path: Path, seed: int = 0) -> Path:
+    """A voice-activity detector's shape: ``input`` float32 [batch, samples],
+    ``state`` float32 [2, batch, 3] (batch on axis 1), ``sr`` int64 [] (one sample
+    rate for the whole batch) -> ``output`` float32 [batch, 1] and ``stateN``
+    float32 [2, batch, 3]. ``stateN = tanh(state + mean(input) * w + sr / 16000)``,
+    ``output = sum(stateN over layers and units)``: every row depends on its own
+    input and state, and on the shared rate."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).normal(size=(1, 1, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMean", ["input"], ["mean"], axes=[1], keepdims=0),  # [b]
+            helper.make_node("Unsqueeze", ["mean", "axes_last"], ["mean2"]),  # [1, b, 1]
+            helper.make_node("Mul", ["mean2", "w"], ["push"]),  # [1, b, 3]
+            helper.make_node("Cast", ["sr"], ["srf"], to=TensorProto.FLOAT),
+            helper.make_node("Div", ["srf", "rate"], ["bias"]),
+            helper.make_node("Add", ["state", "push"], ["moved"]),
+            helper.make_node("Add", ["moved", "bias"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["stateN"]),
+            helper.make_node("ReduceSum", ["stateN", "axes02"], ["summed"], keepdims=0),  # [b]
+            helper.make_node("Unsqueeze", ["summed", "axis1"], ["output"]),  # [b, 1]
+        ],
+        "recurrent",
+        [
+            helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "samples"]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "batch", 3]),
+            helper.make_tensor_value_info("sr", TensorProto.INT64, []),
+        ],
+        [
+            helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [2, "batch", 3]),
+        ],
+        [
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+            numpy_helper.from_array(np.array([0, 2], np.int64), "axes_last"),
+            numpy_helper.from_array(np.array([0, 2], np.int64), "axes02"),
+            numpy_helper.from_array(np.array(16000.0, np.float32), "rate"),
+        ],
+    )
+    return _save(graph, path)

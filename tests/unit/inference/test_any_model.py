@@ -5,7 +5,6 @@ postprocessed as configured."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,38 +12,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from tests.models import run_stage
 from tests.onnx_models import ranker, run_alone, tabular
-from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PostprocessConfig
-from worker.contract import Request, Tensor
-from worker.engines import load_engine
-from worker.inference.cpu import InferenceStage
-from worker.inputs import bind
-from worker.records import Batch, Completed, Job, TopicPartition
+from worker.config import BatchingConfig, ModelConfig, PostprocessConfig
+from worker.contract import Tensor
 
 pytest.importorskip("onnx")
-
-
-def jobs_for(inputs: Any, requests: list[dict[str, Any]]) -> list[Job]:
-    jobs = []
-    for i, given in enumerate(requests):
-        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None)
-        job.request = Request(v=1, id=f"r{i}", inputs=given)
-        job.inputs, job.lengths = inputs.check(job.request)
-        jobs.append(job)
-    return jobs
-
-
-async def run_stage(
-    cfg: ModelConfig, requests: list[dict[str, Any]], batching: BatchingConfig | None = None
-) -> Completed:
-    engine = load_engine(cfg)
-    inputs = bind(cfg, engine.info.io, LimitsConfig(), batching)
-    stage = InferenceStage(None, None, engine, cfg, 64, 1, inputs=inputs)  # type: ignore[arg-type]
-    try:
-        return await stage.run_batch(Batch(jobs_for(inputs, requests), time.monotonic(), "full"))
-    finally:
-        stage.close()
-        engine.close()
 
 
 def ranker_requests(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
