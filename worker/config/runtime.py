@@ -34,12 +34,14 @@ class BatchingConfig:
     # dispatched is answered deadline_exceeded without engine time (stale backlogs
     # after an outage). With a request's deadline_ms, the earlier rule wins.
     max_record_age_ms: int = 0
-    # Inputs with free dimensions (text, sequences) are padded per engine run. Rows
-    # of a batch whose lengths fall in different buckets run as separate engine
-    # calls, each padded to its own longest row, which bounds the padding (under
-    # 2x with power-of-two buckets) without reordering results. Buckets: ascending
+    # Rows of a batch share an engine run only where their free dimensions are
+    # equal, except on dimensions padding cannot change (texts, whose attention
+    # mask is fed; tensors marked pad = true). There, rows whose lengths fall in
+    # one bucket share a run, padded to its longest row, which bounds the padding
+    # (under 2x with power-of-two buckets) without reordering results;
+    # split_by_length = false pads the whole batch as one. Buckets: ascending
     # upper bounds; () = powers of two. On a GPU they are also the lengths
-    # compiled and captured at start-up.
+    # compiled and captured at start-up, for every free dimension.
     split_by_length: bool = True
     length_buckets: tuple[int, ...] = ()
 

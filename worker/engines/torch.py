@@ -343,10 +343,11 @@ class TorchEngine:
         mark = self._torch._dynamo.maybe_mark_dynamic
         if len(self.shapes.batches) > 1:
             mark(x, 0)
-        varying = {s for s, buckets in self.shapes.lengths if len(buckets) > 1}
+        # Every free dimension: a padded one runs at several buckets, and one that
+        # is not padded runs at each request's own length (rows of equal lengths
+        # share a run), which may be none of the warmed ones.
         for axis in desc.free_axes:
-            if desc.symbol(axis) in varying:
-                mark(x, axis + 1)
+            mark(x, axis + 1)
 
     def enqueue(
         self, slot: EngineSlot, batch_size: int, lengths: Mapping[str, int]
