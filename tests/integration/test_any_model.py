@@ -15,67 +15,13 @@ import numpy as np
 import pytest
 
 from tests.onnx_models import ranker, run_alone, sklearn_pipeline
-from worker.contract import EncodedImage, Request, Result, Tensor, encode_request
+from tests.serving import serve, wire
+from worker.contract import EncodedImage, Tensor
 from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import Collector, committed_offsets, produce_all
+from worker.tools.processes import spawn_worker
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
-
-
-def wire(rid: str, inputs: Mapping[str, Any]) -> bytes:
-    return encode_request(Request(v=1, id=rid, inputs=dict(inputs)))
-
-
-async def serve(
-    broker: EmbeddedBroker,
-    names: dict[str, str],
-    requests: list[tuple[str, bytes]],
-    env: dict[str, str],
-    partitions: int = 2,
-) -> dict[str, Result]:
-    """Start a worker with ``env``, send ``requests`` (id, value), and return every
-    result by id once all are answered; checks nothing went to the DLQ and that
-    the commits cover every request."""
-    await create_topics(
-        broker.bootstrap, {names["requests"]: partitions, names["results"]: 1, names["dlq"]: 1}
-    )
-    w: WorkerProcess = spawn_worker(
-        broker.bootstrap,
-        input_topics=[names["requests"]],
-        output_topic=names["results"],
-        dlq_topic=names["dlq"],
-        group_id=names["group"],
-        extra_env=env,
-    )
-    try:
-        await asyncio.to_thread(
-            w.wait_until,
-            lambda m: m.get("infer_assigned_partitions", 0) >= partitions,
-            60.0,
-            "partition assignment",
-        )
-        produced = await produce_all(
-            broker.bootstrap, names["requests"], [(rid.encode(), v) for rid, v in requests]
-        )
-        c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
-        await c.start()
-        try:
-            done = await c.collect(lambda c: c.count() >= len(requests), 60.0)
-            assert done, f"{c.count()} of {len(requests)} answered\n{w.log_tail()}"
-        finally:
-            await c.stop()
-    finally:
-        assert w.terminate() == 0, w.log_tail()
-    assert not c.records.get(names["dlq"]), "a request whose envelope decoded went to the DLQ"
-    results = {r.result().id: r.result() for r in c.records[names["results"]]}
-    assert len(results) == len(requests)
-    committed = await committed_offsets(
-        broker.bootstrap, names["group"], names["requests"], partitions
-    )
-    assert sum(committed.values()) == len(produced)
-    return results
 
 
 async def test_a_two_input_model_with_a_per_token_output(

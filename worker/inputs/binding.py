@@ -28,6 +28,7 @@ Every other free dimension groups rows by its exact length.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -251,6 +252,37 @@ def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:
         fix="leave the output out (model.outputs) to pad again",
     )
     return frozenset()
+
+
+# What a request's envelope adds to its tensors (keys, dtype and shape fields, id).
+_ENVELOPE_BYTES: Final = 64 * 1024
+
+
+def fit_limits(limits: LimitsConfig, inputs: ModelInputs) -> LimitsConfig:
+    """``limits`` raised where one row of a fixed-shape model input would exceed
+    them: a limit below what the model takes would answer every request
+    ``too_large`` (a layout detector's float32 [3, 800, 608] is 5.8 MB, past the
+    4 MiB default). Logged, so the operator sees the limit that applies."""
+    row = max(
+        (
+            f.row_elements * f.dtype.itemsize
+            for k in inputs.kinds
+            if isinstance(k, TensorKind)
+            for f in k.feeds
+            if f.fixed
+        ),
+        default=0,
+    )
+    if row <= limits.max_tensor_bytes:
+        return limits
+    record = max(limits.max_record_bytes, row + _ENVELOPE_BYTES)
+    log.info(
+        "limits_raised_for_the_model",
+        max_tensor_bytes=row,
+        max_record_bytes=record,
+        reason="one row of the model's input is larger than the configured limits",
+    )
+    return dataclasses.replace(limits, max_tensor_bytes=row, max_record_bytes=record)
 
 
 def is_classifier(inputs: ModelInputs) -> bool:

@@ -29,7 +29,7 @@ from worker.engines.buckets import bucket_sizes
 from worker.errors import BrokerUnavailable, ConfigError
 from worker.inference.cpu import InferenceStage
 from worker.inputs import ModelInputs, bind
-from worker.inputs.binding import summary
+from worker.inputs.binding import fit_limits, summary
 from worker.pipeline.backpressure import Backpressure
 from worker.pipeline.batching import BatchPolicy, MicroBatcher
 from worker.pipeline.budget import FailureBudget
@@ -209,6 +209,7 @@ class Worker:
         # mismatch, before Kafka is contacted); the intake and the stage share it.
         inputs = bind(s.model, engine.info.io, s.limits, b)
         log.info("model_inputs", inputs=summary(inputs), outputs=list(engine.info.output_names))
+        limits = fit_limits(s.limits, inputs)
         jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
         batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
         completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
@@ -219,7 +220,7 @@ class Worker:
         )
         source = KafkaSource(
             s.kafka,
-            JobFactory(inputs, s.limits, b.max_record_age_ms, s.kafka.content_type),
+            JobFactory(inputs, limits, b.max_record_age_ms, s.kafka.content_type),
             jobs,
             self.tracker,
             self._on_revoke,

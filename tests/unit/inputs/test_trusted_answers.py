@@ -13,6 +13,7 @@ from worker.config import LimitsConfig, ModelConfig
 from worker.config.model import ConstantInput, ImageInput, PreprocessConfig, TensorInput, TextInput
 from worker.errors import ConfigError
 from worker.inputs import bind
+from worker.inputs.binding import fit_limits
 from worker.inputs.constant import ConstantKind
 from worker.inputs.image import ImageKind
 from worker.inputs.tensor import TensorKind
@@ -177,3 +178,12 @@ def test_placeholder_dimension_names_tie_nothing() -> None:
     io = batched_io([("x", F32, (dim(-1), 3, dim("?"), dim("?")))], [("y", F32, (dim(-1), 2))])
     (x,) = io.inputs
     assert x.shape == (3, None, None) and x.symbols() == ("x[1]", "x[2]")
+
+
+def test_limits_are_raised_to_one_row_of_a_large_fixed_input() -> None:
+    big = ModelIO((TensorDesc("image", F32, (3, 800, 608)),), (TensorDesc("y", F32, (10,)),))
+    limits = fit_limits(LIMITS, bind(ModelConfig(path="layout.onnx"), big, LIMITS))
+    assert limits.max_tensor_bytes == 3 * 800 * 608 * 4  # 5.8 MB, past the 4 MiB default
+    assert limits.max_record_bytes >= limits.max_tensor_bytes
+    small = bind(ModelConfig(path="m.onnx"), YOLO, LIMITS)  # free dimensions: bounded as set
+    assert fit_limits(LIMITS, small) == LIMITS
