@@ -139,9 +139,10 @@ def otlp_sink() -> str:
 
 
 def payload(
-    kind: str, n: int, tmp: Path
+    kind: str, n: int, tmp: Path, lengths: tuple[int, ...] = ()
 ) -> tuple[list[tuple[bytes | None, bytes]], dict[str, str]]:
-    """The backlog's records and the worker settings that serve them."""
+    """The backlog's records and the worker settings that serve them; ``lengths``:
+    the tensor payload's id lengths to draw from (default: every one of 1..128)."""
     if kind == "digits":
         samples = labelled_samples(max(1, -(-n // 360)))[:n]
         return encode_samples(samples), {}
@@ -159,12 +160,16 @@ def payload(
 
     path = ranker(tmp / "ranker.onnx")
     rng = np.random.default_rng(0)
+
+    def length(rng: np.random.Generator) -> int:
+        return int(rng.choice(lengths)) if lengths else int(rng.integers(1, 129))
+
     records = []
     for i in range(n):
         inputs = {
             "features": Tensor.from_numpy(rng.normal(size=4).astype(np.float32)),
             "ids": Tensor.from_numpy(
-                rng.integers(1, 50, int(rng.integers(1, 129))).astype(np.int64)
+                rng.integers(1, 50, length(rng)).astype(np.int64)
             ),
         }
         records.append((str(i).encode(), encode_request(Request(v=1, id=str(i), inputs=inputs))))
@@ -177,7 +182,7 @@ def payload(
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     tmp = Path(tempfile.mkdtemp(prefix="drain-"))
-    records, payload_env = payload(args.payload, args.records, tmp)
+    records, payload_env = payload(args.payload, args.records, tmp, args.tensor_lengths)
     baseline_path = args.baseline_path  # made absolute in main()
     names = ["ceiling", "worker"] + (["baseline"] if args.baseline_path else [])
     names += list(args.peers)
@@ -251,6 +256,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     summary: dict[str, object] = {
         "broker": args.broker,
         "payload": args.payload,
+        "tensor_lengths": list(args.tensor_lengths),
         "records": len(records),
         "partitions": args.partitions,
         "procs": args.procs,
@@ -308,6 +314,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=30_000)
     parser.add_argument("--payload", choices=("digits", "text", "tensor"), default="digits")
+    parser.add_argument(
+        "--tensor-lengths",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        default=(),
+        help="tensor payload: the id lengths to draw from, e.g. 16,32,64,128 (default 1..128)",
+    )
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="drains of each, alternating")
     parser.add_argument(

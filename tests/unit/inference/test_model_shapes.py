@@ -15,7 +15,7 @@ import pytest
 
 from tests.models import model_inputs, run_stage
 from tests.onnx_models import fixed_batch, ranker, recurrent, run_alone, strided
-from worker.config import ModelConfig
+from worker.config import ModelConfig, load_settings
 from worker.config.model import ConstantInput, TensorInput
 from worker.contract import Request, Tensor
 from worker.errors import InvalidRequest
@@ -112,3 +112,25 @@ async def test_a_tensor_marked_pad_shares_runs_across_lengths(tmp_path: Path) ->
             assert answer.outputs["token_scores"].shape == alone["token_scores"].shape
             np.testing.assert_allclose(answer.outputs["score"], alone["score"], rtol=1e-5,
                                        atol=1e-6)  # fmt: skip
+
+
+async def test_a_size_the_model_refuses_fails_alone_not_its_batch() -> None:
+    """PP-OCR's detector takes heights and widths in multiples of 32: a 100x200
+    request fails in onnxruntime; it is answered inference_failed on its own
+    while the rest of its batch is answered as alone."""
+    from tests import real_models
+    from tests.served import Runner
+
+    runner = Runner(load_settings(env={
+        "INFER_WORKER_MODEL__PATH": str(real_models.model_path("ppocr-det"))}).model)  # fmt: skip
+    try:
+        good = real_models.requests("ppocr-det", np.random.default_rng(3), 4)
+        odd = {"x": RNG.normal(size=(3, 100, 200)).astype(np.float32)}
+        answers = await runner.answer([good[0], odd, *good[1:]])
+    finally:
+        runner.close()
+    assert answers[1].error is not None and answers[1].error.code == "inference_failed"
+    for answer, request in zip([answers[0], *answers[2:]], good, strict=True):
+        assert answer.error is None and answer.outputs is not None
+        for name, want in real_models.reference("ppocr-det", request).items():
+            real_models.close_enough("ppocr-det", answer.outputs[name], want)
