@@ -40,9 +40,12 @@ async def test_only_the_poison_request_fails(
         partition_of=lambda i: i % 2,
     )
     answers = await Answers.start(broker, names)
+    # The requests are images: model.input asks for the image shorthand (what an
+    # unnamed input is otherwise: a tensor), its settings taken from the model.
     w = start(
-        broker, names, INFER_WORKER_MODEL__PATH=str(model), INFER_WORKER_MODEL__NAME="poisoned"
-    )
+        broker, names, INFER_WORKER_MODEL__PATH=str(model), INFER_WORKER_MODEL__NAME="poisoned",
+        INFER_WORKER_MODEL__INPUT="image",
+    )  # fmt: skip
     try:
         await wait_assigned([w], 2)
         await answers.wait_for(n, 60)
