@@ -1,12 +1,12 @@
 """The ingest ceiling, timed two ways on the same backlog, alternating.
 
-    git show 35c236e:worker/tools/drain.py > /tmp/old_drain.py
+    git show 35c236e:worker/bench/ceiling.py > /tmp/old_drain.py
     .venv/bin/python -m bench.ceiling_method /tmp/old_drain.py --records 30000 --repeat 4
 
 ``old``: ``drain_ceiling`` from the given file (before 2026-11-23's change: a
 consumer group, the clock started when the first fetch returned, every record
 counted, including those the first fetch brought in before the clock ran).
-``new``: today's ``worker.tools.drain.drain_ceiling`` (assigned partitions, the
+``new``: today's ``worker.bench.ceiling.drain_ceiling`` (assigned partitions, the
 clock started before the first fetch). Benchmark code: not shipped.
 """
 
@@ -19,11 +19,11 @@ import json
 import statistics
 import sys
 
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.children import children_die_with_this_process
-from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.drain import drain_ceiling
-from worker.tools.topics import produce_all
+from worker.bench.ceiling import drain_ceiling
+from worker.bench.demo import encode_samples, labelled_samples
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.children import children_die_with_this_process
+from worker.ops.topics import produce_all
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:

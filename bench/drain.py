@@ -48,15 +48,15 @@ import numpy as np
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
+from devkit.apache_kafka import KafkaCluster
+from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
+from worker.bench.demo import encode_samples, labelled_samples
 from worker.contract import Request, Tensor, decode_request, encode_request
 from worker.contract.oip import encode_oip_request
-from worker.tools.apache_kafka import KafkaCluster
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.children import children_die_with_this_process
-from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.drain import Drain, arrivals_after, drain_ceiling
-from worker.tools.processes import mean_batch_size, spawn_worker, summed
-from worker.tools.topics import Collector, produce_all
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import mean_batch_size, spawn_worker, summed
+from worker.ops.topics import Collector, produce_all
 
 _RUN_FROM = (
     "import sys; sys.path.insert(0, {!r}); "
@@ -147,7 +147,7 @@ def payload(
         samples = labelled_samples(max(1, -(-n // 360)))[:n]
         return encode_samples(samples), {}
     if kind == "text":
-        from worker.tools.samples import sentiment_samples
+        from worker.ops.samples import sentiment_samples
 
         texts = sentiment_samples(max(1, -(-n // 400)))[:n]
         records: list[tuple[bytes | None, bytes]] = [

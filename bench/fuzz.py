@@ -31,10 +31,10 @@ import numpy as np
 from PIL import Image
 
 from worker.contract import decode_result
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.children import children_die_with_this_process
-from worker.tools.processes import spawn_worker
-from worker.tools.topics import Collector, produce_all
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import spawn_worker
+from worker.ops.topics import Collector, produce_all
 
 _INTERESTING = (0x00, 0x01, 0x7F, 0x80, 0xFF, 0xC0, 0xC1, 0xC4, 0xD9, 0xDC, 0xDE, 0xDF, 0x90)
 

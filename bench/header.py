@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 from PIL import Image
 
+from worker.bench.payloads import encode_image, payload_images
 from worker.contract import EncodedImage
 from worker.contract.images import header_problem
-from worker.inference.decode import decode_image
-from worker.tools.bench.payloads import encode_image, payload_images
+from worker.model.decode import decode_image
 
 
 def _pil(image: EncodedImage) -> None:

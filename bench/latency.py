@@ -30,11 +30,11 @@ import numpy as np
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
-from worker.tools.broker import EmbeddedBroker
-from worker.tools.children import children_die_with_this_process
-from worker.tools.demo import encode_samples, labelled_samples
-from worker.tools.processes import spawn_on_fresh_topics
-from worker.tools.topics import Collector, produce_all
+from worker.bench.demo import encode_samples, labelled_samples
+from worker.ops.broker import EmbeddedBroker
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import spawn_on_fresh_topics
+from worker.ops.topics import Collector, produce_all
 
 _WARM_UP = 32
 

@@ -37,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from worker.bench.ceiling import Drain
 from worker.contract import Request, encode_request
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.children import children_die_with_this_process
-from worker.tools.drain import Drain
-from worker.tools.processes import mean_batch_size, spawn_worker
-from worker.tools.samples import sentiment_samples
-from worker.tools.topics import Collector, produce_all
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import mean_batch_size, spawn_worker
+from worker.ops.samples import sentiment_samples
+from worker.ops.topics import Collector, produce_all
 
 MAX_LENGTH = 256
 

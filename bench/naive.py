@@ -11,16 +11,16 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from worker.compute.engines import load_engine
 from worker.config import Settings
 from worker.contract import ErrorInfo, ModelInfo, encode_result
-from worker.engines import load_engine
-from worker.errors import InferenceFailed, UndecodableRecord
-from worker.inference.postprocess import postprocess
-from worker.inputs import bind
-from worker.pipeline.intake import JobFactory
-from worker.pipeline.kafka import client_kwargs, group_consumer_kwargs
-from worker.pipeline.outgoing import build_result, dlq_headers
-from worker.records import Answer
+from worker.flow.errors import InferenceFailed, UndecodableRecord
+from worker.flow.messages import Answer
+from worker.kafka.clients import client_kwargs, group_consumer_kwargs
+from worker.kafka.delivery.outgoing import build_result, dlq_headers
+from worker.kafka.intake import JobFactory
+from worker.model.inputs import bind
+from worker.model.postprocess import postprocess
 
 
 async def serve_naive(settings: Settings, expect: int) -> int:
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import asyncio
 
-    from worker import logs
     from worker.config import load_settings
+    from worker.obs import logs
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="TOML file (environment INFER_WORKER_* overrides it)")

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.tools.children import children_die_with_this_process
-from worker.tools.processes import extended_pythonpath
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import extended_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ import numpy as np
 mode, path, max_batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 started = time.monotonic()
 import torch
-from worker.engines.buckets import bucket_sizes
+from worker.model.buckets import bucket_sizes
 buckets = bucket_sizes(max_batch)
 if mode == "static":
     program = torch.export.load(path).module()
@@ -73,8 +73,8 @@ if mode == "static":
 else:
     import structlog
     from worker.config import ModelConfig, TorchConfig
-    from worker.engines.base import SlotShapes
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.base import SlotShapes
+    from worker.compute.engines.torch import TorchEngine
     events = []
     structlog.configure(processors=[lambda _l, _m, e: events.append(e) or ""],
                         logger_factory=structlog.ReturnLoggerFactory())

@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from worker.compute.engines.base import resolve_model_path
+from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig
-from worker.engines.base import resolve_model_path
-from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.inference.preprocess import preprocess
-from worker.inputs.image import resolve
+from worker.model.inputs.image import resolve
+from worker.model.preprocess import preprocess
 
 OPS = ["Flatten", "Gemm", "Relu", "Gemm"]
 GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}

@@ -15,7 +15,7 @@
 #
 # Every step runs under `timeout` with its own budget (BUDGET below), SIGKILL
 # KILL_AFTER_S later if it has not stopped; a tool stopped so kills its broker
-# and workers before it exits (worker.tools.children), so no step runs on into
+# and workers before it exits (worker.ops.children), so no step runs on into
 # the next. Each step's log goes under $OUT as it is written, so a stopped step
 # still returns its log and the results of the steps before it; each step's
 # budget, measured seconds and status go to $OUT/steps.tsv.

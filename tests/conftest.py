@@ -1,7 +1,7 @@
 """Shared fixtures: the real brokers and unique topic names per test.
 
 ``broker`` is parametrized over the embedded broker (Tansu) and Apache Kafka
-(``worker/tools/apache_kafka.py``): every test that takes it runs on both, with
+(``devkit/apache_kafka.py``): every test that takes it runs on both, with
 ``[embedded]`` / ``[kafka]`` in its name. Each broker starts once per session,
 and only when a test of its kind runs. Tests that need a broker of their own
 (they stop or restart it) take ``broker_factory``, parametrized the same way.
@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from devkit.apache_kafka import KafkaCluster
+from devkit.kafka_runtime import KafkaUnavailable, kafka_libs
 from tests import required_tools
-from worker.tools.apache_kafka import KafkaCluster
-from worker.tools.broker import Broker, BrokerKind, EmbeddedBroker
-from worker.tools.children import children_die_with_this_process
-from worker.tools.kafka_runtime import KafkaUnavailable, kafka_libs
+from worker.ops.broker import Broker, BrokerKind, EmbeddedBroker
+from worker.ops.children import children_die_with_this_process
 
 BROKER_KINDS: tuple[BrokerKind, ...] = ("embedded", "kafka")
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import load_engine
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PreprocessConfig
 from worker.contract import Request
-from worker.engines import load_engine
-from worker.inference.cpu import InferenceStage
-from worker.inference.preprocess import ImagePreprocess
-from worker.inputs import ModelInputs, bind
-from worker.inputs.image import resolve_declared
-from worker.records import Batch, Completed, Job, TopicPartition
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.model.inputs import ModelInputs, bind
+from worker.model.inputs.image import resolve_declared
+from worker.model.preprocess import ImagePreprocess
 
 
 def model_inputs(

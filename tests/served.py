@@ -17,12 +17,12 @@ import numpy as np
 
 from tests import onnx_models, real_models
 from tests.models import jobs_for
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import load_engine
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, load_settings
 from worker.contract import Tensor
-from worker.engines import load_engine
-from worker.inference.cpu import InferenceStage
-from worker.inputs import bind
-from worker.records import Answer, Batch
+from worker.flow.messages import Answer, Batch
+from worker.model.inputs import bind
 
 Values = dict[str, Any]  # request input -> numpy row, or a text
 

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.contract import Request, Result, encode_request
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import Collector, committed_offsets, produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collector, committed_offsets, produce_all
 
 
 def wire(rid: str, inputs: Mapping[str, Any]) -> bytes:

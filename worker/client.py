@@ -40,7 +40,7 @@ from worker.contract import (
 )
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
-from worker.pipeline.kafka import topic_partitions
+from worker.kafka.clients import topic_partitions
 
 
 def _as_image(image: np.ndarray | bytes | None) -> np.ndarray | bytes:

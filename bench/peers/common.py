@@ -11,13 +11,13 @@ import msgpack
 import numpy as np
 import onnxruntime as ort
 
+from worker.compute.engines import load_engine
+from worker.compute.engines.base import resolve_model_path
 from worker.config import Settings, load_settings
-from worker.engines import load_engine
-from worker.engines.base import resolve_model_path
-from worker.inference.postprocess import postprocess
-from worker.inference.preprocess import ImagePreprocess, preprocess
-from worker.inputs import bind
-from worker.inputs.image import ImageKind
+from worker.model.inputs import bind
+from worker.model.inputs.image import ImageKind
+from worker.model.postprocess import postprocess
+from worker.model.preprocess import ImagePreprocess, preprocess
 
 
 def image_preprocess(settings: Settings) -> ImagePreprocess:

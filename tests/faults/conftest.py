@@ -15,10 +15,10 @@ from typing import Literal
 import numpy as np
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import Broker
-from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import Collector, end_offsets
-from worker.tools.verify import InputRecord, Reply, Report, check, read_topics
+from worker.ops.broker import Broker
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collector, end_offsets
+from worker.ops.verify import InputRecord, Reply, Report, check, read_topics
 
 # Short group timeouts keep rebalances (about session/2 on this broker) fast.
 FAST_GROUP = {

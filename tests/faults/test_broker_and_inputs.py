@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devkit.apache_kafka import KafkaCluster
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.apache_kafka import KafkaCluster
-from worker.tools.broker import Broker, EmbeddedBroker, create_topics
-from worker.tools.processes import WorkerProcess
-from worker.tools.topics import committed_offsets, produce_all
+from worker.ops.broker import Broker, EmbeddedBroker, create_topics
+from worker.ops.processes import WorkerProcess
+from worker.ops.topics import committed_offsets, produce_all
 
 from .conftest import (
     Answers,

@@ -25,10 +25,10 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from devkit.apache_kafka import KafkaCluster
 from tests.conftest import require_kafka
-from worker.tools.apache_kafka import KafkaCluster
-from worker.tools.processes import WorkerProcess
-from worker.tools.topics import Produced, committed_offsets, end_offsets, produce_all
+from worker.ops.processes import WorkerProcess
+from worker.ops.topics import Produced, committed_offsets, end_offsets, produce_all
 
 from .conftest import (
     Answers,

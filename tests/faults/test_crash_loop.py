@@ -11,13 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.faults.conftest import request, start
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import extended_pythonpath
-from worker.tools.topics import Collector, committed_offsets, produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import extended_pythonpath
+from worker.ops.topics import Collector, committed_offsets, produce_all
 
 CRASH_HOOK = """
 import os
-from worker.engines import onnxruntime as _ort
+from worker.compute.engines import onnxruntime as _ort
 
 _run = _ort.OnnxRuntimeEngine.run
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from worker.tools.broker import Broker, create_topics
-from worker.tools.topics import committed_offsets, produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import committed_offsets, produce_all
 
 from .conftest import (
     Answers,

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import pytest
 
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import WorkerProcess
-from worker.tools.topics import Collector, OffsetGaps, produce_all
-from worker.tools.verify import check, read_topics
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess
+from worker.ops.topics import Collector, OffsetGaps, produce_all
+from worker.ops.verify import check, read_topics
 
 from .conftest import no_crash_in_log, record_scenario, request, start, wait_assigned
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.tools.broker import Broker, create_topics
-from worker.tools.topics import produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import produce_all
 
 from .conftest import (
     Answers,

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 
 from tests.faults.conftest import request, start, wait_assigned
-from worker.tools.broker import Broker, create_topics
-from worker.tools.topics import produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import produce_all
 
 DRAIN_MS = 2000
 MARGIN_S = 3.0  # process exit, interpreter shutdown, closing sockets

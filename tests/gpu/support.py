@@ -1,6 +1,6 @@
 """Helpers for the GPU tests: jobs, batches, driving a stage, and small CuPy engines.
 
-The engines implement ``worker.engines.gpu.GpuEngine`` with raw CuPy kernels, so
+The engines implement ``worker.compute.engines.gpu.GpuEngine`` with raw CuPy kernels, so
 the stage is tested on a GPU without torch or TensorRT, and without mocking the
 stage itself: a real stream, real kernels, real copies.
 """
@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from worker.compute.engines.base import EngineInfo, EngineSlot, SlotShapes, TensorSpec
 from worker.contract import EncodedImage, sniff_format
-from worker.engines.base import EngineInfo, EngineSlot, SlotShapes, TensorSpec
-from worker.errors import InferenceFailed
-from worker.model import ModelIO
-from worker.records import Batch, Completed, Job, TopicPartition
+from worker.flow.errors import InferenceFailed
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.model.io import ModelIO
 
 F32 = np.dtype(np.float32)
 

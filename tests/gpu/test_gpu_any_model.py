@@ -25,16 +25,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import load_engine
+from worker.compute.engines.base import EngineSlot, SlotShapes, TensorSpec, dense, row_shape
+from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput
 from worker.contract import Request, Tensor
-from worker.engines import load_engine
-from worker.engines.base import EngineSlot, SlotShapes, TensorSpec, dense, row_shape
-from worker.inference.cpu import InferenceStage
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.inputs import ModelInputs, bind
-from worker.model import ModelIO, TensorDesc
-from worker.records import Batch, Completed, Job, TopicPartition
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.model.inputs import ModelInputs, bind
+from worker.model.io import ModelIO, TensorDesc
 
 from .support import queues, run_stage
 
@@ -61,7 +61,7 @@ class RankerEngine:
             (TensorDesc("features", F32, (4,)), TensorDesc("ids", I64, ("sequence",))),
             (TensorDesc("score", F32, (1,)), TensorDesc("token_scores", F32, ("sequence",))),
         )
-        from worker.engines.base import EngineInfo
+        from worker.compute.engines.base import EngineInfo
 
         self.info = EngineInfo("cupy", "ranker", "0", io, self.max_batch_size)
         self.inputs: tuple[TensorSpec, ...] = ()
@@ -173,7 +173,7 @@ class SentimentEngine:
         import onnx
         from onnx import numpy_helper
 
-        from worker.model import resolve_model_path
+        from worker.model.io import resolve_model_path
 
         path = resolve_model_path("builtin:sentiment")
         weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
@@ -216,7 +216,7 @@ class SentimentEngine:
 
 
 async def test_the_bundled_text_model_equals_the_cpu_stage(cp: Any) -> None:
-    from worker.tools.samples import sentiment_samples
+    from worker.ops.samples import sentiment_samples
 
     texts = [s.text for s in sentiment_samples()[:90]]
     requests: list[dict[str, Any]] = [{"text": t} for t in texts]
@@ -242,7 +242,7 @@ async def test_the_torch_engine_on_an_exported_two_input_program(
 ) -> None:
     from tests.unit.engines.test_torch_cpu import MAX_LEN as TORCH_MAX
     from tests.unit.engines.test_torch_cpu import export
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     path, module = export(tmp_path)
     model = ModelConfig(path=str(path), backend="torch",

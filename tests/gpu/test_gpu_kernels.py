@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 from tests.models import image_pre
-from worker.inference.gpu import kernels
-from worker.inference.gpu.slots import pack_images
-from worker.inference.postprocess import softmax, top_k
-from worker.inference.preprocess import ImagePreprocess, batch_shape, preprocess
+from worker.compute.gpu import kernels
+from worker.compute.gpu.slots import pack_images
+from worker.model.postprocess import softmax, top_k
+from worker.model.preprocess import ImagePreprocess, batch_shape, preprocess
 
 pytestmark = pytest.mark.gpu
 

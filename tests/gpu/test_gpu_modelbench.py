@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from worker.bench.engine import engine_rate
+from worker.bench.payloads import payload_inputs, requests
 from worker.config import load_settings
-from worker.tools.bench.engine import engine_rate
-from worker.tools.bench.payloads import payload_inputs, requests
-from worker.tools.processes import extended_pythonpath, override_env
+from worker.ops.processes import extended_pythonpath, override_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 

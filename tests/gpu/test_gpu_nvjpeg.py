@@ -31,11 +31,11 @@ import pytest
 from PIL import Image
 
 from tests.images import encode
+from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
 from worker.contract import EncodedImage, sniff_format
-from worker.inference.decode import decode_image
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.records import Answer
+from worker.flow.messages import Answer
+from worker.model.decode import decode_image
 
 from .support import IdentityEngine, batches_of, make_jobs, queues, run_stage
 
@@ -338,7 +338,7 @@ def identity_torchscript(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TorchScript model that returns its input, computed through temporaries
     (2x - x, exact in float32): eager torch allocates and frees on the slot's
     stream between decodes, which is what the decoder's stream ordering must
-    survive (see worker/inference/gpu/nvjpeg.py)."""
+    survive (see worker/compute/gpu/nvjpeg.py)."""
     import torch
 
     class Identity(torch.nn.Module):
@@ -354,7 +354,7 @@ def identity_torchscript(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_torch_engine_on_three_slots_gives_the_same_bits_every_run(
     identity_torchscript: Path,
 ) -> None:
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     model = ModelConfig(
         name="identity",

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig
-from worker.errors import EngineDead, InferenceFailed
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.inference.postprocess import postprocess
-from worker.inference.preprocess import preprocess
-from worker.records import Completed
+from worker.flow.errors import EngineDead, InferenceFailed
+from worker.flow.messages import Completed
+from worker.model.postprocess import postprocess
+from worker.model.preprocess import preprocess
 
 from .support import LinearEngine, SpinEngine, batches_of, make_jobs, queues, run_stage
 
@@ -283,8 +283,8 @@ async def test_batches_larger_than_staging_are_split_and_huge_images_rejected(cp
 async def test_nvml_gauges_report_the_device() -> None:
     """The monitor publishes the CUDA device's memory and utilisation (NVML)."""
     pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (gpu extra)")
-    from worker import metrics
-    from worker.inference.gpu.monitor import watch_gpu
+    from worker.compute.gpu.monitor import watch_gpu
+    from worker.obs import metrics
 
     task = asyncio.create_task(watch_gpu(0, interval=0.05))
     try:

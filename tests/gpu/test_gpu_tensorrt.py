@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines.base import resolve_model_path
+from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
+from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig, PreprocessConfig
-from worker.engines.base import resolve_model_path
-from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.inference.cpu import InferenceStage
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.inference.preprocess import preprocess
-from worker.tools import build_engine
+from worker.model.preprocess import preprocess
+from worker.ops import build_engine
 
 from .support import batches_of, make_jobs, queues, run_stage
 
@@ -64,7 +64,7 @@ def test_plan_cache_is_reused(plans: dict[str, Path]) -> None:
 
 
 def test_engine_shapes_and_parity_with_onnxruntime(plans: dict[str, Path]) -> None:
-    from worker.engines.tensorrt import TensorRTEngine
+    from worker.compute.engines.tensorrt import TensorRTEngine
 
     engine = TensorRTEngine(plans["fp32"], _model(plans["fp32"]))
     cfg = ModelConfig()
@@ -97,7 +97,7 @@ def test_fp16_accuracy_against_fp32_reference(plans: dict[str, Path]) -> None:
 async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
     plans: dict[str, Path], cuda_graphs: bool
 ) -> None:
-    from worker.engines.tensorrt import TensorRTEngine
+    from worker.compute.engines.tensorrt import TensorRTEngine
 
     with np.load(SAMPLES) as npz:
         images = list(npz["images"])
@@ -133,8 +133,8 @@ async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
 
 
 def test_more_slots_than_profiles_is_a_config_error(tmp_path: Path) -> None:
-    from worker.engines.tensorrt import TensorRTEngine
-    from worker.errors import ConfigError
+    from worker.compute.engines.tensorrt import TensorRTEngine
+    from worker.flow.errors import ConfigError
 
     plan = build_engine.build_engine(
         ONNX, tmp_path, precision="fp32", min_batch=1, opt_batch=8, max_batch=8, profiles=1

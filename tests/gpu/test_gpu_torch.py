@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines.base import resolve_model_path
+from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
+from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig
-from worker.engines.base import resolve_model_path
-from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.inference.cpu import InferenceStage
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.inference.preprocess import preprocess
-from worker.records import Completed
+from worker.flow.messages import Completed
+from worker.model.preprocess import preprocess
 
 from .support import batches_of, make_jobs, queues, run_stage
 
@@ -87,7 +87,7 @@ def _torch_model(path: Path) -> ModelConfig:
 def test_torch_engine_run_matches_onnxruntime(
     torch: Any, digits_torchscript: Path, samples: tuple[list[np.ndarray], np.ndarray]
 ) -> None:
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     images, _ = samples
     cpu_cfg = ModelConfig()
@@ -120,7 +120,7 @@ async def _cpu_results(images: list[np.ndarray], sizes: list[int]) -> list[Compl
 async def _gpu_results(
     path: Path, images: list[np.ndarray], sizes: list[int], preprocess_on: str
 ) -> list[Completed]:
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     model = _torch_model(path)
     model = dataclasses.replace(
@@ -225,7 +225,7 @@ async def test_compiled_program_with_graphs_equals_cpu_stage(
     """torch.compile + one CUDA graph per (slot, bucket), batches padded to buckets
     (17 -> 32, 33 -> 64): the CPU pipeline's answers, and nothing compiled once the
     stage is built (every bucket was warmed before the first batch)."""
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     images, _ = samples
     sizes = [1, 64, 17, 64, 33, 3]

@@ -17,8 +17,8 @@ import pytest
 from tests.onnx_models import ranker, run_alone, sklearn_pipeline
 from tests.serving import serve, wire
 from worker.contract import EncodedImage, Tensor
-from worker.tools.broker import EmbeddedBroker, create_topics
-from worker.tools.processes import spawn_worker
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.processes import spawn_worker
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
@@ -146,7 +146,7 @@ async def test_a_scikit_learn_table_of_four_inputs(
 
 
 async def test_the_bundled_text_model(broker: EmbeddedBroker, names: dict[str, str]) -> None:
-    from worker.tools.samples import sentiment_samples
+    from worker.ops.samples import sentiment_samples
 
     samples = sentiment_samples()[:80]
     requests = [(f"t-{i}", wire(f"t-{i}", {"text": s.text})) for i, s in enumerate(samples)]

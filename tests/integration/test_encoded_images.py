@@ -8,10 +8,10 @@ import pytest
 
 from tests.images import encode, png_bomb
 from tests.integration.test_pipeline import collect, start_worker
+from worker.bench.demo import labelled_samples
 from worker.contract import EncodedImage, Request, Tensor, encode_request
-from worker.tools.broker import Broker, create_topics
-from worker.tools.demo import labelled_samples
-from worker.tools.topics import produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import produce_all
 
 pytestmark = pytest.mark.integration
 

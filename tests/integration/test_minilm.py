@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from worker.contract import Request, encode_request
-from worker.tools.broker import EmbeddedBroker
+from worker.ops.broker import EmbeddedBroker
 
 from .test_any_model import serve
 

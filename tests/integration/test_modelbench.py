@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from worker.tools.bench.openloop import STAGES
+from worker.bench.openloop import STAGES
 
 pytestmark = pytest.mark.integration
 

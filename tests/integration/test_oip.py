@@ -33,9 +33,9 @@ from tests.images import encode
 from tests.onnx_models import ranker, run_alone
 from tests.required_tools import binary
 from worker.contract import Request, Tensor, decode_result, encode_request
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import Collected, Collector, produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collected, Collector, produce_all
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
@@ -159,7 +159,7 @@ async def test_json_and_msgpack_requests_on_one_topic_with_trace_context(
 async def test_json_by_default_images_and_texts_as_bytes(
     broker: Broker, names: dict[str, str]
 ) -> None:
-    from worker.tools.samples import labelled_samples
+    from worker.ops.samples import labelled_samples
 
     sample = labelled_samples(1)[0]
     png = base64.b64encode(encode(sample.image, "PNG")).decode()
@@ -215,7 +215,7 @@ async def test_spans_are_exported_over_otlp(
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     endpoint, received = otlp_collector
-    from worker.tools.samples import encode_samples, labelled_samples
+    from worker.ops.samples import encode_samples, labelled_samples
 
     (key, value), (key2, value2) = encode_samples(labelled_samples(1)[:2])
     env = {"INFER_WORKER_TRACING__ENABLED": "true", "INFER_WORKER_TRACING__ENDPOINT": endpoint}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.tools.broker import Broker, create_topics
-from worker.tools.topics import produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import produce_all
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from tests.integration.test_pipeline import collect, request_bytes, start_worker
-from worker.tools.broker import Broker, create_topics
-from worker.tools.topics import produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.topics import produce_all
 
 pytestmark = pytest.mark.integration
 
@@ -88,8 +88,8 @@ async def test_async_client_request_response_with_many_calls_in_flight(
     import asyncio
 
     from tests.images import encode
+    from worker.bench.demo import labelled_samples
     from worker.client import InferenceClient
-    from worker.tools.demo import labelled_samples
 
     await create_topics(
         broker.bootstrap, {names["requests"]: 2, names["results"]: 2, names["dlq"]: 1}

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import WorkerProcess, mean_batch_size, spawn_worker
-from worker.tools.topics import Collector, committed_offsets, produce_all
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess, mean_batch_size, spawn_worker
+from worker.ops.topics import Collector, committed_offsets, produce_all
 
 pytestmark = pytest.mark.integration
 
@@ -287,7 +287,7 @@ async def test_procs_runs_one_group_of_members_and_stops_them_together(
 ) -> None:
     """``run --procs 2``: two members share the partitions, every request is
     answered once, and one SIGTERM drains both (exit 0)."""
-    from worker.tools.processes import scrape
+    from worker.ops.processes import scrape
 
     n, parts = 400, 4
     await create_topics(

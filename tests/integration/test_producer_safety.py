@@ -12,10 +12,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from tests.integration.test_pipeline import collect, start_worker
 from worker.contract import Request, Tensor, encode_request
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import WorkerProcess
-from worker.tools.topics import committed_offsets, produce_all
-from worker.tools.verify import check, read_topics
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess
+from worker.ops.topics import committed_offsets, produce_all
+from worker.ops.verify import check, read_topics
 
 pytestmark = pytest.mark.integration
 

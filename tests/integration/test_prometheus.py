@@ -22,9 +22,9 @@ import yaml
 from tests import required_tools
 from tests.integration.test_pipeline import request_bytes
 from tests.prometheus import Prometheus, config_here, rule_names
-from worker.tools.broker import create_topics, free_port
-from worker.tools.processes import WorkerProcess, spawn_worker
-from worker.tools.topics import produce_all
+from worker.ops.broker import create_topics, free_port
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import produce_all
 
 pytestmark = pytest.mark.integration
 

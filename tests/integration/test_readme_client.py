@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devkit.apache_kafka import KafkaCluster
 from tests.images import encode
-from worker.tools.apache_kafka import KafkaCluster
-from worker.tools.broker import create_topics
-from worker.tools.demo import labelled_samples
-from worker.tools.processes import spawn_worker
+from worker.bench.demo import labelled_samples
+from worker.ops.broker import create_topics
+from worker.ops.processes import spawn_worker
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 from tests import real_models
 from tests.serving import serve, wire
 from worker.contract import Tensor
-from worker.tools.broker import Broker
+from worker.ops.broker import Broker
 
 pytestmark = pytest.mark.integration
 

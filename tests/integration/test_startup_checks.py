@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from worker.tools.broker import Broker, create_topics
+from worker.ops.broker import Broker, create_topics
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ it started, the embedded broker (``tansu``), the worker and, under ``run
 time the tool has exited, so nothing runs on into the next measurement.
 
 Each tool is started in a session of its own, watched through ``/proc`` (its
-whole tree, read here independently of ``worker.tools.children``) until its
+whole tree, read here independently of ``worker.ops.children``) until its
 worker processes run, then signalled: SIGTERM and SIGINT to the tool alone, and
 ``timeout``'s own SIGTERM. ``timeout`` is made to fire on demand by sending it a
 SIGTERM, which it passes on exactly as on expiry (to the command, then to the

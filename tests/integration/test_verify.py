@@ -22,10 +22,10 @@ from worker.contract import (
     encode_request,
     encode_result,
 )
-from worker.tools.broker import Broker, create_topics
-from worker.tools.processes import spawn_worker
-from worker.tools.topics import Collector, produce_all
-from worker.tools.verify import (
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import spawn_worker
+from worker.ops.topics import Collector, produce_all
+from worker.ops.verify import (
     Duplicate,
     InputRecord,
     Observed,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from worker.config import load_settings, redacted
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "worker.example.toml"
 

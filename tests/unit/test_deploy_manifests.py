@@ -18,8 +18,8 @@ import yaml
 
 from tests import required_tools
 from tests.prometheus import config_here
-from worker import metrics
 from worker.config import load_settings
+from worker.obs import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_rate_limited_lets_a_burst_through_then_reports_what_it_held_back() -> None:
-    from worker.logs import RateLimited
+    from worker.obs.logs import RateLimited
 
     now = [0.0]
     limit = RateLimited(burst=2, interval=10.0, clock=lambda: now[0])
@@ -30,7 +30,7 @@ def test_library_log_records_come_out_as_json_lines(capsys: object) -> None:
     import structlog
 
     from worker.config import LoggingConfig
-    from worker.logs import configure
+    from worker.obs.logs import configure
 
     assert isinstance(capsys, pytest.CaptureFixture)
     try:
@@ -53,7 +53,7 @@ def test_library_log_records_come_out_as_json_lines(capsys: object) -> None:
 def test_liveness_fails_once_the_loop_stops_ticking() -> None:
     import time
 
-    from worker import metrics
+    from worker.obs import metrics
 
     metrics.set_liveness_timeout(0.05)
     try:

@@ -54,7 +54,7 @@ def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -
         "worker/models/digits_samples.npz",
         "worker/models/digits.json",
         "worker/py.typed",
-        "worker/engines/tensorrt.py",
+        "worker/compute/engines/tensorrt.py",
     } <= names
     # Every module of the source tree ships (a subpackage missing from
     # pyproject's package list would import in a checkout and fail installed),

@@ -15,7 +15,7 @@ from worker.cli.bench import add_demo_and_bench
 from worker.cli.client import add_client
 from worker.cli.serve import add_run
 from worker.cli.tools import add_tools
-from worker.errors import ConfigError, WorkerError
+from worker.flow.errors import ConfigError, WorkerError
 
 DESCRIPTION = """\
 Serve a model to a Kafka stream: requests (msgpack or Open Inference Protocol

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from worker.cli.common import Subparsers, add_command, number_list, parse_sets
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
 
 SWEEP_DESCRIPTION = """\
 With --sweep (the tuning loop): one worker process per batching setting
@@ -55,7 +55,7 @@ def demo_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: only with --model")
     if getattr(args, "sweep", False):
         return _sweep(args)
-    from worker.tools.demo import DemoOptions, run_demo
+    from worker.bench.demo import DemoOptions, run_demo
 
     return run_demo(
         DemoOptions(
@@ -72,7 +72,7 @@ def demo_command(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     """``bench --sweep``: the batching grid at several rates, and the setting to use."""
-    from worker.tools.bench.sweep import SweepOptions, run_sweep
+    from worker.bench.sweep import SweepOptions, run_sweep
 
     if args.rate:
         raise ConfigError("--rate: not with --sweep (give the rates to sweep as --rates)")
@@ -93,8 +93,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _modelbench(args: argparse.Namespace) -> int:
     """``bench --model``: engine, ingest ceiling, worker drain and paced latency."""
-    from worker.tools.bench.modelbench import run_modelbench
-    from worker.tools.bench.options import (
+    from worker.bench.modelbench import run_modelbench
+    from worker.bench.options import (
         DEFAULT_RESULTS_DIR,
         ModelBenchOptions,
         default_payload,

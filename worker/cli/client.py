@@ -9,7 +9,7 @@ from worker.cli.common import Subparsers, add_command, client_settings, kafka_fl
 
 
 def produce_command(args: argparse.Namespace) -> int:
-    from worker.tools.client import run_produce
+    from worker.ops.produce import run_produce
 
     s = client_settings(args)
     topic = args.topic or s.kafka.input_topics[0]
@@ -21,7 +21,7 @@ def produce_command(args: argparse.Namespace) -> int:
 
 
 def consume_command(args: argparse.Namespace) -> int:
-    from worker.tools.client import run_consume
+    from worker.ops.produce import run_consume
 
     return run_consume(client_settings(args).kafka, args.id, args.timeout, args.json)
 

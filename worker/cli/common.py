@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.config import Settings, load_settings
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
 
 Subparsers = argparse._SubParsersAction  # the type argparse hands out, not public
 

@@ -7,10 +7,11 @@ import asyncio
 
 import structlog
 
-from worker import __version__, logs
+from worker import __version__
 from worker.cli.common import Subparsers, add_command
 from worker.config import load_settings
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
+from worker.obs import logs
 
 log = structlog.get_logger("worker")
 
@@ -36,14 +37,14 @@ def run_command(args: argparse.Namespace) -> int:
     if args.procs < 1:
         raise ConfigError(f"--procs: must be >= 1, got {args.procs}")
     if args.embedded:
-        from worker.tools.local import run_embedded
+        from worker.ops.local import run_embedded
 
         return run_embedded(settings, args.partitions, args.procs, args.config)
     if args.procs > 1:
-        from worker.pipeline.supervisor import supervise
+        from worker.app.supervisor import supervise
 
         return supervise(settings, args.procs, args.config)
-    from worker.pipeline.service import serve
+    from worker.app.service import serve
 
     return asyncio.run(serve(settings))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from worker import logs
 from worker.cli.common import Subparsers, add_command
 from worker.config import load_settings, redacted
+from worker.obs import logs
 
 
 def config_command(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def config_command(args: argparse.Namespace) -> int:
 
 def build_engine_command(args: argparse.Namespace) -> int:
     from worker.config import LoggingConfig
-    from worker.tools import build_engine
+    from worker.ops import build_engine
 
     logs.configure(LoggingConfig(format="console", level="info"))  # stderr; stdout = results
     return build_engine.run(args)
@@ -32,7 +32,7 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     cfg.add_argument("--config", help="TOML file")
 
-    from worker.tools import build_engine, verify
+    from worker.ops import build_engine, verify
 
     ver = add_command(
         sub, "verify", "report lost, duplicated and reordered answers",

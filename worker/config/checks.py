@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
 
 
 def derive(section: object, name: str, value: object) -> None:

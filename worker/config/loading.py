@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NewType, TypeVar, get_args, get_origin, get_type_hints
 
-from worker.errors import ConfigError
+from worker.flow.errors import ConfigError
 
 ENV_PREFIX = "INFER_WORKER_"
 

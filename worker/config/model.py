@@ -7,7 +7,7 @@ padded on free dimensions only where ``pad`` says that is harmless), ``image``
 or ``constant`` (``value``: the same every run, not sent by requests). Model
 inputs no entry claims are tensors of their own name; ``model.input`` +
 ``[model.preprocess]`` stay the shorthand for the one image input of a
-classifier (see ``worker.inputs.binding`` for how the two meet). Defaults come
+classifier (see ``worker.model.inputs.binding`` for how the two meet). Defaults come
 from the model file, never from the bundled model.
 """
 
@@ -24,7 +24,7 @@ from worker.config.loading import TomlValue
 @dataclass(frozen=True)
 class PreprocessConfig:
     """How an image becomes the model input. A key left unset comes from the
-    model input it feeds (``worker.inputs.image``): its channels, its fixed
+    model input it feeds (``worker.model.inputs.image``): its channels, its fixed
     height and width, its layout and dtype; mean and std default to 0.5 per
     channel (pixels scaled to [-1, 1])."""
 

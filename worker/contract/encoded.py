@@ -15,7 +15,7 @@ FORMATS: Final[tuple[ImageFormat, ...]] = ("jpeg", "png", "webp")
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
     """An image file as sent: decoded later, off the event loop, into the model's
-    channel count (see ``worker.inference.decode``)."""
+    channel count (see ``worker.model.decode``)."""
 
     format: ImageFormat
     data: bytes

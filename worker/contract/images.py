@@ -6,7 +6,7 @@ channel count and the pixel limit, so a bad image is answered with an error
 result naming the field instead of failing a whole batch later. For a file only
 the header is read here (dimensions first: a 20 KB PNG that claims 40000x40000
 is refused without allocating its pixels); decoding happens later, off the
-event loop (``worker.inference.decode``).
+event loop (``worker.model.decode``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from worker.contract.encoded import EncodedImage
 from worker.contract.jpeg import read_frame
 from worker.contract.requests import InputValue, Request
-from worker.errors import InvalidRequest, TensorTooLarge
+from worker.flow.errors import InvalidRequest, TensorTooLarge
 
 
 def check_image(

@@ -3,7 +3,7 @@
 Used twice: at intake, where the dimensions decide ``too_large`` before anything
 is decoded (on the event loop, so it must be cheap: 4.4 us against Pillow's
 26.7 us for ``Image.open`` of a small JPEG, measured here), and by the nvJPEG
-router (``worker.inference.gpu.nvjpeg``), which needs the coding process, the
+router (``worker.compute.gpu.nvjpeg``), which needs the coding process, the
 precision and the components.
 """
 

@@ -40,7 +40,7 @@ from worker.contract.requests import InputValue, Request, decode_encoded, decode
 from worker.contract.results import ErrorInfo, ModelInfo, Result, Source
 from worker.contract.tensors import Tensor
 from worker.contract.wire import kind, short_name
-from worker.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
+from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 
 CONTENT_TYPE: Final = "application/json"
 MSGPACK: Final = "application/msgpack"

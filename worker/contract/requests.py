@@ -30,7 +30,7 @@ from worker.contract.wire import (
     unpack_map,
     versions_text,
 )
-from worker.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
+from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 
 InputValue = Tensor | EncodedImage | str
 """One request input as it travels: a tensor, an image file (msgpack bin), or a

@@ -25,7 +25,7 @@ from worker.contract.wire import (
     unpack_map,
     versions_text,
 )
-from worker.errors import UndecodableRecord, WorkerError
+from worker.flow.errors import UndecodableRecord, WorkerError
 
 RESULT_FIELDS: Final = (
     "v",

@@ -24,7 +24,7 @@ from worker.contract.wire import (
     kind,
     short_name,
 )
-from worker.errors import InvalidRequest, TensorTooLarge
+from worker.flow.errors import InvalidRequest, TensorTooLarge
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any, Final, TypeVar
 import msgpack
 import numpy as np
 
-from worker.errors import UndecodableRecord
+from worker.flow.errors import UndecodableRecord
 
 SUPPORTED_VERSIONS: Final = (1,)
 

@@ -36,7 +36,7 @@ from worker.contract import (
     encode_request,
     encode_result,
 )
-from worker.errors import (
+from worker.flow.errors import (
     EngineDead,
     InvalidRequest,
     RecordError,

@@ -20,8 +20,8 @@ from worker.contract import (
     encode_request,
     sniff_format,
 )
-from worker.errors import InvalidRequest, TensorTooLarge
-from worker.inference.decode import DecodeFailed, decode_image
+from worker.flow.errors import InvalidRequest, TensorTooLarge
+from worker.model.decode import DecodeFailed, decode_image
 
 RNG = np.random.default_rng(3)
 RGB = RNG.integers(0, 256, (20, 30, 3), dtype=np.uint8)

@@ -14,7 +14,7 @@ from tests.images import encode
 from worker.contract import EncodedImage, ErrorInfo, ModelInfo, Source, Tensor
 from worker.contract.limits import Limits
 from worker.contract.oip import decode_oip_request, encode_oip_result
-from worker.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
+from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 
 
 def body(**extra: Any) -> dict[str, Any]:

@@ -24,17 +24,22 @@ import numpy as np
 import pytest
 
 from tests.models import image_pre
+from worker.compute.engines import is_gpu_backend, load_engine
+from worker.compute.engines.base import (
+    EngineInfo,
+    EngineUnavailable,
+    TensorSpec,
+    resolve_model_path,
+)
+from worker.compute.engines.cuda import translate_gpu_error
+from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
+from worker.compute.gpu import kernels
+from worker.compute.gpu.plan import postprocess_plan
 from worker.config import ModelConfig, PostprocessConfig
-from worker.engines import is_gpu_backend, load_engine
-from worker.engines.base import EngineInfo, EngineUnavailable, TensorSpec, resolve_model_path
-from worker.engines.cuda import translate_gpu_error
-from worker.engines.onnxruntime import OnnxRuntimeEngine
-from worker.errors import ConfigError, EngineDead, InferenceFailed
-from worker.inference.gpu import kernels
-from worker.inference.gpu.plan import postprocess_plan
-from worker.inference.preprocess import preprocess
-from worker.model import ModelIO
-from worker.tools import build_engine
+from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
+from worker.model.io import ModelIO
+from worker.model.preprocess import preprocess
+from worker.ops import build_engine
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -77,7 +82,7 @@ def test_onnxruntime_engine_honours_the_protocol() -> None:
 
 @pytest.mark.skipif(HAS_TRT, reason="tensorrt is installed: the unavailable path cannot run")
 def test_tensorrt_engine_without_tensorrt_is_a_clear_config_error(tmp_path: Path) -> None:
-    from worker.engines.tensorrt import TensorRTEngine  # imports without tensorrt
+    from worker.compute.engines.tensorrt import TensorRTEngine  # imports without tensorrt
 
     plan = tmp_path / "model.plan"
     plan.write_bytes(b"not a plan")
@@ -89,7 +94,7 @@ def test_tensorrt_engine_without_tensorrt_is_a_clear_config_error(tmp_path: Path
 def test_torch_engine_without_torch_is_a_clear_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.engines.torch import TorchEngine  # imports without torch
+    from worker.compute.engines.torch import TorchEngine  # imports without torch
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import fails as if not installed
 
@@ -140,7 +145,7 @@ class FakeGpuEngine:
 def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
     import asyncio
 
-    from worker.inference.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuInferenceStage
 
     engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),))
     with pytest.raises(EngineUnavailable, match="CuPy"):
@@ -153,7 +158,7 @@ def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> N
     stops at CuPy."""
     import asyncio
 
-    from worker.inference.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuInferenceStage
 
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed: the stage would start on the fake engine")
@@ -423,7 +428,7 @@ class _FakeEvent:
 
 
 def test_event_completed_reads_the_status_not_just_done() -> None:
-    from worker.engines.cuda import event_completed
+    from worker.compute.engines.cuda import event_completed
 
     assert event_completed(_FakeCupy(0), _FakeEvent()) is True
     assert event_completed(_FakeCupy(600), _FakeEvent()) is False  # still running

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from worker.config import TorchConfig
-from worker.engines.buckets import bucket_sizes
-from worker.errors import ConfigError
-from worker.tools import build_engine
-from worker.tools.build_torch import ProgramKey, resolve_source
+from worker.flow.errors import ConfigError
+from worker.model.buckets import bucket_sizes
+from worker.ops import build_engine
+from worker.ops.build_torch import ProgramKey, resolve_source
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.usefixtures("torch_installed")
@@ -131,7 +131,7 @@ def test_export_caches_and_matches_the_module(
 ) -> None:
     import torch
 
-    from worker.engines.torch import load_module
+    from worker.compute.engines.torch import load_module
 
     out = tmp_path / "engines"
     argv = [f"{factory_file}:build", "--backend", "torch", "--input-shape", "3,12,12"]
@@ -164,7 +164,7 @@ def test_export_caches_and_matches_the_module(
 
 @needs_torch
 def test_a_factory_must_return_a_module(factory_file: Path, tmp_path: Path) -> None:
-    from worker.tools.build_torch import build_torch_program
+    from worker.ops.build_torch import build_torch_program
 
     with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module"):
         build_torch_program(
@@ -186,8 +186,8 @@ def test_prepared_module_agrees_with_eager_on_every_bucket(
     as exported, on each bucket shape the warm-up visits."""
     import torch
 
-    from worker.engines.torch import compute_dtype, load_module, prepare_module
-    from worker.tools.build_torch import build_torch_program
+    from worker.compute.engines.torch import compute_dtype, load_module, prepare_module
+    from worker.ops.build_torch import build_torch_program
 
     path = build_torch_program(
         f"{factory_file}:build", tmp_path, max_batch_size=8, input_shape=SHAPE
@@ -217,7 +217,7 @@ def test_prepared_module_agrees_with_eager_on_every_bucket(
 def test_precision_and_torchscript(tmp_path: Path) -> None:
     import torch
 
-    from worker.engines.torch import compute_dtype, prepare_module
+    from worker.compute.engines.torch import compute_dtype, prepare_module
 
     assert compute_dtype(torch, TorchConfig(), "float16") == torch.float16
     assert compute_dtype(torch, TorchConfig(precision="bfloat16"), "float32") == torch.bfloat16

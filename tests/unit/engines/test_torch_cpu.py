@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.compute.engines.base import SlotShapes, dense
+from worker.compute.gpu.plan import slot_shapes
 from worker.config import LimitsConfig, ModelConfig, TorchConfig
 from worker.config.model import TensorInput
-from worker.engines.base import SlotShapes, dense
-from worker.inference.gpu.plan import slot_shapes
-from worker.inputs import bind
+from worker.model.inputs import bind
 
 pytestmark = pytest.mark.usefixtures("torch_installed")
 
@@ -101,7 +101,7 @@ def host_slot(engine: Any, rows: int) -> HostSlot:
 
 
 def make_engine(path: Path, precision: str = "float32", compile_mode: str = "default") -> Any:
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     cfg = ModelConfig(
         path=str(path),
@@ -238,7 +238,7 @@ def test_an_image_model_in_channels_last_answers_as_onnx_runtime_does(tmp_path: 
                       dynamo=False)  # fmt: skip
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
 
-    from worker.engines.torch import TorchEngine
+    from worker.compute.engines.torch import TorchEngine
 
     torch_cfg = TorchConfig(precision="float32", channels_last=True, cuda_graphs=False)
     cfg = ModelConfig(path=str(pt2), backend="torch", torch=torch_cfg)
@@ -277,8 +277,8 @@ def test_an_image_model_loads_in_channels_last_in_every_form(tmp_path: Path, for
     program, which then answers close to the module in float32."""
     import torch
 
+    from worker.compute.engines.torch import TorchEngine
     from worker.config import PreprocessConfig
-    from worker.engines.torch import TorchEngine
 
     model, example = cnn(tmp_path)
     if form == "torchscript":

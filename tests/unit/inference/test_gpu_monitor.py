@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from worker.inference.gpu.monitor import NvmlDevice, NvmlUnavailable, watch_gpu
+from worker.compute.gpu.monitor import NvmlDevice, NvmlUnavailable, watch_gpu
 
 
 def nvml_reason() -> str | None:

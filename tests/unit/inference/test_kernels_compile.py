@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from tests.models import image_pre
-from worker.inference.gpu import kernels
-from worker.inference.gpu.slots import pack_images
-from worker.inference.preprocess import ImagePreprocess, preprocess
+from worker.compute.gpu import kernels
+from worker.compute.gpu.slots import pack_images
+from worker.model.preprocess import ImagePreprocess, preprocess
 
 KERNELS = kernels.kernel_dir()
 ARCHS = ("80", "90")

@@ -18,7 +18,7 @@ from tests.onnx_models import fixed_batch, ranker, recurrent, run_alone, strided
 from worker.config import ModelConfig, load_settings
 from worker.config.model import ConstantInput, TensorInput
 from worker.contract import Request, Tensor
-from worker.errors import InvalidRequest
+from worker.flow.errors import InvalidRequest
 
 RNG = np.random.default_rng(26)
 

@@ -22,10 +22,10 @@ import pytest
 from PIL import Image
 
 from tests.images import encode
+from worker.compute.gpu.nvjpeg import NvJpeg
+from worker.compute.gpu.staging import route_encoded
 from worker.contract import EncodedImage
-from worker.inference.gpu.nvjpeg import NvJpeg
-from worker.inference.gpu.staging import route_encoded
-from worker.records import Answer, Job, TopicPartition
+from worker.flow.messages import Answer, Job, TopicPartition
 
 pytestmark = pytest.mark.usefixtures("torch_installed")
 

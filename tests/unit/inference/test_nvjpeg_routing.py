@@ -18,22 +18,22 @@ import pytest
 from PIL import Image
 
 from tests.images import encode
-from worker.config import GpuConfig, ModelConfig, PreprocessConfig
-from worker.contract import EncodedImage
-from worker.contract.jpeg import read_frame
-from worker.engines.base import TensorSpec
-from worker.errors import ConfigError
-from worker.inference.gpu.nvjpeg import NvJpeg, check_config, device_image
-from worker.inference.gpu.slots import DeviceImage, pack_batch
-from worker.inference.gpu.stage import GpuInferenceStage
-from worker.inference.gpu.staging import (
+from worker.compute.engines.base import TensorSpec
+from worker.compute.gpu.nvjpeg import NvJpeg, check_config, device_image
+from worker.compute.gpu.slots import DeviceImage, pack_batch
+from worker.compute.gpu.stage import GpuInferenceStage
+from worker.compute.gpu.staging import (
     reject_oversized,
     route_encoded,
     split_chunks,
     staged_bytes,
 )
-from worker.model import ModelIO, TensorDesc
-from worker.records import Answer, Job, TopicPartition
+from worker.config import GpuConfig, ModelConfig, PreprocessConfig
+from worker.contract import EncodedImage
+from worker.contract.jpeg import read_frame
+from worker.flow.errors import ConfigError
+from worker.flow.messages import Answer, Job, TopicPartition
+from worker.model.io import ModelIO, TensorDesc
 
 RNG = np.random.default_rng(11)
 PHOTO = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)

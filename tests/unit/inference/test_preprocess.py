@@ -8,9 +8,9 @@ import pytest
 from tests.models import image_pre
 from worker.config import PostprocessConfig
 from worker.contract import Request, Tensor, check_image
-from worker.errors import InvalidRequest, TensorTooLarge
-from worker.inference.postprocess import postprocess, softmax, top_k
-from worker.inference.preprocess import ImagePreprocess, preprocess, resize_bilinear
+from worker.flow.errors import InvalidRequest, TensorTooLarge
+from worker.model.postprocess import postprocess, softmax, top_k
+from worker.model.preprocess import ImagePreprocess, preprocess, resize_bilinear
 
 
 def test_identity_size_is_exact() -> None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from worker.engines.base import TensorSpec
-from worker.errors import EngineDead
-from worker.inference.gpu.slots import Allocations, SlotLayout, SlotRing, pack_images
+from worker.compute.engines.base import TensorSpec
+from worker.compute.gpu.slots import Allocations, SlotLayout, SlotRing, pack_images
+from worker.flow.errors import EngineDead
 
 
 @dataclass(eq=False)

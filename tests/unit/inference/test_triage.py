@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import load_engine
+from worker.compute.engines.base import EngineInfo
+from worker.compute.triage import run_isolating, triage
 from worker.config import ModelConfig
-from worker.engines import load_engine
-from worker.engines.base import EngineInfo
-from worker.errors import EngineDead, InferenceFailed, InvalidRequest
-from worker.inference.cpu import InferenceStage
-from worker.inference.triage import run_isolating, triage
-from worker.metrics import ModelMetrics
-from worker.records import Answer, Batch, Job, TopicPartition
+from worker.flow.errors import EngineDead, InferenceFailed, InvalidRequest
+from worker.flow.messages import Answer, Batch, Job, TopicPartition
+from worker.obs.metrics import ModelMetrics
 
 
 class FailsOnBrightCorner:

@@ -11,12 +11,12 @@ import pytest
 from tests.models import model_inputs
 from worker.config import LimitsConfig, ModelConfig, load_settings
 from worker.config.model import ImageInput, TensorInput, TextInput
-from worker.errors import ConfigError
-from worker.inputs import bind, is_classifier
-from worker.inputs.image import ImageKind
-from worker.inputs.tensor import TensorKind
-from worker.inputs.text import TextKind
-from worker.model import ModelIO, TensorDesc
+from worker.flow.errors import ConfigError
+from worker.model.inputs import bind, is_classifier
+from worker.model.inputs.image import ImageKind
+from worker.model.inputs.tensor import TensorKind
+from worker.model.inputs.text import TextKind
+from worker.model.io import ModelIO, TensorDesc
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
 BERT = ModelIO(

@@ -13,10 +13,10 @@ import pytest
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput, TextInput
 from worker.contract import EncodedImage, Request, Tensor
-from worker.errors import InvalidRequest, TensorTooLarge
-from worker.inputs import bind, length_bucket
-from worker.model import ModelIO, TensorDesc
-from worker.records import Answer, Job, TopicPartition
+from worker.flow.errors import InvalidRequest, TensorTooLarge
+from worker.flow.messages import Answer, Job, TopicPartition
+from worker.model.inputs import bind, length_bucket
+from worker.model.io import ModelIO, TensorDesc
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
 RANKER = ModelIO(

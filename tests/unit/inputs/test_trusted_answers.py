@@ -11,13 +11,13 @@ from structlog.testing import capture_logs
 
 from worker.config import LimitsConfig, ModelConfig
 from worker.config.model import ConstantInput, ImageInput, PreprocessConfig, TensorInput, TextInput
-from worker.errors import ConfigError
-from worker.inputs import bind
-from worker.inputs.binding import fit_limits
-from worker.inputs.constant import ConstantKind
-from worker.inputs.image import ImageKind
-from worker.inputs.tensor import TensorKind
-from worker.model import ModelIO, TensorDesc, batched_io, dim
+from worker.flow.errors import ConfigError
+from worker.model.inputs import bind
+from worker.model.inputs.binding import fit_limits
+from worker.model.inputs.constant import ConstantKind
+from worker.model.inputs.image import ImageKind
+from worker.model.inputs.tensor import TensorKind
+from worker.model.io import ModelIO, TensorDesc, batched_io, dim
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
 YOLO = ModelIO(

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.pipeline.batching import BatchPolicy, MicroBatcher
-from worker.records import Batch
+from worker.flow.batching import BatchPolicy, MicroBatcher
+from worker.flow.messages import Batch
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.pipeline.crashguard import Mark, decide
+from worker.kafka.crashguard import Mark, decide
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,12 @@ from aiokafka.errors import MessageSizeTooLargeError, OutOfOrderSequenceNumber
 
 from worker.config import KafkaConfig, load_settings
 from worker.contract import ErrorInfo, ModelInfo, decode_result
-from worker.errors import ConfigError
-from worker.pipeline.commit import Committer
-from worker.pipeline.kafka import idempotence, producer_kwargs
-from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.produce import ResultSink
-from worker.records import Answer, Completed, Job, TopicPartition
+from worker.flow.errors import ConfigError
+from worker.flow.messages import Answer, Completed, Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.clients import idempotence, producer_kwargs
+from worker.kafka.commit import Committer
+from worker.kafka.delivery.at_least_once import ResultSink
 
 from .test_stages import FakeBatch, FakeGroup
 

@@ -9,7 +9,7 @@ import numpy as np
 from tests.models import model_inputs
 from worker.config import LimitsConfig
 from worker.contract import Request, Tensor, encode_request
-from worker.pipeline.intake import JobFactory
+from worker.kafka.intake import JobFactory
 
 
 def _value(deadline_ms: int | None = None) -> bytes:

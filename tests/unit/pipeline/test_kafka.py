@@ -7,8 +7,8 @@ import pytest
 from aiokafka.abc import AbstractTokenProvider
 
 from worker.config import load_settings
-from worker.errors import ConfigError
-from worker.pipeline.kafka import (
+from worker.flow.errors import ConfigError
+from worker.kafka.clients import (
     client_kwargs,
     exactly_once,
     group_consumer_kwargs,

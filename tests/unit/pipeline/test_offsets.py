@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.pipeline.backpressure import Backpressure
-from worker.pipeline.budget import FailureBudget
-from worker.pipeline.offsets import OffsetTracker
-from worker.records import TopicPartition
+from worker.flow.backpressure import Backpressure
+from worker.flow.budget import FailureBudget
+from worker.flow.messages import TopicPartition
+from worker.flow.offsets import OffsetTracker
 
 A = TopicPartition("in", 0)
 B = TopicPartition("in", 1)

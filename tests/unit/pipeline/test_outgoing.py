@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from worker.contract import ModelInfo, Request, Tensor, decode_result, encode_result
-from worker.errors import UndecodableRecord
-from worker.pipeline.outgoing import Topics, build_result, fallback, outgoing
-from worker.records import Answer, Job, TopicPartition
-from worker.tracing import TraceContext
+from worker.flow.errors import UndecodableRecord
+from worker.flow.messages import Answer, Job, TopicPartition
+from worker.kafka.delivery.outgoing import Topics, build_result, fallback, outgoing
+from worker.obs.tracing import TraceContext
 
 MODEL = ModelInfo("digits", "abc123")
 TOPICS = Topics(output="out", dlq="dlq")

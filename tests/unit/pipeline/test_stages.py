@@ -18,17 +18,17 @@ from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from tests.models import model_inputs
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import load_engine
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
 from worker.contract import ErrorInfo, ModelInfo, decode_result
-from worker.engines import load_engine
-from worker.inference.cpu import InferenceStage
-from worker.pipeline.backpressure import Backpressure
-from worker.pipeline.commit import Committer
-from worker.pipeline.consume import KafkaSource, _Listener
-from worker.pipeline.intake import JobFactory
-from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.produce import ResultSink
-from worker.records import Answer, Batch, Completed, Job, TopicPartition
+from worker.flow.backpressure import Backpressure
+from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.commit import Committer
+from worker.kafka.consumer import KafkaSource, _Listener
+from worker.kafka.delivery.at_least_once import ResultSink
+from worker.kafka.intake import JobFactory
 
 A = TopicPartition("in", 0)
 
@@ -347,7 +347,7 @@ async def test_commit_is_bounded_when_the_broker_is_unreachable() -> None:
 def test_fetch_backoff_is_capped_however_long_the_outage() -> None:
     """0.1 * 2**n overflows a float at n = 1024 (about 85 minutes of failed fetches
     at the 5 s cap): the consume stage must keep retrying, not die."""
-    from worker.pipeline.consume import fetch_backoff
+    from worker.kafka.consumer import fetch_backoff
 
     assert fetch_backoff(1) == 0.2
     assert fetch_backoff(6) == 5.0
@@ -391,7 +391,7 @@ async def test_redelivery_after_a_late_failure_can_reorder_and_verify_reports_it
     behind a batch whose delivery fails late reach the topic before it is re-sent;
     nothing is lost, the offsets commit only once all are acknowledged, and
     ``verify`` reports the step backwards."""
-    from worker.tools.verify import InputRecord, Reply, check
+    from worker.ops.verify import InputRecord, Reply, check
 
     tracker = OffsetTracker()
     epoch = tracker.track(A, 0, 10)

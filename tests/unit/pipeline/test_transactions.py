@@ -17,11 +17,11 @@ from aiokafka.errors import MessageSizeTooLargeError, OutOfOrderSequenceNumber, 
 
 from worker.config import KafkaConfig
 from worker.contract import ErrorInfo, ModelInfo, decode_result
-from worker.errors import TransactionFenced
-from worker.pipeline.commit import Committer
-from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.transactions import TransactionalSink
-from worker.records import Answer, Completed, Job, TopicPartition
+from worker.flow.errors import TransactionFenced
+from worker.flow.messages import Answer, Completed, Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.commit import Committer
+from worker.kafka.delivery.exactly_once import TransactionalSink
 
 from .test_stages import FakeBatch, FakeGroup
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.tools import kafka_runtime
-from worker.tools.apache_kafka import TEST_SETTINGS, cluster_id, server_properties
-from worker.tools.kafka_runtime import KAFKA_VERSION, KafkaUnavailable, kafka_libs, pom
+from devkit import kafka_runtime
+from devkit.apache_kafka import TEST_SETTINGS, cluster_id, server_properties
+from devkit.kafka_runtime import KAFKA_VERSION, KafkaUnavailable, kafka_libs, pom
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.tools.processes import extended_pythonpath, worker_env
+from worker.ops.processes import extended_pythonpath, worker_env
 
 ROOT = Path(__file__).resolve().parents[3]
 SEP = os.pathsep
@@ -98,8 +98,8 @@ def test_the_compile_cache_reaches_every_worker_process(monkeypatch: pytest.Monk
     """scripts/gpu_session.sh names one torch compile cache per call; the bench's
     worker (``worker_env``) and each member of ``run --procs N`` (the
     supervisor's ``child_env``) must inherit it to share compiled graphs."""
+    from worker.app.supervisor import child_env
     from worker.config import load_settings
-    from worker.pipeline.supervisor import child_env
 
     cache = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/cc", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
     for key, value in cache.items():

@@ -12,29 +12,29 @@ import numpy as np
 import pytest
 
 from worker.__main__ import main
-from worker.config import load_settings
-from worker.contract import EncodedImage, Tensor, decode_request
-from worker.inference.decode import decode_image
-from worker.tools.bench.backlog import (
+from worker.bench.backlog import (
     DRAIN_SECONDS,
     PROCESS_RATE,
     plan_backlog,
     short_drain_note,
 )
-from worker.tools.bench.drain import Sample, all_joined, busy_fraction, score_drain
-from worker.tools.bench.engine import engine_rate
-from worker.tools.bench.openloop import STAGES, stage_summary
-from worker.tools.bench.options import BenchError, model_overrides
-from worker.tools.bench.payloads import (
+from worker.bench.drain import Sample, all_joined, busy_fraction, score_drain
+from worker.bench.engine import engine_rate
+from worker.bench.openloop import STAGES, stage_summary
+from worker.bench.options import BenchError, model_overrides
+from worker.bench.payloads import (
     encode_image,
     payload_images,
     payload_inputs,
     request_records,
     requests,
 )
-from worker.tools.bench.report import device_slug, results_path
-from worker.tools.processes import override_env
-from worker.tools.topics import Collected
+from worker.bench.report import device_slug, results_path
+from worker.config import load_settings
+from worker.contract import EncodedImage, Tensor, decode_request
+from worker.model.decode import decode_image
+from worker.ops.processes import override_env
+from worker.ops.topics import Collected
 
 
 @pytest.mark.parametrize(

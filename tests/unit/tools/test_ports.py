@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from worker.tools.broker import _ephemeral_low, free_port, port_is_free
+from worker.ops.broker import _ephemeral_low, free_port, port_is_free
 
 
 def test_consecutive_free_ports_below_the_ephemeral_range() -> None:

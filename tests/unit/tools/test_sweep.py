@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 from worker.__main__ import build_parser, main
-from worker.config import load_settings
-from worker.errors import ConfigError
-from worker.tools.bench import sweep, sweep_report
-from worker.tools.bench.openloop import Setting, SweepPoint
-from worker.tools.bench.recommend import (
+from worker.bench import sweep, sweep_report
+from worker.bench.openloop import Setting, SweepPoint
+from worker.bench.recommend import (
     best_setting,
     closest_setting,
     config_lines,
     recommendation_text,
 )
-from worker.tools.bench.sweep import SweepOptions, check_options
+from worker.bench.sweep import SweepOptions, check_options
+from worker.config import load_settings
+from worker.flow.errors import ConfigError
 
 
 def point(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.tools.topics import OffsetGaps
+from worker.ops.topics import OffsetGaps
 
 
 def test_reader_rereads_a_gap_until_it_fills() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from worker.tools.verify import (
+from worker.ops.verify import (
     Duplicate,
     InputRecord,
     OrderingViolation,

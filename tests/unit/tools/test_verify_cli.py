@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.tools.verify import InputRecord, Reply, add_arguments, run
+from worker.ops.verify import InputRecord, Reply, add_arguments, run
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -48,8 +48,8 @@ def test_cli_usage_errors_exit_2_before_touching_kafka(
 def test_cli_config_file_supplies_topics_and_flags_win(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker.tools import verify as verify_module
-    from worker.tools.verify import cli as verify_cli
+    from worker.ops import verify as verify_module
+    from worker.ops.verify import cli as verify_cli
 
     for name in [n for n in os.environ if n.startswith("INFER_WORKER_")]:
         monkeypatch.delenv(name)
@@ -105,8 +105,8 @@ def test_cli_config_file_supplies_topics_and_flags_win(
 
 def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.config import KafkaConfig
-    from worker.tools import verify as verify_module
-    from worker.tools.verify import cli as verify_cli
+    from worker.ops import verify as verify_module
+    from worker.ops.verify import cli as verify_cli
 
     seen: list[tuple[str, list[str], str, str]] = []
 
@@ -128,8 +128,8 @@ def test_cli_reads_committed_transactions_when_asked_or_configured(
     """A worker running exactly-once writes answers in transactions: its clients
     read them read_committed, and so does the verifier, by flag or because the
     configuration it reads runs exactly-once."""
-    from worker.tools import verify as verify_module
-    from worker.tools.verify import cli as verify_cli
+    from worker.ops import verify as verify_module
+    from worker.ops.verify import cli as verify_cli
 
     for name in [n for n in os.environ if n.startswith("INFER_WORKER_")]:
         monkeypatch.delenv(name)
@@ -170,8 +170,8 @@ def test_cli_exit_codes(
     complete: bool,
     expected: int,
 ) -> None:
-    from worker.tools import verify as verify_module
-    from worker.tools.verify import cli as verify_cli
+    from worker.ops import verify as verify_module
+    from worker.ops.verify import cli as verify_cli
 
     async def fake_read(*a: object, **kw: object) -> object:
         answers = tuple(
@@ -191,7 +191,7 @@ def test_cli_exit_codes(
 def test_cli_unreadable_topics_are_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker.tools.verify import cli as verify_cli
+    from worker.ops.verify import cli as verify_cli
 
     async def failing_read(*a: object, **kw: object) -> object:
         raise RuntimeError("topic in has no partitions")

@@ -1,0 +1,73 @@
+"""One worker process: metrics endpoint, signals, the worker, its exit status.
+
+``serve`` is what ``infer-worker run`` runs: SIGTERM/SIGINT drain, commit and
+leave the group; a second signal abandons the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+
+from worker.config import Settings
+from worker.obs import metrics
+
+log = structlog.get_logger("worker")
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a stage failed: engine dead, delivery failed, failure budget
+EXIT_UNDRAINED = 2  # stopped without draining (a second signal, the drain deadline)
+
+
+async def serve(settings: Settings) -> int:
+    """Run one worker until SIGTERM/SIGINT (drain, commit, leave) or a fatal error.
+
+    A second signal abandons the drain: in-flight work is not committed and will
+    be redelivered to the group.
+    """
+    from worker.app.worker import Worker
+
+    if settings.metrics.port:
+        from worker.obs.metrics import serve_http
+
+        serve_http(settings.metrics.port, settings.metrics.host)
+    metrics.set_liveness_timeout(settings.metrics.liveness_timeout_ms / 1000.0)
+    ticker = asyncio.create_task(_tick(), name="liveness")
+
+    loop = asyncio.get_running_loop()
+    signals = 0
+    stop_requested = asyncio.Event()
+    worker = Worker(settings)
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        log.info("signal", signal=signal.Signals(signum).name, count=signals)
+        stop_requested.set()
+        if signals > 1:
+            worker.abandon()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    await worker.start()
+    waiter = asyncio.ensure_future(worker.wait())
+    stopper = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    stopper.cancel()
+    drained = await worker.stop()
+    ticker.cancel()
+    if worker.failure is not None:
+        log.error("worker_failed", error=repr(worker.failure))
+        return EXIT_FAILED
+    return EXIT_OK if drained and signals <= 1 else EXIT_UNDRAINED
+
+
+async def _tick(interval: float = 1.0) -> None:
+    """Proof of a live event loop for ``/livez``: a blocked loop stops ticking."""
+    while True:
+        metrics.loop_ticked()
+        await asyncio.sleep(interval)

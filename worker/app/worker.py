@@ -1,0 +1,449 @@
+"""Worker: builds the stages, links them with bounded queues, owns their tasks.
+
+    KafkaSource -> [jobs] -> MicroBatcher -> [batches] -> inference stage
+        -> [futures, dispatch order] -> ResultSink -> OffsetTracker -> Committer
+
+Each stage gets its input queue and downstream handle in its constructor; end of
+stream (``None``) flows down the same queues, so shutdown drains stage by stage.
+A stage task that dies fails the whole worker (it stops fetching, commits only
+what was acknowledged and exits non-zero): a dead engine must stop commits,
+never hang silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import structlog
+from aiokafka.errors import KafkaError
+
+from worker import __version__
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.config import Settings
+from worker.contract import ModelInfo
+from worker.flow.backpressure import Backpressure
+from worker.flow.batching import BatchPolicy, MicroBatcher
+from worker.flow.budget import FailureBudget
+from worker.flow.errors import BrokerUnavailable, ConfigError
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.clients import (
+    client_kwargs,
+    exactly_once,
+    group_consumer_kwargs,
+    producer_kwargs,
+)
+from worker.kafka.commit import Committer
+from worker.kafka.consumer import KafkaSource, report_partitions, watch_broker
+from worker.kafka.crashguard import CrashGuard
+from worker.kafka.delivery.at_least_once import ResultSink
+from worker.kafka.delivery.exactly_once import TransactionalSink
+from worker.kafka.delivery.writer import Writer
+from worker.kafka.intake import JobFactory
+from worker.kafka.lease import GroupLease
+from worker.model.buckets import bucket_sizes
+from worker.model.inputs import ModelInputs, bind
+from worker.model.inputs.binding import fit_limits, summary
+from worker.obs import metrics
+from worker.obs.tracing import OtelTracer, Tracer
+
+if TYPE_CHECKING:
+    from worker.compute.gpu.stage import GpuInferenceStage
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Stages:
+    """Everything ``start()`` builds, kept together so closing never guesses."""
+
+    source: KafkaSource
+    batcher: MicroBatcher[Job]
+    infer: InferenceStage | GpuInferenceStage
+    sink: ResultSink | TransactionalSink
+    committer: Committer
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self.tracker = OffsetTracker()
+        self._stages: _Stages | None = None
+        self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
+        self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
+        self._failure: BaseException | None = None
+        self._stopped = asyncio.Event()
+        self._started = False
+        self._guard: CrashGuard | None = None
+        # Span ids for answers carrying a trace context; with tracing.enabled, an
+        # OpenTelemetry tracer that also exports a span per request (exit 2 here
+        # if its SDK is missing, before anything starts).
+        self._tracer = (
+            OtelTracer(
+                settings.tracing.service_name,
+                settings.tracing.endpoint,
+                settings.tracing.sample_ratio,
+            )
+            if settings.tracing.enabled
+            else Tracer()
+        )
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        # Client arguments (pass-through options, the OAuth token provider) are
+        # checked before the engine loads or Kafka is contacted: a typo is exit 2.
+        group_consumer_kwargs(s.kafka)
+        producer_kwargs(s.kafka)
+        if s.gpu.decode != "host":
+            from worker.compute.gpu import nvjpeg
+
+            nvjpeg.check_available(s.gpu.decode, s.model.preprocess)
+        if self._engine is None:
+            self._engine = await asyncio.to_thread(
+                load_engine,
+                s.model,
+                device=s.gpu.device,
+                max_batch_size=s.batching.max_batch_size,
+                cuda_graphs=s.gpu.cuda_graphs,
+                buckets=bucket_sizes(s.batching.max_batch_size, s.batching.preferred_batch_sizes),
+            )
+        engine = self._engine
+        try:
+            stages = self._stages = await self._build(engine)
+            await stages.sink.start()
+            existing = await self._check_input_topics(stages.sink)
+            self._guard = self._crash_guard(stages, existing)
+            await stages.source.start()
+        except KafkaError as exc:  # translated once, at the boundary
+            await self._close()
+            raise BrokerUnavailable(
+                f"cannot reach Kafka at {s.kafka.bootstrap_servers}: {exc!r}"
+            ) from exc
+        except BaseException:
+            await self._close()
+            raise
+        self._started = True
+        log.info(
+            "worker_started",
+            engine=engine.info.backend,
+            model=engine.info.name,
+            version=engine.info.version,
+            topics=list(s.kafka.input_topics),
+            group=s.kafka.group_id,
+        )
+        metrics.set_condition("started", True)
+        device = f"cuda:{s.gpu.device}" if is_gpu_backend(s.model.backend) else "cpu"
+        metrics.BUILD_INFO.labels(
+            version=__version__,
+            model=engine.info.name,
+            model_version=engine.info.version,
+            backend=engine.info.backend,
+            device=device,
+        ).set(1)
+        self._pipeline = [
+            self._spawn(stages.source.run(), "consume"),
+            self._spawn(stages.batcher.run(), "batch"),
+            self._spawn(stages.infer.run(), "infer"),
+            self._spawn(stages.sink.run(), "produce"),
+        ]
+        probe_timeout = min(2.0, s.kafka.request_timeout_ms / 1000.0)
+        self._support = [
+            self._spawn(stages.committer.run(), "commit"),
+            self._spawn(watch_broker(stages.source, probe_timeout), "probe"),
+            self._spawn(
+                report_partitions(
+                    stages.source, self.tracker.committed, stages.committer.last_commit
+                ),
+                "partitions",
+            ),
+        ]
+        if is_gpu_backend(s.model.backend):
+            from worker.compute.gpu.monitor import watch_gpu
+
+            self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
+
+    def _crash_guard(self, stages: _Stages, existing: set[str]) -> CrashGuard | None:
+        """Crash-loop protection when configured and its topic exists."""
+        s = self.settings
+        if s.limits.max_crash_attempts == 0:
+            return None
+        if s.kafka.crash_guard_topic not in existing:
+            log.warning(
+                "crash_loop_protection_off",
+                reason=f"topic {s.kafka.crash_guard_topic} does not exist",
+                fix="create it (compacted, 1 partition), or set limits.max_crash_attempts = 0",
+            )
+            return None
+        guard = CrashGuard(
+            client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.sink
+        )
+        b = s.batching
+        window = b.max_batch_size * b.max_inflight_batches + s.kafka.max_poll_records
+        stages.source.protect(guard, s.limits.max_crash_attempts, window, stages.committer.settled)
+        return guard
+
+    async def _check_input_topics(self, sink: Writer) -> set[str]:
+        """A misspelt input topic must stop the worker with a clear message: the
+        consumer would otherwise wait on it silently (or a broker that creates
+        topics on demand would create it, empty)."""
+        existing = await sink.existing_topics()
+        missing = [t for t in self.settings.kafka.input_topics if t not in existing]
+        if missing:
+            raise ConfigError(
+                f"kafka.input_topics: {', '.join(missing)} not found on "
+                f"{self.settings.kafka.bootstrap_servers} (create them first; "
+                f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'})"
+            )
+        return existing
+
+    async def _build(self, engine: Engine | GpuEngine) -> _Stages:
+        s, b = self.settings, self.settings.batching
+        # Which request input feeds which model input, decided once (exit 2 on a
+        # mismatch, before Kafka is contacted); the intake and the stage share it.
+        inputs = bind(s.model, engine.info.io, s.limits, b)
+        log.info("model_inputs", inputs=summary(inputs), outputs=list(engine.info.output_names))
+        limits = fit_limits(s.limits, inputs)
+        jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
+        batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
+        completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
+            b.max_inflight_batches
+        )
+        policy: BatchPolicy[Job] = BatchPolicy(
+            b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
+        )
+        source = KafkaSource(
+            s.kafka,
+            JobFactory(inputs, limits, b.max_record_age_ms, s.kafka.content_type),
+            jobs,
+            self.tracker,
+            self._on_revoke,
+            Backpressure(b.max_inflight_records, b.max_inflight_bytes),
+        )
+        timeout = s.kafka.request_timeout_ms / 1000.0
+        eos = exactly_once(s.kafka)
+        committer = Committer(self.tracker, source, timeout=timeout, transactional=eos)
+        infer = await self._inference_stage(batches, completed, engine, policy, inputs)
+        model = ModelInfo(name=engine.info.name, version=engine.info.version)
+        budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
+        sink: ResultSink | TransactionalSink
+        if eos:
+            lease = GroupLease(lambda: source.consumer, s.kafka.session_timeout_ms, timeout)
+            sink = TransactionalSink(
+                completed, s.kafka, model, self.tracker, committer, lease,
+                max_batches=s.kafka.transaction_batches or b.max_inflight_batches,
+                budget=budget, tracer=self._tracer,
+            )  # fmt: skip
+        else:
+            sink = ResultSink(
+                completed, s.kafka, model, self.tracker, committer,
+                max_pending_acks=2 * b.max_inflight_batches, budget=budget, tracer=self._tracer,
+            )  # fmt: skip
+        return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
+
+    async def _inference_stage(
+        self,
+        batches: asyncio.Queue[Batch[Job] | None],
+        completed: asyncio.Queue[asyncio.Future[Completed] | None],
+        engine: Engine | GpuEngine,
+        policy: BatchPolicy[Job],
+        inputs: ModelInputs,
+    ) -> InferenceStage | GpuInferenceStage:
+        """The CPU stage, or the GPU stage with its slot ring (allocated once, off
+        the event loop: kernel compilation and engine contexts take a while)."""
+        s, b = self.settings, self.settings.batching
+        if not is_gpu_backend(s.model.backend):
+            return InferenceStage(
+                batches,
+                completed,
+                engine,
+                s.model,
+                b.max_batch_size,
+                b.max_inflight_batches,
+                inputs=inputs,
+                max_attempts=b.max_attempts,
+                on_service_time=policy.observe_service_time,
+            )
+        from worker.compute.gpu.stage import GpuInferenceStage
+
+        return await asyncio.to_thread(
+            GpuInferenceStage,
+            batches,
+            completed,
+            cast(GpuEngine, engine),
+            s.model,
+            b.max_batch_size,
+            s.gpu.num_slots or b.max_inflight_batches,
+            s.gpu,
+            inputs=inputs,
+            preferred_batch_sizes=b.preferred_batch_sizes,
+            max_attempts=b.max_attempts,
+            on_service_time=policy.observe_service_time,
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)  # the name is for logs only
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failure is None:
+            self._failure = exc
+            log.error("stage_failed", stage=task.get_name(), error=repr(exc))
+            metrics.set_condition("started", False)
+            if self._stages is not None:
+                self._stages.source.stop_fetching()
+            self._stopped.set()
+        elif self._pipeline and task is self._pipeline[-1]:
+            self._stopped.set()  # the produce stage ended: the stream drained to its end
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    async def wait(self) -> None:
+        """Until a stage fails or the stream has drained after ``stop()`` began."""
+        await self._stopped.wait()
+
+    def abandon(self) -> None:
+        """Give up draining (a second SIGTERM): cancel the pipeline's stages. What
+        was not acknowledged stays uncommitted and is redelivered to the group;
+        ``stop()`` still commits what was."""
+        for task in self._pipeline:
+            task.cancel()
+
+    async def stop(self, drain_timeout: float | None = None) -> bool:
+        """Stop fetching, drain in-flight work, commit what was acknowledged, leave
+        the group. Returns True when everything drained within the deadline."""
+        stages = self._stages
+        if not self._started or stages is None:
+            await self._close()
+            return True
+        self._started = False
+        timeout = (
+            self.settings.shutdown.drain_timeout_ms / 1000.0
+            if drain_timeout is None
+            else drain_timeout
+        )
+        metrics.set_condition("started", False)
+        stages.source.stop_fetching()
+        if self._pipeline[-1].done():
+            # The produce stage died (failure budget, engine dead, delivery failed):
+            # nothing still upstream can be acknowledged, and the stages feeding it
+            # block on its full queue, so waiting for them would only delay the exit
+            # by the whole drain timeout.
+            timeout = 0.0
+        started = time.monotonic()
+        deadline = started + timeout
+
+        def left(floor: float) -> float:
+            """What is left of the drain deadline, but at least ``floor`` seconds
+            for a step that must still be tried (a commit, closing sockets)."""
+            return max(floor, deadline - time.monotonic())
+
+        _, pending = await asyncio.wait(self._pipeline, timeout=timeout)
+        drained = not pending and self._failure is None
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        # The commit loop may be waiting on a commit to an unreachable broker (a
+        # whole request timeout): cancel it; a commit either landed or did not.
+        stages.committer.stop()
+        for task in self._support:  # the commit loop, the broker probe, the reporter
+            task.cancel()
+        await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
+        # Only acknowledged offsets are below the watermark, so this final commit
+        # is safe even when draining failed or timed out; bounded by the deadline.
+        await stages.committer.commit_now(timeout=left(0.5))
+        if self._guard is not None:
+            last = stages.committer.last_offsets
+            heads = {tp: last.get(tp) for tp in self._guard.claimed}
+            await self._guard.release(heads, timeout=left(0.5))
+        abandoned = 0 if drained else self.tracker.in_flight()
+        if abandoned:
+            # Read but not acknowledged: uncommitted, so the group reads them again.
+            log.warning("records_abandoned", records=abandoned, redelivered_to="the group")
+        await self._close(limit=left(1.0))
+        log.info(
+            "worker_stopped",
+            drained=drained,
+            drain_seconds=round(time.monotonic() - started, 3),
+            uncommitted=self.tracker.in_flight(),
+            abandoned=abandoned,
+        )
+        return drained
+
+    async def _close(self, limit: float = 30.0) -> None:
+        """Close whatever was opened (idempotent; a half-started worker too), each
+        client within ``limit`` seconds: with the broker gone, leaving the group
+        and flushing the producer can otherwise wait for a request timeout."""
+        stages = self._stages
+        if stages is not None:
+            for name, closer in (
+                ("consumer", stages.source.close),
+                ("producer", stages.sink.close),
+            ):
+                await _close_within(name, closer, limit)
+            await asyncio.to_thread(stages.infer.close)
+            self._stages = None
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+        self._tracer.close()  # exports the spans still buffered
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- rebalance -------------------------------------------------------------------
+
+    async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
+        """Settle revoked partitions: bounded wait for their in-flight work, commit."""
+        if self._stages is None:
+            return
+        bound = self.settings.kafka.session_timeout_ms / 2000.0
+        sink = self._stages.sink
+        fenced = await self._stages.committer.settle_revoked(
+            revoked,
+            bound,
+            lambda: self._failure is not None,
+            fence=sink.fence if isinstance(sink, TransactionalSink) else None,
+        )
+        if self._guard is not None:  # a clean hand-over: not a crash
+            committer = self._stages.committer
+            heads = {tp: committer.last_offsets.get(tp) for tp in revoked}
+            await self._guard.release(heads, timeout=2.0)
+        log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
+
+
+async def _close_within(
+    name: str, closer: Callable[[], Coroutine[Any, Any, None]], limit: float
+) -> None:
+    """Run one client's close; failures and overruns are logged, never raised. A
+    CancelledError from inside the client (aiokafka's fetcher raises one while
+    it closes against an unreachable broker) is its failure, not ours, unless
+    this task itself is being cancelled."""
+    try:
+        await asyncio.wait_for(closer(), limit)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("close_interrupted", client=name)
+    except TimeoutError:
+        log.warning("close_timed_out", client=name, seconds=round(limit, 2))
+    except Exception as exc:  # boundary: whatever the client raises while closing
+        log.warning("close_failed", client=name, error=repr(exc))

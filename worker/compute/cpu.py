@@ -1,0 +1,178 @@
+"""InferenceStage (CPU): batches in, completed batches (in dispatch order) out.
+
+Each batch runs prepare (decode files, tokenize) -> collate -> engine -> outputs
+in worker threads, so the event loop never blocks on compute. Up to
+``max_inflight`` batches run at once, each with one of as many preallocated
+buffers for its fixed-size feeds (images); their futures go downstream in
+dispatch order, so the produce stage writes results in the order the requests
+were read. A batch whose rows have free dimensions of different lengths runs as
+a few engine calls, grouped by length (``worker.model.inputs``), so padding stays
+bounded. Outputs are scattered to requests by row slices of the batch outputs
+after checking the row count (``worker.model.outputs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import structlog
+
+from worker.compute.engines import Engine
+from worker.compute.triage import (
+    ServiceTimeHook,
+    micros,
+    report_service_time,
+    run_isolating,
+    triage,
+)
+from worker.config import LimitsConfig, ModelConfig
+from worker.flow.errors import InferenceFailed, WorkerError
+from worker.flow.messages import Answer, Batch, Completed, Job
+from worker.flow.streams import end_of_stream
+from worker.model.inputs import ModelInputs, bind, is_classifier
+from worker.model.inputs.image import ImageKind
+from worker.model.outputs import OutputPlan
+from worker.obs import metrics
+
+Buffers = dict[str, np.ndarray]
+
+
+def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
+    """One batch's preallocated feeds: the fixed-size ones (images) at the largest
+    batch (or the model's fixed batch, if larger); feeds with free dimensions are
+    allocated per run, at its lengths."""
+    max_batch_size = max(max_batch_size, inputs.batch or 0)
+    out: Buffers = {}
+    for kind in inputs.kinds:
+        if isinstance(kind, ImageKind):
+            out[kind.desc.name] = np.empty(
+                (max_batch_size, *kind.produced_shape), dtype=np.dtype(kind.cfg.dtype)
+            )
+    return out
+
+
+class InferenceStage:
+    def __init__(
+        self,
+        source: asyncio.Queue[Batch[Job] | None],
+        sink: asyncio.Queue[asyncio.Future[Completed] | None],
+        engine: Engine,
+        model: ModelConfig,
+        max_batch_size: int,
+        max_inflight: int,
+        *,
+        inputs: ModelInputs | None = None,
+        max_attempts: int = 2,
+        on_service_time: ServiceTimeHook | None = None,
+    ) -> None:
+        """``inputs``: the model's bound request inputs (``worker.model.inputs.bind``;
+        bound here with default settings when not given)."""
+        self._inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        self._source = source
+        self._sink = sink
+        self._engine = engine
+        self._max_attempts = max_attempts
+        self._report = report_service_time(on_service_time)
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="infer")
+        # One set of preallocated feed buffers per concurrent batch: nothing is
+        # allocated for fixed-size model inputs on the hot path.
+        self._buffers: asyncio.Queue[Buffers] = asyncio.Queue()
+        for _ in range(max_inflight):
+            self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
+        post = model.postprocess.resolved(is_classifier(self._inputs))
+        self._outputs = OutputPlan(engine.info.io, model, post, self._inputs.padded_symbols)
+        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
+
+    async def run(self) -> None:
+        async with end_of_stream(self._sink):
+            while (batch := await self._source.get()) is not None:
+                self._metrics.batches(batch.reason).inc()
+                fut = asyncio.ensure_future(self.run_batch(batch))
+                fut.add_done_callback(self._report)
+                metrics.INFLIGHT_BATCHES.inc()
+                await self._sink.put(fut)
+
+    async def run_batch(self, batch: Batch[Job]) -> Completed:
+        completed, runnable = triage(batch, time.monotonic(), self._metrics)
+        if runnable and self._inputs.pending(runnable):
+            loop = asyncio.get_running_loop()
+            runnable = await loop.run_in_executor(self._pool, self._inputs.prepare, runnable)
+            completed.engine_rows = len(runnable)
+        if not runnable:
+            return completed
+        buffers = await self._buffers.get()
+        try:
+            # Every log line of this batch (failures, isolation) names it; the
+            # binding is local to this batch's task.
+            with structlog.contextvars.bound_contextvars(
+                batch=batch.seq, batch_size=len(runnable), flush=batch.reason
+            ):
+                started = time.monotonic()
+                run = functools.partial(self._run_in_thread, buffers)
+                for group in self._inputs.groups(runnable):
+                    await run_isolating(group, run, self._max_attempts, self._metrics)
+                completed.service_s = time.monotonic() - started
+        finally:
+            self._buffers.put_nowait(buffers)
+        return completed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    async def _run_in_thread(self, buffers: Buffers, answers: list[Answer]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self._run_rows, answers, buffers)
+
+    # --- runs in a worker thread --------------------------------------------------
+
+    def _run_rows(self, answers: list[Answer], buffers: Buffers) -> None:
+        """One engine run over ``answers``; scatters one row of each output to each.
+
+        Anything but our own errors raised here (a preprocessing or postprocessing
+        bug tripped by one odd request) is translated into ``InferenceFailed``, so it
+        is isolated like an engine failure instead of killing the worker, which
+        would then crash-loop on the same record."""
+        try:
+            self._run_rows_unchecked(answers, buffers)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            raise InferenceFailed(f"internal error: {exc!r}") from exc
+
+    def _run_rows_unchecked(self, answers: list[Answer], buffers: Buffers) -> None:
+        n = len(answers)
+        t0 = time.monotonic()
+        fixed = self._inputs.batch
+        if fixed is None:
+            collated = self._inputs.collate(answers, buffers=buffers)
+            t1 = time.monotonic()
+            self._outputs.scatter(self._engine.run(collated.feeds), answers)
+        else:
+            # A model of fixed batch runs its rows in runs of that size, the last
+            # filled up with its own last row; the filler's answers are dropped.
+            collating = 0.0
+            for start in range(0, n, fixed):
+                part = answers[start : start + fixed]
+                filled = part + [part[-1]] * (fixed - len(part))
+                c0 = time.monotonic()
+                collated = self._inputs.collate(filled, buffers=buffers)
+                collating += time.monotonic() - c0
+                raw = self._outputs.first_rows(self._engine.run(collated.feeds), len(part))
+                self._outputs.scatter(raw, part)
+            t1 = t0 + collating
+        t2 = time.monotonic()
+        m = self._metrics
+        m.batch_size.observe(n)
+        m.preprocess_seconds.observe(t1 - t0)
+        m.engine_seconds.observe(t2 - t1)
+        if collated.padded:
+            data, total = self._inputs.waste(answers, collated.padded)
+            m.data_elements.inc(data)
+            m.padding_elements.inc(total - data)
+        timing = {"preprocess": micros(t1 - t0), "infer": micros(t2 - t1), "d2h": 0}
+        for a in answers:
+            a.timing_us.update(timing)

@@ -1,0 +1,69 @@
+"""ONNX Runtime engine: the CPU default and the numerical reference.
+
+The session is created once; ``InferenceSession.run`` is thread-safe, so several
+batches may run concurrently from the worker's thread pool. Every input and
+output the model declares is described (``worker.model.io``), with ONNX's symbolic
+dimension names kept: they are how the worker knows which dimensions it pads and
+which outputs follow a padded input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from worker.compute.engines.base import EngineInfo, Feeds, content_version
+from worker.config import ModelConfig
+from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
+from worker.model.io import RawTensor, batched_io, dim, onnx_dtype
+
+
+class OnnxRuntimeEngine:
+    def __init__(self, path: Path, cfg: ModelConfig) -> None:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = cfg.intra_op_threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=opts, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # boundary: ORT raises its own untyped errors
+            raise ConfigError(f"model.path: cannot load {path}: {exc}") from exc
+        io = batched_io(
+            [_raw(arg, "input") for arg in self._session.get_inputs()],
+            [_raw(arg, "output") for arg in self._session.get_outputs()],
+        )
+        if cfg.output is not None and cfg.output not in io.output_names:
+            raise ConfigError(
+                f"model.output: {cfg.output!r} not in model outputs {list(io.output_names)}"
+            )
+        self.info = EngineInfo(
+            backend="onnxruntime",
+            name=cfg.name,
+            version=content_version(path),
+            io=io,
+            max_batch_size=io.batch,
+        )
+        self._closed = False
+
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise EngineDead("onnxruntime session is closed")
+        try:
+            values = self._session.run(None, dict(feeds))
+        except Exception as exc:  # boundary: translate once into our vocabulary
+            raise InferenceFailed(f"onnxruntime: {exc}") from exc
+        return dict(zip(self.info.output_names, values, strict=True))
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _raw(arg: ort.NodeArg, where: str) -> RawTensor:
+    """A tensor as onnxruntime reports it: ``tensor(float)``, dims as ints, symbols
+    or ``None``."""
+    dtype = onnx_dtype(arg.type, f"{where} {arg.name!r}")
+    return arg.name, dtype, tuple(dim(d) for d in arg.shape)

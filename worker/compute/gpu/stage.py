@@ -1,0 +1,448 @@
+"""GpuInferenceStage: batches in, completed batches (in dispatch order) out, on a GPU.
+
+The same queue contract as the CPU stage (``worker.compute.cpu``): one future
+per batch goes downstream in dispatch order, ``None`` passes end of stream; the
+same triage and poison isolation (``worker.compute.triage``). What differs is
+where the work happens. Each batch takes a slot (``slots``), and all of its GPU
+work is enqueued on that slot's stream in one go by the launcher (``launch``),
+on a worker thread, so batches on different slots overlap (one copies in while
+another computes and a third copies out). The event loop only awaits completion
+and scatters rows to requests, copied out of pinned memory before the slot is
+released for the next batch.
+
+Completion (a host callback on the stream, a slow event poll behind it) and
+what a device failure means are ``completion``'s.
+
+Inputs: one image input may be preprocessed on the device by the kernels (its
+``device = "gpu"``); every other input (tensors, texts' tokens, images
+preprocessed on the CPU) is collated on the stage's threads into the slot's
+pinned twins and copied in. A batch whose rows have free dimensions of
+different lengths runs in groups by the lengths the slots were warmed at
+(``plan.slot_shapes``), each at its group's bucket, so no run meets a new shape.
+
+Encoded images: PNG and WebP files are decoded on the host (Pillow, on the
+stage's threads) before the batch is staged, like JPEGs with ``gpu.decode =
+"host"``. With ``"nvjpeg"`` a batch's JPEGs are decoded on the device in one
+call per chunk (``nvjpeg``) while the slot's stream is idle, and copied into the
+slot's device staging; a JPEG nvJPEG refuses is decoded on the host instead,
+and a file neither can decode is answered ``invalid_request`` alone. The staging
+byte budget counts a JPEG by its decoded size, read from its header.
+
+Failures: out of memory or an engine failure on a batch raises
+``InferenceFailed`` from ``run_rows``, which runs any subset of a batch's
+answers again on the same slot (and returns only once that slot is idle), so
+the shared bisection isolates the poison requests. An unrecoverable device
+error raises ``EngineDead``: the batch's future fails, downstream stops
+committing, and every later batch fails the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import structlog
+
+from worker.compute.engines.base import GpuEngine
+from worker.compute.engines.cuda import import_cupy, translate_gpu_error
+from worker.compute.gpu import nvjpeg
+from worker.compute.gpu.completion import SlotWatch
+from worker.compute.gpu.launch import Chunk, Launcher
+from worker.compute.gpu.plan import device_image, host_kinds, postprocess_plan, slot_shapes
+from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout, SlotRing
+from worker.compute.gpu.staging import (
+    OnDevice,
+    needs_host_work,
+    prepare_on_host,
+    reject_oversized,
+    split_chunks,
+    staged_bytes,
+)
+from worker.compute.triage import ServiceTimeHook, report_service_time, run_isolating, triage
+from worker.config import GpuConfig, LimitsConfig, ModelConfig
+from worker.flow.errors import ConfigError, EngineDead, InferenceFailed, WorkerError
+from worker.flow.messages import Answer, Batch, Completed, Job
+from worker.flow.streams import end_of_stream
+from worker.model.inputs import ModelInputs, bind, is_classifier
+from worker.model.outputs import OutputPlan
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+def _check_sizes(slots: int) -> None:
+    if slots < 1:
+        raise ConfigError("gpu.num_slots: must be >= 1")
+
+
+def _check_layout(inputs: ModelInputs) -> None:
+    """What the slots' buffers cannot hold yet (never run on a GPU: refused, not
+    guessed): an input without a batch dimension, or batched on another axis."""
+    for kind in (*inputs.kinds, *inputs.constants):
+        for feed in kind.feeds:
+            if feed.batch_axis != 0:
+                where = (
+                    "no batch dimension"
+                    if feed.batch_axis is None
+                    else (f"its batch dimension at axis {feed.batch_axis}")
+                )
+                raise ConfigError(
+                    f"model.inputs.{kind.name}: the model input {feed.name!r} has {where}; the "
+                    "GPU stage serves inputs batched on their first axis (use backend "
+                    "onnxruntime for this model)"
+                )
+
+
+def _no_bytes(answer: Answer) -> int:
+    return 0
+
+
+class GpuInferenceStage:
+    def __init__(
+        self,
+        source: asyncio.Queue[Batch[Job] | None],
+        sink: asyncio.Queue[asyncio.Future[Completed] | None],
+        engine: GpuEngine,
+        model: ModelConfig,
+        max_batch_size: int,
+        num_slots: int,
+        gpu: GpuConfig | None = None,
+        *,
+        inputs: ModelInputs | None = None,
+        preferred_batch_sizes: tuple[int, ...] = (),
+        max_attempts: int = 2,
+        on_service_time: ServiceTimeHook | None = None,
+    ) -> None:
+        """Allocates every slot now (start-up, not the hot path); may take a while
+        (kernel compilation, engine contexts): construct it off the event loop.
+        ``inputs``: the model's bound request inputs (bound here with default
+        settings when not given); ``preferred_batch_sizes``: the batch buckets."""
+        gpu = gpu or GpuConfig()
+        _check_sizes(num_slots)
+        inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        _check_layout(inputs)
+        # A batch larger than the engine takes runs in chunks of its maximum (a
+        # model of fixed batch: chunks of exactly that, padded up by the buckets).
+        max_batch_size = min(max_batch_size, engine.max_batch_size)
+        image = device_image(inputs)
+        nvjpeg.check_config(gpu.decode, image.cfg if image is not None else model.preprocess)
+        # Before CuPy: a missing torch is named as what gpu.decode needs.
+        self._nvjpeg = (
+            nvjpeg.NvJpeg(gpu.device, image.cfg.channels)
+            if gpu.decode == "nvjpeg" and image is not None
+            else None
+        )
+        self._cupy = import_cupy()
+        self._source = source
+        self._sink = sink
+        self._engine = engine
+        self._inputs = inputs
+        self._image = image
+        self._host = host_kinds(inputs, image)
+        self._device = gpu.device
+        self._max_rows = max_batch_size
+        self._max_attempts = max_attempts
+        self._report = report_service_time(on_service_time)
+        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
+        # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
+        # images exceed it runs in several chunks; one larger image is too_large.
+        self._max_input_bytes = gpu.max_input_bytes if image is not None else None
+        preferred = tuple(p for p in preferred_batch_sizes if p <= max_batch_size)
+        shapes = slot_shapes(
+            inputs, max_batch_size, preferred, inputs.length_buckets,
+            engine.min_batch_size,
+        )  # fmt: skip
+        self._buckets = dict(shapes.lengths)
+        engine.prepare(shapes)
+        post = model.postprocess.resolved(is_classifier(inputs))
+        self.outputs = OutputPlan(engine.info.io, model, post, inputs.padded_symbols)
+        plan = postprocess_plan(
+            engine, model, post, self.outputs.passed, frozenset(self.outputs.cuts)
+        )
+        self._forms = plan.forms
+        self._launcher = Launcher(self._cupy, engine, inputs, image, self._host, plan, self._nvjpeg)
+        self.layout = SlotLayout(
+            device=gpu.device,
+            max_batch_size=shapes.batches[-1],
+            engine_inputs=engine.inputs,
+            engine_outputs=engine.outputs,
+            results=plan.result_specs,
+            copy_back=plan.copy_back,
+            max_input_bytes=gpu.max_input_bytes if image is not None else 0,
+            host_inputs=tuple(f.name for k in (*self._host, *inputs.constants) for f in k.feeds),
+        )
+        self.allocations = Allocations()
+        self._metrics.gpu_slots.set(num_slots)
+        self._ring: SlotRing[Slot] = SlotRing(
+            self._make_slots(num_slots), self.allocations, self._metrics.gpu_slots_busy.set
+        )
+        self._pool = ThreadPoolExecutor(max_workers=num_slots, thread_name_prefix="gpu")
+        self._watch = SlotWatch(
+            self._cupy, self._ring, gpu.poll_interval_ms / 1000.0, gpu.batch_timeout_ms / 1000.0
+        )
+        log.info(
+            "gpu_stage_ready",
+            device=gpu.device,
+            slots=num_slots,
+            rows=self.layout.max_batch_size,
+            device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
+            pinned_mib=round(self.layout.pinned_bytes * num_slots / 2**20, 1),
+            inputs={k.name: k.kind for k in inputs.kinds},
+            device_image=image.name if image is not None else None,
+            shapes=len(shapes.combos()),
+            decode=gpu.decode,
+            postprocess="host" if plan.host_postprocess else "gpu",
+        )
+
+    def _make_slots(self, count: int) -> list[Slot]:
+        slots: list[Slot] = []
+        try:
+            for index in range(count):
+                slot = Slot.create(index, self.layout, self.allocations)
+                slots.append(slot)
+                slot.context = self._engine.create_context(slot)
+                if self._nvjpeg is not None:
+                    self._nvjpeg.attach(slot)
+            self._launcher.warm_kernels(self._device)
+            # Start-up only: the buffers were zero-filled on the legacy default
+            # stream, which the slots' non-blocking streams do not wait for.
+            with self._cupy.cuda.Device(self._device):
+                self._cupy.cuda.runtime.deviceSynchronize()
+        except BaseException:
+            # Half-started: free what was created (streams, buffers, contexts).
+            for slot in slots:
+                with contextlib.suppress(Exception):
+                    slot.close()
+            raise
+        return slots
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return self._ring.slots
+
+    @property
+    def nvjpeg(self) -> nvjpeg.NvJpeg | None:
+        """The device JPEG decoder (``gpu.decode = "nvjpeg"``), with its counts."""
+        return self._nvjpeg
+
+    # --- the stage ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with end_of_stream(self._sink):
+            while (batch := await self._source.get()) is not None:
+                if self._watch.dead is not None:
+                    raise self._watch.dead
+                self._metrics.batches(batch.reason).inc()
+                fut: asyncio.Future[Completed]
+                if any(job.failure is None for job in batch.items):
+                    slot = await self._ring.acquire()
+                    fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
+                    fut.add_done_callback(functools.partial(self._watch.batch_done, slot))
+                else:  # nothing to run: answered without a slot
+                    fut = loop.create_future()
+                    fut.set_result(triage(batch, time.monotonic(), self._metrics)[0])
+                fut.add_done_callback(self._report)
+                metrics.INFLIGHT_BATCHES.inc()
+                await self._sink.put(fut)
+
+    def close(self) -> None:
+        """Stop accepting work, wait for in-flight streams and free every slot."""
+        self._ring.close(self._watch.dead or EngineDead("GPU stage closed"))
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._watch.dead is None:
+            with self._cupy.cuda.Device(self._device):
+                # Drain every stream first, with the GIL released (CuPy's
+                # deviceSynchronize is nogil), so each pending completion callback
+                # (which takes the GIL) has run. Closing a slot then frees engine
+                # context memory (cudaFree synchronises the device) while this thread
+                # holds the GIL: a callback still queued on another slot's stream
+                # would wait for the GIL for ever, and so would we.
+                self._cupy.cuda.runtime.deviceSynchronize()
+                for slot in self._ring.slots:
+                    slot.close()
+        if self._nvjpeg is not None:
+            self._nvjpeg.close()
+
+    # --- one batch ----------------------------------------------------------------
+
+    async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
+        with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
+            completed, runnable = triage(batch, time.monotonic(), self._metrics)
+            on_device: dict[int, DeviceImage] = {}
+            if runnable and needs_host_work(runnable, self._host, self._image):
+                # Files for the host decoder are decoded and texts tokenized now, on
+                # the stage's threads; JPEGs for nvJPEG keep their header's size
+                # until their chunk runs.
+                loop = asyncio.get_running_loop()
+                runnable, on_device = await loop.run_in_executor(
+                    self._pool, prepare_on_host, runnable, self._host, self._image,
+                    self._nvjpeg is not None,
+                )  # fmt: skip
+            size = self._sizer(on_device)
+            runnable = reject_oversized(runnable, size, self._max_input_bytes)
+            completed.engine_rows = 0
+            if runnable:
+                started = time.monotonic()
+                for group in self._inputs.groups(runnable, self._buckets):
+                    lengths = self._inputs.bucketed(group, self._buckets)
+                    for chunk in split_chunks(group, size, self._max_rows, self._max_input_bytes):
+                        completed.engine_rows += await self._run_group(
+                            slot, chunk, on_device, lengths
+                        )
+                completed.service_s = time.monotonic() - started
+            return completed
+
+    def _sizer(self, on_device: OnDevice) -> Callable[[Answer], int]:
+        """Bytes an answer's device image takes in the packed staging (0 without one)."""
+        if self._image is None:
+            return _no_bytes
+        return functools.partial(staged_bytes, on_device=on_device, name=self._image.name)
+
+    async def _run_group(
+        self,
+        slot: Slot,
+        answers: list[Answer],
+        on_device: dict[int, DeviceImage],
+        lengths: dict[str, int],
+    ) -> int:
+        """Decode the group's JPEGs on the device (if any), then run it with
+        isolation; returns the rows that went to the engine. A group fits the
+        slot's staging, so the decoded pixels held at once fit it too."""
+        decode_us = 0
+        if any(id(a) in on_device for a in answers):
+            answers, seconds = await self._decode_on_device(slot, answers, on_device)
+            decode_us = round(seconds * 1e6)
+        try:
+            if answers:
+                run = functools.partial(self.run_rows, slot, on_device=on_device, lengths=lengths)
+                await run_isolating(answers, run, self._max_attempts, self._metrics)
+        finally:
+            # run_rows returned with the slot's stream idle (or the device is
+            # gone): the decoded pixels can go back to torch's pool.
+            for answer in answers:
+                image = on_device.pop(id(answer), None)
+                if image is not None:
+                    image.pixels = None
+        if decode_us:
+            for answer in answers:
+                if answer.outputs is not None:
+                    answer.timing_us["preprocess"] += decode_us
+        return len(answers)
+
+    async def _decode_on_device(
+        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
+    ) -> tuple[list[Answer], float]:
+        """nvJPEG on a stage thread, the slot marked busy meanwhile (a cancelled
+        batch releases it only once the decode has returned)."""
+        loop = asyncio.get_running_loop()
+        assert self._nvjpeg is not None and self._image is not None
+        decoding = loop.run_in_executor(
+            self._pool, self._nvjpeg.decode_answers, slot, answers, on_device, self._image.name
+        )
+        idle: asyncio.Future[None] = loop.create_future()
+        idle.set_result(None)  # the decode leaves nothing queued on the slot's stream
+        slot.pending = (decoding, idle)
+        try:
+            result = await asyncio.shield(decoding)
+        except EngineDead as exc:
+            slot.pending = None
+            raise self._watch.die(exc) from None
+        except BaseException:
+            if decoding.done():
+                slot.pending = None
+            raise
+        slot.pending = None
+        return result
+
+    async def run_rows(
+        self,
+        slot: Slot,
+        answers: list[Answer],
+        on_device: OnDevice | None = None,
+        lengths: dict[str, int] | None = None,
+    ) -> None:
+        """Run ``answers`` on ``slot`` and fill their outputs and timings.
+
+        Splits into chunks that fit the slot (rows and staged bytes); raises
+        ``InferenceFailed`` (answers untouched) or ``EngineDead``. Returns only
+        when the slot's stream is idle, so the caller may run it again at once.
+        ``on_device``: the answers whose JPEG nvJPEG has decoded; ``lengths``:
+        the run's length per padded dimension (default: the answers' buckets).
+        """
+        if self._watch.dead is not None:
+            raise self._watch.dead
+        device = on_device or {}
+        run_lengths = (
+            lengths if lengths is not None else self._inputs.bucketed(answers, self._buckets)
+        )
+        image = self._image
+        chunks = split_chunks(answers, self._sizer(device), self._max_rows, self._max_input_bytes)
+        results: list[tuple[list[Answer], dict[str, np.ndarray], dict[str, int]]] = []
+        for part in chunks:
+            images = (
+                [device.get(id(a)) or a.job.inputs[image.name] for a in part]
+                if image is not None
+                else []
+            )
+            outputs, timing = await self._run_chunk(slot, Chunk(part, images, run_lengths))
+            results.append((part, outputs, timing))
+        # Filled only once every chunk succeeded: a failure leaves all untouched.
+        for part, outputs, timing in results:
+            self._scatter(part, outputs)
+            for answer in part:
+                answer.timing_us.update(timing)
+
+    def _scatter(self, answers: list[Answer], outputs: dict[str, np.ndarray]) -> None:
+        """Each answer's rows: the device's postprocessed forms as they came back, or
+        the host reference on the raw output; outputs cut back to each request's
+        lengths (``OutputPlan``)."""
+        try:
+            if self._forms:
+                forms = {name: outputs[name] for name in self._forms}
+                self.outputs.scatter(outputs, answers, forms=forms)
+            else:
+                self.outputs.scatter(outputs, answers)
+        except WorkerError:
+            raise
+        except Exception as exc:  # boundary: a host postprocessing bug on odd rows
+            raise InferenceFailed(f"internal error: {exc!r}") from exc
+
+    async def _run_chunk(
+        self, slot: Slot, chunk: Chunk
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        launcher = self._launcher
+        n = len(chunk.answers)
+        submission = loop.run_in_executor(self._pool, launcher.submit, slot, chunk, (loop, woken))
+        # Marked busy before the first await: if this task is cancelled now, the
+        # slot is released only after the submission and the stream have finished.
+        slot.pending = (submission, woken)
+        try:
+            host_seconds, error = await asyncio.shield(submission)
+        except EngineDead as exc:
+            raise self._watch.die(exc) from None
+        if isinstance(error, EngineDead):
+            raise self._watch.die(error)
+        await self._watch.wait(slot, woken)
+        slot.pending = None
+        if error is not None:
+            raise error
+        try:
+            outputs, timing = await loop.run_in_executor(
+                self._pool, launcher.collect, slot, n, host_seconds
+            )
+        except Exception as exc:  # boundary: reading events can report a device error
+            raise self._watch.die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
+        m = self._metrics
+        m.batch_size.observe(n)
+        m.preprocess_seconds.observe(timing["preprocess"] / 1e6)
+        m.engine_seconds.observe(timing["infer"] / 1e6)
+        m.d2h_seconds.observe(timing["d2h"] / 1e6)
+        return outputs, timing

@@ -1,0 +1,109 @@
+"""What the CPU and GPU stages share: which requests of a batch run, and how a
+failing run is narrowed down to the requests that cause it.
+
+Both stages answer a batch the same way; only *how* a set of rows is run
+differs (a worker thread over host buffers, or a slot's CUDA stream), so that is
+the one thing they hand in: a ``RowRunner``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import structlog
+
+from worker.contract import ErrorInfo
+from worker.flow.errors import InferenceFailed
+from worker.flow.messages import Answer, Batch, Completed, ExpiryRule, Job
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+RowRunner = Callable[[list[Answer]], Awaitable[None]]
+"""Runs answers through the engine, filling their outputs and timings; raises
+``InferenceFailed`` with none of them filled, or ``EngineDead``."""
+
+ServiceTimeHook = Callable[[float], None]
+"""Told each batch's service seconds (the batch policy flushes deadlines by it)."""
+
+
+_EXPIRED: Final[dict[ExpiryRule, str]] = {
+    "deadline_ms": "deadline passed before inference",
+    "max_record_age": "record older than batching.max_record_age_ms before inference",
+}
+
+
+def micros(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+def triage(
+    batch: Batch[Job], now: float, m: metrics.ModelMetrics
+) -> tuple[Completed, list[Answer]]:
+    """One answer per job, in batch order, and the answers that need the engine.
+
+    Jobs that failed at intake pass through with their failure; jobs past their
+    deadline are answered ``deadline_exceeded`` without spending engine time."""
+    answers = [Answer(job) for job in batch.items]
+    runnable: list[Answer] = []
+    for answer in answers:
+        job = answer.job
+        queued = batch.formed_at - job.arrived
+        answer.timing_us["queue"] = micros(queued)
+        m.queue_seconds.observe(queued)
+        if job.failure is not None:
+            continue
+        if job.deadline is not None and now >= job.deadline:
+            answer.error = ErrorInfo("deadline_exceeded", _EXPIRED[job.expiry or "deadline_ms"])
+            metrics.REQUESTS_REJECTED.labels(code="deadline_exceeded").inc()
+            metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
+            continue
+        runnable.append(answer)
+    return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable)), runnable
+
+
+async def run_isolating(
+    answers: list[Answer], run: RowRunner, max_attempts: int, m: metrics.ModelMetrics
+) -> None:
+    """Run ``answers``; when the engine fails on them, split them in halves and run
+    each, until the failing requests are alone. A request that fails alone is
+    retried until it took part in ``max_attempts`` failed runs, then answered
+    ``inference_failed``; everything else in the batch succeeds. At most
+    2n - 1 + attempts runs. ``EngineDead`` propagates: nothing can run any more."""
+    try:
+        await run(answers)
+        return
+    except InferenceFailed as exc:
+        m.batch_failures.inc()
+        log.warning("batch_failed", size=len(answers), error=str(exc))
+        failure = exc
+    if len(answers) > 1:
+        half = len(answers) // 2
+        for part in (answers[:half], answers[half:]):
+            m.isolation_runs.inc()
+            await run_isolating(part, run, max_attempts, m)
+        return
+    job = answers[0].job
+    job.attempts += 1
+    if job.attempts < max_attempts:
+        m.isolation_runs.inc()
+        await run_isolating(answers, run, max_attempts, m)
+        return
+    answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
+
+
+def report_service_time(
+    hook: ServiceTimeHook | None,
+) -> Callable[[asyncio.Future[Completed]], None]:
+    """A done-callback for a batch's future that tells ``hook`` its service time."""
+
+    def done(fut: asyncio.Future[Completed]) -> None:
+        if hook is None or fut.cancelled() or fut.exception() is not None:
+            return
+        completed = fut.result()
+        if completed.engine_rows:
+            hook(completed.service_s)
+
+    return done

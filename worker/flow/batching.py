@@ -1,0 +1,161 @@
+"""Deadline-bounded micro-batching: pure asyncio, no Kafka, no GPU.
+
+``BatchPolicy`` holds the forming batch and decides, for a given monotonic time,
+whether a flush rule fires; it does no I/O, so every rule is unit-tested with an
+injected clock. ``MicroBatcher`` is the thin async stage that feeds it from the
+consume queue and hands finished batches downstream.
+
+Flush rules, first match wins:
+
+1. the batch holds ``max_batch_size`` requests;
+2. after draining everything already queued, the batch holds one of the
+   ``preferred_batch_sizes`` (it is sent as it is; waiting could not
+   make the engine more efficient, only the request later);
+3. the oldest request has waited ``max_queue_delay``;
+4. some request's deadline minus the expected service time has come, so waiting
+   any longer would make it miss its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic
+
+from worker.flow.messages import Batch, FlushReason, T
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class BatchPolicy(Generic[T]):
+    max_batch_size: int
+    max_queue_delay: float  # seconds
+    preferred_sizes: tuple[int, ...] = ()
+    # EWMA of how long a batch takes from dispatch to result; deadlines flush this early.
+    service_time: float = 0.0
+    _pending: list[T] = field(default_factory=list)
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.preferred_sizes = tuple(
+            sorted(s for s in set(self.preferred_sizes) if s <= self.max_batch_size)
+        )
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._pending) < self.max_batch_size
+
+    def add(self, item: T) -> None:
+        self._pending.append(item)
+
+    def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
+        self.service_time = (
+            seconds
+            if self.service_time == 0.0
+            else ((1 - alpha) * self.service_time + alpha * seconds)
+        )
+
+    def next_flush_at(self) -> float | None:
+        """The monotonic time at which rule 3 or 4 fires, or None when empty."""
+        if not self._pending:
+            return None
+        at = self._pending[0].arrived + self.max_queue_delay
+        for item in self._pending:
+            if item.deadline is not None:
+                at = min(at, item.deadline - self.service_time)
+        return at
+
+    def take(self, now: float, *, queue_drained: bool) -> Batch[T] | None:
+        """Return a batch if a flush rule fires at ``now``, else None."""
+        n = len(self._pending)
+        if n == 0:
+            return None
+        if n >= self.max_batch_size:
+            return self._cut(self.max_batch_size, now, "full")
+        if queue_drained and self.preferred_sizes:
+            fitting = [s for s in self.preferred_sizes if s <= n]
+            if fitting and fitting[-1] == n:
+                return self._cut(n, now, "preferred")
+        flush_at = self.next_flush_at()
+        assert flush_at is not None
+        if now >= flush_at:
+            delay_due = now >= self._pending[0].arrived + self.max_queue_delay
+            return self._cut(n, now, "delay" if delay_due else "deadline")
+        return None
+
+    def drain(self, now: float) -> Batch[T] | None:
+        """Everything pending as one last batch (shutdown)."""
+        if not self._pending:
+            return None
+        return self._cut(len(self._pending), now, "drain")
+
+    def _cut(self, n: int, now: float, reason: FlushReason) -> Batch[T]:
+        items, self._pending = self._pending[:n], self._pending[n:]
+        self._seq += 1
+        return Batch(items=items, formed_at=now, reason=reason, seq=self._seq)
+
+
+class MicroBatcher(Generic[T]):
+    """Async stage: consume-queue items in, ``Batch`` objects out.
+
+    ``None`` on the input queue means end of stream: the forming batch is flushed
+    and ``None`` is passed on, so shutdown drains stage by stage.
+    """
+
+    def __init__(
+        self,
+        source: asyncio.Queue[T | None],
+        sink: asyncio.Queue[Batch[T] | None],
+        policy: BatchPolicy[T],
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._sink = sink
+        self.policy = policy
+        self._clock = clock
+
+    async def run(self) -> None:
+        policy = self.policy
+        while True:
+            flush_at = policy.next_flush_at()
+            timeout = None if flush_at is None else max(0.0, flush_at - self._clock())
+            ended = False
+            try:
+                item = await asyncio.wait_for(self._source.get(), timeout)
+            except TimeoutError:
+                pass
+            else:
+                if item is None:
+                    ended = True
+                else:
+                    policy.add(item)
+                    ended = self._drain_ready()
+            if ended:
+                while (batch := policy.take(self._clock(), queue_drained=False)) is not None:
+                    await self._sink.put(batch)
+                if (last := policy.drain(self._clock())) is not None:
+                    await self._sink.put(last)
+                await self._sink.put(None)
+                return
+            while (
+                batch := policy.take(self._clock(), queue_drained=self._source.empty())
+            ) is not None:
+                await self._sink.put(batch)
+
+    def _drain_ready(self) -> bool:
+        """Move already-queued items into the policy without waiting; True on EOS."""
+        while self.policy.has_room:
+            try:
+                item = self._source.get_nowait()
+            except asyncio.QueueEmpty:
+                return False
+            if item is None:
+                return True
+            self.policy.add(item)
+        return False

@@ -1,0 +1,108 @@
+"""What flows between the stages, in one place.
+
+    consume -> Job -> batching -> Batch[Job] -> inference -> Completed(Answer...)
+        -> produce -> offsets
+
+Every stage imports its input and output types from here, never from the stage
+that makes them, so a later stage never imports an earlier one. These are plain
+containers: no I/O, no behaviour beyond what describes the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from worker.contract import ErrorInfo, Request, Source
+from worker.flow.errors import RecordError
+from worker.obs.tracing import TraceContext
+
+ExpiryRule = Literal["deadline_ms", "max_record_age"]
+
+
+class TopicPartition(NamedTuple):
+    """Hashable and cheap; aiokafka's own type is converted at the consumer edge."""
+
+    topic: str
+    partition: int
+
+
+@dataclass(slots=True)
+class Job:
+    """One input record on its way through the pipeline."""
+
+    tp: TopicPartition
+    offset: int
+    key: bytes | None
+    arrived: float  # monotonic, when the worker read it
+    deadline: float | None  # monotonic: the earlier of deadline_ms and the record-age limit
+    request: Request | None = None
+    # The request's inputs once validated, by request input name, in the form its
+    # kind (``worker.model.inputs``) works on: an image's uint8 [H, W, C] view or its
+    # file until decoded, a tensor's array, a text until tokenized, then its tokens.
+    inputs: dict[str, Any] = field(default_factory=dict)
+    # Lengths of the request's free dimensions, by the model's symbol for them
+    # (``worker.model.io``): what a batch is padded to and outputs are cut back to.
+    lengths: dict[str, int] = field(default_factory=dict)
+    failure: RecordError | None = None  # answered without inference when set
+    raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
+    epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
+    attempts: int = 0  # engine runs this request took part in that failed
+    expiry: ExpiryRule | None = None  # which rule set ``deadline``
+    timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
+    # How it came and is answered: msgpack (contract v1) or Open Inference Protocol
+    # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants.
+    wire: Literal["msgpack", "oip"] = "msgpack"
+    outputs_wanted: tuple[str, ...] | None = None
+    trace: TraceContext | None = None  # the record's W3C trace context, if it had one
+
+    @property
+    def source(self) -> Source:
+        return Source(topic=self.tp.topic, partition=self.tp.partition, offset=self.offset)
+
+
+class Batchable(Protocol):
+    """What the batching policy needs of an item (``Job`` has it)."""
+
+    @property
+    def arrived(self) -> float: ...  # monotonic seconds
+
+    @property
+    def deadline(self) -> float | None: ...  # monotonic seconds, if the request has one
+
+
+T = TypeVar("T", bound=Batchable)
+FlushReason = Literal["full", "preferred", "delay", "deadline", "drain"]
+
+
+@dataclass(slots=True)
+class Batch(Generic[T]):
+    items: list[T]
+    formed_at: float  # monotonic
+    reason: FlushReason
+    seq: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(slots=True)
+class Answer:
+    """The outcome for one job: outputs (one row of each batch output) or an error."""
+
+    job: Job
+    outputs: dict[str, np.ndarray] | None = None
+    error: ErrorInfo | None = None
+    timing_us: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Completed:
+    """One batch's answers, in the batch's order."""
+
+    seq: int
+    answers: list[Answer]
+    engine_rows: int  # requests that actually went through the engine
+    service_s: float = 0.0  # preprocess + compute of the batch (feeds the batch policy)

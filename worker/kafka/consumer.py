@@ -1,0 +1,419 @@
+"""KafkaSource: the group consumer, its rebalance listener, and the bounded queue.
+
+Every record read is registered with the offset tracker *before* it is queued, so
+the commit watermark can never pass a record that has not been answered. Each
+record becomes a ``Job`` through the intake (``worker.kafka.intake``), which
+never raises: bad records flow on, in order, carrying their failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from worker.config import KafkaConfig
+from worker.flow.backpressure import Backpressure
+from worker.flow.errors import CrashLoop
+from worker.flow.messages import Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.flow.streams import end_of_stream
+from worker.kafka.clients import group_consumer_kwargs
+from worker.kafka.crashguard import CrashGuard, decide
+from worker.kafka.intake import JobFactory
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+def fetch_backoff(failures: int, cap: float = 5.0) -> float:
+    """Seconds to wait after ``failures`` consecutive failed fetches. The exponent
+    is bounded: ``0.1 * 2**1024`` raises OverflowError, which killed the consume
+    stage after a long enough outage."""
+    return min(0.1 * float(2 ** min(failures, 16)), cap)
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
+    we count them (``infer_rebalance_listener_errors_total``) and log them as errors."""
+
+    def __init__(self, source: KafkaSource, on_revoke: RevokeHook) -> None:
+        self._source = source
+        self._on_revoke = on_revoke
+
+    async def on_partitions_revoked(self, revoked: Iterable[KafkaTP]) -> None:
+        tps = {TopicPartition(tp.topic, tp.partition) for tp in revoked}
+        metrics.REBALANCES.labels(kind="revoked").inc()
+        metrics.ASSIGNED_PARTITIONS.set(0)
+        for tp in tps:  # their series would otherwise report a stale lag for ever
+            with contextlib.suppress(KeyError):
+                metrics.PARTITION_LAG.remove(tp.topic, str(tp.partition))
+                metrics.PARTITION_COMMIT_AGE.remove(tp.topic, str(tp.partition))
+        if not tps:
+            return
+        self._source.revoking()
+        try:
+            await self._on_revoke(tps)
+        except Exception as exc:  # recorded and surfaced, never swallowed silently
+            metrics.LISTENER_ERRORS.inc()
+            log.error("rebalance_revoke_failed", error=repr(exc))
+
+    async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
+        tps = list(assigned)
+        names = sorted(f"{t.topic}:{t.partition}" for t in tps)
+        try:
+            await self._source.start_at_committed(tps)
+        except Exception as exc:  # recorded; the consumer's own reset policy applies
+            metrics.LISTENER_ERRORS.inc()
+            log.error("rebalance_assign_failed", error=repr(exc))
+        metrics.ASSIGNED_PARTITIONS.set(len(names))
+        metrics.REBALANCES.labels(kind="assigned").inc()
+        log.info("partitions_assigned", partitions=names)
+
+
+class KafkaSource:
+    """Consumes input topics into ``sink`` until ``stop_fetching()``; then puts
+    ``None`` (end of stream) so downstream stages drain."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        make_job: JobFactory,
+        sink: asyncio.Queue[Job | None],
+        tracker: OffsetTracker,
+        on_revoke: RevokeHook,
+        backpressure: Backpressure,
+    ) -> None:
+        self._kafka = kafka
+        self.missing_topics: list[str] = []  # input topics the last probe did not find
+        self._backpressure = backpressure
+        self._make_job = make_job
+        self._sink = sink
+        self._tracker = tracker
+        self._on_revoke = on_revoke
+        self._stopping = asyncio.Event()
+        # Counts revocations: records fetched before one are not tracked after it.
+        self._revocations = 0
+        # Crash-loop protection (set by the worker when the guard topic exists).
+        self.guard: CrashGuard | None = None
+        self._max_crashes = 0
+        self._cautious_window = 0
+        self._settled: Callable[[TopicPartition], Awaitable[None]] | None = None
+        self._cautious: dict[TopicPartition, int] = {}
+        self._quarantine: dict[TopicPartition, int] = {}
+        self._deciding: dict[TopicPartition, asyncio.Event] = {}
+        self.consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        k = self._kafka
+        consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
+        consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
+        # Set before start(): the first assignment's listener call may come during it.
+        self.consumer = consumer
+        try:
+            await consumer.start()
+        except BaseException:
+            self.consumer = None
+            await consumer.stop()
+            raise
+
+    async def start_at_committed(self, tps: list[KafkaTP]) -> None:
+        """Position newly assigned partitions at the group's committed offset (or
+        the beginning when there is none), explicitly. The consumer can otherwise
+        keep a fetch position from before a rebalance, which skips records when
+        the broker lost its log (the embedded broker after a restart)."""
+        assert self.consumer is not None
+        deciding = {TopicPartition(t.topic, t.partition): asyncio.Event() for t in tps}
+        if self.guard is not None:
+            # Set before the first await: the fetcher may hand out records of these
+            # partitions while this listener still runs, and none may be queued
+            # before the crash guard has decided how to treat the partition.
+            self._deciding.update(deciding)
+        try:
+            await self._position_and_guard(tps)
+        finally:
+            for event in deciding.values():
+                event.set()
+
+    async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
+        assert self.consumer is not None
+        fresh = []
+        for tp in tps:
+            committed = await self.consumer.committed(tp)
+            if committed is None:
+                fresh.append(tp)
+            else:
+                self.consumer.seek(tp, committed)
+        if fresh:
+            await self.consumer.seek_to_beginning(*fresh)
+        if self.guard is not None and tps:
+            heads = {
+                TopicPartition(t.topic, t.partition): await self.consumer.position(t) for t in tps
+            }
+            await self._check_crash_loops(heads)
+
+    async def _check_crash_loops(self, heads: dict[TopicPartition, int]) -> None:
+        """Claim each partition at its head, and act on previous owners that died
+        there (see ``worker.kafka.crashguard``)."""
+        assert self.guard is not None
+        marks = await self.guard.read(heads)
+        for tp, head in heads.items():
+            d = decide(marks.get(tp), head, self._max_crashes)
+            await self.guard.claim(tp, head, d.claims)
+            where = f"{tp.topic}:{tp.partition}@{head}"
+            if d.quarantine:
+                self._quarantine[tp] = head
+                metrics.CRASH_LOOPS.inc()
+                log.error("crash_loop_quarantine", record=where, crashes=d.crashes)
+            elif d.cautious:
+                # One record at a time over the window a dead batch could hold.
+                self._cautious[tp] = self._cautious_window
+                log.warning("crash_suspected", head=where, crashes=d.crashes, mode="one by one")
+
+    def protect(
+        self,
+        guard: CrashGuard,
+        max_crashes: int,
+        window: int,
+        settled: Callable[[TopicPartition], Awaitable[None]],
+    ) -> None:
+        """Turn on crash-loop protection (before ``start``)."""
+        self.guard, self._max_crashes, self._cautious_window = guard, max_crashes, window
+        self._settled = settled
+
+    def stop_fetching(self) -> None:
+        self._stopping.set()
+
+    def revoking(self) -> None:
+        """Called when a revocation begins: the rest of any fetch made before it is
+        dropped, not tracked (see ``_enqueue``)."""
+        self._revocations += 1
+
+    async def run(self) -> None:
+        assert self.consumer is not None, "start() first"
+        consumer = self.consumer
+        failures = 0
+        async with end_of_stream(self._sink):
+            while not self._stopping.is_set():
+                self._apply_backpressure()
+                # While paused, poll often: the member stays in the group and
+                # resumes soon after the pipeline drains.
+                timeout_ms = 50 if self._backpressure.paused else 200
+                fetch = asyncio.ensure_future(self._fetch(consumer, timeout_ms))
+                stop = asyncio.ensure_future(self._stopping.wait())
+                await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if not fetch.done():
+                    # Stopping: records fetched now would only be redelivered later.
+                    fetch.cancel()
+                    break
+                try:
+                    generation, fetched = fetch.result()
+                except KafkaError as exc:
+                    # The consumer reconnects by itself; back off and poll again.
+                    failures += 1
+                    metrics.FETCH_ERRORS.inc()
+                    log.warning("fetch_failed", error=repr(exc), consecutive=failures)
+                    await self._sleep(fetch_backoff(failures))
+                    continue
+                failures = 0
+                for records in fetched.values():
+                    await self._enqueue(records, generation)
+                    self._apply_backpressure()
+
+    async def _fetch(
+        self, consumer: AIOKafkaConsumer, timeout_ms: int
+    ) -> tuple[int, dict[KafkaTP, list[ConsumerRecord[Any, Any]]]]:
+        """``getmany()`` and the revocation count at the moment it returned. Taken
+        in the same step, so it belongs to the records: a fetch issued before a
+        revocation waits through the rebalance and returns records of the new
+        assignment, which must be tracked (the consumer's position is past them)."""
+        fetched = await consumer.getmany(timeout_ms=timeout_ms)
+        return self._revocations, fetched
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once when stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    def _apply_backpressure(self) -> None:
+        assert self.consumer is not None
+        records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
+        metrics.INFLIGHT_RECORDS.set(records)
+        metrics.INFLIGHT_BYTES.set(nbytes)
+        action = self._backpressure.update(records, nbytes)
+        if action == "pause":
+            metrics.PAUSES.inc()
+            log.info("fetch_paused", inflight_records=records, inflight_bytes=nbytes)
+        elif action == "resume":
+            self.consumer.resume(*self.consumer.paused())
+            metrics.RESUMES.inc()
+            log.info("fetch_resumed", inflight_records=records, inflight_bytes=nbytes)
+        if self._backpressure.paused:
+            # Also covers partitions assigned by a rebalance while paused.
+            self.consumer.pause(*self.consumer.assignment())
+
+    async def _enqueue(self, records: list[ConsumerRecord[Any, Any]], generation: int) -> None:
+        queued = 0
+        try:
+            for record in records:
+                if self._stopping.is_set():
+                    return
+                if self._revocations != generation:
+                    # A revocation began since these records were fetched, while
+                    # this loop waited on the full queue. Tracking the rest now
+                    # would give offsets of a revoked, forgotten partition a fresh
+                    # epoch that looks owned: answered and committed as a watermark
+                    # past offsets never answered in that epoch. Dropping them is
+                    # safe: aiokafka revokes every partition before any new
+                    # assignment, and each new one starts at the committed offset
+                    # (start_at_committed), so whoever owns these offsets next
+                    # reads them again.
+                    return
+                tp = TopicPartition(record.topic, record.partition)
+                deciding = self._deciding.get(tp)
+                if deciding is not None and not deciding.is_set():
+                    await deciding.wait()
+                if tp in self._cautious and self._settled is not None:
+                    await self._settled(tp)  # everything before it answered and committed
+                    self._cautious[tp] -= 1
+                    if self._cautious[tp] <= 0:
+                        del self._cautious[tp]
+                job = self._job(record)
+                if self._sink.full():
+                    await self._sink.put(job)
+                else:
+                    self._sink.put_nowait(job)  # no coroutine per record while there is room
+                queued += 1
+        finally:
+            # Per fetch, not per record: metric updates are a measurable share of
+            # the per-record cost on the consume path.
+            metrics.RECORDS_CONSUMED.inc(queued)
+            metrics.QUEUE_DEPTH.set(self._sink.qsize())
+
+    def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
+        """Track the record's offset (before it is queued), then make its Job."""
+        resets = self._tracker.resets
+        tp = TopicPartition(record.topic, record.partition)
+        epoch = self._tracker.track(tp, record.offset, len(record.value or b""))
+        if self._tracker.resets != resets:
+            metrics.PARTITION_RESETS.inc()
+        job = self._make_job(
+            record.topic,
+            record.partition,
+            record.offset,
+            record.key,
+            record.value,
+            record.timestamp,
+            record.headers,
+        )
+        job.epoch = epoch
+        if self._quarantine.get(tp) == record.offset:
+            del self._quarantine[tp]
+            job.request = None
+            job.inputs = {}
+            job.raw_value = record.value
+            job.failure = CrashLoop(
+                f"worker processes died {self._max_crashes} times with this record at the "
+                "head of its partition; not run again (limits.max_crash_attempts)"
+            )
+        return job
+
+    async def commit(self, offsets: dict[KafkaTP, int]) -> None:
+        """Commit explicit offsets (the Committer's only way to reach the group)."""
+        assert self.consumer is not None, "start() first"
+        await self.consumer.commit(offsets)
+
+    async def probe(self, timeout: float) -> bool:
+        """True when the cluster answers a metadata request for the input topics
+        within ``timeout``; ``missing_topics`` then lists those it does not know
+        (deleted since start-up). The consumer hides
+        connection loss (it reconnects quietly and returns empty fetches), so
+        readiness needs an explicit round trip; it asks for the subscribed topics
+        only (the consumer's own metadata refresh), not the whole cluster's, which
+        twenty workers probing every second would make the brokers pay for."""
+        if self.consumer is None:
+            return False
+        # aiokafka has no public per-topic metadata call; this is the refresh the
+        # consumer runs every metadata_max_age_ms, brought forward.
+        client = self.consumer._client
+        try:
+            updated = await asyncio.wait_for(client.force_metadata_update(), timeout)
+        except (KafkaError, TimeoutError, OSError):
+            return False
+        if updated:
+            known = client.cluster.topics()
+            self.missing_topics = [t for t in self._kafka.input_topics if t not in known]
+        return bool(updated)
+
+    def assignment(self) -> set[TopicPartition]:
+        if self.consumer is None:
+            return set()
+        return {TopicPartition(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+
+    async def close(self) -> None:
+        """Leave the group and close the connection (idempotent)."""
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+
+async def watch_broker(source: KafkaSource, timeout: float, interval: float = 1.0) -> None:
+    """Keep the "broker" and "topics" readiness conditions current while the
+    worker runs: an input topic deleted under a running worker makes it not
+    ready, where the cluster does not create topics on demand (with
+    ``auto.create.topics.enable=true``, and on the embedded broker, aiokafka's
+    own metadata refresh re-creates it at once, empty: measured)."""
+    up, missing = True, list[str]()
+    while True:
+        ok = await source.probe(timeout)
+        if ok != up:
+            log.warning("broker_reachable" if ok else "broker_unreachable")
+            up = ok
+        if source.missing_topics != missing:
+            missing = source.missing_topics
+            if missing:
+                log.error("input_topics_missing", topics=missing)
+            else:
+                log.info("input_topics_found")
+        metrics.set_condition("broker", ok)
+        metrics.set_condition("topics", not missing)
+        await asyncio.sleep(interval)
+
+
+async def report_partitions(
+    source: KafkaSource,
+    committed: Callable[[TopicPartition], int | None],
+    last_commit: dict[TopicPartition, float],
+    interval: float = 5.0,
+) -> None:
+    """Per-partition lag and commit age for the partitions this member owns.
+
+    Lag is the high watermark the last fetch saw minus the committed offset: what
+    the group still has to answer on this partition, as the broker's own
+    consumer-group lag would say (``end_offsets`` is not used: the embedded
+    broker answers it wrongly)."""
+    while True:
+        consumer = source.consumer
+        now = time.monotonic()
+        if consumer is not None:
+            for ktp in consumer.assignment():
+                tp = TopicPartition(ktp.topic, ktp.partition)
+                labels = (tp.topic, str(tp.partition))
+                high, done = consumer.highwater(ktp), committed(tp)
+                if high is not None and done is not None:
+                    metrics.PARTITION_LAG.labels(*labels).set(max(0, high - done))
+                if tp in last_commit:
+                    metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
+        await asyncio.sleep(interval)

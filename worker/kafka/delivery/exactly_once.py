@@ -1,0 +1,393 @@
+"""TransactionalSink: exactly-once. The results, the DLQ records and the input
+offsets they answer are committed together, in one Kafka transaction.
+
+Each cycle takes the next completed batch and those that completed behind it
+(at most ``kafka.transaction_batches``; a cycle never waits for more), and:
+
+    begin -> send every record -> await every acknowledgement
+          -> [an earlier offset still unanswered? keep the transaction open]
+          -> group lease confirmed -> send_offsets_to_transaction(watermarks)
+          -> commit_transaction -> mark the offsets done and committed
+
+This is the one place where flush, produce and commit are ordered under
+exactly-once (``produce.ResultSink`` and ``commit.Committer`` order them under
+at-least-once). Answers reach the sink only after their device-to-host copy, so
+a transaction never holds a result that was not computed. A transaction stays
+open while a partition has a gap below its answers (batches complete out of
+offset order): committing then would leave answers above the committed offset,
+which the next owner would answer again. Anything that fails inside a
+transaction aborts it (a refused record becomes its small fallback, as under
+at-least-once), and everything it held is sent again in the next one; a
+revocation aborts an open transaction that holds answers of the revoked
+partitions (``fence``). ``ProducerFenced`` means another process took this
+member's transactional id, a restarted instance of this member: this one is a
+zombie and stops (exit 1).
+
+What aiokafka's transactional producer does on the wire (0.12 to 0.14):
+InitProducerId, AddPartitionsToTxn, AddOffsetsToTxn, TxnOffsetCommit and EndTxn,
+all at version 0. TxnOffsetCommit v0 carries the group id only, no member id or
+generation (KIP-447), so the group coordinator cannot refuse a zombie's offsets;
+``worker.kafka.lease`` closes most of that gap (see there). Apache Kafka
+4.x still serves these versions, and a cluster formatted with
+``transaction.version=2`` (KIP-890, Kafka 4.4's default) serves them with the
+older transaction protocol (no epoch bump per transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+
+import structlog
+from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from worker.config import KafkaConfig
+from worker.contract import ModelInfo
+from worker.flow.budget import FailureBudget
+from worker.flow.errors import DeliveryFailed, TransactionFenced
+from worker.flow.messages import Completed, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.clients import start_transactional_producer, transactional_id
+from worker.kafka.commit import Committer
+from worker.kafka.delivery.outgoing import Outgoing, fallback
+from worker.kafka.delivery.writer import (
+    SEQUENCE_BROKEN,
+    ProducerFactory,
+    Writer,
+    refusal_code,
+    retriable,
+)
+from worker.kafka.lease import GroupLease
+from worker.obs import metrics
+from worker.obs.tracing import Tracer
+
+log = structlog.get_logger(__name__)
+
+
+class _Woken(enum.Enum):
+    """What ``_get`` returns when woken to send records again, not by a batch."""
+
+    WOKEN = 1
+
+
+class _Failed(Exception):
+    """A transaction cannot be committed; ``refused`` maps records the broker
+    refused (by ``id``) to why."""
+
+    def __init__(self, reason: str, refused: dict[int, BaseException] | None = None) -> None:
+        super().__init__(reason)
+        self.refused = refused or {}
+
+
+class TransactionalSink(Writer):
+    """Sends answers and commits them with their offsets, one transaction per
+    group of completed batches (see the module's docstring)."""
+
+    def __init__(
+        self,
+        source: asyncio.Queue[asyncio.Future[Completed] | None],
+        kafka: KafkaConfig,
+        model: ModelInfo,
+        tracker: OffsetTracker,
+        committer: Committer,
+        lease: GroupLease,
+        max_batches: int,
+        budget: FailureBudget | None = None,
+        producer_factory: ProducerFactory = start_transactional_producer,
+        tracer: Tracer | None = None,
+    ) -> None:
+        super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
+        self._source = source
+        self._committer = committer
+        self._lease = lease
+        self._max_batches = max(1, max_batches)
+        self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences
+        self._in_txn = False
+        self._open: list[Outgoing] = []  # sent in the open transaction (or being sent)
+        self._retry: list[Outgoing] = []  # to send again: their transaction was aborted
+        self._wake = asyncio.Event()  # records wait in _retry (after a fence)
+        self._held: asyncio.Future[Completed] | None = None  # taken, not yet completed
+        self._backoff = kafka.retry_backoff_ms / 1000.0
+        self._failing = False
+        self._alone = False  # send each record in a record batch of its own (see _abort)
+
+    async def start(self) -> None:
+        await super().start()
+        log.info("transactions_on", transactional_id=transactional_id(self._kafka))
+
+    # --- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        more = True
+        while more or self._retry:
+            batches: list[Completed] = []
+            if more:
+                batches, more = await self._take()
+            outs = [out for completed in batches for out in self._outgoing(completed)]
+            async with self._lock:
+                ok = await self._cycle(outs, final=not more)
+            if not ok:  # backed off outside the lock: a revocation may need it
+                await asyncio.sleep(self._backoff * random.uniform(0.75, 1.25))
+                self._backoff = min(self._backoff * 2, 10.0)
+
+    async def _take(self) -> tuple[list[Completed], bool]:
+        """Completed batches for the next transaction: the next one (waited for,
+        unless records already wait to be sent again) and those completed behind
+        it; and False once the stream has ended."""
+        batches: list[Completed] = []
+        while len(batches) < self._max_batches:
+            busy = bool(batches or self._retry)
+            fut, self._held = self._held, None
+            if fut is None:
+                if busy and self._source.empty():
+                    break
+                item = await self._get()
+                if item is _Woken.WOKEN:  # records wait to be sent again
+                    break
+                if item is None:
+                    return batches, False
+                fut = item
+            if busy and not fut.done():
+                self._held = fut  # the next transaction's: not waited for now
+                break
+            batches.append(await fut)  # EngineDead propagates: the worker stops, uncommitted
+            metrics.INFLIGHT_BATCHES.dec()
+        return batches, True
+
+    async def _get(self) -> asyncio.Future[Completed] | _Woken | None:
+        """The queue's next item, or WOKEN when woken to send records again."""
+        if not self._source.empty():
+            return self._source.get_nowait()
+        getter = asyncio.ensure_future(self._source.get())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not getter.done():
+                getter.cancel()  # an item it was woken for stays in the queue
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        self._wake.clear()
+        return _Woken.WOKEN
+
+    # --- one transaction --------------------------------------------------------------
+
+    async def _cycle(self, new: list[Outgoing], final: bool) -> bool:
+        """Send ``new`` and the records waiting to be sent again in the open
+        transaction, and commit it unless a gap keeps it open. False when it was
+        aborted (what it held waits in ``_retry``) or could not begin."""
+        todo = [o for o in (*self._retry, *new) if self._owned(o)]
+        self._retry = []
+        if self._failing and todo and not await self._lease.held():
+            self._retry = todo  # not a member now: sending would only be aborted again
+            return False
+        try:
+            await self._send_all(todo)
+            if not self._open and not self._in_txn:
+                return True  # nothing to commit (every answer was stale)
+            if not all(self._owned(o) for o in self._open):
+                raise _Failed("partitions revoked or reset under the open transaction")
+            offsets, complete = self._tracker.watermarks_with(
+                (o.job.tp, o.job.offset, o.job.epoch) for o in self._open
+            )
+            if not complete and not final:
+                return True  # the gap's answers come in a later batch
+            if not complete:
+                # Cannot happen after a full drain (every record read was answered);
+                # after a cut-short one, the group reads these records again.
+                await self._abort(_Failed("offsets unanswered at the end of the stream"))
+                self._retry = []
+                return True
+            if not await self._lease.held():
+                raise _Failed("group membership not confirmed (expelled, or rejoining)")
+            await self._commit(offsets)
+        except ProducerFenced as exc:
+            raise TransactionFenced(
+                f"transactional id {transactional_id(self._kafka)!r} was taken by another "
+                "process (a restarted instance of this member): this one stops"
+            ) from exc
+        except (_Failed, KafkaError) as exc:
+            await self._abort(exc)
+            return False
+        return True
+
+    def _owned(self, out: Outgoing) -> bool:
+        job = out.job
+        return self._tracker.owns(job.tp, job.offset, job.epoch)
+
+    async def _send_all(self, outs: list[Outgoing]) -> None:
+        """Send ``outs`` in the open transaction (begun if none is) and await
+        their acknowledgements. They join ``_open`` first, so that whatever
+        fails from here on, an abort finds them to send again."""
+        if not outs:
+            return
+        assert self.producer is not None, "start() first"
+        self._open += outs
+        if not self._in_txn:
+            await self.producer.begin_transaction()
+            self._in_txn = True
+        if self._alone:
+            sent = [pair for out in outs for pair in await self._send_grouped([out])]
+        else:
+            sent = await self._send_grouped(outs)
+        refused: dict[int, BaseException] = {}
+        for out, ack in sent:
+            try:
+                await self._watched(ack)
+            except ProducerFenced:
+                raise
+            except (KafkaError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not ack.cancelled():
+                    raise  # this task was cancelled, not the send
+                refused[id(out)] = exc
+        if refused:
+            first = next(iter(refused.values()))
+            raise _Failed(f"{len(refused)} records not acknowledged: {first!r}", refused)
+
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        assert self.producer is not None
+        moved = {tp: off for tp, off in offsets.items() if self._tracker.committed(tp) != off}
+        if moved:
+            await self.producer.send_offsets_to_transaction(
+                {KafkaTP(tp.topic, tp.partition): off for tp, off in moved.items()},
+                self._kafka.group_id,
+            )
+        await self._watched(self.producer.commit_transaction())
+        self._in_txn = False
+        committed, self._open = self._open, []
+        self._alone = False
+        self._acknowledged(committed)
+        if moved:
+            self._committer.record(moved)
+        self._committer.notify()
+        metrics.TRANSACTIONS.labels(outcome="committed").inc()
+        self._backoff = self._kafka.retry_backoff_ms / 1000.0
+        if self._failing:
+            self._failing = False
+            metrics.set_condition("delivery", True)
+            log.info("delivery_recovered")
+
+    async def _abort(self, exc: BaseException) -> None:
+        """End the open transaction without its records, and queue them (with
+        fallbacks for those the broker refused for good) to be sent again."""
+        refused = exc.refused if isinstance(exc, _Failed) else {}
+        # How many records each failure struck: the broker refuses a record
+        # batch as a whole, so one record too large for the topic has every
+        # record batched with it refused too. Those are first sent again one per
+        # record batch; only a record refused on its own gets its fallback.
+        struck: dict[int, int] = {}
+        for error in refused.values():
+            struck[id(error)] = struck.get(id(error), 0) + 1
+        redo: list[Outgoing] = []
+        broken, alone = False, False
+        for out in sorted(self._open, key=seq):
+            failure = refused.get(id(out))
+            if failure is None or retriable(failure) or isinstance(failure, SEQUENCE_BROKEN):
+                redo.append(out)
+            elif struck[id(failure)] > 1 and not self._alone:
+                redo.append(out)
+                alone = True
+            elif out.fallback:
+                raise DeliveryFailed(
+                    f"{out.job.source} cannot be delivered even as an error: {failure!r}"
+                )
+            else:
+                redo.append(fallback(out, refusal_code(failure), repr(failure), self._model))
+            # A refusal for good breaks the partition's sequence (see sending.py).
+            broken = broken or (failure is not None and not retriable(failure))
+        self._open = []
+        self._alone = self._alone or alone
+        log.warning("transaction_aborted", reason=str(exc) or repr(exc), records=len(redo))
+        metrics.TRANSACTIONS.labels(outcome="aborted").inc()
+        if not self._failing:
+            self._failing = True
+            metrics.set_condition("delivery", False)
+        await self._end_open("a record was refused for good" if broken else None)
+        self._retry = redo
+
+    async def _end_open(self, renew: str | None = None) -> None:
+        """Abort the open transaction, or (for the reason ``renew``, or when the
+        abort fails) replace the producer: a new one's InitProducerId aborts
+        whatever the old one left open, and starts its sequences again."""
+        assert self.producer is not None
+        if self._in_txn and renew is None:
+            try:
+                await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
+            except ProducerFenced:
+                raise
+            except (KafkaError, TimeoutError, AssertionError) as exc:
+                # aiokafka asserts its state transitions: after a failed commit
+                # an abort can be one it refuses.
+                log.warning("transaction_abort_failed", error=repr(exc))
+                renew = "the abort failed"
+        self._in_txn = False
+        if renew is not None:
+            await self._replace_producer(renew)
+
+    # --- callers outside the loop -----------------------------------------------------
+
+    async def fence(self, revoked: set[TopicPartition]) -> None:
+        """Called on revocation (``Committer.settle_revoked``), just before the
+        revoked partitions are forgotten: an open transaction holding answers of
+        theirs is aborted, since their new owner answers them from the committed
+        offsets; its other records are sent again in the next transaction. Then
+        waits until the group coordinator answers the offsets this member
+        committed for them: a transaction's offsets become visible only once its
+        markers are written, after commit_transaction returned, and aiokafka's
+        OffsetFetch cannot ask to wait for them (``require_stable``, KIP-447),
+        so a new owner that looked too early would answer them again."""
+        async with self._lock:
+            held = [*self._open, *self._retry]
+            if any(o.job.tp in revoked for o in held):
+                if self._open:
+                    metrics.TRANSACTIONS.labels(outcome="aborted").inc()
+                    log.info("transaction_aborted", reason="partitions revoked", records=0)
+                self._open = []
+                await self._end_open()
+                self._retry = sorted((o for o in held if o.job.tp not in revoked), key=seq)
+                if self._retry:
+                    self._wake.set()
+            committed = {tp: self._tracker.committed(tp) for tp in revoked}
+            await self._lease.offsets_visible(
+                {tp: off for tp, off in committed.items() if off is not None}
+            )
+        # No suspension point from here to the caller's forget(): the next cycle
+        # cannot start before the revoked partitions are forgotten.
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> object:
+        """A crash-guard mark: a transactional producer sends nothing outside a
+        transaction, so it goes in the open one, or in one of its own."""
+        assert self.producer is not None, "start() first"
+        async with self._lock:
+            own = not self._in_txn
+            if own:
+                await self.producer.begin_transaction()
+                self._in_txn = True
+            try:
+                meta = await self._watched(await self.producer.send(topic, value, key=key))
+                if own:
+                    await self._watched(self.producer.commit_transaction())
+                    self._in_txn = False
+            except KafkaError:
+                if own:
+                    await self._end_open()
+                raise
+            return meta
+
+    async def close(self) -> None:
+        """Abort an open transaction first: read_committed readers of the
+        partitions it wrote to would otherwise wait for it to time out."""
+        if self.producer is not None and self._in_txn:
+            try:
+                await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
+            except Exception as exc:  # boundary: closing; the broker times it out otherwise
+                log.warning("transaction_abort_failed", error=repr(exc))
+            self._in_txn = False
+        await super().close()
+
+
+def seq(out: Outgoing) -> int:
+    return out.seq

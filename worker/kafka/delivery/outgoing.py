@@ -1,0 +1,256 @@
+"""What the produce stage sends, decided without I/O: results, DLQ records, fallbacks.
+
+Pure functions of an answer, so every rule (which topic, which headers, what a
+too-large record becomes) is unit-tested without a broker. ``ResultSink``
+(``worker.kafka.delivery.at_least_once``) only sends what these build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from worker import __version__
+from worker.contract import (
+    ErrorInfo,
+    ModelInfo,
+    Result,
+    Tensor,
+    encode_ok_result,
+    encode_result,
+)
+from worker.contract.oip import CONTENT_TYPE as JSON
+from worker.contract.oip import encode_oip_result
+from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
+from worker.flow.messages import Answer, Job
+from worker.obs.tracing import TraceContext
+
+# Room for the record batch framing around one record, so a result that passes
+# this check is never rejected by the producer's own size limit.
+RECORD_OVERHEAD: Final = 1024
+
+Kind = Literal["ok", "error", "dlq"]
+FallbackCode = Literal["too_large", "internal"]
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One record to produce for one job, kept until acknowledged so it can be
+    re-sent unchanged if delivery fails."""
+
+    job: Job
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    kind: Kind
+    seq: int  # send order, so redelivery keeps the original order
+    request_id: str = ""
+    fallback: bool = False  # already the small replacement of a refused record
+    error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
+
+    @property
+    def size(self) -> int:
+        """Bytes the producer counts against ``max_request_size``, with framing."""
+        headers = sum(len(k) + len(v) for k, v in self.headers)
+        return len(self.value or b"") + len(self.key or b"") + headers + RECORD_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Topics:
+    output: str
+    dlq: str
+
+
+def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
+    return [
+        ("error.code", code.encode()),
+        ("error.message", message.encode()[:1024]),
+        ("source.topic", job.tp.topic.encode()),
+        ("source.partition", str(job.tp.partition).encode()),
+        ("source.offset", str(job.offset).encode()),
+        ("stage", stage.encode()),
+        ("worker.version", __version__.encode()),
+    ]
+
+
+def _echo(job: Job) -> tuple[str, Mapping[str, Any] | None]:
+    """The id and meta a result echoes (recovered from a failed decode, if any)."""
+    if isinstance(job.failure, InvalidRequest):
+        return job.failure.request_id, job.failure.meta
+    if job.request is not None:
+        return job.request.id, job.request.meta
+    return "", None
+
+
+def _timing(answer: Answer, now: float) -> dict[str, int]:
+    timing = dict(answer.timing_us)
+    timing["total"] = round((now - answer.job.arrived) * 1e6)
+    return timing
+
+
+def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
+    """The wire result for one answer (never for a DLQ-bound record)."""
+    job = answer.job
+    timing = _timing(answer, now)
+    request_id, meta = _echo(job)
+    failure = job.failure
+    error = answer.error
+    if failure is not None:
+        error = ErrorInfo.from_error(failure)  # contract code, message length capped
+    if error is not None:
+        return Result(
+            id=request_id,
+            status="error",
+            source=job.source,
+            model=model,
+            error=error,
+            meta=meta,
+            timing_us=timing,
+        )
+    assert answer.outputs is not None
+    outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
+    return Result(
+        id=request_id,
+        status="ok",
+        source=job.source,
+        model=model,
+        outputs=outputs,
+        meta=meta,
+        timing_us=timing,
+    )
+
+
+def outgoing(
+    answer: Answer,
+    model: ModelInfo,
+    topics: Topics,
+    seq: int,
+    now: float,
+    max_bytes: int,
+    trace: TraceContext | None = None,
+) -> Outgoing:
+    """The record for one answer: an undecodable record goes to the DLQ with its
+    original bytes; everything else becomes a result, in the format the request
+    came in (msgpack, or Open Inference Protocol JSON). One that would exceed
+    ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback.
+    ``trace``: the answer's trace context (a child span of the request's), carried
+    in its headers."""
+    out = _outgoing(answer, model, topics, seq, now)
+    if trace is not None:
+        out.headers.extend(trace.headers())
+    if out.size <= max_bytes:
+        return out
+    return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
+
+
+def _outgoing(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
+    job = answer.job
+    if job.wire == "oip" and not isinstance(job.failure, UndecodableRecord):
+        return _oip(answer, model, topics, seq, now)
+    if isinstance(job.failure, UndecodableRecord):
+        stage = "crash_loop" if isinstance(job.failure, CrashLoop) else "decode"
+        headers = dlq_headers(job, job.failure.code, str(job.failure), stage)
+        value = job.raw_value
+        if value is None and job.key is None:
+            # A null-key tombstone (other clients may produce one): the producer
+            # refuses a record with neither key nor value (an AssertionError, not
+            # a KafkaError), which killed the worker on it at every restart.
+            value = b""
+        error = ErrorInfo.from_error(job.failure)
+        return Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
+    if answer.outputs is not None and answer.error is None and job.failure is None:
+        # The common case, on the hot path: encoded straight from the output rows.
+        request_id, meta = _echo(job)
+        timing = _timing(answer, now)
+        value = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
+        return Outgoing(
+            job, topics.output, job.key, value, [("id", request_id.encode())], "ok", seq,
+            request_id=request_id,
+        )  # fmt: skip
+    result = build_result(answer, model, now)
+    return Outgoing(
+        job,
+        topics.output,
+        job.key,
+        encode_result(result),
+        [("id", result.id.encode())],
+        result.status,
+        seq,
+        request_id=result.id,
+        error=result.error,
+    )
+
+
+def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
+    """An Open Inference Protocol answer: the outputs the request named (all by
+    default), or an OIP error; header ``content-type: application/json``."""
+    job = answer.job
+    request_id, meta = _echo(job)
+    error = ErrorInfo.from_error(job.failure) if job.failure is not None else answer.error
+    outputs = answer.outputs
+    wanted = job.outputs_wanted
+    if error is None and outputs is not None and wanted is not None:
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            error = ErrorInfo(
+                "invalid_request",
+                f"outputs: {', '.join(missing)[:200]} not among the answer's outputs "
+                f"({', '.join(outputs)[:400]})",
+            )
+        else:
+            outputs = {name: outputs[name] for name in wanted}
+    value = encode_oip_result(
+        request_id, model, job.source, _timing(answer, now), meta,
+        outputs=outputs if error is None else None, error=error,
+    )  # fmt: skip
+    headers = [("id", request_id.encode()), ("content-type", JSON.encode())]
+    kind: Kind = "ok" if error is None else "error"
+    return Outgoing(job, topics.output, job.key, value, headers, kind, seq,
+                    request_id=request_id, error=error)  # fmt: skip
+
+
+def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -> Outgoing:
+    """A small record for what could not be produced as it is (too large for
+    the producer, or refused for good by the broker): results become a ``code``
+    error result without outputs or meta; DLQ records keep their headers but not
+    the value, which is noted in a header. Stage ``produce`` either way. The
+    record's trace context goes with it whatever it becomes: a failure is what a
+    trace is most often read for."""
+    job = out.job
+    trace = [h for h in out.headers if h[0] in ("traceparent", "tracestate")]
+    if out.kind == "dlq":
+        headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
+        headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
+        headers += trace
+        # b"" rather than None: a record needs a key or a value.
+        return Outgoing(
+            job, out.topic, out.key, b"", headers, "dlq", out.seq,
+            request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason[:1024]),
+        )  # fmt: skip
+    error = ErrorInfo(code, f"{reason} (stage produce)")
+    if job.wire == "oip":
+        value = encode_oip_result(out.request_id, model, job.source, {}, None, error=error)
+        headers = [("id", out.request_id.encode()), ("content-type", JSON.encode()), *trace]
+        return Outgoing(job, out.topic, out.key, value, headers, "error", out.seq,
+                        request_id=out.request_id, fallback=True, error=error)  # fmt: skip
+    result = Result(
+        id=out.request_id,
+        status="error",
+        source=job.source,
+        model=model,
+        error=error,
+    )
+    return Outgoing(
+        job,
+        out.topic,
+        out.key,
+        encode_result(result),
+        [("id", out.request_id.encode()), *trace],
+        "error",
+        out.seq,
+        request_id=out.request_id,
+        fallback=True,
+        error=result.error,
+    )

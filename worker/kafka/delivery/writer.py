@@ -1,0 +1,307 @@
+"""What both result sinks share: the producer, answers turned into records, and
+records handed to the producer grouped per output partition.
+
+The sinks differ in what makes an offset committable: ``produce.ResultSink``
+(at-least-once) marks it done once the broker acknowledged its record, and the
+committer commits it later; ``transactions.TransactionalSink`` (exactly-once)
+commits the records and their offsets together in one transaction. Encoding,
+grouping, refusals and the failure budget are the same in both, and live here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    UnknownProducerId,
+)
+from aiokafka.partitioner import DefaultPartitioner
+
+from worker.config import KafkaConfig
+from worker.contract import ModelInfo
+from worker.flow.budget import FailureBudget
+from worker.flow.errors import FailureBudgetExceeded
+from worker.flow.messages import Completed
+from worker.flow.offsets import OffsetTracker
+from worker.kafka.delivery.outgoing import FallbackCode, Outgoing, Topics, outgoing
+from worker.obs import metrics
+from worker.obs.logs import RateLimited
+from worker.obs.tracing import Tracer, answer_span
+
+log = structlog.get_logger(__name__)
+
+# Broker and client refusals that mean "this record is too large": the fallback
+# is then a ``too_large`` answer; any other permanent refusal is ``internal``.
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+# What an idempotent producer's broken sequence looks like. aiokafka numbers a
+# partition's record batches as it sends them and never renumbers: once the
+# broker refuses one for good (too large, say), it refuses every later batch of
+# that partition as out of order. Those records were never written; they are
+# re-sent through a new producer (new producer id, sequences from 0).
+SEQUENCE_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
+
+ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
+Sent = list[tuple[Outgoing, "asyncio.Future[object]"]]
+
+
+def retriable(exc: BaseException) -> bool:
+    """Whether sending the same record again can succeed. aiokafka raises
+    ``KafkaTimeoutError`` (which does not call itself retriable) when a record
+    could not even be queued within ``request_timeout_ms``, because its
+    partition's pending batch was not drained: the partition's leader is gone
+    (measured: SIGKILL of a partition leader of a three-broker cluster). The
+    record was never written and took no sequence number: it is re-sent as it
+    is, not replaced by a fallback as a refusal for good would be."""
+    return isinstance(exc, KafkaTimeoutError) or bool(getattr(exc, "retriable", True))
+
+
+def refusal_code(exc: BaseException) -> FallbackCode:
+    """Translate a permanent delivery failure into the fallback's error code."""
+    return "too_large" if isinstance(exc, _TOO_LARGE) else "internal"
+
+
+class Writer:
+    """The producer and everything about a record up to handing it over."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        model: ModelInfo,
+        tracker: OffsetTracker,
+        budget: FailureBudget | None,
+        producer_factory: ProducerFactory,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self._kafka = kafka
+        self._tracer = tracer or Tracer()
+        self._model = model
+        self._metrics = metrics.ModelMetrics(model.name, model.version)
+        self._tracker = tracker
+        self._budget = budget
+        self._seq = 0
+        self._rejections = RateLimited(burst=10, interval=10.0)
+        self._partitioner = DefaultPartitioner()
+        self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
+        self._producer_factory = producer_factory
+        self._overdue = kafka.request_timeout_ms / 1000.0
+        self._overdue_waits = 0
+        self.producer: AIOKafkaProducer | None = None
+        self.idempotent = False
+
+    async def start(self) -> None:
+        self.producer, self.idempotent = await self._producer_factory(self._kafka)
+        log.info("producer_started", idempotent=self.idempotent)
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
+        """One record through the current producer, acknowledged (for the crash
+        guard's marks: the producer may be replaced, see ``_replace_producer``)."""
+        assert self.producer is not None, "start() first"
+        return await self.producer.send_and_wait(topic, value, key=key)
+
+    async def existing_topics(self) -> set[str]:
+        """Topics the cluster has, from one metadata request for all topics (which,
+        unlike a request naming a topic, never auto-creates one)."""
+        assert self.producer is not None, "start() first"
+        cluster = await self.producer.client.fetch_all_metadata()
+        return set(cluster.topics())
+
+    def _outgoing(self, completed: Completed) -> list[Outgoing]:
+        """The records for a completed batch's answers, skipping those of
+        partitions revoked or reset meanwhile (their new owner answers them);
+        each counts against the failure budget."""
+        now = time.monotonic()
+        outs: list[Outgoing] = []
+        for answer in completed.answers:
+            job = answer.job
+            if not self._tracker.owns(job.tp, job.offset, job.epoch):
+                continue  # partition revoked or reset meanwhile: its new owner answers it
+            self._seq += 1
+            trace = None
+            if job.trace is not None or self._tracer.exporting:
+                trace = answer_span(self._tracer, answer, self._model.name,
+                                    len(completed.answers), now)  # fmt: skip
+            out = outgoing(
+                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size,
+                trace,
+            )  # fmt: skip
+            if self._budget is not None:
+                failed = out.kind == "dlq" or (
+                    answer.error is not None and answer.error.code == "inference_failed"
+                )
+                reason = self._budget.record(failed)
+                if reason is not None:
+                    raise FailureBudgetExceeded(
+                        f"halting: {reason}; last at {job.tp.topic}:{job.tp.partition}@{job.offset}"
+                    )
+            if out.kind != "ok":
+                self._log_rejection(out)
+            outs.append(out)
+        return outs
+
+    def _log_rejection(self, out: Outgoing) -> None:
+        """Every request answered with an error or sent to the DLQ is logged (at
+        most ``burst`` lines per interval): code, where it came from and its id,
+        never its payload."""
+        job = out.job
+        error = out.error
+        code, message = (error.code, error.message) if error is not None else ("?", "")
+        self._rejections(
+            log.warning,
+            "request_rejected",
+            code=code,
+            message=message[:200],
+            topic=job.tp.topic,
+            partition=job.tp.partition,
+            offset=job.offset,
+            id=out.request_id,
+            sent_to="dlq" if out.kind == "dlq" else "result",
+        )
+
+    async def _send_grouped(self, outs: list[Outgoing]) -> Sent:
+        """Hand a completed batch's records to the producer as one record batch
+        per output partition, instead of one ``send()`` per record: the per-record
+        cost of the producer's send path was the largest single share of the
+        produce stage. Partitions are chosen exactly as ``send()`` would (the
+        default partitioner: murmur2 of the key), and each record's future is its
+        batch's, so acknowledgement and redelivery work per record as before."""
+        assert self.producer is not None, "start() first"
+        by_partition: dict[tuple[str, int], list[Outgoing]] = {}
+        partitions: dict[str, list[int]] = {}
+        for out in outs:
+            parts = partitions.get(out.topic)
+            if parts is None:
+                try:
+                    parts = partitions[out.topic] = sorted(
+                        await self.producer.partitions_for(out.topic)
+                    )
+                except KafkaError:
+                    return [(o, await self._send(o)) for o in outs]  # send() reports it
+            partition = self._partitioner(out.key, parts, parts)
+            by_partition.setdefault((out.topic, partition), []).append(out)
+        sent: Sent = []
+        for (topic, partition), group in by_partition.items():
+            batch, members = self.producer.create_batch(), []
+            for out in group:
+                if batch.append(key=out.key, value=out.value, timestamp=None, headers=out.headers):
+                    members.append(out)
+                    continue
+                if members:  # full: send it, start the next with this record
+                    sent += await self._submit(batch, topic, partition, members)
+                    batch, members = self.producer.create_batch(), []
+                    if batch.append(
+                        key=out.key, value=out.value, timestamp=None, headers=out.headers
+                    ):
+                        members.append(out)
+                        continue
+                sent.append((out, await self._send(out)))  # larger than a batch on its own
+            if members:
+                sent += await self._submit(batch, topic, partition, members)
+        return sent
+
+    async def _submit(
+        self, batch: Any, topic: str, partition: int, members: list[Outgoing]
+    ) -> Sent:
+        assert self.producer is not None
+        batch.close()
+        try:
+            fut: asyncio.Future[object] = await self.producer.send_batch(
+                batch, topic, partition=partition
+            )
+        except KafkaError as exc:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
+        return [(out, fut) for out in members]
+
+    async def _send(self, out: Outgoing) -> asyncio.Future[object]:
+        """Hand one record to the producer; a failure to even enqueue it becomes a
+        failed future, handled like a failed ack."""
+        assert self.producer is not None, "start() first"
+        try:
+            fut: asyncio.Future[object] = await self.producer.send(
+                out.topic, value=out.value, key=out.key, headers=out.headers
+            )
+        except KafkaError as exc:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
+        return fut
+
+    async def _watched(self, fut: Awaitable[object]) -> object:
+        """Await an acknowledgement or a commit; while one has taken longer than
+        ``request_timeout_ms`` the worker reports not-ready (condition "acks").
+        An idempotent or transactional producer never gives up on a send, so a
+        partition without a leader (its broker killed, too few in-sync replicas)
+        otherwise looked ready for as long as it lasted."""
+        task = asyncio.ensure_future(fut)
+        if task.done():
+            return task.result()
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(task), self._overdue)
+        self._overdue_waits += 1
+        metrics.set_condition("acks", False)
+        try:
+            return await task
+        finally:
+            self._overdue_waits -= 1
+            if not self._overdue_waits:
+                metrics.set_condition("acks", True)
+
+    def _acknowledged(self, acked: list[Outgoing]) -> None:
+        """Mark offsets done and count what was delivered, per batch."""
+        now, wall_ms = time.monotonic(), time.time() * 1000.0
+        kinds: dict[str, int] = {}
+        for out in acked:
+            job = out.job
+            self._tracker.done(job.tp, job.offset, job.epoch)
+            self._metrics.request_seconds.observe(now - job.arrived)
+            if job.timestamp_ms is not None and job.timestamp_ms > 0:
+                # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
+                metrics.RECORD_AGE_SECONDS.observe(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
+            kinds[out.kind] = kinds.get(out.kind, 0) + 1
+        for kind, count in kinds.items():  # counters per batch, not per record
+            if kind == "dlq":
+                metrics.DLQ_PRODUCED.inc(count)
+            else:
+                self._metrics.results(kind).inc(count)
+
+    async def _replace_producer(self, reason: str) -> None:
+        """Replace the producer (called with no send of this sink in flight): an
+        idempotent producer's partition sequence is broken after a refusal for
+        good, and a transactional one may be left in a state it cannot leave. A
+        new one gets a new producer id or epoch; its sequences start again (a
+        transactional one's InitProducerId also aborts the old one's open
+        transaction). The old one is closed within the request timeout: its
+        pending batches may be bound for a broker that is gone."""
+        backoff = self._kafka.retry_backoff_ms / 1000
+        while True:
+            try:
+                producer, idempotent = await self._producer_factory(self._kafka)
+                break
+            except KafkaError as exc:  # the broker answered a moment ago: retry
+                log.warning("producer_renewal_failed", error=repr(exc), backoff_s=backoff)
+                await asyncio.sleep(backoff * random.uniform(0.75, 1.25))
+                backoff = min(backoff * 2, 10.0)
+        old, self.producer, self.idempotent = self.producer, producer, idempotent
+        log.info("producer_renewed", idempotent=idempotent, reason=reason)
+        if old is not None:
+            try:
+                await asyncio.wait_for(old.stop(), self._overdue)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("old_producer_close_failed", error=repr(exc))
+
+    async def close(self) -> None:
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            await producer.stop()

@@ -1,0 +1,148 @@
+"""From an engine run's outputs to each request's: which outputs a result carries,
+postprocessed how, and cut back to the request's own lengths.
+
+Decided once at start-up (``OutputPlan``), applied per run on the stage's thread:
+
+- with postprocessing on (``softmax`` / ``top_k``), ``model.output`` is replaced by
+  its computed forms (``topk_indices`` + ``topk_scores``, or ``probabilities``;
+  the raw tensor too with ``include_raw``), plus any outputs ``model.outputs``
+  names; with it off, every output (or those ``model.outputs`` names) comes back
+  as computed, ``model.output`` L2-normalised with ``normalize``;
+- an output axis that carries the symbol of a padded input dimension (ONNX
+  names them: a per-token output of a text model shares ``sequence`` with
+  ``input_ids``) is cut back to the request's own length, so padding never shows
+  in an answer. Postprocessing of such an output runs per row, after the cut;
+- a request's row of an output is taken at the output's batch axis (the first,
+  or a recurrent state's ``[layers, batch, hidden]`` middle one).
+
+Which outputs come back is ``worker.model.io.select_outputs``'s decision, shared
+with the start-up binding, which refuses padding an output could not be cut
+back from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from worker.config import ModelConfig, PostprocessConfig
+from worker.flow.errors import InferenceFailed
+from worker.flow.messages import Answer
+from worker.model.io import ModelIO, select_outputs
+from worker.model.postprocess import l2_normalize, postprocess
+
+
+class OutputPlan:
+    def __init__(
+        self,
+        io: ModelIO,
+        model: ModelConfig,
+        post: PostprocessConfig,
+        padded_symbols: frozenset[str] = frozenset(),
+    ) -> None:
+        """``post``: resolved postprocessing settings; ``padded_symbols``: the free
+        dimensions the inputs pad (``ModelInputs.padded_symbols``)."""
+        selection = select_outputs(io, model.output, model.outputs, post.active)
+        self.raw_name = selection.raw
+        self.post = post
+        self.active = post.active
+        self.passed = selection.passed
+        # Per output: the (axis, symbol) pairs cut back to each request's length.
+        self.cuts: dict[str, tuple[tuple[int, str], ...]] = {}
+        # Per output not batched on its first axis: where its rows are (a state).
+        self.axes: dict[str, int] = {}
+        for desc in io.outputs:
+            cuts = tuple(
+                (axis, desc.symbol(axis))
+                for axis in desc.free_axes
+                if desc.symbol(axis) in padded_symbols
+            )
+            if cuts:
+                self.cuts[desc.name] = cuts
+            if desc.batch_axis:
+                self.axes[desc.name] = desc.batch_axis
+        # What each run must return a row of: the returned outputs, and model.output
+        # when postprocessing reads it.
+        self.used = selection.returned
+
+    def first_rows(self, raw: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of each output a result needs, at its batch axis (a
+        run of a fixed-batch model filled up past the requests it answers)."""
+        out = dict(raw)
+        for name in self.used:
+            arr = raw.get(name)
+            if arr is not None and arr.ndim > (axis := self.axes.get(name, 0)):
+                out[name] = arr[(slice(None),) * axis + (slice(0, n),)]
+        return out
+
+    def scatter(
+        self,
+        raw: Mapping[str, np.ndarray],
+        answers: Sequence[Answer],
+        forms: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Fill each answer's ``outputs`` with its row of every output it carries.
+        ``forms``: the postprocessed forms when the device computed them (then
+        ``raw`` holds only the outputs passed as they are)."""
+        n = len(answers)
+        raw = dict(raw)
+        for name in self.used if forms is None else self.passed:
+            arr = raw.get(name)
+            if arr is None:
+                raise InferenceFailed(f"the engine returned no output {name!r}")
+            axis = self.axes.get(name, 0)
+            if arr.ndim <= axis or arr.shape[axis] != n:  # not a row for each request
+                raise InferenceFailed(f"output {name} has shape {list(arr.shape)}: not "
+                                      f"{n} rows on axis {axis}")  # fmt: skip
+            if axis:
+                raw[name] = np.moveaxis(arr, axis, 0)
+        batch: dict[str, np.ndarray] = {}  # whole-batch arrays, one row per request
+        rows: dict[str, list[np.ndarray]] = {}  # per-request rows (cut back)
+        for name in self.passed:
+            if name in self.cuts:
+                rows[name] = self._cut(raw[name], name, answers)
+            else:
+                batch[name] = raw[name]
+        if self.active and forms is not None:
+            batch.update(forms)
+        elif self.active:
+            self._postprocess(raw, answers, batch, rows)
+        elif self.post.normalize:
+            name = self.raw_name
+            if name in rows:
+                rows[name] = [l2_normalize(r) for r in rows[name]]
+            elif name in batch:
+                batch[name] = l2_normalize(batch[name])
+        for i, answer in enumerate(answers):
+            out = {name: arr[i] for name, arr in batch.items()}
+            for name, per_row in rows.items():
+                out[name] = per_row[i]
+            answer.outputs = out
+
+    def _postprocess(
+        self,
+        raw: Mapping[str, np.ndarray],
+        answers: Sequence[Answer],
+        batch: dict[str, np.ndarray],
+        rows: dict[str, list[np.ndarray]],
+    ) -> None:
+        name = self.raw_name
+        if name not in self.cuts:
+            batch.update(postprocess(raw[name], self.post, name))
+            return
+        cut = self._cut(raw[name], name, answers)
+        per_row = [postprocess(r[None], self.post, name) for r in cut]
+        for form in per_row[0] if per_row else {}:
+            rows[form] = [p[form][0] for p in per_row]
+
+    def _cut(self, arr: np.ndarray, name: str, answers: Sequence[Answer]) -> list[np.ndarray]:
+        cuts = self.cuts[name]
+        out = []
+        for i, answer in enumerate(answers):
+            lengths = answer.job.lengths
+            index: list[slice] = [slice(None)] * (arr.ndim - 1)
+            for axis, symbol in cuts:
+                index[axis] = slice(0, lengths.get(symbol, arr.shape[axis + 1]))
+            out.append(arr[i][tuple(index)])
+        return out

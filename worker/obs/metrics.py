@@ -1,0 +1,311 @@
+"""Every metric is declared once, here; stages import what they update.
+
+Exposed in Prometheus text format on ``metrics.port`` (``/metrics``), which is also
+how the demo, the benchmarks and the tests read a worker process's counters. The
+same port answers, for Kubernetes probes and load balancers:
+
+* ``/livez`` (alias ``/healthz``): 200 while the event loop ticks; 503 once it
+  has not for ``metrics.liveness_timeout_ms`` (a stuck loop is not alive,
+  however well the HTTP thread still answers);
+* ``/readyz`` (alias ``/ready``): 200 while the worker consumes and delivers
+  normally, 503 while it starts, drains, cannot reach the broker or deliver.
+  A member that joined the group but was given no partition (more members than
+  partitions) is ready: it is a standby, and takes partitions on the next
+  rebalance.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from worker.flow.errors import ConfigError
+
+# From 100 us: a GPU batch computes in a millisecond or two and must not land in
+# the first bucket.
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The served model's name and version, on every inference metric (as Triton labels
+# them), so a fleet serving several models or a canary version splits cleanly.
+_MODEL = ("model", "version")
+
+RECORDS_CONSUMED = Counter("infer_records_consumed_total", "Records read from input topics")
+REQUESTS_REJECTED = Counter(
+    "infer_requests_rejected_total", "Records answered without inference", ["code"]
+)
+IMAGES_DECODED = Counter(
+    "infer_images_decoded_total",
+    "Encoded images (JPEG/PNG/WebP) by decoder (host: Pillow on the stage's threads; "
+    "nvjpeg: on the GPU) and outcome (ok; refused: nvJPEG passed it to the host "
+    "decoder; invalid: answered invalid_request)",
+    ["decoder", "outcome"],
+)
+EXPIRED = Counter(
+    "infer_expired_total",
+    "Requests answered deadline_exceeded before inference, by the rule that expired them "
+    "(deadline_ms: the client's deadline; max_record_age: batching.max_record_age_ms)",
+    ["rule"],
+)
+RESULTS_PRODUCED = Counter(
+    "infer_results_produced_total", "Results acknowledged by the broker", [*_MODEL, "status"]
+)
+DLQ_PRODUCED = Counter("infer_dlq_produced_total", "DLQ records acknowledged by the broker")
+BATCHES = Counter("infer_batches_total", "Batches sent to the engine", [*_MODEL, "reason"])
+BUILD_INFO = Gauge(
+    "infer_build_info",
+    "Always 1; the labels say what runs (join other series on it for model and version)",
+    ["version", "model", "model_version", "backend", "device"],
+)
+QUEUE_SECONDS = Histogram(
+    "infer_queue_seconds",
+    "Per request: from its arrival in the worker to its batch being formed",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+RECORD_AGE_SECONDS = Histogram(
+    "infer_record_age_seconds",
+    "Per request: from the Kafka record's timestamp to its result's acknowledgement "
+    "(latency including lag and the producer's clock)",
+    buckets=_LATENCY_BUCKETS,
+)
+D2H_SECONDS = Histogram(
+    "infer_d2h_seconds",
+    "GPU: device-to-host copy time per batch",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+CRASH_LOOPS = Counter(
+    "infer_crash_loop_quarantined_total",
+    "Records sent to the DLQ unrun after whole processes died with them at the head",
+)
+REBALANCES = Counter(
+    "infer_rebalances_total",
+    "Group rebalance callbacks this member received, by kind (assigned, revoked)",
+    ["kind"],
+)
+PARTITION_LAG = Gauge(
+    "infer_partition_lag_records",
+    "Per owned input partition: the broker's high watermark minus the committed offset",
+    ["topic", "partition"],
+)
+PARTITION_COMMIT_AGE = Gauge(
+    "infer_partition_last_commit_age_seconds",
+    "Per owned input partition: seconds since this member last committed it",
+    ["topic", "partition"],
+)
+BATCH_SIZE = Histogram(
+    "infer_batch_size", "Requests per engine batch", _MODEL, buckets=_SIZE_BUCKETS
+)
+INFER_SECONDS = Histogram(
+    "infer_engine_seconds",
+    "Engine run time per batch (the compute; GPU: kernel to D2H on the stream)",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+PREPROCESS_SECONDS = Histogram(
+    "infer_preprocess_seconds", "Preprocessing time per batch", _MODEL, buckets=_LATENCY_BUCKETS
+)
+REQUEST_SECONDS = Histogram(
+    "infer_request_seconds",
+    "Time from a record's arrival in the worker to its result's acknowledgement",
+    _MODEL,
+    buckets=_LATENCY_BUCKETS,
+)
+BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on", _MODEL)
+QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
+INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
+COMMITS = Counter("infer_commits_total", "Successful offset commits")
+COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
+READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")
+ASSIGNED_PARTITIONS = Gauge("infer_assigned_partitions", "Input partitions owned by this member")
+PAUSES = Counter("infer_partition_pauses_total", "Times fetching was paused by backpressure")
+RESUMES = Counter("infer_partition_resumes_total", "Times fetching was resumed")
+INFLIGHT_RECORDS = Gauge("infer_inflight_records", "Records read but not yet answered")
+INFLIGHT_BYTES = Gauge("infer_inflight_bytes", "Bytes of records read but not yet answered")
+FETCH_ERRORS = Counter("infer_fetch_errors_total", "Failed fetches from the input topics")
+LISTENER_ERRORS = Counter("infer_rebalance_listener_errors_total", "Errors in rebalance callbacks")
+REVOKE_FENCED = Counter(
+    "infer_revoke_fenced_total", "In-flight records whose results were dropped on revoke"
+)
+DELIVERY_RETRIES = Counter(
+    "infer_delivery_retries_total", "Result/DLQ records re-sent after a failed delivery"
+)
+TRANSACTIONS = Counter(
+    "infer_transactions_total",
+    "Exactly-once: transactions of results, DLQ records and offsets, by outcome "
+    "(committed; aborted: their records are sent again, or left to a partition's new owner)",
+    ["outcome"],
+)
+PADDED_ELEMENTS = Counter(
+    "infer_padded_elements_total",
+    "Elements of inputs with free dimensions (text, sequences) sent to the engine, by "
+    "whether they carry data or padding: padding / data is the padding's compute cost",
+    [*_MODEL, "kind"],
+)
+ISOLATION_RUNS = Counter(
+    "infer_isolation_runs_total",
+    "Engine re-runs of split batches to isolate a poison request",
+    _MODEL,
+)
+PARTITION_RESETS = Counter(
+    "infer_partition_resets_total", "Partitions whose offsets moved backwards (log reset)"
+)
+
+GPU_SLOTS = Gauge("infer_gpu_slots", "GPU: slots (streams with preallocated buffers)", _MODEL)
+GPU_SLOTS_BUSY = Gauge(
+    "infer_gpu_slots_busy",
+    "GPU: slots holding a batch now (all busy and batches waiting: the device is the limit)",
+    _MODEL,
+)
+GPU_MEMORY_USED = Gauge(
+    "infer_gpu_memory_used_bytes",
+    "GPU memory in use on the worker's device, all processes (NVML)",
+    ["device"],
+)
+GPU_MEMORY_TOTAL = Gauge(
+    "infer_gpu_memory_total_bytes", "GPU memory of the worker's device (NVML)", ["device"]
+)
+GPU_UTILIZATION = Gauge(
+    "infer_gpu_utilization_ratio",
+    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1)",
+    ["device"],
+)
+
+
+class ModelMetrics:
+    """The inference metrics of the one model a process serves, bound to its
+    ``model`` and ``version`` labels once (at stage construction) so the hot
+    path does no label lookups."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self._labels = (model, version)
+        self.queue_seconds = QUEUE_SECONDS.labels(model, version)
+        self.preprocess_seconds = PREPROCESS_SECONDS.labels(model, version)
+        self.engine_seconds = INFER_SECONDS.labels(model, version)
+        self.d2h_seconds = D2H_SECONDS.labels(model, version)
+        self.request_seconds = REQUEST_SECONDS.labels(model, version)
+        self.batch_size = BATCH_SIZE.labels(model, version)
+        self.batch_failures = BATCH_FAILURES.labels(model, version)
+        self.isolation_runs = ISOLATION_RUNS.labels(model, version)
+        self.gpu_slots = GPU_SLOTS.labels(model, version)
+        self.gpu_slots_busy = GPU_SLOTS_BUSY.labels(model, version)
+        self.data_elements = PADDED_ELEMENTS.labels(model, version, "data")
+        self.padding_elements = PADDED_ELEMENTS.labels(model, version, "padding")
+        self._batches: dict[str, Counter] = {}
+        self._results: dict[str, Counter] = {}
+
+    def batches(self, reason: str) -> Counter:
+        if (found := self._batches.get(reason)) is None:
+            found = self._batches[reason] = BATCHES.labels(*self._labels, reason)
+        return found
+
+    def results(self, status: str) -> Counter:
+        if (found := self._results.get(status)) is None:
+            found = self._results[status] = RESULTS_PRODUCED.labels(*self._labels, status)
+        return found
+
+
+_ready = threading.Event()
+_conditions: dict[str, bool] = {"started": False}
+_lock = threading.Lock()
+
+
+def set_condition(name: str, ok: bool) -> None:
+    """Readiness is the conjunction of named conditions ("started", "broker",
+    "delivery"), each owned by one stage; ``/ready`` and ``infer_ready`` follow it."""
+    with _lock:
+        _conditions[name] = ok
+        ready = all(_conditions.values())
+    if ready:
+        _ready.set()
+    else:
+        _ready.clear()
+    READY.set(1 if ready else 0)
+
+
+# Liveness: the event loop ticks a monotonic timestamp; the HTTP thread judges it.
+_tick = [time.monotonic()]
+_live_timeout = [10.0]
+
+
+def loop_ticked() -> None:
+    """Called by the worker's event loop, about every second."""
+    _tick[0] = time.monotonic()
+
+
+def set_liveness_timeout(seconds: float) -> None:
+    _live_timeout[0] = seconds
+
+
+def _loop_stale() -> float | None:
+    """Seconds since the last tick when past the timeout, else None."""
+    age = time.monotonic() - _tick[0]
+    return age if age > _live_timeout[0] else None
+
+
+def conditions() -> dict[str, bool]:
+    with _lock:
+        return dict(_conditions)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+        elif path in ("/livez", "/healthz"):
+            stale = _loop_stale()
+            if stale is None:
+                self._reply(200, b"ok\n")
+            else:
+                self._reply(503, f"event loop has not ticked for {stale:.1f}s\n".encode())
+        elif path in ("/readyz", "/ready"):
+            ok = _ready.is_set()
+            failing = ", ".join(k for k, v in conditions().items() if not v)
+            body = b"ready\n" if ok else f"not ready: {failing}\n".encode()
+            self._reply(200 if ok else 503, body)
+        else:
+            self._reply(404, b"not found\n")
+
+    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Probes every few seconds would flood the worker's log."""
+
+
+def serve_http(port: int, host: str) -> ThreadingHTTPServer:
+    """Serve /metrics, /healthz and /ready from a daemon thread.
+
+    A port already taken (a second worker on the same host) is a configuration
+    error naming the setting, not a traceback."""
+    try:
+        server = ThreadingHTTPServer((host, port), _Handler)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(
+            f"metrics.port: {host}:{port} is already in use (another worker on this host?); "
+            "set INFER_WORKER_METRICS__PORT to a free port, or 0 to serve no metrics"
+        ) from exc
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

@@ -1,0 +1,255 @@
+"""Kafka topics read and written as a client would: produce, collect, offsets.
+
+Used by the demo, ``verify`` and the tests. ``Collector`` reads whole topics from
+the beginning without a consumer group, re-reading offset gaps the embedded
+broker can show a tailing reader (see ``OffsetGaps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from worker.contract import Result, decode_result
+from worker.kafka.clients import topic_partitions
+
+
+@dataclass
+class Produced:
+    key: bytes | None
+    value: bytes
+    sent_at: float  # monotonic
+    partition: int
+    offset: int
+
+
+async def produce_all(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    partition_of: Any = None,
+    rate: float = 0.0,
+    seed: int = 0,
+) -> list[Produced]:
+    """Produce records and wait for all acks; returns each record's partition/offset
+    and the time it was handed over.
+
+    With ``rate`` > 0 the records are sent open-loop as a Poisson process of that
+    mean rate (exponential gaps, seeded), whatever the answers do: a sender that
+    waits for answers would slow down exactly when the worker queues, and hide
+    the queueing it is meant to measure."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
+    )
+    await producer.start()
+    try:
+        pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
+        gaps = random.Random(seed)
+        due = time.monotonic()
+        for i, (key, value) in enumerate(records):
+            if rate > 0:
+                due += gaps.expovariate(rate)
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            part = partition_of(i) if partition_of is not None else None
+            sent_at = time.monotonic()
+            fut = await producer.send(topic, value=value, key=key, partition=part)
+            pending.append((key, value, sent_at, fut))
+        out = []
+        for key, value, sent_at, fut in pending:
+            meta = await fut
+            out.append(Produced(key, value, sent_at, meta.partition, meta.offset))
+        return out
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Collected:
+    record_key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+    partition: int
+    offset: int
+    received_at: float  # monotonic
+
+    def result(self) -> Result:
+        """The result, read in its format (an Open Inference Protocol JSON answer
+        carries ``content-type: application/json``)."""
+        if self.headers.get("content-type", b"").startswith(b"application/json"):
+            from worker.contract.oip import decode_oip_result
+
+            return decode_oip_result(self.value)
+        return decode_result(self.value)
+
+
+Verdict = Literal["take", "skip", "reread"]
+
+
+@dataclass
+class OffsetGaps:
+    """Re-reads offset gaps in topics that should have none (no I/O).
+
+    The embedded broker, with several producers appending to one partition at
+    once (workers writing results), can show a later batch to a tailing reader
+    before an earlier one; the reader's position then moves past the earlier
+    records and it never sees them: answers the worker did produce were reported
+    lost. A gap is therefore read again until it fills, for ``patience`` seconds,
+    then accepted (compaction and transaction markers leave real gaps on Kafka).
+    """
+
+    patience: float = 5.0
+    _next: dict[Any, int] = field(default_factory=dict)
+    _gap: dict[Any, tuple[int, float]] = field(default_factory=dict)  # expected, since
+
+    def start(self, tp: Any, offset: int) -> None:
+        self._next[tp] = offset
+
+    def expected(self, tp: Any) -> int | None:
+        return self._next.get(tp)
+
+    def check(self, tp: Any, offset: int, now: float) -> Verdict:
+        expected = self._next.get(tp)
+        if expected is not None and offset < expected:
+            return "skip"
+        if expected is not None and offset > expected:
+            since = self._gap.get(tp)
+            if since is None or since[0] != expected:
+                since = self._gap[tp] = (expected, now)
+            if now - since[1] < self.patience:
+                return "reread"
+        self._gap.pop(tp, None)
+        self._next[tp] = offset + 1
+        return "take"
+
+
+@dataclass
+class Collector:
+    """Reads whole topics from the beginning without a consumer group."""
+
+    bootstrap: str
+    topics: Sequence[str]
+    records: dict[str, list[Collected]] = field(default_factory=dict)
+    # "read_committed": only records of committed transactions (exactly-once output).
+    isolation_level: str = "read_uncommitted"
+    _consumer: AIOKafkaConsumer | None = None
+    _gaps: OffsetGaps = field(default_factory=OffsetGaps)
+
+    async def start(self) -> None:
+        if self.isolation_level == "read_committed":
+            # Kafka only; a transaction's commit marker is an offset no reader
+            # sees, so gaps are expected there, not re-read.
+            self._gaps.patience = 0.0
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_bytes=64 * 1024 * 1024,
+            fetch_max_wait_ms=5,
+            isolation_level=self.isolation_level,
+        )
+        await consumer.start()
+        tps = []
+        for topic in self.topics:
+            parts = await topic_partitions(consumer, topic)
+            for _ in range(100):
+                if parts:
+                    break
+                await asyncio.sleep(0.05)
+                parts = await topic_partitions(consumer, topic)
+            if not parts:
+                await consumer.stop()
+                raise RuntimeError(f"topic {topic} has no partitions")
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+            self.records.setdefault(topic, [])
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        for tp in tps:
+            self._gaps.start(tp, await consumer.position(tp))
+        self._consumer = consumer
+
+    @property
+    def partitions(self) -> list[TopicPartition]:
+        """Every partition being read (all that the metadata listed at start)."""
+        return [] if self._consumer is None else sorted(self._consumer.assignment())
+
+    def count(self, topic: str | None = None) -> int:
+        if topic is not None:
+            return len(self.records.get(topic, []))
+        return sum(len(v) for v in self.records.values())
+
+    async def collect(self, until: Any, timeout: float, progress: Any = None) -> bool:
+        """Fetch until ``until(self)`` is true or the timeout passes."""
+        assert self._consumer is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while not until(self):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            batch = await self._consumer.getmany(timeout_ms=int(min(remaining, 0.2) * 1000))
+            now = time.monotonic()
+            for tp, msgs in batch.items():
+                bucket = self.records[tp.topic]
+                for m in msgs:
+                    verdict = self._gaps.check(tp, m.offset, now)
+                    if verdict == "skip":
+                        continue
+                    if verdict == "reread":
+                        # Not yet visible records before this one: read from there again.
+                        self._consumer.seek(tp, self._gaps.expected(tp))
+                        break
+                    headers = {k: bytes(v) for k, v in (m.headers or ())}
+                    bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset, now))
+            if progress is not None:
+                progress(self)
+        return True
+
+    async def stop(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+
+async def committed_offsets(
+    bootstrap: str, group_id: str, topic: str, partitions: int
+) -> dict[int, int]:
+    """The group's committed offsets per partition (-1 where none)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        out = {}
+        for p in range(partitions):
+            value = await consumer.committed(TopicPartition(topic, p))
+            out[p] = -1 if value is None else int(value)
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    """Every partition's end offset (the next offset to be written), as the
+    broker reports it. Apache Kafka only: the embedded broker answers
+    ``end_offsets`` wrongly (DESIGN.md), which is why the readers here stop on
+    idleness rather than at these offsets."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = []
+        for topic in topics:
+            parts = sorted(await topic_partitions(consumer, topic))
+            tps += [TopicPartition(topic, p) for p in parts]
+        ends = await consumer.end_offsets(tps)
+        return {(tp.topic, tp.partition): int(end) for tp, end in ends.items()}
+    finally:
+        await consumer.stop()
