@@ -30,6 +30,7 @@ test: $(VENV)/.installed-test
 	bash scripts/ci_tools.sh $(BIN)/python
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.installed-demo

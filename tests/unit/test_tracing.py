@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.obs.tracing import TraceContext, Tracer, parse
+from worker.flow.messages import TraceContext
+from worker.obs.tracing import Tracer, parse
 
 PARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -14,7 +14,8 @@ from typing import Final
 
 import numpy as np
 
-from worker.config import load_settings
+from worker.bench.openloop import Setting
+from worker.config import BatchingConfig, load_settings
 from worker.flow.errors import ConfigError, WorkerError
 from worker.ops.processes import override_env
 
@@ -128,3 +129,20 @@ def run_overrides(opts: ModelBenchOptions) -> dict[str, str]:
         )
         overrides["model.path"] = str(path)
     return overrides
+
+
+@dataclass
+class SweepOptions:
+    batch_sizes: list[int] = field(default_factory=lambda: [BatchingConfig().max_batch_size])
+    delays: list[float] = field(default_factory=lambda: [0.0, 2.0, 5.0, 10.0])
+    rates: list[float] = field(default_factory=lambda: [200.0, 1000.0, 3000.0])
+    duration: float = 5.0  # seconds of arrivals per rate
+    slo_p99_ms: float = 50.0
+    plot: str | None = "sweep.png"
+    json_out: str | None = None
+    partitions: int = 4
+    # Other worker settings for every run, as dotted keys.
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    def settings(self) -> list[Setting]:
+        return [Setting(b, float(d)) for b in self.batch_sizes for d in self.delays]

@@ -48,7 +48,7 @@ def run_device(settings: Settings) -> str:
     if not is_gpu_backend(settings.model.backend):
         return cpu_device()
     try:
-        from worker.ops.build_engine import gpu_name
+        from worker.compute.engines.cuda import gpu_name
 
         return device_slug(gpu_name(settings.gpu.device))
     except Exception:  # boundary: no CuPy or no device; the engine run says why

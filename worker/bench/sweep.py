@@ -16,7 +16,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from worker.bench.openloop import (
     number,
     send_open_loop,
 )
+from worker.bench.options import SweepOptions
 from worker.bench.payloads import request_records
 from worker.bench.recommend import recommendation_text
 from worker.bench.sweep_report import (
@@ -38,7 +39,7 @@ from worker.bench.sweep_report import (
     sweep_summary,
     write_outputs,
 )
-from worker.config import BatchingConfig, Settings, load_settings
+from worker.config import Settings, load_settings
 from worker.contract import Tensor
 from worker.flow.errors import ConfigError, WorkerError
 from worker.ops.broker import EmbeddedBroker
@@ -54,23 +55,6 @@ WARMUP_REQUESTS = 100
 
 class SweepError(WorkerError):
     code = "sweep_failed"
-
-
-@dataclass
-class SweepOptions:
-    batch_sizes: list[int] = field(default_factory=lambda: [BatchingConfig().max_batch_size])
-    delays: list[float] = field(default_factory=lambda: [0.0, 2.0, 5.0, 10.0])
-    rates: list[float] = field(default_factory=lambda: [200.0, 1000.0, 3000.0])
-    duration: float = 5.0  # seconds of arrivals per rate
-    slo_p99_ms: float = 50.0
-    plot: str | None = "sweep.png"
-    json_out: str | None = None
-    partitions: int = 4
-    # Other worker settings for every run, as dotted keys.
-    overrides: dict[str, str] = field(default_factory=dict)
-
-    def settings(self) -> list[Setting]:
-        return [Setting(b, float(d)) for b in self.batch_sizes for d in self.delays]
 
 
 def check_options(opts: SweepOptions) -> Settings:

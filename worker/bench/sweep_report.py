@@ -9,13 +9,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from worker.bench.openloop import SUSTAINED_FRACTION, SweepPoint, number
+from worker.bench.options import SweepOptions
 from worker.bench.recommend import by_setting, config_lines
-
-if TYPE_CHECKING:
-    from worker.bench.sweep import SweepOptions
 
 
 @dataclass

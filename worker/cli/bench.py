@@ -72,7 +72,8 @@ def demo_command(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     """``bench --sweep``: the batching grid at several rates, and the setting to use."""
-    from worker.bench.sweep import SweepOptions, run_sweep
+    from worker.bench.options import SweepOptions
+    from worker.bench.sweep import run_sweep
 
     if args.rate:
         raise ConfigError("--rate: not with --sweep (give the rates to sweep as --rates)")

@@ -37,7 +37,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.procs < 1:
         raise ConfigError(f"--procs: must be >= 1, got {args.procs}")
     if args.embedded:
-        from worker.ops.local import run_embedded
+        from worker.cli.local import run_embedded
 
         return run_embedded(settings, args.partitions, args.procs, args.config)
     if args.procs > 1:

@@ -8,21 +8,24 @@ decoded defensively under ``limits``), ``results`` (output records), and
 both would let a record choose what code runs or what objects get built.
 """
 
-from worker.contract.encoded import EncodedImage, sniff_format
 from worker.contract.images import check_image, check_image_value
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.requests import InputValue, Request, decode_request, encode_request
-from worker.contract.results import (
+from worker.contract.requests import decode_request, encode_request
+from worker.contract.results import decode_result, encode_ok_result, encode_result
+from worker.flow.values import (
+    DTYPES,
+    ERROR_CODES,
+    SUPPORTED_VERSIONS,
+    EncodedImage,
     ErrorInfo,
+    InputValue,
     ModelInfo,
+    Request,
     Result,
     Source,
-    decode_result,
-    encode_ok_result,
-    encode_result,
+    Tensor,
+    sniff_format,
 )
-from worker.contract.tensors import Tensor
-from worker.contract.wire import DTYPES, ERROR_CODES, SUPPORTED_VERSIONS
 
 __all__ = [
     "DEFAULT_LIMITS",

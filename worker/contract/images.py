@@ -16,10 +16,9 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from worker.contract.encoded import EncodedImage
 from worker.contract.jpeg import read_frame
-from worker.contract.requests import InputValue, Request
 from worker.flow.errors import InvalidRequest, TensorTooLarge
+from worker.flow.values import EncodedImage, InputValue, Request
 
 
 def check_image(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from worker.contract.wire import REQUEST_FIELDS, is_int
+from worker.contract.wire import REQUEST_FIELDS
+from worker.flow.values import is_int
 
 
 @dataclass(frozen=True)

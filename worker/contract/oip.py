@@ -34,13 +34,20 @@ from typing import Any, Final
 
 import numpy as np
 
-from worker.contract.encoded import EncodedImage
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.requests import InputValue, Request, decode_encoded, decode_text
-from worker.contract.results import ErrorInfo, ModelInfo, Result, Source
-from worker.contract.tensors import Tensor
+from worker.contract.requests import decode_encoded, decode_text
 from worker.contract.wire import kind, short_name
 from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
+from worker.flow.values import (
+    EncodedImage,
+    ErrorInfo,
+    InputValue,
+    ModelInfo,
+    Request,
+    Result,
+    Source,
+    Tensor,
+)
 
 CONTENT_TYPE: Final = "application/json"
 MSGPACK: Final = "application/msgpack"

@@ -12,18 +12,13 @@ client gets an error result it can correlate; every message names the field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from worker.contract.encoded import EncodedImage, sniff_format
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.tensors import Tensor, decode_tensor
+from worker.contract.tensors import decode_tensor
 from worker.contract.wire import (
     MISSING,
     REQUEST_FIELDS,
-    SUPPORTED_VERSIONS,
-    is_int,
     kind,
     pack,
     short_name,
@@ -31,22 +26,14 @@ from worker.contract.wire import (
     versions_text,
 )
 from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
-
-InputValue = Tensor | EncodedImage | str
-"""One request input as it travels: a tensor, an image file (msgpack bin), or a
-UTF-8 string (a text input, tokenized by the worker)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """A validated request. ``inputs`` are checked against the limits it was
-    decoded with; ``meta`` is echoed back untouched."""
-
-    v: int
-    id: str
-    inputs: Mapping[str, InputValue]
-    deadline_ms: int | None = None
-    meta: Mapping[str, Any] | None = None
+from worker.flow.values import (
+    SUPPORTED_VERSIONS,
+    EncodedImage,
+    InputValue,
+    Request,
+    is_int,
+    sniff_format,
+)
 
 
 def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Request:

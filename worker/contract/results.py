@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import numpy as np
 
-from worker.contract.tensors import Tensor
 from worker.contract.wire import (
-    DTYPES,
-    ERROR_CODES,
-    MAX_ERROR_MESSAGE_CHARS,
-    SUPPORTED_VERSIONS,
     TENSOR_FIELDS,
     expect,
     expect_count,
-    is_int,
     kind,
     pack,
     short_name,
     unpack_map,
     versions_text,
 )
-from worker.flow.errors import UndecodableRecord, WorkerError
+from worker.flow.errors import UndecodableRecord
+from worker.flow.values import (
+    DTYPES,
+    SUPPORTED_VERSIONS,
+    ErrorInfo,
+    ModelInfo,
+    Result,
+    Source,
+    Tensor,
+    is_int,
+)
 
 RESULT_FIELDS: Final = (
     "v",
@@ -38,76 +41,6 @@ RESULT_FIELDS: Final = (
     "timing_us",
     "meta",
 )
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    """The ``error`` field of a result; ``code`` is one of ``ERROR_CODES``."""
-
-    code: str
-    message: str
-
-    def __post_init__(self) -> None:
-        if self.code not in ERROR_CODES:
-            raise ValueError(
-                f"error.code: {self.code!r} is not in the contract; "
-                f"expected one of {', '.join(sorted(ERROR_CODES))}"
-            )
-
-    @classmethod
-    def from_error(cls, err: BaseException) -> ErrorInfo:
-        """Map any exception onto the contract's vocabulary.
-
-        Worker errors whose code the contract knows keep it and their message;
-        anything else becomes ``internal`` and names only the exception type,
-        so internal details (paths, device state) do not leak to clients.
-        """
-        if isinstance(err, WorkerError) and err.code in ERROR_CODES:
-            message = str(err) or type(err).__name__
-            return cls(err.code, message[:MAX_ERROR_MESSAGE_CHARS])
-        return cls("internal", f"internal error ({type(err).__name__})")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where the request came from: the idempotency key of its result."""
-
-    topic: str
-    partition: int
-    offset: int
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """``version`` is the content hash of the model file, so results from
-    different builds of the same model are distinguishable."""
-
-    name: str
-    version: str
-
-
-@dataclass(frozen=True)
-class Result:
-    """One answer per request. ``error`` is set exactly when status is "error"."""
-
-    id: str
-    status: Literal["ok", "error"]
-    source: Source
-    model: ModelInfo
-    outputs: Mapping[str, Tensor] = field(default_factory=dict)
-    error: ErrorInfo | None = None
-    meta: Mapping[str, Any] | None = None
-    timing_us: Mapping[str, int] = field(default_factory=dict)
-    v: int = 1
-
-    def __post_init__(self) -> None:
-        if self.status not in ("ok", "error"):
-            raise ValueError(f"status: expected 'ok' or 'error', got {self.status!r}")
-        if (self.status == "error") != (self.error is not None):
-            raise ValueError(
-                f"error: must be set exactly when status is 'error' "
-                f"(status={self.status!r}, error={self.error!r})"
-            )
 
 
 def encode_result(res: Result) -> bytes:

@@ -7,74 +7,13 @@ second time, and ``Tensor.to_numpy`` is a zero-copy, read-only view.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from worker.contract.limits import Limits
-from worker.contract.wire import (
-    DTYPE_LIST,
-    DTYPES,
-    FLOAT_DTYPES,
-    TENSOR_FIELDS,
-    WIRE_DTYPES,
-    is_int,
-    kind,
-    short_name,
-)
+from worker.contract.wire import TENSOR_FIELDS, kind, short_name
 from worker.flow.errors import InvalidRequest, TensorTooLarge
-
-
-@dataclass(frozen=True, slots=True)
-class Tensor:
-    """A tensor as it travels: dtype name, shape, little-endian C-order bytes.
-
-    Construction checks that the bytes fit the shape, so every ``Tensor`` in the
-    process can be viewed with ``to_numpy`` without further checks.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    def __post_init__(self) -> None:
-        # A list shape would make the tensor unhashable and unequal to its own
-        # decoded copy; tuple() of a tuple is the same object, so this is free.
-        object.__setattr__(self, "shape", tuple(self.shape))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: unsupported {self.dtype!r}; supported: {DTYPE_LIST}")
-        if not all(is_int(d) and d >= 0 for d in self.shape):
-            raise ValueError(f"shape: expected non-negative ints, got {self.shape!r}")
-        expected = math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
-        if len(self.data) != expected:
-            raise ValueError(
-                f"data: {self.dtype} {list(self.shape)} needs {expected} bytes, "
-                f"got {len(self.data)}"
-            )
-
-    @classmethod
-    def from_numpy(cls, arr: npt.NDArray[Any]) -> Tensor:
-        """Copy ``arr`` once into wire form (C order, little-endian)."""
-        a = np.asarray(arr)
-        name = a.dtype.name
-        if name not in DTYPES:
-            raise ValueError(f"dtype: unsupported {name!r}; supported: {DTYPE_LIST}")
-        data = a.astype(WIRE_DTYPES[name], copy=False).tobytes(order="C")
-        return cls(name, tuple(int(d) for d in a.shape), data)
-
-    def to_numpy(self) -> npt.NDArray[Any]:
-        """A read-only view over ``data``: no copy, so decoding a 4 MiB image
-        costs nothing more than msgpack's own copy out of the record."""
-        return np.frombuffer(self.data, dtype=WIRE_DTYPES[self.dtype]).reshape(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "data": self.data}
+from worker.flow.values import DTYPE_LIST, DTYPES, FLOAT_DTYPES, WIRE_DTYPES, Tensor, is_int
 
 
 def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:

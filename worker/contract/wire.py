@@ -11,63 +11,15 @@ from __future__ import annotations
 from typing import Any, Final, TypeVar
 
 import msgpack
-import numpy as np
 
 from worker.flow.errors import UndecodableRecord
-
-SUPPORTED_VERSIONS: Final = (1,)
-
-DTYPES: Final = frozenset(
-    {
-        "uint8",
-        "int8",
-        "uint16",
-        "int16",
-        "uint32",
-        "int32",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-        "bool",
-    }
-)
-
-#: Every code a result's ``error.code`` or a DLQ record's ``error.code`` header may
-#: carry. One vocabulary for both, so clients and operators read the same words.
-ERROR_CODES: Final = frozenset(
-    {
-        "invalid_request",
-        "deadline_exceeded",
-        "inference_failed",
-        "too_large",
-        "undecodable",
-        "crash_loop",
-        "internal",
-    }
-)
-
-# The wire is little-endian whatever the host is; pinning the byte order here
-# means to_numpy/from_numpy are correct on big-endian hosts too.
-WIRE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
-    name: np.dtype(name).newbyteorder("<") for name in DTYPES
-}
-FLOAT_DTYPES: Final = frozenset({"float16", "float32", "float64"})
-DTYPE_LIST: Final = ", ".join(sorted(DTYPES))
+from worker.flow.values import SUPPORTED_VERSIONS
 
 REQUEST_FIELDS: Final = ("v", "id", "inputs", "deadline_ms", "meta")
 TENSOR_FIELDS: Final = ("dtype", "shape", "data")
 
-# Error messages end up in results and Kafka headers; a client-chosen name or
-# an exception's text must not make them unbounded.
+# A client-chosen name in an error message is cut to this many characters.
 MAX_NAME_IN_MESSAGE: Final = 64
-MAX_ERROR_MESSAGE_CHARS: Final = 1024
-
-
-def is_int(x: object) -> bool:
-    """True for ints that are not bools: ``True`` is an ``int`` in Python, and
-    ``{"v": true}`` must not pass as version 1."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Missing:

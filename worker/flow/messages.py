@@ -15,11 +15,29 @@ from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from worker.contract import ErrorInfo, Request, Source
 from worker.flow.errors import RecordError
-from worker.obs.tracing import TraceContext
+from worker.flow.values import ErrorInfo, Request, Source
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The request's trace context: its trace id, its span (our parent), flags,
+    and ``tracestate`` as sent (vendor data, passed on untouched)."""
+
+    trace_id: str
+    parent_id: str
+    flags: str
+    state: bytes | None = None
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        """The record headers that carry this context (``parent_id`` is the span a
+        reader of the record continues from)."""
+        headers = [("traceparent", f"00-{self.trace_id}-{self.parent_id}-{self.flags}".encode())]
+        if self.state is not None:
+            headers.append(("tracestate", self.state))
+        return headers
 
 
 class TopicPartition(NamedTuple):

@@ -22,36 +22,15 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from worker.flow.errors import ConfigError
-
-if TYPE_CHECKING:  # records imports this module: the type only, at check time
-    from worker.flow.messages import Answer
+from worker.flow.messages import Answer, TraceContext
+from worker.flow.values import ErrorInfo
 
 _PARENT: Final = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 ZERO_TRACE: Final = "0" * 32
 ZERO_SPAN: Final = "0" * 16
-
-
-@dataclass(frozen=True, slots=True)
-class TraceContext:
-    """The request's trace context: its trace id, its span (our parent), flags,
-    and ``tracestate`` as sent (vendor data, passed on untouched)."""
-
-    trace_id: str
-    parent_id: str
-    flags: str
-    state: bytes | None = None
-
-    def headers(self) -> list[tuple[str, bytes]]:
-        """The record headers that carry this context (``parent_id`` is the span a
-        reader of the record continues from)."""
-        headers = [("traceparent", f"00-{self.trace_id}-{self.parent_id}-{self.flags}".encode())]
-        if self.state is not None:
-            headers.append(("tracestate", self.state))
-        return headers
 
 
 def parse(headers: Sequence[tuple[str, bytes]] | None) -> TraceContext | None:
@@ -181,7 +160,6 @@ def answer_span(
     """The answer's span, a child of the request's: from the record's arrival to
     ``now`` (monotonic), its stages as events at their ends (from the answer's
     timings), where it came from and how it ended as attributes."""
-    from worker.contract import ErrorInfo
 
     job = answer.job
     if not tracer.exporting:  # only the child context is carried: nothing to record

@@ -41,6 +41,7 @@ from typing import Any, Final, Literal
 
 import structlog
 
+from worker.compute.engines.cuda import gpu_name
 from worker.config import PreprocessConfig, load_settings
 from worker.flow.errors import ConfigError, WorkerError
 from worker.model.preprocess import ImagePreprocess
@@ -102,21 +103,6 @@ def check_profile(min_batch: int, opt_batch: int, max_batch: int) -> None:
             f"batch profile must satisfy 1 <= min <= opt <= max, got "
             f"{min_batch}/{opt_batch}/{max_batch}"
         )
-
-
-def gpu_name(device: int = 0) -> str:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device)
-    name = props["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def compute_capability(device: int) -> tuple[int, int]:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device)
-    return int(props["major"]), int(props["minor"])
 
 
 def build_engine(

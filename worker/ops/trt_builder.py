@@ -142,7 +142,7 @@ def set_precision(
     calibration: Calibration | None,
 ) -> Any:
     """Builder flags for ``precision``; returns the INT8 calibrator (or None)."""
-    from worker.ops.build_engine import compute_capability, gpu_name
+    from worker.compute.engines.cuda import compute_capability, gpu_name
 
     calibrator = None
     precision = request.precision

@@ -8,9 +8,8 @@ import pytest
 
 from worker.contract import ModelInfo, Request, Tensor, decode_result, encode_result
 from worker.flow.errors import UndecodableRecord
-from worker.flow.messages import Answer, Job, TopicPartition
+from worker.flow.messages import Answer, Job, TopicPartition, TraceContext
 from worker.kafka.delivery.outgoing import Topics, build_result, fallback, outgoing
-from worker.obs.tracing import TraceContext
 
 MODEL = ModelInfo("digits", "abc123")
 TOPICS = Topics(output="out", dlq="dlq")

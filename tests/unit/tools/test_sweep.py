@@ -13,13 +13,14 @@ import pytest
 from worker.__main__ import build_parser, main
 from worker.bench import sweep, sweep_report
 from worker.bench.openloop import Setting, SweepPoint
+from worker.bench.options import SweepOptions
 from worker.bench.recommend import (
     best_setting,
     closest_setting,
     config_lines,
     recommendation_text,
 )
-from worker.bench.sweep import SweepOptions, check_options
+from worker.bench.sweep import check_options
 from worker.config import load_settings
 from worker.flow.errors import ConfigError
 

@@ -133,3 +133,18 @@ def import_cupy() -> Any:
     if count == 0:
         raise EngineUnavailable("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
     return cupy
+
+
+def gpu_name(device: int = 0) -> str:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def compute_capability(device: int) -> tuple[int, int]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    return int(props["major"]), int(props["minor"])

@@ -23,8 +23,7 @@ from worker.contract import (
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
-from worker.flow.messages import Answer, Job
-from worker.obs.tracing import TraceContext
+from worker.flow.messages import Answer, Job, TraceContext
 
 # Room for the record batch framing around one record, so a result that passes
 # this check is never rejected by the producer's own size limit.

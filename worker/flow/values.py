@@ -1,0 +1,243 @@
+"""The values the wire contract carries, which every stage passes on: a tensor, an
+image file, a request, a result and its parts (error, source, model).
+
+They are the core's (``worker.flow``): a decoded request crosses from the
+intake to the inference stage inside a ``Job``, an ``ErrorInfo`` inside an
+``Answer``. How they travel (msgpack v1, Open Inference Protocol JSON, the
+limits a record is decoded under) is ``worker.contract``'s, which re-exports
+them for clients. Plain data with the checks that keep every instance valid;
+no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.flow.errors import WorkerError
+
+SUPPORTED_VERSIONS: Final = (1,)
+
+DTYPES: Final = frozenset(
+    {
+        "uint8",
+        "int8",
+        "uint16",
+        "int16",
+        "uint32",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "bool",
+    }
+)
+
+#: Every code a result's ``error.code`` or a DLQ record's ``error.code`` header may
+#: carry. One vocabulary for both, so clients and operators read the same words.
+ERROR_CODES: Final = frozenset(
+    {
+        "invalid_request",
+        "deadline_exceeded",
+        "inference_failed",
+        "too_large",
+        "undecodable",
+        "crash_loop",
+        "internal",
+    }
+)
+
+# The wire is little-endian whatever the host is; pinning the byte order here
+# means to_numpy/from_numpy are correct on big-endian hosts too.
+WIRE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name).newbyteorder("<") for name in DTYPES
+}
+FLOAT_DTYPES: Final = frozenset({"float16", "float32", "float64"})
+DTYPE_LIST: Final = ", ".join(sorted(DTYPES))
+
+# Error messages end up in results and Kafka headers; a client-chosen name or
+# an exception's text must not make them unbounded.
+MAX_ERROR_MESSAGE_CHARS: Final = 1024
+
+
+def is_int(x: object) -> bool:
+    """True for ints that are not bools: ``True`` is an ``int`` in Python, and
+    ``{"v": true}`` must not pass as version 1."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --- image files ------------------------------------------------------------------
+
+ImageFormat = Literal["jpeg", "png", "webp"]
+
+FORMATS: Final[tuple[ImageFormat, ...]] = ("jpeg", "png", "webp")
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    """An image file as sent: decoded later, off the event loop, into the model's
+    channel count (see ``worker.model.decode``)."""
+
+    format: ImageFormat
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def sniff_format(data: bytes) -> ImageFormat | None:
+    """The format named by the file's magic bytes, or None if it is none we take."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+# --- tensors, requests, results -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """A tensor as it travels: dtype name, shape, little-endian C-order bytes.
+
+    Construction checks that the bytes fit the shape, so every ``Tensor`` in the
+    process can be viewed with ``to_numpy`` without further checks.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        # A list shape would make the tensor unhashable and unequal to its own
+        # decoded copy; tuple() of a tuple is the same object, so this is free.
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unsupported {self.dtype!r}; supported: {DTYPE_LIST}")
+        if not all(is_int(d) and d >= 0 for d in self.shape):
+            raise ValueError(f"shape: expected non-negative ints, got {self.shape!r}")
+        expected = math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
+        if len(self.data) != expected:
+            raise ValueError(
+                f"data: {self.dtype} {list(self.shape)} needs {expected} bytes, "
+                f"got {len(self.data)}"
+            )
+
+    @classmethod
+    def from_numpy(cls, arr: npt.NDArray[Any]) -> Tensor:
+        """Copy ``arr`` once into wire form (C order, little-endian)."""
+        a = np.asarray(arr)
+        name = a.dtype.name
+        if name not in DTYPES:
+            raise ValueError(f"dtype: unsupported {name!r}; supported: {DTYPE_LIST}")
+        data = a.astype(WIRE_DTYPES[name], copy=False).tobytes(order="C")
+        return cls(name, tuple(int(d) for d in a.shape), data)
+
+    def to_numpy(self) -> npt.NDArray[Any]:
+        """A read-only view over ``data``: no copy, so decoding a 4 MiB image
+        costs nothing more than msgpack's own copy out of the record."""
+        return np.frombuffer(self.data, dtype=WIRE_DTYPES[self.dtype]).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "data": self.data}
+
+
+InputValue = Tensor | EncodedImage | str
+"""One request input as it travels: a tensor, an image file (msgpack bin), or a
+UTF-8 string (a text input, tokenized by the worker)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request. ``inputs`` are checked against the limits it was
+    decoded with; ``meta`` is echoed back untouched."""
+
+    v: int
+    id: str
+    inputs: Mapping[str, InputValue]
+    deadline_ms: int | None = None
+    meta: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """The ``error`` field of a result; ``code`` is one of ``ERROR_CODES``."""
+
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.code not in ERROR_CODES:
+            raise ValueError(
+                f"error.code: {self.code!r} is not in the contract; "
+                f"expected one of {', '.join(sorted(ERROR_CODES))}"
+            )
+
+    @classmethod
+    def from_error(cls, err: BaseException) -> ErrorInfo:
+        """Map any exception onto the contract's vocabulary.
+
+        Worker errors whose code the contract knows keep it and their message;
+        anything else becomes ``internal`` and names only the exception type,
+        so internal details (paths, device state) do not leak to clients.
+        """
+        if isinstance(err, WorkerError) and err.code in ERROR_CODES:
+            message = str(err) or type(err).__name__
+            return cls(err.code, message[:MAX_ERROR_MESSAGE_CHARS])
+        return cls("internal", f"internal error ({type(err).__name__})")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the request came from: the idempotency key of its result."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """``version`` is the content hash of the model file, so results from
+    different builds of the same model are distinguishable."""
+
+    name: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """One answer per request. ``error`` is set exactly when status is "error"."""
+
+    id: str
+    status: Literal["ok", "error"]
+    source: Source
+    model: ModelInfo
+    outputs: Mapping[str, Tensor] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    meta: Mapping[str, Any] | None = None
+    timing_us: Mapping[str, int] = field(default_factory=dict)
+    v: int = 1
+
+    def __post_init__(self) -> None:
+        if self.status not in ("ok", "error"):
+            raise ValueError(f"status: expected 'ok' or 'error', got {self.status!r}")
+        if (self.status == "error") != (self.error is not None):
+            raise ValueError(
+                f"error: must be set exactly when status is 'error' "
+                f"(status={self.status!r}, error={self.error!r})"
+            )
