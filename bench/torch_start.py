@@ -55,7 +55,7 @@ import numpy as np
 mode, path, max_batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 started = time.monotonic()
 import torch
-from worker.model.buckets import bucket_sizes
+from worker.model.shapes import bucket_sizes
 buckets = bucket_sizes(max_batch)
 if mode == "static":
     program = torch.export.load(path).module()
@@ -73,7 +73,7 @@ if mode == "static":
 else:
     import structlog
     from worker.config import ModelConfig, TorchConfig
-    from worker.compute.engines.base import SlotShapes
+    from worker.model.shapes import SlotShapes
     from worker.compute.engines.torch import TorchEngine
     events = []
     structlog.configure(processors=[lambda _l, _m, e: events.append(e) or ""],

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from worker.compute.engines.base import resolve_model_path
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig
+from worker.model.files import resolve_model_path
 from worker.model.inputs.image import resolve
 from worker.model.preprocess import preprocess
 

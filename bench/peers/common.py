@@ -12,10 +12,10 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.compute.engines import load_engine
-from worker.compute.engines.base import resolve_model_path
 from worker.config import Settings, load_settings
+from worker.model.files import resolve_model_path
 from worker.model.inputs import bind
-from worker.model.inputs.image import ImageKind
+from worker.model.inputs.image import BoundImage
 from worker.model.postprocess import postprocess
 from worker.model.preprocess import ImagePreprocess, preprocess
 
@@ -28,7 +28,7 @@ def image_preprocess(settings: Settings) -> ImagePreprocess:
         kind = bind(settings.model, engine.info.io, settings.limits).kinds[0]
     finally:
         engine.close()
-    if not isinstance(kind, ImageKind):
+    if not isinstance(kind, BoundImage):
         raise SystemExit(
             f"the peers serve an image model; {settings.model.path} takes a {kind.kind}"
         )

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from worker.compute.engines.base import EngineInfo, EngineSlot, SlotShapes, TensorSpec
+from worker.compute.engines.base import EngineSlot
 from worker.contract import EncodedImage, sniff_format
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
-from worker.model.io import ModelIO
+from worker.model.io import EngineInfo, ModelIO, TensorDesc
+from worker.model.shapes import SlotShapes
 
 F32 = np.dtype(np.float32)
 
@@ -44,9 +45,9 @@ def make_jobs(images: Sequence[np.ndarray | bytes], *, deadline: float | None = 
 
 
 def info(
-    name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], rows: int
+    name: str, inputs: Sequence[TensorDesc], outputs: Sequence[TensorDesc], rows: int
 ) -> EngineInfo:
-    io = ModelIO(tuple(t.desc() for t in inputs), tuple(t.desc() for t in outputs))
+    io = ModelIO(tuple(inputs), tuple(outputs))
     return EngineInfo("cupy", name, "0", io, rows)
 
 
@@ -126,8 +127,8 @@ class LinearEngine:
     def __post_init__(self) -> None:
         import cupy
 
-        self.inputs = (TensorSpec("image", F32, self.row_shape),)
-        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.w.shape[1],)),)
+        self.inputs = (TensorDesc("image", F32, self.row_shape),)
+        self.outputs: tuple[TensorDesc, ...] = (TensorDesc("logits", F32, (self.w.shape[1],)),)
         self.info = info("linear", self.inputs, self.outputs, self.max_batch_size)
         self._w = cupy.asarray(self.w, dtype=cupy.float32)
         self._b = cupy.asarray(self.b, dtype=cupy.float32)
@@ -200,8 +201,8 @@ class SpinEngine:
     def __post_init__(self) -> None:
         import cupy
 
-        self.inputs = (TensorSpec("image", F32, self.row_shape),)
-        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("logits", F32, (self.classes,)),)
+        self.inputs = (TensorDesc("image", F32, self.row_shape),)
+        self.outputs: tuple[TensorDesc, ...] = (TensorDesc("logits", F32, (self.classes,)),)
         self.info = info("spin", self.inputs, self.outputs, self.max_batch_size)
         self._kernel = cupy.RawKernel(_SPIN, "spin")
         self._kernel.compile()  # now, not inside the first timed batch
@@ -244,8 +245,8 @@ class IdentityEngine:
 
     def __post_init__(self) -> None:
         size = int(np.prod(self.row_shape))
-        self.inputs = (TensorSpec("image", F32, self.row_shape),)
-        self.outputs: tuple[TensorSpec, ...] = (TensorSpec("pixels", F32, (size,)),)
+        self.inputs = (TensorDesc("image", F32, self.row_shape),)
+        self.outputs: tuple[TensorDesc, ...] = (TensorDesc("pixels", F32, (size,)),)
         self.info = info("identity", self.inputs, self.outputs, self.max_batch_size)
 
     def prepare(self, shapes: SlotShapes) -> None:

@@ -27,7 +27,7 @@ import pytest
 
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import load_engine
-from worker.compute.engines.base import EngineSlot, SlotShapes, TensorSpec, dense, row_shape
+from worker.compute.engines.base import EngineSlot
 from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput
@@ -35,6 +35,7 @@ from worker.contract import Request, Tensor
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.model.inputs import ModelInputs, bind
 from worker.model.io import ModelIO, TensorDesc
+from worker.model.shapes import SlotShapes, dense
 
 from .support import queues, run_stage
 
@@ -61,19 +62,19 @@ class RankerEngine:
             (TensorDesc("features", F32, (4,)), TensorDesc("ids", I64, ("sequence",))),
             (TensorDesc("score", F32, (1,)), TensorDesc("token_scores", F32, ("sequence",))),
         )
-        from worker.compute.engines.base import EngineInfo
+        from worker.model.io import EngineInfo
 
         self.info = EngineInfo("cupy", "ranker", "0", io, self.max_batch_size)
-        self.inputs: tuple[TensorSpec, ...] = ()
-        self.outputs: tuple[TensorSpec, ...] = ()
+        self.inputs: tuple[TensorDesc, ...] = ()
+        self.outputs: tuple[TensorDesc, ...] = ()
 
     def prepare(self, shapes: SlotShapes) -> None:
         top = shapes.max_lengths
         self.inputs = tuple(
-            TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self.info.io.inputs
+            TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self.info.io.inputs
         )
         self.outputs = tuple(
-            TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self.info.io.outputs
+            TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self.info.io.outputs
         )
 
     def create_context(self, slot: EngineSlot) -> Any:
@@ -173,20 +174,20 @@ class SentimentEngine:
         import onnx
         from onnx import numpy_helper
 
-        from worker.model.io import resolve_model_path
+        from worker.model.files import resolve_model_path
 
         path = resolve_model_path("builtin:sentiment")
         weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
         self.weights, self.bias = weights["weights"], weights["bias"]
         self.info = load_engine(ModelConfig(path="builtin:sentiment")).info
-        self.inputs: tuple[TensorSpec, ...] = ()
-        self.outputs: tuple[TensorSpec, ...] = ()
+        self.inputs: tuple[TensorDesc, ...] = ()
+        self.outputs: tuple[TensorDesc, ...] = ()
 
     def prepare(self, shapes: SlotShapes) -> None:
         top = shapes.max_lengths
         io = self.info.io
-        self.inputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in io.inputs)
-        self.outputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in io.outputs)
+        self.inputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in io.inputs)
+        self.outputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in io.outputs)
 
     def create_context(self, slot: EngineSlot) -> Any:
         import cupy

@@ -31,7 +31,7 @@ from tests.models import image_pre
 from worker.compute.gpu import kernels
 from worker.compute.gpu.slots import pack_images
 from worker.model.postprocess import softmax, top_k
-from worker.model.preprocess import ImagePreprocess, batch_shape, preprocess
+from worker.model.preprocess import ImagePreprocess, preprocess
 
 pytestmark = pytest.mark.gpu
 
@@ -80,7 +80,7 @@ def _gpu_preprocess(cp: Any, images: list[np.ndarray], cfg: ImagePreprocess) -> 
     # work on CuPy's default (legacy null) stream, so a NaN fill or a copy issued
     # there could still be running when the kernel starts.
     with stream:
-        out = cp.full(batch_shape(cfg, len(images) + 2), np.nan, dtype=cfg.dtype)
+        out = cp.full(cfg.batch_shape(len(images) + 2), np.nan, dtype=cfg.dtype)
         d_packed, d_table = cp.asarray(packed), cp.asarray(table)
     kernels.preprocess_batch(d_packed, d_table, len(images), out, cfg=cfg, stream=stream)
     stream.synchronize()

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from worker.compute.cpu import InferenceStage
-from worker.compute.engines.base import resolve_model_path
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig, PreprocessConfig
+from worker.model.files import resolve_model_path
 from worker.model.preprocess import preprocess
 from worker.ops import build_engine
 

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from worker.compute.cpu import InferenceStage
-from worker.compute.engines.base import resolve_model_path
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig
 from worker.flow.messages import Completed
+from worker.model.files import resolve_model_path
 from worker.model.preprocess import preprocess
 
 from .support import batches_of, make_jobs, queues, run_stage

@@ -464,7 +464,7 @@ def test_the_gpu_image_model_conversion_reads_the_weights_onnxruntime_runs() -> 
     """The weights the TorchScript model is built from, in its layout, compute
     what ONNX Runtime computes (without torch: the same layers in NumPy)."""
     pytest.importorskip("onnx")
-    from worker.compute.engines.base import resolve_model_path
+    from worker.model.files import resolve_model_path
 
     convert = digits_torchscript()
     layers = convert.mlp_layers(resolve_model_path("builtin:digits"))

@@ -46,9 +46,9 @@ from worker.kafka.delivery.exactly_once import TransactionalSink
 from worker.kafka.delivery.writer import Writer
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
-from worker.model.buckets import bucket_sizes
 from worker.model.inputs import ModelInputs, bind
 from worker.model.inputs.binding import fit_limits, summary
+from worker.model.shapes import bucket_sizes
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 

@@ -19,8 +19,8 @@ from worker.compute.engines import Engine, GpuEngine, is_gpu_backend, load_engin
 from worker.config import Settings
 from worker.contract import Request
 from worker.flow.messages import Answer, Job, TopicPartition
-from worker.model.buckets import bucket_sizes
 from worker.model.inputs import ModelInputs, bind
+from worker.model.shapes import bucket_sizes
 
 # The engine runs until its time is up or it ran this often, after a warm-up.
 ENGINE_MAX_RUNS: Final = 1000

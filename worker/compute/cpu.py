@@ -34,7 +34,7 @@ from worker.flow.errors import InferenceFailed, WorkerError
 from worker.flow.messages import Answer, Batch, Completed, Job
 from worker.flow.streams import end_of_stream
 from worker.model.inputs import ModelInputs, bind, is_classifier
-from worker.model.inputs.image import ImageKind
+from worker.model.inputs.image import BoundImage
 from worker.model.outputs import OutputPlan
 from worker.obs import metrics
 
@@ -48,7 +48,7 @@ def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
     max_batch_size = max(max_batch_size, inputs.batch or 0)
     out: Buffers = {}
     for kind in inputs.kinds:
-        if isinstance(kind, ImageKind):
+        if isinstance(kind, BoundImage):
             out[kind.desc.name] = np.empty(
                 (max_batch_size, *kind.produced_shape), dtype=np.dtype(kind.cfg.dtype)
             )

@@ -21,10 +21,8 @@ as a scalar sample rate, which cannot come per request).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -72,11 +70,38 @@ class TensorDesc:
         return tuple(self.symbol(a) for a in self.free_axes)
 
     @property
-    def row_elements(self) -> int:
-        """Elements of one row (fixed shapes only)."""
+    def fixed_shape(self) -> tuple[int, ...]:
+        """One row's shape, every dimension fixed (a slot's buffer, an engine's
+        largest row); raises for a free one."""
         if not self.fixed:
             raise ValueError(f"{self.name} has free dimensions: {self.shown()}")
-        return math.prod(int(d) for d in self.shape if isinstance(d, int))
+        return tuple(int(d) for d in self.shape if isinstance(d, int))
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one row (fixed shapes only)."""
+        return math.prod(self.fixed_shape)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_elements * self.dtype.itemsize
+
+    def row_at(self, lengths: Mapping[str, int]) -> tuple[int, ...]:
+        """One row's shape in a run whose free dimensions have ``lengths`` (by
+        symbol: a batch's padded lengths, a GPU's length bucket)."""
+        shape = []
+        for axis, d in enumerate(self.shape):
+            if isinstance(d, int):
+                shape.append(d)
+                continue
+            symbol = self.symbol(axis)
+            if symbol not in lengths:
+                raise ConfigError(
+                    f"{self.name} {self.shown()}: free dimension {symbol!r} has no length here "
+                    "(an input's max_length, or an engine profile, bounds it on a GPU)"
+                )
+            shape.append(lengths[symbol])
+        return tuple(shape)
 
     def full_shape(self, batch: Dim = "batch") -> tuple[Dim, ...]:
         """The whole tensor's shape, ``batch`` at the batch axis."""
@@ -210,104 +235,24 @@ def batched_io(inputs: Sequence[RawTensor], outputs: Sequence[RawTensor]) -> Mod
     )
 
 
-# --- which outputs a result carries ------------------------------------------------
-
-
 @dataclass(frozen=True)
-class OutputSelection:
-    """Which model outputs a result carries, decided once from the settings:
-    ``raw`` is ``model.output`` (what postprocessing reads; default the first
-    output with a batch dimension), ``passed`` come back as computed, and with
-    postprocessing on, ``raw``'s computed forms replace it (``worker.compute.
-    outputs``). An output without a batch dimension (one value for the whole
-    batch) cannot be a request's answer: left out by default, refused by name."""
-
-    raw: str
-    passed: tuple[str, ...]
-    postprocessed: bool  # raw is replaced by its computed forms
+class EngineInfo:
+    backend: str
+    name: str
+    version: str  # content hash of the model file: results name exactly what ran
+    io: ModelIO  # every input and output, as the model file declares them
+    max_batch_size: int | None  # None: any batch size
 
     @property
-    def returned(self) -> tuple[str, ...]:
-        """Every model output whose rows a result carries (its shape matters)."""
-        if self.postprocessed:
-            return tuple(dict.fromkeys((*self.passed, self.raw)))
-        return self.passed
+    def output_names(self) -> tuple[str, ...]:
+        return self.io.output_names
 
+    @property
+    def input_name(self) -> str:
+        """The first input's name: what a one-input model is fed by."""
+        return self.io.inputs[0].name
 
-def select_outputs(
-    io: ModelIO, output: str | None, outputs: Sequence[str], postprocessed: bool
-) -> OutputSelection:
-    """``output`` / ``outputs``: ``model.output`` and ``model.outputs``;
-    ``postprocessed``: the resolved postprocessing replaces ``model.output``."""
-    names = io.output_names
-    if not names:
-        raise ConfigError("model.path: the model declares no outputs")
-    batched = tuple(t.name for t in io.outputs if t.batched)
-    raw = output or (batched[0] if batched else names[0])
-    if raw not in names:
-        raise ConfigError(f"model.output: {raw!r} not in model outputs {list(names)}")
-    for name in outputs:
-        if name not in names:
-            raise ConfigError(f"model.outputs: {name!r} not in model outputs {list(names)}")
-    passed = tuple(outputs) if postprocessed or outputs else batched
-    selection = OutputSelection(raw, passed, postprocessed)
-    for name in selection.returned:
-        desc = io.output(name)
-        if desc is not None and not desc.batched:
-            setting = "model.output" if name == raw and name not in passed else "model.outputs"
-            raise ConfigError(
-                f"{setting}: the output {name!r} ({desc.shown()}) has no batch dimension: it "
-                "is one value for the whole batch, not a row per request; leave it out"
-            )
-    return selection
-
-
-# --- models shipped in the package ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Builtin:
-    """A model in ``worker/models``; ``tokenizer`` for the text models."""
-
-    file: str
-    tokenizer: str | None = None
-    max_length: int = 128  # its text input's truncation, when it has one
-
-
-BUILTIN_MODELS: Final = {
-    "digits": Builtin("digits.onnx"),
-    "sentiment": Builtin("sentiment.onnx", tokenizer="sentiment.tokenizer.json", max_length=64),
-}
-
-
-def _builtin_file(name: str) -> Path:
-    return Path(str(resources.files("worker") / "models" / name))
-
-
-def resolve_model_path(path: str) -> Path:
-    """``builtin:NAME`` names a model shipped in the package; anything else is a file."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        if name not in BUILTIN_MODELS:
-            known = ", ".join(sorted(BUILTIN_MODELS))
-            raise ConfigError(f"model.path: unknown builtin model {name!r} (builtin: {known})")
-        return _builtin_file(BUILTIN_MODELS[name].file)
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"model.path: {path} is not a file")
-    return p
-
-
-def resolve_tokenizer_path(path: str, setting: str) -> Path:
-    """A tokenizer.json file, or ``builtin:NAME`` for a bundled text model's."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        builtin = BUILTIN_MODELS.get(name)
-        if builtin is None or builtin.tokenizer is None:
-            known = ", ".join(sorted(n for n, b in BUILTIN_MODELS.items() if b.tokenizer))
-            raise ConfigError(f"{setting}: no builtin tokenizer {name!r} (builtin: {known})")
-        return _builtin_file(builtin.tokenizer)
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{setting}: {path} is not a file")
-    return p
+    @property
+    def input_shape(self) -> tuple[int | None, ...]:
+        """The first input's row shape, None for each free dimension."""
+        return tuple(d if isinstance(d, int) else None for d in self.io.inputs[0].shape)

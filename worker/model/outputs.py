@@ -23,14 +23,64 @@ back from.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from worker.config import ModelConfig, PostprocessConfig
-from worker.flow.errors import InferenceFailed
+from worker.flow.errors import ConfigError, InferenceFailed
 from worker.flow.messages import Answer
-from worker.model.io import ModelIO, select_outputs
+from worker.model.io import ModelIO
 from worker.model.postprocess import l2_normalize, postprocess
+
+
+@dataclass(frozen=True)
+class OutputSelection:
+    """Which model outputs a result carries, decided once from the settings:
+    ``raw`` is ``model.output`` (what postprocessing reads; default the first
+    output with a batch dimension), ``passed`` come back as computed, and with
+    postprocessing on, ``raw``'s computed forms replace it (``worker.compute.
+    outputs``). An output without a batch dimension (one value for the whole
+    batch) cannot be a request's answer: left out by default, refused by name."""
+
+    raw: str
+    passed: tuple[str, ...]
+    postprocessed: bool  # raw is replaced by its computed forms
+
+    @property
+    def returned(self) -> tuple[str, ...]:
+        """Every model output whose rows a result carries (its shape matters)."""
+        if self.postprocessed:
+            return tuple(dict.fromkeys((*self.passed, self.raw)))
+        return self.passed
+
+
+def select_outputs(
+    io: ModelIO, output: str | None, outputs: Sequence[str], postprocessed: bool
+) -> OutputSelection:
+    """``output`` / ``outputs``: ``model.output`` and ``model.outputs``;
+    ``postprocessed``: the resolved postprocessing replaces ``model.output``."""
+    names = io.output_names
+    if not names:
+        raise ConfigError("model.path: the model declares no outputs")
+    batched = tuple(t.name for t in io.outputs if t.batched)
+    raw = output or (batched[0] if batched else names[0])
+    if raw not in names:
+        raise ConfigError(f"model.output: {raw!r} not in model outputs {list(names)}")
+    for name in outputs:
+        if name not in names:
+            raise ConfigError(f"model.outputs: {name!r} not in model outputs {list(names)}")
+    passed = tuple(outputs) if postprocessed or outputs else batched
+    selection = OutputSelection(raw, passed, postprocessed)
+    for name in selection.returned:
+        desc = io.output(name)
+        if desc is not None and not desc.batched:
+            setting = "model.output" if name == raw and name not in passed else "model.outputs"
+            raise ConfigError(
+                f"{setting}: the output {name!r} ({desc.shown()}) has no batch dimension: it "
+                "is one value for the whole batch, not a row per request; leave it out"
+            )
+    return selection
 
 
 class OutputPlan:

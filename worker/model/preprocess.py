@@ -38,6 +38,11 @@ class ImagePreprocess:
     dtype: Literal["float32", "float16"]
     device: Literal["cpu", "gpu"] = "cpu"
 
+    def batch_shape(self, n: int) -> tuple[int, int, int, int]:
+        """``n`` preprocessed images, laid out as the model takes them."""
+        h, w = self.size
+        return (n, self.channels, h, w) if self.layout == "NCHW" else (n, h, w, self.channels)
+
 
 @lru_cache(maxsize=256)
 def _axis(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, F32]:
@@ -77,11 +82,6 @@ def resize_bilinear_batch(images: np.ndarray, out_h: int, out_w: int) -> F32:
     return out
 
 
-def batch_shape(cfg: ImagePreprocess, n: int) -> tuple[int, int, int, int]:
-    h, w = cfg.size
-    return (n, cfg.channels, h, w) if cfg.layout == "NCHW" else (n, h, w, cfg.channels)
-
-
 def preprocess_into(
     images: Sequence[np.ndarray], cfg: ImagePreprocess, out: np.ndarray
 ) -> np.ndarray:
@@ -114,5 +114,5 @@ def preprocess_into(
 
 def preprocess(images: Sequence[np.ndarray], cfg: ImagePreprocess) -> np.ndarray:
     """Allocating convenience wrapper around ``preprocess_into``."""
-    out = np.empty(batch_shape(cfg, len(images)), dtype=np.dtype(cfg.dtype))
+    out = np.empty(cfg.batch_shape(len(images)), dtype=np.dtype(cfg.dtype))
     return preprocess_into(images, cfg, out)

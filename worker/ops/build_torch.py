@@ -198,10 +198,9 @@ def _tensors(torch: Any, value: Any) -> list[Any]:
 def input_shape_of(preprocess: Any) -> tuple[int, ...]:
     """One request's model input, as ``[model.preprocess]`` produces it."""
     from worker.model.inputs.image import resolve_declared
-    from worker.model.preprocess import batch_shape
 
     pp = resolve_declared(preprocess, "the model is exported at the size it preprocesses to")
-    return tuple(batch_shape(pp, 1)[1:])
+    return tuple(pp.batch_shape(1)[1:])
 
 
 def torch_missing() -> bool:

@@ -22,8 +22,8 @@ import numpy as np
 from worker.compute.engines import load_engine
 from worker.config import ModelConfig
 from worker.contract import Request, Result, Tensor, encode_request
+from worker.model.files import resolve_tokenizer_path
 from worker.model.inputs.image import resolve
-from worker.model.io import resolve_tokenizer_path
 from worker.model.postprocess import softmax
 from worker.model.preprocess import preprocess
 
@@ -115,7 +115,7 @@ def offline_text_correct(samples: list[TextSample], max_length: int = 64) -> int
     import onnxruntime as ort
     from tokenizers import Tokenizer
 
-    from worker.model.io import resolve_model_path
+    from worker.model.files import resolve_model_path
 
     tokenizer = Tokenizer.from_file(str(resolve_tokenizer_path("builtin:sentiment", "tokenizer")))
     tokenizer.no_padding()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from worker.model.buckets import bucket_for, bucket_sizes, slot_buckets
+from worker.model.shapes import bucket_for, bucket_sizes, slot_buckets
 
 
 def test_powers_of_two_up_to_the_maximum() -> None:

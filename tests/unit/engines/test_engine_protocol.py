@@ -25,19 +25,15 @@ import pytest
 
 from tests.models import image_pre
 from worker.compute.engines import is_gpu_backend, load_engine
-from worker.compute.engines.base import (
-    EngineInfo,
-    EngineUnavailable,
-    TensorSpec,
-    resolve_model_path,
-)
+from worker.compute.engines.base import EngineUnavailable
 from worker.compute.engines.cuda import translate_gpu_error
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.compute.gpu import kernels
 from worker.compute.gpu.plan import postprocess_plan
 from worker.config import ModelConfig, PostprocessConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model.io import ModelIO
+from worker.model.files import resolve_model_path
+from worker.model.io import EngineInfo, ModelIO, TensorDesc
 from worker.model.preprocess import preprocess
 from worker.ops import build_engine
 
@@ -119,13 +115,13 @@ def test_one_factory_picks_the_engine_by_backend() -> None:
 class FakeGpuEngine:
     """Enough of ``GpuEngine`` for the stage's start-up checks (no CUDA)."""
 
-    def __init__(self, outputs: tuple[TensorSpec, ...], max_batch: int = 64) -> None:
-        self.input = TensorSpec("image", F32, (1, 8, 8))
+    def __init__(self, outputs: tuple[TensorDesc, ...], max_batch: int = 64) -> None:
+        self.input = TensorDesc("image", F32, (1, 8, 8))
         self.outputs = outputs
         self.min_batch_size = 1
         self.max_batch_size = max_batch
         self.device = 0
-        io = ModelIO((self.input.desc(),), tuple(o.desc() for o in outputs))
+        io = ModelIO((self.input,), tuple(outputs))
         self.info = EngineInfo("fake", "digits", "0", io, max_batch)
 
     def create_context(self, slot: Any) -> Any:
@@ -147,7 +143,7 @@ def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
 
     from worker.compute.gpu.stage import GpuInferenceStage
 
-    engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),))
+    engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),))
     with pytest.raises(EngineUnavailable, match="CuPy"):
         GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 64, 2)
 
@@ -162,7 +158,7 @@ def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> N
 
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed: the stage would start on the fake engine")
-    engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),), max_batch=16)
+    engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),), max_batch=16)
     with pytest.raises(EngineUnavailable, match="CuPy"):
         GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 32, 2)
     with pytest.raises(ConfigError, match="num_slots"):
@@ -172,38 +168,38 @@ def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> N
 # --- where postprocessing runs -----------------------------------------------------
 
 
-def _plan_for(outputs: tuple[TensorSpec, ...], post: PostprocessConfig) -> Any:
+def _plan_for(outputs: tuple[TensorDesc, ...], post: PostprocessConfig) -> Any:
     return postprocess_plan(FakeGpuEngine(outputs), ModelConfig(postprocess=post))
 
 
 def test_plan_topk_on_device() -> None:
-    plan = _plan_for((TensorSpec("logits", F32, (10,)),), PostprocessConfig(top_k=3))
+    plan = _plan_for((TensorDesc("logits", F32, (10,)),), PostprocessConfig(top_k=3))
     assert (plan.topk, plan.host_postprocess) == (3, False)
     assert plan.copy_back == ("topk_indices", "topk_scores")
     raw = _plan_for(
-        (TensorSpec("logits", F32, (10,)),), PostprocessConfig(top_k=20, include_raw=True)
+        (TensorDesc("logits", F32, (10,)),), PostprocessConfig(top_k=20, include_raw=True)
     )
     assert raw.topk == 10 and raw.copy_back == ("logits", "topk_indices", "topk_scores")
 
 
 def test_plan_probabilities_on_device() -> None:
-    plan = _plan_for((TensorSpec("logits", F32, (1, 10)),), PostprocessConfig(top_k=0))
+    plan = _plan_for((TensorDesc("logits", F32, (1, 10)),), PostprocessConfig(top_k=0))
     assert plan.gpu_softmax_rows and plan.copy_back == ("probabilities",)
 
 
 def test_plan_falls_back_to_host_where_kernels_differ_from_the_reference() -> None:
     # softmax over the last axis of a [4, 10] row is not one softmax over 40 values
-    seg = _plan_for((TensorSpec("logits", F32, (4, 10)),), PostprocessConfig(top_k=3))
+    seg = _plan_for((TensorDesc("logits", F32, (4, 10)),), PostprocessConfig(top_k=3))
     assert seg.host_postprocess and seg.copy_back == ("logits",)
-    f64 = _plan_for((TensorSpec("logits", np.dtype(np.float64), (10,)),), PostprocessConfig())
+    f64 = _plan_for((TensorDesc("logits", np.dtype(np.float64), (10,)),), PostprocessConfig())
     assert f64.host_postprocess
     # without softmax, top-k over the flattened row is what the reference does
-    flat = _plan_for((TensorSpec("logits", F32, (4, 10)),), PostprocessConfig(softmax=False))
+    flat = _plan_for((TensorDesc("logits", F32, (4, 10)),), PostprocessConfig(softmax=False))
     assert not flat.host_postprocess and flat.topk == 3
 
 
 def test_plan_names_an_unknown_output() -> None:
-    engine = FakeGpuEngine((TensorSpec("logits", F32, (10,)),))
+    engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),))
     with pytest.raises(ConfigError, match=r"model\.output"):
         postprocess_plan(engine, ModelConfig(output="probs"))
 
@@ -248,7 +244,7 @@ def test_translate_passes_our_own_errors_through() -> None:
 
 
 def test_tensor_spec_sizes() -> None:
-    spec = TensorSpec("x", np.dtype(np.float16), (3, 4, 5))
+    spec = TensorDesc("x", np.dtype(np.float16), (3, 4, 5))
     assert (spec.row_elements, spec.row_bytes) == (60, 120)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from worker.config import TorchConfig
 from worker.flow.errors import ConfigError
-from worker.model.buckets import bucket_sizes
+from worker.model.shapes import bucket_sizes
 from worker.ops import build_engine
 from worker.ops.build_torch import ProgramKey, resolve_source
 

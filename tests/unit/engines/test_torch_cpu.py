@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.compute.engines.base import SlotShapes, dense
 from worker.compute.gpu.plan import slot_shapes
 from worker.config import LimitsConfig, ModelConfig, TorchConfig
 from worker.config.model import TensorInput
 from worker.model.inputs import bind
+from worker.model.shapes import SlotShapes, dense
 
 pytestmark = pytest.mark.usefixtures("torch_installed")
 

@@ -115,7 +115,7 @@ async def test_postprocessing_a_per_token_output_runs_after_the_cut(tmp_path: Pa
 async def test_the_bundled_text_model_equals_tokenizer_and_model_alone() -> None:
     from tokenizers import Tokenizer
 
-    from worker.model.io import resolve_model_path, resolve_tokenizer_path
+    from worker.model.files import resolve_model_path, resolve_tokenizer_path
 
     texts = ["I love it", "The battery was terrible and the screen was slow, avoid.", "ok"]
     done = await run_stage(ModelConfig(path="builtin:sentiment"), [{"text": t} for t in texts])

@@ -18,7 +18,6 @@ import pytest
 from PIL import Image
 
 from tests.images import encode
-from worker.compute.engines.base import TensorSpec
 from worker.compute.gpu.nvjpeg import NvJpeg, check_config, device_image
 from worker.compute.gpu.slots import DeviceImage, pack_batch
 from worker.compute.gpu.stage import GpuInferenceStage
@@ -260,7 +259,7 @@ def test_the_gpu_stage_fails_start_up_naming_gpu_decode(monkeypatch: pytest.Monk
     engine = types.SimpleNamespace(
         max_batch_size=8,
         min_batch_size=1,
-        input=TensorSpec("image", f32, (3, 8, 8)),
+        input=TensorDesc("image", f32, (3, 8, 8)),
         info=types.SimpleNamespace(io=io),
     )
     with pytest.raises(ConfigError, match=r"gpu\.decode = 'nvjpeg' needs torch"):

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from worker.compute.engines.base import TensorSpec
 from worker.compute.gpu.slots import Allocations, SlotLayout, SlotRing, pack_images
 from worker.flow.errors import EngineDead
+from worker.model.io import TensorDesc
 
 
 @dataclass(eq=False)
@@ -179,11 +179,11 @@ def test_slot_layout_accounting_and_validation() -> None:
     layout = SlotLayout(
         device=0,
         max_batch_size=4,
-        engine_inputs=(TensorSpec("image", f32, (1, 8, 8)),),
-        engine_outputs=(TensorSpec("logits", f32, (10,)),),
+        engine_inputs=(TensorDesc("image", f32, (1, 8, 8)),),
+        engine_outputs=(TensorDesc("logits", f32, (10,)),),
         results=(
-            TensorSpec("topk_indices", np.dtype(np.int64), (3,)),
-            TensorSpec("topk_scores", f32, (3,)),
+            TensorDesc("topk_indices", np.dtype(np.int64), (3,)),
+            TensorDesc("topk_scores", f32, (3,)),
         ),
         copy_back=("topk_indices", "topk_scores"),
         max_input_bytes=1000,

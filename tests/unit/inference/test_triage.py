@@ -11,11 +11,11 @@ from prometheus_client import REGISTRY
 
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import load_engine
-from worker.compute.engines.base import EngineInfo
 from worker.compute.triage import run_isolating, triage
 from worker.config import ModelConfig
 from worker.flow.errors import EngineDead, InferenceFailed, InvalidRequest
 from worker.flow.messages import Answer, Batch, Job, TopicPartition
+from worker.model.io import EngineInfo
 from worker.obs.metrics import ModelMetrics
 
 

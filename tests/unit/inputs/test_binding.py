@@ -13,9 +13,9 @@ from worker.config import LimitsConfig, ModelConfig, load_settings
 from worker.config.model import ImageInput, TensorInput, TextInput
 from worker.flow.errors import ConfigError
 from worker.model.inputs import bind, is_classifier
-from worker.model.inputs.image import ImageKind
-from worker.model.inputs.tensor import TensorKind
-from worker.model.inputs.text import TextKind
+from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
+from worker.model.inputs.text import BoundText
 from worker.model.io import ModelIO, TensorDesc
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
@@ -37,7 +37,7 @@ TOKENIZER = "builtin:sentiment"
 def test_the_digits_model_binds_through_the_classifier_shorthand() -> None:
     inputs = model_inputs()
     (kind,) = inputs.kinds
-    assert isinstance(kind, ImageKind) and kind.name == "image"
+    assert isinstance(kind, BoundImage) and kind.name == "image"
     assert kind.desc.name == "image" and kind.desc.shape == (1, 8, 8)
     assert is_classifier(inputs) and inputs.padded_symbols == frozenset()
 
@@ -45,8 +45,8 @@ def test_the_digits_model_binds_through_the_classifier_shorthand() -> None:
 def test_a_model_of_plain_tensors_needs_no_input_settings() -> None:
     inputs = bind(ModelConfig(), RANKER, LimitsConfig())
     assert [(k.name, type(k)) for k in inputs.kinds] == [
-        ("features", TensorKind),
-        ("ids", TensorKind),
+        ("features", BoundTensor),
+        ("ids", BoundTensor),
     ]
     assert not is_classifier(inputs)
     assert inputs.symbols == {"sequence": ("ids",)}
@@ -56,7 +56,7 @@ def test_a_text_input_feeds_ids_mask_and_type_ids_when_the_model_has_them() -> N
     cfg = ModelConfig(inputs={"query": TextInput(tokenizer=TOKENIZER, max_length=16)})
     inputs = bind(cfg, BERT, LimitsConfig())
     (kind,) = inputs.kinds
-    assert isinstance(kind, TextKind)
+    assert isinstance(kind, BoundText)
     assert [f.name for f in kind.feeds] == ["input_ids", "attention_mask", "token_type_ids"]
     two = ModelIO(BERT.inputs[:2], BERT.outputs)
     assert [f.name for f in bind(cfg, two, LimitsConfig()).kinds[0].feeds] == [
@@ -74,8 +74,8 @@ def test_an_image_entry_names_its_feed_and_keeps_its_preprocessing() -> None:
                        feed="pixel_values")  # fmt: skip
     inputs = bind(ModelConfig(inputs={"photo": photo}), io, LimitsConfig())
     assert [(k.name, type(k)) for k in inputs.kinds] == [
-        ("photo", ImageKind),
-        ("features", TensorKind),
+        ("photo", BoundImage),
+        ("features", BoundTensor),
     ]
     # The shorthand also takes the one image-shaped input next to tensors.
     three = ImageInput(size=(4, 4), channels=3, mean=(0.5,) * 3, std=(0.5,) * 3)

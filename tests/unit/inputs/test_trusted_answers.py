@@ -14,9 +14,9 @@ from worker.config.model import ConstantInput, ImageInput, PreprocessConfig, Ten
 from worker.flow.errors import ConfigError
 from worker.model.inputs import bind
 from worker.model.inputs.binding import fit_limits
-from worker.model.inputs.constant import ConstantKind
-from worker.model.inputs.image import ImageKind
-from worker.model.inputs.tensor import TensorKind
+from worker.model.inputs.constant import BoundConstant
+from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
 from worker.model.io import ModelIO, TensorDesc, batched_io, dim
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
@@ -30,7 +30,7 @@ LIMITS = LimitsConfig()
 def test_a_detector_with_one_float_input_is_a_tensor_by_default() -> None:
     inputs = bind(ModelConfig(path="yolo.onnx"), YOLO, LIMITS)
     (kind,) = inputs.kinds
-    assert isinstance(kind, TensorKind) and kind.name == "images"
+    assert isinstance(kind, BoundTensor) and kind.name == "images"
     # Its free spatial dimensions group rows by exact size: nothing is padded.
     assert inputs.symbols == {"height": ("images",), "width": ("images",)}
     assert inputs.padded_symbols == frozenset()
@@ -38,13 +38,13 @@ def test_a_detector_with_one_float_input_is_a_tensor_by_default() -> None:
 
 def test_the_image_shorthand_applies_where_the_configuration_asks_for_it() -> None:
     io = ModelIO((TensorDesc("x", F32, (3, 32, 32)),), (TensorDesc("logits", F32, (10,)),))
-    assert isinstance(bind(ModelConfig(path="m.onnx"), io, LIMITS).kinds[0], TensorKind)
+    assert isinstance(bind(ModelConfig(path="m.onnx"), io, LIMITS).kinds[0], BoundTensor)
     for cfg in (
         ModelConfig(path="m.onnx", input="photo"),
         ModelConfig(path="m.onnx", preprocess=PreprocessConfig(mean=(0.4,))),
     ):
         (kind,) = bind(cfg, io, LIMITS).kinds
-        assert isinstance(kind, ImageKind)
+        assert isinstance(kind, BoundImage)
         # Everything unset comes from the model: 32x32, 3 channels, NCHW, float32.
         assert (kind.cfg.size, kind.cfg.channels, kind.cfg.layout) == ((32, 32), 3, "NCHW")
         assert kind.cfg.dtype == "float32" and len(kind.cfg.mean) == 3
@@ -53,13 +53,13 @@ def test_the_image_shorthand_applies_where_the_configuration_asks_for_it() -> No
 def test_image_settings_come_from_the_model_and_a_free_size_must_be_given() -> None:
     nhwc = ModelIO((TensorDesc("px", F32, (64, 48, 3)),), (TensorDesc("y", F32, (2,)),))
     (kind,) = bind(ModelConfig(inputs={"px": ImageInput()}), nhwc, LIMITS).kinds
-    assert isinstance(kind, ImageKind)
+    assert isinstance(kind, BoundImage)
     assert (kind.cfg.layout, kind.cfg.size, kind.cfg.channels) == ("NHWC", (64, 48), 3)
     free = ModelIO((TensorDesc("px", F32, (3, "h", "w")),), (TensorDesc("y", F32, (2,)),))
     with pytest.raises(ConfigError, match=r"model\.inputs\.px\.size: .*any height and width"):
         bind(ModelConfig(inputs={"px": ImageInput()}), free, LIMITS)
     (sized,) = bind(ModelConfig(inputs={"px": ImageInput(size=(40, 30))}), free, LIMITS).kinds
-    assert isinstance(sized, ImageKind) and sized.produced_shape == (3, 40, 30)
+    assert isinstance(sized, BoundImage) and sized.produced_shape == (3, 40, 30)
     uint8 = ModelIO((TensorDesc("px", np.dtype(np.uint8), (8, 8, 3)),), nhwc.outputs)
     with pytest.raises(ConfigError, match=r"model\.inputs\.px: an image is normalised into"):
         bind(ModelConfig(inputs={"px": ImageInput()}), uint8, LIMITS)
@@ -126,7 +126,7 @@ def test_an_input_without_a_batch_dimension_needs_a_value() -> None:
         bind(ModelConfig(), io, LIMITS)
     inputs = bind(ModelConfig(inputs={"sr": ConstantInput(value=16000)}), io, LIMITS)  # type: ignore[arg-type]
     (constant,) = inputs.constants
-    assert isinstance(constant, ConstantKind)
+    assert isinstance(constant, BoundConstant)
     assert constant.value.dtype == I64 and constant.value.shape == () and constant.value == 16000
     assert [k.name for k in inputs.kinds] == ["audio"]
 

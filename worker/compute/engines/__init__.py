@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.compute.engines.base import Engine, EngineInfo, GpuEngine, resolve_model_path
+from worker.compute.engines.base import Engine, GpuEngine
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError
+from worker.model.files import resolve_model_path
+from worker.model.io import EngineInfo
 
 GPU_BACKENDS = ("tensorrt", "torch")
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from worker.compute.engines.base import EngineInfo, Feeds, content_version
+from worker.compute.engines.base import Feeds
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model.io import RawTensor, batched_io, dim, onnx_dtype
+from worker.model.files import content_version
+from worker.model.io import EngineInfo, RawTensor, batched_io, dim, onnx_dtype
 
 
 class OnnxRuntimeEngine:

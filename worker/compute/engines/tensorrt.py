@@ -13,7 +13,7 @@ TensorRT requires contexts that run concurrently on a dynamic-shape engine to us
 different optimization profiles, so slot i selects profile i: build plans with
 as many (identical) profiles as slots (``build-engine --profiles N``).
 
-Batches are padded up to a bucket (``worker.model.buckets``: the preferred
+Batches are padded up to a bucket (``worker.model.shapes``: the preferred
 batch sizes, else powers of two, within the profile's range) and padded
 dimensions to a length bucket (``SlotShapes``), so a context only ever sees a
 few input shapes, and when a slot is created each of them is set and run once,
@@ -57,17 +57,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.compute.engines.base import (
-    EngineInfo,
-    EngineSlot,
-    Feeds,
-    ShapeKey,
-    SlotShapes,
-    TensorSpec,
-    content_version,
-    row_shape,
-    shape_key,
-)
+from worker.compute.engines.base import EngineSlot, Feeds
 from worker.compute.engines.cuda import import_cupy, translate_gpu_error
 from worker.compute.engines.tensorrt_plan import (
     describe_plan,
@@ -77,7 +67,9 @@ from worker.compute.engines.tensorrt_plan import (
 )
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model.buckets import bucket_for, bucket_sizes
+from worker.model.files import content_version
+from worker.model.io import EngineInfo, TensorDesc
+from worker.model.shapes import ShapeKey, SlotShapes, bucket_for, bucket_sizes, shape_key
 
 log = structlog.get_logger(__name__)
 
@@ -143,8 +135,8 @@ class TensorRTEngine:
         self._ranges = plan.row_ranges
         fit = tuple(b for b in (buckets or ()) if self.min_batch_size <= b <= self.max_batch_size)
         self.shapes = SlotShapes(fit or bucket_sizes(self.max_batch_size))
-        self.inputs: tuple[TensorSpec, ...] = ()
-        self.outputs: tuple[TensorSpec, ...] = ()
+        self.inputs: tuple[TensorDesc, ...] = ()
+        self.outputs: tuple[TensorDesc, ...] = ()
         if not any(t.free_axes for t in plan.io.inputs):
             self.prepare(self.shapes)
         self.info = EngineInfo(
@@ -170,7 +162,7 @@ class TensorRTEngine:
                 )
             for desc in self._io.inputs:
                 low, high = self._ranges[desc.name]
-                row = row_shape(desc, lengths)
+                row = desc.row_at(lengths)
                 if any(not lo <= r <= hi for r, lo, hi in zip(row, low, high, strict=True)):
                     raise ConfigError(
                         f"batching.length_buckets: input {desc.name!r} at {list(row)} is outside "
@@ -179,7 +171,7 @@ class TensorRTEngine:
                     )
         self.shapes = shapes
         top = shapes.max_lengths
-        self.inputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.inputs)
+        self.inputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.inputs)
         largest = shapes.batches[-1]
         with self._cp.cuda.Device(self.device):
             ctx = self._engine.create_execution_context()  # dropped below
@@ -194,7 +186,7 @@ class TensorRTEngine:
                     raise ConfigError(
                         f"engine output {desc.name!r}: cannot size its buffer ({shape})"
                     )
-                outs.append(TensorSpec(desc.name, desc.dtype, shape[1:]))
+                outs.append(TensorDesc(desc.name, desc.dtype, shape[1:]))
             del ctx
         self.outputs = tuple(outs)
 
@@ -313,7 +305,7 @@ class TensorRTEngine:
             return
         c.graph, c.key = None, None  # unknown until it succeeds
         for desc in self._io.inputs:
-            shape = (batch, *row_shape(desc, lengths))
+            shape = (batch, *desc.row_at(lengths))
             if not c.context.set_input_shape(desc.name, shape):
                 raise InferenceFailed(
                     f"tensorrt: set_input_shape({desc.name}, {shape}) failed: "

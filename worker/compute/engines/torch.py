@@ -46,18 +46,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.compute.engines.base import (
-    EngineInfo,
-    EngineSlot,
-    Feeds,
-    ShapeKey,
-    SlotShapes,
-    TensorSpec,
-    content_version,
-    dense,
-    row_shape,
-    shape_key,
-)
+from worker.compute.engines.base import EngineSlot, Feeds
 from worker.compute.engines.cuda import buffer_address, translate_gpu_error
 from worker.compute.engines.torch_module import (
     compute_dtype,
@@ -72,10 +61,10 @@ from worker.compute.engines.torch_module import (
 from worker.compute.engines.torch_warm import warm
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model.buckets import bucket_for, bucket_sizes
+from worker.model.files import content_version
 from worker.model.inputs.image import resolve_declared
-from worker.model.io import ModelIO, TensorDesc
-from worker.model.preprocess import batch_shape
+from worker.model.io import EngineInfo, ModelIO, TensorDesc
+from worker.model.shapes import ShapeKey, SlotShapes, bucket_for, bucket_sizes, dense, shape_key
 
 log = structlog.get_logger(__name__)
 
@@ -139,7 +128,7 @@ class TorchEngine:
             pp = resolve_declared(
                 cfg.preprocess, "a TorchScript file does not declare its input's shape"
             )
-            inp = TensorDesc("input", np.dtype(pp.dtype), batch_shape(pp, 1)[1:])
+            inp = TensorDesc("input", np.dtype(pp.dtype), pp.batch_shape(1)[1:])
             rows = min(2, self.max_batch_size)
             with self._on_device():
                 outputs = probe_outputs(
@@ -148,8 +137,8 @@ class TorchEngine:
                 )  # fmt: skip
             io = ModelIO((inp,), outputs)
         self._io = io
-        self.inputs: tuple[TensorSpec, ...] = ()
-        self.outputs: tuple[TensorSpec, ...] = ()
+        self.inputs: tuple[TensorDesc, ...] = ()
+        self.outputs: tuple[TensorDesc, ...] = ()
         if not any(t.free_axes for t in (*io.inputs, *io.outputs)):
             self.prepare(self.shapes)  # fixed shapes: sized now (what tools read)
         self.info = EngineInfo(
@@ -187,9 +176,9 @@ class TorchEngine:
                 )
         top = shapes.max_lengths
         self.shapes = shapes
-        self.inputs = tuple(TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.inputs)
+        self.inputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.inputs)
         self.outputs = tuple(
-            TensorSpec(t.name, t.dtype, row_shape(t, top)) for t in self._io.outputs
+            TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.outputs
         )
 
     def _fit_precision(self, io: ModelIO) -> None:
@@ -232,7 +221,7 @@ class TorchEngine:
 
     def _zeros(self, desc: TensorDesc, rows: int, lengths: Mapping[str, int]) -> Any:
         dtype = self._torch.from_numpy(np.zeros(0, desc.dtype)).dtype
-        return self._torch.zeros((rows, *row_shape(desc, lengths)), dtype=dtype,
+        return self._torch.zeros((rows, *desc.row_at(lengths)), dtype=dtype,
                                  device=self._device)  # fmt: skip
 
     # --- running the module ----------------------------------------------------------
@@ -311,7 +300,7 @@ class TorchEngine:
         records each output's row shape for the run. ``mark``: mark the batch and
         padded dimensions dynamic (the warm-up's first call compiles for them)."""
         inputs = [
-            dense(c.inputs[desc.name], rows, row_shape(desc, lengths)) for desc in self._io.inputs
+            dense(c.inputs[desc.name], rows, desc.row_at(lengths)) for desc in self._io.inputs
         ]
         values = self._call(self._module, inputs, mark=mark and self._module is not self._eager)
         if len(values) != len(self.outputs):
@@ -325,7 +314,7 @@ class TorchEngine:
                 t.dim() < 1
                 or int(t.shape[0]) != rows
                 or len(row) != len(spec.shape)
-                or any(r > m for r, m in zip(row, spec.shape, strict=True))
+                or any(r > m for r, m in zip(row, spec.fixed_shape, strict=True))
             ):
                 raise InferenceFailed(
                     f"torch: output {spec.name!r} has shape {tuple(t.shape)} for {rows} rows; "

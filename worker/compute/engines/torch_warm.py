@@ -21,8 +21,8 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from worker.compute.engines.base import shape_key
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
+from worker.model.shapes import shape_key
 
 log = structlog.get_logger(__name__)
 

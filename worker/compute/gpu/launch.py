@@ -35,7 +35,7 @@ from typing import Any, Final, NamedTuple
 
 import numpy as np
 
-from worker.compute.engines.base import GpuEngine, dense
+from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import translate_gpu_error
 from worker.compute.gpu import kernels
 from worker.compute.gpu.nvjpeg import NvJpeg
@@ -44,8 +44,9 @@ from worker.compute.gpu.slots import Slot, StagedImage, pack_batch
 from worker.flow.errors import EngineDead, WorkerError
 from worker.flow.messages import Answer
 from worker.model.inputs import ModelInputs
-from worker.model.inputs.base import InputKind
-from worker.model.inputs.image import ImageKind
+from worker.model.inputs.base import BoundInput
+from worker.model.inputs.image import BoundImage
+from worker.model.shapes import dense
 
 _H2D: Final = 1  # cudaMemcpyHostToDevice
 _D2H: Final = 2  # cudaMemcpyDeviceToHost
@@ -89,8 +90,8 @@ class Launcher:
         cupy: Any,
         engine: GpuEngine,
         inputs: ModelInputs,
-        device_image: ImageKind | None,
-        host: Sequence[InputKind],
+        device_image: BoundImage | None,
+        host: Sequence[BoundInput],
         plan: PostprocessPlan,
         nvjpeg: NvJpeg | None = None,
     ) -> None:

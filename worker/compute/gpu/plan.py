@@ -16,20 +16,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.compute.engines.base import GpuEngine, SlotShapes, TensorSpec
+from worker.compute.engines.base import GpuEngine
 from worker.config import ModelConfig, PostprocessConfig
 from worker.flow.errors import ConfigError
-from worker.model.buckets import bucket_sizes, slot_buckets
 from worker.model.inputs import ModelInputs
-from worker.model.inputs.base import InputKind
-from worker.model.inputs.image import ImageKind
+from worker.model.inputs.base import BoundInput
+from worker.model.inputs.image import BoundImage
+from worker.model.io import TensorDesc
+from worker.model.shapes import SlotShapes, bucket_sizes, slot_buckets
 
 
 @dataclass(frozen=True)
 class PostprocessPlan:
     """What the device does after the engine, fixed at start-up."""
 
-    raw: TensorSpec  # the engine output that is postprocessed
+    raw: TensorDesc  # the engine output that is postprocessed
     topk: int  # columns of the top-k results (0: none)
     gpu_softmax_rows: bool  # probabilities computed on device
     host_postprocess: bool  # raw output comes back and the host reference runs on it
@@ -38,7 +39,7 @@ class PostprocessPlan:
 
     @property
     def result_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {t.name: t.shape for t in self.result_specs}
+        return {t.name: t.fixed_shape for t in self.result_specs}
 
     @property
     def forms(self) -> tuple[str, ...]:
@@ -50,15 +51,15 @@ class PostprocessPlan:
         return (*names, *(t.name for t in self.result_specs))
 
     @property
-    def result_specs(self) -> tuple[TensorSpec, ...]:
+    def result_specs(self) -> tuple[TensorDesc, ...]:
         """Device buffers the postprocess kernels write (beside the engine's own)."""
         if self.topk:
             return (
-                TensorSpec("topk_indices", np.dtype(np.int64), (self.topk,)),
-                TensorSpec("topk_scores", np.dtype(np.float32), (self.topk,)),
+                TensorDesc("topk_indices", np.dtype(np.int64), (self.topk,)),
+                TensorDesc("topk_scores", np.dtype(np.float32), (self.topk,)),
             )
         if self.gpu_softmax_rows:
-            return (TensorSpec("probabilities", np.dtype(np.float32), self.raw.shape),)
+            return (TensorDesc("probabilities", np.dtype(np.float32), self.raw.shape),)
         return ()
 
 
@@ -86,7 +87,7 @@ def postprocess_plan(
     kernel_fits = (
         raw.dtype in (np.float32, np.float16)
         and raw_name not in varying
-        and (math.prod(raw.shape[:-1]) == 1 or not pp.softmax)
+        and (math.prod(raw.fixed_shape[:-1]) == 1 or not pp.softmax)
     )
     wants_device_work = pp.top_k > 0 or pp.softmax
     if not wants_device_work:
@@ -107,10 +108,10 @@ def postprocess_plan(
     )
 
 
-def device_image(inputs: ModelInputs) -> ImageKind | None:
+def device_image(inputs: ModelInputs) -> BoundImage | None:
     """The image input the kernels preprocess on the device (``device = "gpu"``):
     at most one (one packed staging buffer per slot)."""
-    on_device = [k for k in inputs.kinds if isinstance(k, ImageKind) and k.cfg.device == "gpu"]
+    on_device = [k for k in inputs.kinds if isinstance(k, BoundImage) and k.cfg.device == "gpu"]
     if len(on_device) > 1:
         names = ", ".join(k.name for k in on_device)
         raise ConfigError(
@@ -120,7 +121,7 @@ def device_image(inputs: ModelInputs) -> ImageKind | None:
     return on_device[0] if on_device else None
 
 
-def host_kinds(inputs: ModelInputs, on_device: ImageKind | None) -> tuple[InputKind, ...]:
+def host_kinds(inputs: ModelInputs, on_device: BoundImage | None) -> tuple[BoundInput, ...]:
     """The inputs collated on the host into the slot's pinned twins."""
     return tuple(k for k in inputs.kinds if k is not on_device)
 
@@ -132,7 +133,7 @@ def slot_shapes(
     length_buckets: tuple[int, ...] = (),
     min_batch_size: int = 1,
 ) -> SlotShapes:
-    """Every shape the slots run: batch buckets (``worker.model.buckets``) x,
+    """Every shape the slots run: batch buckets (``worker.model.shapes``) x,
     per padded dimension, its length buckets up to the input's bound
     (``batching.length_buckets`` below it, else powers of two) and the bound
     itself. A padded dimension without a bound cannot have buffers: refused."""

@@ -33,8 +33,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from worker.compute.engines.base import TensorSpec
 from worker.flow.errors import EngineDead, WorkerError
+from worker.model.io import TensorDesc
 
 
 @dataclass
@@ -239,9 +239,9 @@ class SlotLayout:
 
     device: int
     max_batch_size: int
-    engine_inputs: tuple[TensorSpec, ...]
-    engine_outputs: tuple[TensorSpec, ...]
-    results: tuple[TensorSpec, ...] = ()
+    engine_inputs: tuple[TensorDesc, ...]
+    engine_outputs: tuple[TensorDesc, ...]
+    results: tuple[TensorDesc, ...] = ()
     copy_back: tuple[str, ...] = ()
     max_input_bytes: int = 0
     host_inputs: tuple[str, ...] = ()
@@ -259,7 +259,7 @@ class SlotLayout:
         if unknown:
             raise ValueError(f"host_inputs names unknown engine inputs: {sorted(unknown)}")
 
-    def spec(self, name: str) -> TensorSpec:
+    def spec(self, name: str) -> TensorDesc:
         for t in (*self.engine_inputs, *self.engine_outputs, *self.results):
             if t.name == name:
                 return t
@@ -346,17 +346,20 @@ class Slot:
             # stream, so slots overlap with each other and with other libraries.
             stream = cupy.cuda.Stream(non_blocking=True)
             events = SlotEvents(*(cupy.cuda.Event() for _ in range(4)))
-            engine_inputs = {t.name: device((n, *t.shape), t.dtype) for t in layout.engine_inputs}
-            engine_outputs = {t.name: device((n, *t.shape), t.dtype) for t in layout.engine_outputs}
-            results = {t.name: device((n, *t.shape), t.dtype) for t in layout.results}
+            def buffers(tensors: tuple[TensorDesc, ...]) -> dict[str, Any]:
+                return {t.name: device((n, *t.fixed_shape), t.dtype) for t in tensors}
+
+            engine_inputs = buffers(layout.engine_inputs)
+            engine_outputs = buffers(layout.engine_outputs)
+            results = buffers(layout.results)
             host_results = {}
             for name in layout.copy_back:
                 spec = layout.spec(name)
-                host_results[name] = pinned((n, *spec.shape), spec.dtype)
+                host_results[name] = pinned((n, *spec.fixed_shape), spec.dtype)
             host_inputs = {}
             for name in layout.host_inputs:
                 spec = layout.spec(name)
-                host_inputs[name] = pinned((n, *spec.shape), spec.dtype)
+                host_inputs[name] = pinned((n, *spec.fixed_shape), spec.dtype)
             slot = cls(
                 index=index,
                 device=layout.device,

@@ -17,8 +17,8 @@ from worker.compute.gpu.slots import DeviceImage
 from worker.contract import EncodedImage, ErrorInfo
 from worker.flow.messages import Answer
 from worker.model.decode import decode_pending
-from worker.model.inputs.base import InputKind
-from worker.model.inputs.image import ImageKind
+from worker.model.inputs.base import BoundInput
+from worker.model.inputs.image import BoundImage
 from worker.obs import metrics
 
 OnDevice = Mapping[int, DeviceImage]
@@ -96,7 +96,7 @@ def route_encoded(
 
 
 def needs_host_work(
-    answers: list[Answer], host: Sequence[InputKind], image: ImageKind | None
+    answers: list[Answer], host: Sequence[BoundInput], image: BoundImage | None
 ) -> bool:
     """Whether a batch has host work before it can be staged."""
     if image is not None and image.pending(answers):
@@ -105,7 +105,7 @@ def needs_host_work(
 
 
 def prepare_on_host(
-    answers: list[Answer], host: Sequence[InputKind], image: ImageKind | None, use_nvjpeg: bool
+    answers: list[Answer], host: Sequence[BoundInput], image: BoundImage | None, use_nvjpeg: bool
 ) -> tuple[list[Answer], dict[int, DeviceImage]]:
     """On a stage thread: the host inputs' batch work (tokenize, decode files of
     images preprocessed on the CPU) and the device image's files nvJPEG does not

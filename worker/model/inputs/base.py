@@ -11,7 +11,6 @@ one line in ``worker.model.inputs.binding``'s registry.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -21,9 +20,10 @@ import numpy as np
 from worker.contract import EncodedImage, InputValue
 from worker.flow.messages import Answer
 from worker.model.io import TensorDesc
+from worker.model.shapes import dense
 
 
-class InputKind(ABC):
+class BoundInput(ABC):
     """One request input (``name``) and the model inputs it feeds."""
 
     kind: ClassVar[str]
@@ -94,20 +94,6 @@ def value_kind(value: InputValue) -> str:
     return f"a tensor ({value.dtype} {list(value.shape)})"
 
 
-def batch_shape(desc: TensorDesc, padded: Mapping[str, int]) -> tuple[int, ...]:
-    """One row's shape in a batch: free axes at their padded lengths."""
-    return tuple(
-        d if isinstance(d, int) else padded[desc.symbol(axis)] for axis, d in enumerate(desc.shape)
-    )
-
-
-def batch_view(buffer: np.ndarray, n: int, row_shape: tuple[int, ...]) -> np.ndarray:
-    """A dense ``[n, *row_shape]`` array over the start of a preallocated buffer
-    (sized for the largest batch at the longest lengths): what an engine reads."""
-    count = n * math.prod(row_shape)
-    return buffer.reshape(-1)[:count].reshape((n, *row_shape))
-
-
 def pad_rows(
     rows: Sequence[np.ndarray],
     desc: TensorDesc,
@@ -121,7 +107,7 @@ def pad_rows(
     GPU), stacked at the model input's batch axis. One copy per row; into the
     preallocated buffer already in ``out`` under that name, if any."""
     n = len(rows)
-    shape = batch_shape(desc, padded)
+    shape = desc.row_at(padded)
     buffer = out.get(desc.name)
     if buffer is None:
         if all(r.shape == shape for r in rows):
@@ -130,7 +116,7 @@ def pad_rows(
             return
         view = np.full((n, *shape), pad_value, dtype=desc.dtype)
     else:
-        view = batch_view(buffer, n, shape)
+        view = dense(buffer, n, shape)
         if any(r.shape != shape for r in rows):
             view.fill(pad_value)
     for i, row in enumerate(rows):

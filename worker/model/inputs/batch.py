@@ -29,7 +29,7 @@ import numpy as np
 from worker.contract import Request, Tensor
 from worker.flow.errors import InvalidRequest
 from worker.flow.messages import Answer
-from worker.model.inputs.base import InputKind
+from worker.model.inputs.base import BoundInput
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,9 @@ def length_bucket(length: int, buckets: Sequence[int]) -> int:
 class ModelInputs:
     def __init__(
         self,
-        kinds: Sequence[InputKind],
+        kinds: Sequence[BoundInput],
         *,
-        constants: Sequence[InputKind] = (),
+        constants: Sequence[BoundInput] = (),
         padded: frozenset[str] = frozenset(),
         split_by_length: bool = True,
         length_buckets: Sequence[int] = (),
@@ -234,7 +234,7 @@ class ModelInputs:
         answers: Sequence[Answer],
         padded: Mapping[str, int] | None = None,
         buffers: Mapping[str, np.ndarray] | None = None,
-        kinds: Sequence[InputKind] | None = None,
+        kinds: Sequence[BoundInput] | None = None,
     ) -> Collated:
         """The feeds of one engine run, padded to ``padded`` (default: the longest
         rows), written into ``buffers`` where given (by feed name); ``kinds``: only

@@ -39,44 +39,48 @@ from worker.config.model import ConstantInput, ImageInput, InputConfig, TensorIn
 from worker.config.runtime import BatchingConfig
 from worker.contract import DTYPES
 from worker.flow.errors import ConfigError
-from worker.model.inputs.base import InputKind
+from worker.model.files import BUILTIN_MODELS
+from worker.model.inputs.base import BoundInput
 from worker.model.inputs.batch import ModelInputs
-from worker.model.inputs.constant import ConstantKind
-from worker.model.inputs.image import ImageKind
-from worker.model.inputs.tensor import TensorKind
-from worker.model.inputs.text import TextKind
-from worker.model.io import BUILTIN_MODELS, ModelIO, TensorDesc, select_outputs
+from worker.model.inputs.constant import BoundConstant
+from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
+from worker.model.inputs.text import BoundText
+from worker.model.io import ModelIO, TensorDesc
+from worker.model.outputs import select_outputs
 
 log = structlog.get_logger(__name__)
 
-Binder = Callable[[str, InputConfig, ModelIO, LimitsConfig, str], InputKind]
+Binder = Callable[[str, InputConfig, ModelIO, LimitsConfig, str], BoundInput]
 
 
-def _tensor(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
+def _tensor(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> BoundInput:
     assert isinstance(cfg, TensorInput)
     feed = _feed(name, cfg.feed, io, at)
     _needs_batch(feed, at)
-    return TensorKind(name, cfg, feed, cfg.max_length)
+    return BoundTensor(name, cfg, feed, cfg.max_length)
 
 
-def _image(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
+def _image(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> BoundInput:
     assert isinstance(cfg, ImageInput)
     feed = _feed(name, cfg.feed, io, at)
     _needs_batch(feed, at, first=True)
-    return ImageKind(name, cfg, feed, limits.max_image_pixels, setting=at)
+    return BoundImage(name, cfg, feed, limits.max_image_pixels, setting=at)
 
 
-def _text(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
+def _text(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> BoundInput:
     assert isinstance(cfg, TextInput)
-    kind = TextKind(name, cfg, io, at)
+    kind = BoundText(name, cfg, io, at)
     for feed in kind.feeds:
         _needs_batch(feed, at, first=True)
     return kind
 
 
-def _constant(name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str) -> InputKind:
+def _constant(
+    name: str, cfg: InputConfig, io: ModelIO, limits: LimitsConfig, at: str
+) -> BoundInput:
     assert isinstance(cfg, ConstantInput)
-    return ConstantKind(name, cfg, _feed(name, cfg.feed, io, at), at)
+    return BoundConstant(name, cfg, _feed(name, cfg.feed, io, at), at)
 
 
 # One line per kind: adding a kind is its module and this line.
@@ -145,11 +149,11 @@ def bind(
     batching: BatchingConfig | None = None,
 ) -> ModelInputs:
     """The request inputs of ``model`` bound to ``io`` (see the module docstring)."""
-    kinds: list[InputKind] = []
-    constants: list[InputKind] = []
+    kinds: list[BoundInput] = []
+    constants: list[BoundInput] = []
     fed_by: dict[str, str] = {}
 
-    def claim(kind: InputKind, at: str) -> None:
+    def claim(kind: BoundInput, at: str) -> None:
         if kind.name in {k.name for k in (*kinds, *constants)}:
             raise ConfigError(f"{at}: request input {kind.name!r} is defined twice")
         for feed in kind.feeds:
@@ -164,7 +168,7 @@ def bind(
                     f"contract cannot carry (supported: {', '.join(sorted(DTYPES))})"
                 )
             fed_by[feed.name] = kind.name
-        (constants if isinstance(kind, ConstantKind) else kinds).append(kind)
+        (constants if isinstance(kind, BoundConstant) else kinds).append(kind)
 
     entries = configured_inputs(model)
     for name, cfg in entries.items():
@@ -173,7 +177,7 @@ def bind(
     if not any(isinstance(c, ImageInput) for c in entries.values()) and _wants_shorthand(model):
         images = [t for t in io.inputs if t.name not in fed_by and _image_shaped(t)]
         if len(images) == 1:
-            shorthand = ImageKind(
+            shorthand = BoundImage(
                 model.input or "image", model.preprocess, images[0], limits.max_image_pixels
             )
             claim(shorthand, "model.input")
@@ -187,7 +191,7 @@ def bind(
         if desc.name not in fed_by:
             at = f"model.inputs.{desc.name}"
             _needs_batch(desc, at)
-            claim(TensorKind(desc.name, TensorInput(), desc, 0), at)
+            claim(BoundTensor(desc.name, TensorInput(), desc, 0), at)
     if not kinds:
         raise ConfigError("model.path: the model declares no inputs a request can carry")
     b = batching or BatchingConfig()
@@ -208,7 +212,7 @@ def bind(
 def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:
     """The free dimensions rows may be padded on (see the module docstring)."""
     for symbol, names in inputs.symbols.items():
-        asked = [n for n in names if isinstance(inputs.by_name[n], TensorKind)
+        asked = [n for n in names if isinstance(inputs.by_name[n], BoundTensor)
                  and inputs.by_name[n].pads]  # fmt: skip
         others = [n for n in names if not inputs.by_name[n].pads]
         if asked and others:
@@ -233,7 +237,7 @@ def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:
     for padded in sorted(candidates):
         for name in inputs.symbols[padded]:
             kind = inputs.by_name[name]
-            if isinstance(kind, TensorKind):
+            if isinstance(kind, BoundTensor):
                 raise ConfigError(
                     f"model.inputs.{name}.pad: the output {desc.name!r} ({desc.shown()}) has a "
                     f"dimension {symbol!r} that no input's dimension names, so a run padded on "
@@ -267,7 +271,7 @@ def fit_limits(limits: LimitsConfig, inputs: ModelInputs) -> LimitsConfig:
         (
             f.row_elements * f.dtype.itemsize
             for k in inputs.kinds
-            if isinstance(k, TensorKind)
+            if isinstance(k, BoundTensor)
             for f in k.feeds
             if f.fixed
         ),
@@ -287,7 +291,7 @@ def fit_limits(limits: LimitsConfig, inputs: ModelInputs) -> LimitsConfig:
 
 def is_classifier(inputs: ModelInputs) -> bool:
     """One request input, an image: softmax / top-k by default (``PostprocessConfig``)."""
-    return len(inputs.kinds) == 1 and isinstance(inputs.kinds[0], ImageKind)
+    return len(inputs.kinds) == 1 and isinstance(inputs.kinds[0], BoundImage)
 
 
 def summary(inputs: ModelInputs) -> Mapping[str, str]:

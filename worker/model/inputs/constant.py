@@ -18,11 +18,12 @@ import numpy as np
 from worker.config.model import ConstantInput
 from worker.contract import InputValue
 from worker.flow.errors import ConfigError, InvalidRequest
-from worker.model.inputs.base import InputKind, batch_view
+from worker.model.inputs.base import BoundInput
 from worker.model.io import TensorDesc
+from worker.model.shapes import dense
 
 
-class ConstantKind(InputKind):
+class BoundConstant(BoundInput):
     kind = "constant"
 
     def __init__(self, name: str, cfg: ConstantInput, feed: TensorDesc, setting: str) -> None:
@@ -53,7 +54,7 @@ class ConstantKind(InputKind):
             view = (
                 np.empty((n, *self.value.shape), self.desc.dtype)
                 if buffer is None
-                else batch_view(buffer, n, self.value.shape)
+                else dense(buffer, n, self.value.shape)
             )
             view[...] = self.value
             out[self.desc.name] = view

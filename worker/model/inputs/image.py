@@ -24,12 +24,12 @@ from worker.contract import EncodedImage, InputValue, check_image_value
 from worker.flow.errors import ConfigError
 from worker.flow.messages import Answer
 from worker.model.decode import decode_pending
-from worker.model.inputs.base import InputKind
+from worker.model.inputs.base import BoundInput
 from worker.model.io import Dim, TensorDesc
-from worker.model.preprocess import ImagePreprocess, batch_shape, preprocess_into
+from worker.model.preprocess import ImagePreprocess, preprocess_into
 
 
-class ImageKind(InputKind):
+class BoundImage(BoundInput):
     kind = "image"
 
     def __init__(
@@ -45,7 +45,7 @@ class ImageKind(InputKind):
         self.cfg = resolve(cfg, feed, setting)
         self.desc = feed
         self.max_pixels = max_pixels
-        self.produced_shape = batch_shape(self.cfg, 1)[1:]
+        self.produced_shape = self.cfg.batch_shape(1)[1:]
         _check_fits(cfg, self.cfg, feed, setting)
 
     def row_ranks(self) -> tuple[int, ...]:
@@ -69,7 +69,7 @@ class ImageKind(InputKind):
     ) -> None:
         buffer = out.get(self.desc.name)
         if buffer is None:
-            buffer = np.empty(batch_shape(self.cfg, len(rows)), dtype=np.dtype(self.cfg.dtype))
+            buffer = np.empty(self.cfg.batch_shape(len(rows)), dtype=np.dtype(self.cfg.dtype))
         out[self.desc.name] = preprocess_into(rows, self.cfg, buffer)
 
 
@@ -161,7 +161,7 @@ def _check_fits(given: PreprocessConfig, cfg: ImagePreprocess, feed: TensorDesc,
     """Refuse to start when preprocessing cannot produce what the model takes
     (every request would otherwise fail at run time, after retries), naming the
     keys the configuration set (``given``): only they can disagree with the model."""
-    produced = batch_shape(cfg, 1)[1:]
+    produced = cfg.batch_shape(1)[1:]
     declared = feed.shape
     fits = len(declared) == len(produced) and all(
         not isinstance(d, int) or d == p for d, p in zip(declared, produced, strict=True)

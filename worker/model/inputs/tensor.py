@@ -20,11 +20,11 @@ import numpy as np
 from worker.config.model import TensorInput
 from worker.contract import InputValue, Tensor
 from worker.flow.errors import InvalidRequest, TensorTooLarge
-from worker.model.inputs.base import InputKind, pad_rows, value_kind
+from worker.model.inputs.base import BoundInput, pad_rows, value_kind
 from worker.model.io import TensorDesc
 
 
-class TensorKind(InputKind):
+class BoundTensor(BoundInput):
     kind = "tensor"
 
     def __init__(self, name: str, cfg: TensorInput, feed: TensorDesc, max_length: int) -> None:

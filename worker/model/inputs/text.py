@@ -20,8 +20,10 @@ from worker.config.model import TextInput
 from worker.contract import ErrorInfo, InputValue
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Answer
-from worker.model.inputs.base import InputKind, batch_shape, batch_view, value_kind
-from worker.model.io import ModelIO, TensorDesc, resolve_tokenizer_path
+from worker.model.files import resolve_tokenizer_path
+from worker.model.inputs.base import BoundInput, value_kind
+from worker.model.io import ModelIO, TensorDesc
+from worker.model.shapes import dense
 from worker.obs import metrics
 
 
@@ -47,7 +49,7 @@ def load_tokenizer(cfg: TextInput, setting: str) -> tuple[Any, int]:
     return tokenizer, int(pad_id or 0)
 
 
-class TextKind(InputKind):
+class BoundText(BoundInput):
     kind = "text"
     # The attention mask is fed, so padding tokens change no token's answer; the
     # outputs that follow the sequence are cut back (``worker.model.inputs.binding``).
@@ -118,12 +120,12 @@ class TextKind(InputKind):
     ) -> None:
         n = len(rows)
         for feed, field in zip(self.feeds, ("ids", "attention_mask", "type_ids"), strict=False):
-            shape = batch_shape(feed, padded)
+            shape = feed.row_at(padded)
             buffer = out.get(feed.name)
             view = (
                 np.empty((n, *shape), dtype=feed.dtype)
                 if buffer is None
-                else batch_view(buffer, n, shape)
+                else dense(buffer, n, shape)
             )
             view.fill(self._pads.get(feed.name, 0))
             for i, encoding in enumerate(rows):

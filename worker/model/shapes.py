@@ -1,4 +1,4 @@
-"""Batch buckets: the few batch sizes a GPU engine is compiled, warmed and captured for.
+"""The shapes a run has: its batch bucket and its length per free dimension.
 
 A compiled engine (and each CUDA graph) is specialised to a shape. Running a
 batch of a size it has not seen makes torch re-specialise or recompile on the
@@ -13,13 +13,55 @@ Buckets are ``batching.preferred_batch_sizes`` when given (the sizes the
 operator tuned for), else the powers of two below ``max_batch_size``; the
 maximum itself is always one. Powers of two waste at most half a batch of
 compute on padding, and keep the count (and so start-up time and graph memory)
-at ``log2(max) + 1``.
+at ``log2(max) + 1``. ``SlotShapes`` is every (batch, lengths) a GPU slot runs.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ShapeKey = tuple[int, tuple[tuple[str, int], ...]]
+"""A run's shape: its batch bucket and its length per padded symbol."""
+
+
+def shape_key(batch: int, lengths: Mapping[str, int]) -> ShapeKey:
+    """The one key an engine files a shape's graph, context state and output
+    shapes under, and finds them by (lengths in symbol order)."""
+    return batch, tuple(sorted(lengths.items()))
+
+
+@dataclass(frozen=True)
+class SlotShapes:
+    """Every shape a slot's engine runs: the batch buckets, and for each padded
+    free dimension (by its symbol, ``worker.model.io``) its length buckets. Every
+    combination is run (and compiled, and captured) at start-up, before the
+    worker joins its group, so no request waits on a new shape; buffers are
+    sized for the largest."""
+
+    batches: tuple[int, ...]
+    lengths: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (symbol, ascending buckets)
+
+    @property
+    def max_lengths(self) -> dict[str, int]:
+        return {symbol: buckets[-1] for symbol, buckets in self.lengths}
+
+    def combos(self) -> list[tuple[int, dict[str, int]]]:
+        """Every (batch, lengths) a run may have, largest first (it sizes pools)."""
+        lengths: list[dict[str, int]] = [{}]
+        for symbol, buckets in self.lengths:
+            lengths = [{**known, symbol: b} for known in lengths for b in buckets]
+        out = [(batch, known) for batch in self.batches for known in lengths]
+        return sorted(out, key=lambda c: (c[0], sorted(c[1].values())), reverse=True)
+
+
+def dense(buffer: Any, n: int, row: tuple[int, ...]) -> Any:
+    """``[n, *row]`` over the start of a buffer allocated for the largest batch and
+    lengths: the layout engines read and write (CuPy, NumPy or torch arrays)."""
+    return buffer.reshape(-1)[: n * math.prod(row)].reshape((n, *row))
 
 
 def bucket_sizes(max_batch_size: int, preferred: Sequence[int] = ()) -> tuple[int, ...]:
