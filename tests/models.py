@@ -11,7 +11,7 @@ from worker.compute.engines import load_engine
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PreprocessConfig
 from worker.contract import Request
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
-from worker.model.inputs import ModelInputs, bind
+from worker.model.inputs import ModelInputs, bind, bind_model
 from worker.model.inputs.image import resolve_declared
 from worker.model.preprocess import ImagePreprocess
 
@@ -46,6 +46,27 @@ def jobs_for(inputs: Any, requests: list[dict[str, Any]]) -> list[Job]:
     return jobs
 
 
+def cpu_stage(
+    cfg: ModelConfig,
+    engine: Any = None,
+    batching: BatchingConfig | None = None,
+    *,
+    batches_in: Any = None,
+    completed_out: Any = None,
+    max_batch_size: int = 64,
+    max_inflight: int = 1,
+    max_attempts: int = 2,
+) -> InferenceStage:
+    """A CPU stage over ``engine`` (default: ``cfg``'s, loaded), bound as the
+    worker binds it (``bind_model``)."""
+    engine = engine if engine is not None else load_engine(cfg)
+    binding = bind_model(cfg, engine.info.io, LimitsConfig(), batching)
+    return InferenceStage(
+        batches_in, completed_out, engine, binding,
+        max_batch_size=max_batch_size, max_inflight=max_inflight, max_attempts=max_attempts,
+    )  # fmt: skip
+
+
 async def run_stage(
     cfg: ModelConfig,
     requests: list[dict[str, Any]],
@@ -63,8 +84,8 @@ async def run_stage(
             return run(feeds)
 
         engine.run = recorded  # type: ignore[method-assign]
-    inputs = bind(cfg, engine.info.io, LimitsConfig(), batching)
-    stage = InferenceStage(None, None, engine, cfg, 64, 1, inputs=inputs)  # type: ignore[arg-type]
+    stage = cpu_stage(cfg, engine, batching)
+    inputs = stage.binding.inputs
     try:
         return await stage.run_batch(Batch(jobs_for(inputs, requests), time.monotonic(), "full"))
     finally:

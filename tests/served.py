@@ -16,13 +16,11 @@ from typing import Any
 import numpy as np
 
 from tests import onnx_models, real_models
-from tests.models import jobs_for
-from worker.compute.cpu import InferenceStage
+from tests.models import cpu_stage, jobs_for
 from worker.compute.engines import load_engine
-from worker.config import BatchingConfig, LimitsConfig, ModelConfig, load_settings
+from worker.config import BatchingConfig, ModelConfig, load_settings
 from worker.contract import Tensor
 from worker.flow.messages import Answer, Batch
-from worker.model.inputs import bind
 
 Values = dict[str, Any]  # request input -> numpy row, or a text
 
@@ -134,9 +132,8 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, batching: BatchingConfig | None = None) -> None:
         self.engine = load_engine(cfg)
-        self.inputs = bind(cfg, self.engine.info.io, LimitsConfig(), batching)
-        self.stage = InferenceStage(None, None, self.engine, cfg, 64, 1,  # type: ignore[arg-type]
-                                    inputs=self.inputs)  # fmt: skip
+        self.stage = cpu_stage(cfg, self.engine, batching)
+        self.inputs = self.stage.binding.inputs
 
     async def answer(self, requests: list[Values]) -> list[Answer]:
         given = [

@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 
 from worker.compute.engines.base import EngineSlot
+from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.contract import EncodedImage, sniff_format
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.model.inputs import bind_model
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 from worker.model.shapes import SlotShapes
 
@@ -267,3 +269,25 @@ class IdentityEngine:
 
     def close(self) -> None:
         pass
+
+
+def gpu_stage(
+    source: Any,
+    sink: Any,
+    engine: Any,
+    model: ModelConfig,
+    max_batch_size: int,
+    num_slots: int,
+    gpu: GpuConfig | None = None,
+    *,
+    batching: BatchingConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A GPU stage over ``engine``, bound as the worker binds it (``bind_model``)."""
+    from worker.compute.gpu.stage import GpuInferenceStage
+
+    binding = bind_model(model, engine.info.io, LimitsConfig(), batching)
+    return GpuInferenceStage(
+        source, sink, engine, binding, max_batch_size=max_batch_size, num_slots=num_slots,
+        gpu=gpu or GpuConfig(), **kwargs,
+    )  # fmt: skip

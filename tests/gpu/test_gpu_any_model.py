@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.compute.cpu import InferenceStage
+from tests.gpu.support import gpu_stage
+from tests.models import cpu_stage
 from worker.compute.engines import load_engine
 from worker.compute.engines.base import EngineSlot
-from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput
 from worker.contract import Request, Tensor
@@ -126,7 +126,7 @@ async def gpu_answers(
 ) -> list[Completed]:
     inputs = bind(model, engine.info.io, LimitsConfig(), BatchingConfig())
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 64, 2, GpuConfig(), inputs=inputs)
+    stage = gpu_stage(source, sink, engine, model, 64, 2, GpuConfig(), batching=BatchingConfig())
     try:
         all_jobs = jobs(inputs, requests)
         batches, start = [], 0
@@ -226,7 +226,7 @@ async def test_the_bundled_text_model_equals_the_cpu_stage(cp: Any) -> None:
     cpu_model = ModelConfig(path="builtin:sentiment")
     engine = load_engine(cpu_model)
     inputs = bind(cpu_model, engine.info.io, LimitsConfig())
-    stage = InferenceStage(None, None, engine, cpu_model, 64, 1, inputs=inputs)  # type: ignore[arg-type]
+    stage = cpu_stage(cpu_model, engine)
     cpu = await stage.run_batch(Batch(jobs(inputs, requests), time.monotonic(), "full"))
     stage.close()
     got = [a for c in gpu for a in c.answers]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.compute.gpu.stage import GpuInferenceStage
+from tests.gpu.support import gpu_stage
 from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig
 from worker.flow.errors import EngineDead, InferenceFailed
 from worker.flow.messages import Completed
@@ -98,7 +98,7 @@ async def test_stage_equals_the_numpy_pipeline(cp: Any, preprocess_on: str) -> N
     model = dataclasses.replace(
         RGB, preprocess=dataclasses.replace(RGB.preprocess, device=preprocess_on)
     )
-    stage = GpuInferenceStage(source, sink, engine, model, 16, 3)
+    stage = gpu_stage(source, sink, engine, model, 16, 3)
     try:
         jobs = make_jobs(images)
         completed = await run_stage(stage, source, sink, batches_of(jobs, [1, 16, 7, 16, 3]))
@@ -114,7 +114,7 @@ async def test_probabilities_without_topk(cp: Any) -> None:
     engine = _engine(model)
     images = _images(9, 3, seed=4)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 8, 2)
+    stage = gpu_stage(source, sink, engine, model, 8, 2)
     try:
         completed = await run_stage(stage, source, sink, batches_of(make_jobs(images), [8]))
     finally:
@@ -127,7 +127,7 @@ async def test_probabilities_without_topk(cp: Any) -> None:
 async def test_slot_buffers_are_never_reallocated(cp: Any) -> None:
     engine = _engine(RGB)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=1 << 20))
+    stage = gpu_stage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=1 << 20))
 
     def pointers() -> list[int]:
         out = []
@@ -168,7 +168,7 @@ async def test_two_batches_run_at_once_on_different_streams(cp: Any) -> None:
     engine = SpinEngine(spin_s)
     model = ModelConfig(name="spin", path="unused", output="logits")
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 8, 2, GpuConfig(max_input_bytes=1 << 16))
+    stage = gpu_stage(source, sink, engine, model, 8, 2, GpuConfig(max_input_bytes=1 << 16))
     try:
         # Warm-up: every kernel launched once on both slots (CUDA loads kernels lazily,
         # which can serialise the very first launches).
@@ -198,7 +198,7 @@ async def test_failed_batch_is_answered_and_the_stage_goes_on(cp: Any) -> None:
     # 1 + 2 + 4 failing runs (the whole batch, its halves, each request alone).
     engine.fail_runs = 7
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1, max_attempts=1)
+    stage = gpu_stage(source, sink, engine, RGB, 4, 1, max_attempts=1)
     try:
         images = _images(8, 3)
         completed = await run_stage(stage, source, sink, batches_of(make_jobs(images), [4]))
@@ -216,7 +216,7 @@ async def test_isolation_reruns_subsets_on_the_slot(cp: Any) -> None:
     engine = _engine(RGB)
     engine.fail_next = InferenceFailed("transient")
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 2, max_attempts=2)
+    stage = gpu_stage(source, sink, engine, RGB, 4, 2, max_attempts=2)
     try:
         images = _images(4, 3)
         completed = await run_stage(stage, source, sink, batches_of(make_jobs(images), [4]))
@@ -230,7 +230,7 @@ async def test_engine_dead_fails_the_batch_and_stops_the_stage(cp: Any) -> None:
     engine = _engine(RGB)
     engine.fail_next = EngineDead("device lost")
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 1)  # the 2nd batch waits for the slot
+    stage = gpu_stage(source, sink, engine, RGB, 4, 1)  # the 2nd batch waits for the slot
     jobs = make_jobs(_images(8, 3))
     for batch in batches_of(jobs, [4]):
         source.put_nowait(batch)
@@ -250,7 +250,7 @@ async def test_engine_dead_fails_the_batch_and_stops_the_stage(cp: Any) -> None:
 async def test_expired_requests_spend_no_device_time(cp: Any) -> None:
     engine = _engine(RGB)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 4, 2)
+    stage = gpu_stage(source, sink, engine, RGB, 4, 2)
     try:
         jobs = make_jobs(_images(3, 3), deadline=0.0)  # long past
         completed = await run_stage(stage, source, sink, batches_of(jobs, [3]))
@@ -263,7 +263,7 @@ async def test_expired_requests_spend_no_device_time(cp: Any) -> None:
 async def test_batches_larger_than_staging_are_split_and_huge_images_rejected(cp: Any) -> None:
     engine = _engine(RGB)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=40_000))
+    stage = gpu_stage(source, sink, engine, RGB, 8, 2, GpuConfig(max_input_bytes=40_000))
     rng = np.random.default_rng(2)
     images = [rng.integers(0, 256, (60, 80, 3), dtype=np.uint8) for _ in range(8)]  # 14.4 kB each
     huge = rng.integers(0, 256, (200, 100, 3), dtype=np.uint8)  # 60 kB

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.compute.cpu import InferenceStage
+from tests.gpu.support import gpu_stage
+from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
-from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig, PreprocessConfig
 from worker.model.files import resolve_model_path
 from worker.model.preprocess import preprocess
@@ -107,16 +107,16 @@ async def test_gpu_stage_with_tensorrt_equals_cpu_stage(
     cfg = ModelConfig()
     cpu_engine = OnnxRuntimeEngine(ONNX, cfg)
     source, sink = queues()
-    cpu_stage = InferenceStage(source, sink, cpu_engine, cfg, 64, 2)
+    reference = cpu_stage(cfg, cpu_engine, batches_in=source, completed_out=sink, max_inflight=2)
     try:
-        cpu = await run_stage(cpu_stage, source, sink, batches_of(make_jobs(images), sizes))
+        cpu = await run_stage(reference, source, sink, batches_of(make_jobs(images), sizes))
     finally:
-        cpu_stage.close()
+        reference.close()
         cpu_engine.close()
     plan = plans["fp32"]
     engine = TensorRTEngine(plan, _model(plan), cuda_graphs=cuda_graphs, buckets=(8, 32, 64))
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, _model(plan), 64, 2)
+    stage = gpu_stage(source, sink, engine, _model(plan), 64, 2)
     try:
         for slot in stage.slots:  # every bucket warmed at start-up, the largest's graph captured
             assert slot.context.buckets == (8, 32, 64) and slot.context.batch == 64
@@ -144,7 +144,7 @@ def test_more_slots_than_profiles_is_a_config_error(tmp_path: Path) -> None:
     try:
         assert engine.num_profiles == 1
         with pytest.raises(ConfigError, match="--profiles 2"):
-            GpuInferenceStage(source, sink, engine, _model(plan), 8, 2)
+            gpu_stage(source, sink, engine, _model(plan), 8, 2)
     finally:
         engine.close()
 

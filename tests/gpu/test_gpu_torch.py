@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.compute.cpu import InferenceStage
+from tests.gpu.support import gpu_stage
+from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
-from worker.compute.gpu.stage import GpuInferenceStage
 from worker.config import ModelConfig
 from worker.flow.messages import Completed
 from worker.model.files import resolve_model_path
@@ -109,7 +109,7 @@ async def _cpu_results(images: list[np.ndarray], sizes: list[int]) -> list[Compl
     cfg = ModelConfig()
     engine = OnnxRuntimeEngine(resolve_model_path(cfg.path), cfg)
     source, sink = queues()
-    stage = InferenceStage(source, sink, engine, cfg, 64, 2)
+    stage = cpu_stage(cfg, engine, batches_in=source, completed_out=sink, max_inflight=2)
     try:
         return await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
     finally:
@@ -128,7 +128,7 @@ async def _gpu_results(
     )
     engine = TorchEngine(path, model, max_batch_size=64)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 64, 3)
+    stage = gpu_stage(source, sink, engine, model, 64, 3)
     try:
         return await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
     finally:
@@ -235,7 +235,7 @@ async def test_compiled_program_with_graphs_equals_cpu_stage(
     )
     engine = TorchEngine(digits_program, model, max_batch_size=64)
     source, sink = queues()
-    stage = GpuInferenceStage(source, sink, engine, model, 64, 3)
+    stage = gpu_stage(source, sink, engine, model, 64, 3)
     try:
         for slot in stage.slots:
             assert sorted(slot.context.graphs) == list(engine.buckets) == [1, 2, 4, 8, 16, 32, 64]

@@ -1,10 +1,7 @@
-"""Worker: builds the stages, links them with bounded queues, owns their tasks.
+"""Worker: the lifecycle of one process's pipeline: load the engine, build the
+stages (``stages``) per the run plan decided once (``plan``), run them as
+tasks, drain and stop.
 
-    KafkaSource -> [jobs] -> MicroBatcher -> [batches] -> inference stage
-        -> [futures, dispatch order] -> ResultSink -> OffsetTracker -> Committer
-
-Each stage gets its input queue and downstream handle in its constructor; end of
-stream (``None``) flows down the same queues, so shutdown drains stage by stage.
 A stage task that dies fails the whole worker (it stops fetching, commits only
 what was acknowledged and exits non-zero): a dead engine must stop commits,
 never hang silently.
@@ -15,66 +12,37 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import structlog
 from aiokafka.errors import KafkaError
 
 from worker import __version__
-from worker.compute.cpu import InferenceStage
-from worker.compute.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.app.plan import RunPlan
+from worker.app.stages import Stages, build_stages, crash_guard
+from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
-from worker.contract import ModelInfo
-from worker.flow.backpressure import Backpressure
-from worker.flow.batching import BatchPolicy, MicroBatcher
-from worker.flow.budget import FailureBudget
 from worker.flow.errors import BrokerUnavailable, ConfigError
-from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
-from worker.kafka.clients import (
-    client_kwargs,
-    exactly_once,
-    group_consumer_kwargs,
-    producer_kwargs,
-)
-from worker.kafka.commit import Committer
-from worker.kafka.consumer import KafkaSource, report_partitions, watch_broker
+from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
+from worker.kafka.consumer import report_partitions, watch_broker
 from worker.kafka.crashguard import CrashGuard
-from worker.kafka.delivery.at_least_once import ResultSink
 from worker.kafka.delivery.exactly_once import TransactionalSink
 from worker.kafka.delivery.writer import Writer
-from worker.kafka.intake import JobFactory
-from worker.kafka.lease import GroupLease
-from worker.model.inputs import ModelInputs, bind
-from worker.model.inputs.binding import fit_limits, summary
-from worker.model.shapes import bucket_sizes
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 
-if TYPE_CHECKING:
-    from worker.compute.gpu.stage import GpuInferenceStage
-
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class _Stages:
-    """Everything ``start()`` builds, kept together so closing never guesses."""
-
-    source: KafkaSource
-    batcher: MicroBatcher[Job]
-    infer: InferenceStage | GpuInferenceStage
-    sink: ResultSink | TransactionalSink
-    committer: Committer
 
 
 class Worker:
     def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
         self.settings = settings
+        self.plan = RunPlan.of(settings)
         self._engine = engine
         self.tracker = OffsetTracker()
-        self._stages: _Stages | None = None
+        self._stages: Stages | None = None
         self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
         self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
         self._failure: BaseException | None = None
@@ -113,14 +81,16 @@ class Worker:
                 device=s.gpu.device,
                 max_batch_size=s.batching.max_batch_size,
                 cuda_graphs=s.gpu.cuda_graphs,
-                buckets=bucket_sizes(s.batching.max_batch_size, s.batching.preferred_batch_sizes),
+                buckets=self.plan.batch_buckets,
             )
         engine = self._engine
         try:
-            stages = self._stages = await self._build(engine)
+            stages = self._stages = await build_stages(
+                s, self.plan, engine, self.tracker, self._tracer, self._on_revoke
+            )
             await stages.sink.start()
             existing = await self._check_input_topics(stages.sink)
-            self._guard = self._crash_guard(stages, existing)
+            self._guard = crash_guard(s, self.plan, stages, existing)
             await stages.source.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
@@ -140,13 +110,12 @@ class Worker:
             group=s.kafka.group_id,
         )
         metrics.set_condition("started", True)
-        device = f"cuda:{s.gpu.device}" if is_gpu_backend(s.model.backend) else "cpu"
         metrics.BUILD_INFO.labels(
             version=__version__,
             model=engine.info.name,
             model_version=engine.info.version,
             backend=engine.info.backend,
-            device=device,
+            device=self.plan.device_name,
         ).set(1)
         self._pipeline = [
             self._spawn(stages.source.run(), "consume"),
@@ -154,10 +123,9 @@ class Worker:
             self._spawn(stages.infer.run(), "infer"),
             self._spawn(stages.sink.run(), "produce"),
         ]
-        probe_timeout = min(2.0, s.kafka.request_timeout_ms / 1000.0)
         self._support = [
             self._spawn(stages.committer.run(), "commit"),
-            self._spawn(watch_broker(stages.source, probe_timeout), "probe"),
+            self._spawn(watch_broker(stages.source, self.plan.probe_timeout_s), "probe"),
             self._spawn(
                 report_partitions(
                     stages.source, self.tracker.committed, stages.committer.last_commit
@@ -165,30 +133,10 @@ class Worker:
                 "partitions",
             ),
         ]
-        if is_gpu_backend(s.model.backend):
+        if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
-
-    def _crash_guard(self, stages: _Stages, existing: set[str]) -> CrashGuard | None:
-        """Crash-loop protection when configured and its topic exists."""
-        s = self.settings
-        if s.limits.max_crash_attempts == 0:
-            return None
-        if s.kafka.crash_guard_topic not in existing:
-            log.warning(
-                "crash_loop_protection_off",
-                reason=f"topic {s.kafka.crash_guard_topic} does not exist",
-                fix="create it (compacted, 1 partition), or set limits.max_crash_attempts = 0",
-            )
-            return None
-        guard = CrashGuard(
-            client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.sink
-        )
-        b = s.batching
-        window = b.max_batch_size * b.max_inflight_batches + s.kafka.max_poll_records
-        stages.source.protect(guard, s.limits.max_crash_attempts, window, stages.committer.settled)
-        return guard
 
     async def _check_input_topics(self, sink: Writer) -> set[str]:
         """A misspelt input topic must stop the worker with a clear message: the
@@ -203,90 +151,6 @@ class Worker:
                 f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'})"
             )
         return existing
-
-    async def _build(self, engine: Engine | GpuEngine) -> _Stages:
-        s, b = self.settings, self.settings.batching
-        # Which request input feeds which model input, decided once (exit 2 on a
-        # mismatch, before Kafka is contacted); the intake and the stage share it.
-        inputs = bind(s.model, engine.info.io, s.limits, b)
-        log.info("model_inputs", inputs=summary(inputs), outputs=list(engine.info.output_names))
-        limits = fit_limits(s.limits, inputs)
-        jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
-        batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
-        completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
-            b.max_inflight_batches
-        )
-        policy: BatchPolicy[Job] = BatchPolicy(
-            b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
-        )
-        source = KafkaSource(
-            s.kafka,
-            JobFactory(inputs, limits, b.max_record_age_ms, s.kafka.content_type),
-            jobs,
-            self.tracker,
-            self._on_revoke,
-            Backpressure(b.max_inflight_records, b.max_inflight_bytes),
-        )
-        timeout = s.kafka.request_timeout_ms / 1000.0
-        eos = exactly_once(s.kafka)
-        committer = Committer(self.tracker, source, timeout=timeout, transactional=eos)
-        infer = await self._inference_stage(batches, completed, engine, policy, inputs)
-        model = ModelInfo(name=engine.info.name, version=engine.info.version)
-        budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-        sink: ResultSink | TransactionalSink
-        if eos:
-            lease = GroupLease(lambda: source.consumer, s.kafka.session_timeout_ms, timeout)
-            sink = TransactionalSink(
-                completed, s.kafka, model, self.tracker, committer, lease,
-                max_batches=s.kafka.transaction_batches or b.max_inflight_batches,
-                budget=budget, tracer=self._tracer,
-            )  # fmt: skip
-        else:
-            sink = ResultSink(
-                completed, s.kafka, model, self.tracker, committer,
-                max_pending_acks=2 * b.max_inflight_batches, budget=budget, tracer=self._tracer,
-            )  # fmt: skip
-        return _Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
-
-    async def _inference_stage(
-        self,
-        batches: asyncio.Queue[Batch[Job] | None],
-        completed: asyncio.Queue[asyncio.Future[Completed] | None],
-        engine: Engine | GpuEngine,
-        policy: BatchPolicy[Job],
-        inputs: ModelInputs,
-    ) -> InferenceStage | GpuInferenceStage:
-        """The CPU stage, or the GPU stage with its slot ring (allocated once, off
-        the event loop: kernel compilation and engine contexts take a while)."""
-        s, b = self.settings, self.settings.batching
-        if not is_gpu_backend(s.model.backend):
-            return InferenceStage(
-                batches,
-                completed,
-                engine,
-                s.model,
-                b.max_batch_size,
-                b.max_inflight_batches,
-                inputs=inputs,
-                max_attempts=b.max_attempts,
-                on_service_time=policy.observe_service_time,
-            )
-        from worker.compute.gpu.stage import GpuInferenceStage
-
-        return await asyncio.to_thread(
-            GpuInferenceStage,
-            batches,
-            completed,
-            cast(GpuEngine, engine),
-            s.model,
-            b.max_batch_size,
-            s.gpu.num_slots or b.max_inflight_batches,
-            s.gpu,
-            inputs=inputs,
-            preferred_batch_sizes=b.preferred_batch_sizes,
-            max_attempts=b.max_attempts,
-            on_service_time=policy.observe_service_time,
-        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only
@@ -414,11 +278,10 @@ class Worker:
         """Settle revoked partitions: bounded wait for their in-flight work, commit."""
         if self._stages is None:
             return
-        bound = self.settings.kafka.session_timeout_ms / 2000.0
         sink = self._stages.sink
         fenced = await self._stages.committer.settle_revoked(
             revoked,
-            bound,
+            self.plan.revoke_timeout_s,
             lambda: self._failure is not None,
             fence=sink.fence if isinstance(sink, TransactionalSink) else None,
         )

@@ -23,9 +23,9 @@ from typing import Any, Final
 
 import numpy as np
 
+from worker.app.plan import RunPlan
 from worker.bench.ceiling import arrivals_after
 from worker.bench.options import BenchError
-from worker.compute.engines import is_gpu_backend
 from worker.config import Settings
 from worker.ops.processes import WorkerProcess, scrape
 from worker.ops.topics import Collected, Collector
@@ -102,7 +102,7 @@ class GroupMonitor:
 
 def open_nvml(settings: Settings) -> tuple[Any, str | None]:
     """An NVML handle on the run's GPU, or None and the reason."""
-    if not is_gpu_backend(settings.model.backend):
+    if RunPlan.of(settings).device == "cpu":
         return None, "the model runs on the CPU"
     from worker.compute.gpu.monitor import NvmlDevice, NvmlUnavailable, cuda_pci_bus_id
 

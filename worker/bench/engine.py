@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final, cast
 
-from worker.compute.engines import Engine, GpuEngine, is_gpu_backend, load_engine
+from worker.app.plan import RunPlan
+from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.contract import Request
 from worker.flow.messages import Answer, Job, TopicPartition
@@ -65,7 +66,7 @@ def engine_rate(settings: Settings, requests: Sequence[Request], seconds: float)
     engine = load_run_engine(settings)
     inputs = bind(settings.model, engine.info.io, settings.limits, settings.batching)
     try:
-        if is_gpu_backend(settings.model.backend):
+        if RunPlan.of(settings).device == "gpu":
             rows, per_batch = gpu_batch_seconds(cast(GpuEngine, engine), settings, inputs, seconds)
         else:
             rows = settings.batching.max_batch_size

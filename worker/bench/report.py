@@ -17,8 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from worker.app.plan import RunPlan
 from worker.bench.options import ModelBenchOptions, unit
-from worker.compute.engines import is_gpu_backend
 from worker.config import Settings
 from worker.ops.files import atomic_write
 
@@ -45,7 +45,7 @@ def cpu_device() -> str:
 
 def run_device(settings: Settings) -> str:
     """What the model runs on: the GPU's slug for a GPU backend, else cpu<cores>."""
-    if not is_gpu_backend(settings.model.backend):
+    if RunPlan.of(settings).device == "cpu":
         return cpu_device()
     try:
         from worker.compute.engines.cuda import gpu_name
@@ -81,7 +81,7 @@ def settings_record(settings: Settings, overrides: Mapping[str, str]) -> dict[st
         "model": {"name": s.model.name, "path": s.model.path, "backend": s.model.backend,
                   "preprocess": asdict(s.model.preprocess), "torch": asdict(s.model.torch)},
         "batching": asdict(s.batching),
-        "gpu": asdict(s.gpu) if is_gpu_backend(s.model.backend) else None,
+        "gpu": asdict(s.gpu) if RunPlan.of(s).device == "gpu" else None,
     }  # fmt: skip
 
 

@@ -22,21 +22,11 @@ import numpy as np
 import structlog
 
 from worker.compute.engines import Engine
-from worker.compute.triage import (
-    ServiceTimeHook,
-    micros,
-    report_service_time,
-    run_isolating,
-    triage,
-)
-from worker.config import LimitsConfig, ModelConfig
-from worker.flow.errors import InferenceFailed, WorkerError
+from worker.compute.stage import Stage, internal_errors_fail_the_run
+from worker.compute.triage import ServiceTimeHook, micros, run_isolating, triage
 from worker.flow.messages import Answer, Batch, Completed, Job
-from worker.flow.streams import end_of_stream
-from worker.model.inputs import ModelInputs, bind, is_classifier
+from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
-from worker.model.outputs import OutputPlan
-from worker.obs import metrics
 
 Buffers = dict[str, np.ndarray]
 
@@ -55,46 +45,35 @@ def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
     return out
 
 
-class InferenceStage:
+class InferenceStage(Stage):
     def __init__(
         self,
-        source: asyncio.Queue[Batch[Job] | None],
-        sink: asyncio.Queue[asyncio.Future[Completed] | None],
+        batches_in: asyncio.Queue[Batch[Job] | None],
+        completed_out: asyncio.Queue[asyncio.Future[Completed] | None],
         engine: Engine,
-        model: ModelConfig,
+        binding: Binding,
+        *,
         max_batch_size: int,
         max_inflight: int,
-        *,
-        inputs: ModelInputs | None = None,
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
-        """``inputs``: the model's bound request inputs (``worker.model.inputs.bind``;
-        bound here with default settings when not given)."""
-        self._inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
-        self._source = source
-        self._sink = sink
+        """``binding``: the model's inputs and outputs as the worker bound them
+        (``worker.model.inputs.bind_model``); ``max_inflight``: batches run at once."""
+        super().__init__(
+            batches_in, completed_out, engine.info, binding,
+            max_attempts=max_attempts, on_service_time=on_service_time,
+        )  # fmt: skip
         self._engine = engine
-        self._max_attempts = max_attempts
-        self._report = report_service_time(on_service_time)
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="infer")
         # One set of preallocated feed buffers per concurrent batch: nothing is
         # allocated for fixed-size model inputs on the hot path.
         self._buffers: asyncio.Queue[Buffers] = asyncio.Queue()
         for _ in range(max_inflight):
             self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
-        post = model.postprocess.resolved(is_classifier(self._inputs))
-        self._outputs = OutputPlan(engine.info.io, model, post, self._inputs.padded_symbols)
-        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
 
-    async def run(self) -> None:
-        async with end_of_stream(self._sink):
-            while (batch := await self._source.get()) is not None:
-                self._metrics.batches(batch.reason).inc()
-                fut = asyncio.ensure_future(self.run_batch(batch))
-                fut.add_done_callback(self._report)
-                metrics.INFLIGHT_BATCHES.inc()
-                await self._sink.put(fut)
+    async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
+        return asyncio.ensure_future(self.run_batch(batch))
 
     async def run_batch(self, batch: Batch[Job]) -> Completed:
         completed, runnable = triage(batch, time.monotonic(), self._metrics)
@@ -130,18 +109,10 @@ class InferenceStage:
     # --- runs in a worker thread --------------------------------------------------
 
     def _run_rows(self, answers: list[Answer], buffers: Buffers) -> None:
-        """One engine run over ``answers``; scatters one row of each output to each.
-
-        Anything but our own errors raised here (a preprocessing or postprocessing
-        bug tripped by one odd request) is translated into ``InferenceFailed``, so it
-        is isolated like an engine failure instead of killing the worker, which
-        would then crash-loop on the same record."""
-        try:
+        """One engine run over ``answers``; scatters one row of each output to each
+        (the stages' failure boundary around it)."""
+        with internal_errors_fail_the_run():
             self._run_rows_unchecked(answers, buffers)
-        except WorkerError:
-            raise
-        except Exception as exc:
-            raise InferenceFailed(f"internal error: {exc!r}") from exc
 
     def _run_rows_unchecked(self, answers: list[Answer], buffers: Buffers) -> None:
         n = len(answers)

@@ -24,16 +24,19 @@ import numpy as np
 import pytest
 
 from tests.models import image_pre
+from worker.compute.cpu import InferenceStage
 from worker.compute.engines import is_gpu_backend, load_engine
 from worker.compute.engines.base import EngineUnavailable
 from worker.compute.engines.cuda import translate_gpu_error
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.compute.gpu import kernels
 from worker.compute.gpu.plan import postprocess_plan
-from worker.config import ModelConfig, PostprocessConfig
+from worker.config import GpuConfig, LimitsConfig, ModelConfig, PostprocessConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
 from worker.model.files import resolve_model_path
+from worker.model.inputs import Binding, bind_model
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
+from worker.model.outputs import OutputPlan
 from worker.model.preprocess import preprocess
 from worker.ops import build_engine
 
@@ -145,7 +148,8 @@ def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
 
     engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),))
     with pytest.raises(EngineUnavailable, match="CuPy"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 64, 2)
+        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+                          max_batch_size=64, num_slots=2, gpu=GpuConfig())  # fmt: skip
 
 
 def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> None:
@@ -160,16 +164,39 @@ def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> N
         pytest.skip("CuPy is installed: the stage would start on the fake engine")
     engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),), max_batch=16)
     with pytest.raises(EngineUnavailable, match="CuPy"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 32, 2)
+        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+                          max_batch_size=32, num_slots=2, gpu=GpuConfig())  # fmt: skip
     with pytest.raises(ConfigError, match="num_slots"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, ModelConfig(), 16, 0)
+        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+                          max_batch_size=16, num_slots=0, gpu=GpuConfig())  # fmt: skip
+
+
+def test_a_stage_cannot_be_built_without_the_workers_binding() -> None:
+    """No default binding: a stage built without the one the worker made would run
+    under other limits and length buckets (it used to bind its own, silently)."""
+    engine = load_engine(ModelConfig())
+    with pytest.raises(TypeError, match="binding"):
+        InferenceStage(None, None, engine, max_batch_size=64, max_inflight=1)  # type: ignore[call-arg, arg-type]
+    with pytest.raises(TypeError):
+        InferenceStage(None, None, engine, ModelConfig(), 64, 1)  # type: ignore[call-arg, arg-type, misc]
+    engine.close()
+
+
+def _binding(engine: Any, model: ModelConfig | None = None) -> Binding:
+    return bind_model(model or ModelConfig(), engine.info.io, LimitsConfig())
 
 
 # --- where postprocessing runs -----------------------------------------------------
 
 
 def _plan_for(outputs: tuple[TensorDesc, ...], post: PostprocessConfig) -> Any:
-    return postprocess_plan(FakeGpuEngine(outputs), ModelConfig(postprocess=post))
+    engine = FakeGpuEngine(outputs)
+    return postprocess_plan(engine, _outputs(engine, ModelConfig(postprocess=post)))
+
+
+def _outputs(engine: Any, model: ModelConfig) -> OutputPlan:
+    """The output plan of a classifier (postprocessing's defaults on)."""
+    return OutputPlan(engine.info.io, model, model.postprocess.resolved(classifier=True))
 
 
 def test_plan_topk_on_device() -> None:
@@ -201,7 +228,7 @@ def test_plan_falls_back_to_host_where_kernels_differ_from_the_reference() -> No
 def test_plan_names_an_unknown_output() -> None:
     engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),))
     with pytest.raises(ConfigError, match=r"model\.output"):
-        postprocess_plan(engine, ModelConfig(output="probs"))
+        postprocess_plan(engine, _outputs(engine, ModelConfig(output="probs")))
 
 
 # --- error translation ---------------------------------------------------------------

@@ -27,11 +27,12 @@ from worker.compute.gpu.staging import (
     split_chunks,
     staged_bytes,
 )
-from worker.config import GpuConfig, ModelConfig, PreprocessConfig
+from worker.config import GpuConfig, LimitsConfig, ModelConfig, PreprocessConfig
 from worker.contract import EncodedImage
 from worker.contract.jpeg import read_frame
 from worker.flow.errors import ConfigError
 from worker.flow.messages import Answer, Job, TopicPartition
+from worker.model.inputs import bind_model
 from worker.model.io import ModelIO, TensorDesc
 
 RNG = np.random.default_rng(11)
@@ -260,15 +261,15 @@ def test_the_gpu_stage_fails_start_up_naming_gpu_decode(monkeypatch: pytest.Monk
         max_batch_size=8,
         min_batch_size=1,
         input=TensorDesc("image", f32, (3, 8, 8)),
-        info=types.SimpleNamespace(io=io),
+        info=types.SimpleNamespace(io=io, name="m", version="v"),
     )
     with pytest.raises(ConfigError, match=r"gpu\.decode = 'nvjpeg' needs torch"):
         GpuInferenceStage(
             None,  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
             engine,  # type: ignore[arg-type]
-            GPU_MODEL,
-            8,
-            1,
-            GpuConfig(decode="nvjpeg"),
+            bind_model(GPU_MODEL, io, LimitsConfig()),
+            max_batch_size=8,
+            num_slots=1,
+            gpu=GpuConfig(decode="nvjpeg"),
         )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from worker.compute.cpu import InferenceStage
+from tests.models import cpu_stage
 from worker.compute.engines import load_engine
 from worker.compute.triage import run_isolating, triage
 from worker.config import ModelConfig
@@ -54,7 +54,7 @@ def jobs(n: int, poison: set[int]) -> list[Job]:
 @pytest.mark.parametrize("exc", [InferenceFailed, ValueError])
 async def test_only_the_poison_requests_fail(exc: type[Exception]) -> None:
     engine = FailsOnBrightCorner(exc)
-    stage = InferenceStage(None, None, engine, ModelConfig(), 64, 1, max_attempts=2)  # type: ignore[arg-type]
+    stage = cpu_stage(ModelConfig(), engine, max_attempts=2)
     try:
         done = await stage.run_batch(Batch(jobs(64, {5, 40}), time.monotonic(), "full"))
     finally:
@@ -77,7 +77,7 @@ async def test_batch_failure_logs_carry_the_batch_context() -> None:
     from structlog.testing import capture_logs
 
     engine = FailsOnBrightCorner(InferenceFailed)
-    stage = InferenceStage(None, None, engine, ModelConfig(), 64, 1, max_attempts=1)  # type: ignore[arg-type]
+    stage = cpu_stage(ModelConfig(), engine, max_attempts=1)
     structlog.configure(processors=[structlog.contextvars.merge_contextvars])
     try:
         with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:

@@ -17,9 +17,7 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from tests.models import model_inputs
-from worker.compute.cpu import InferenceStage
-from worker.compute.engines import load_engine
+from tests.models import cpu_stage, model_inputs
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
 from worker.contract import ErrorInfo, ModelInfo, decode_result
 from worker.flow.backpressure import Backpressure
@@ -312,8 +310,7 @@ async def test_cancelled_inference_stage_does_not_block_on_a_full_queue() -> Non
     batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue()
     out: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(maxsize=1)
     out.put_nowait(completed())  # produce is gone: nobody takes this one
-    model = ModelConfig()
-    stage = InferenceStage(batches, out, load_engine(model), model, 4, 1)
+    stage = cpu_stage(ModelConfig(), batches_in=batches, completed_out=out, max_batch_size=4)
     task = asyncio.create_task(stage.run())
     await asyncio.sleep(0)  # blocked on its (empty) input queue
     task.cancel()

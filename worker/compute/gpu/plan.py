@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.compute.engines.base import GpuEngine
-from worker.config import ModelConfig, PostprocessConfig
+from worker.config import PostprocessConfig
 from worker.flow.errors import ConfigError
 from worker.model.inputs import ModelInputs
 from worker.model.inputs.base import BoundInput
 from worker.model.inputs.image import BoundImage
 from worker.model.io import TensorDesc
+from worker.model.outputs import OutputPlan
 from worker.model.shapes import SlotShapes, bucket_sizes, slot_buckets
 
 
@@ -63,20 +64,15 @@ class PostprocessPlan:
         return ()
 
 
-def postprocess_plan(
-    engine: GpuEngine,
-    model: ModelConfig,
-    pp: PostprocessConfig | None = None,
-    passed: tuple[str, ...] = (),
-    varying: frozenset[str] = frozenset(),
-) -> PostprocessPlan:
-    """Decide where postprocessing runs (see the module docstring); ``pp``: the
-    resolved settings (default: ``model.postprocess`` resolved for a classifier);
-    ``passed``: outputs that come back as computed (``OutputPlan.passed``);
-    ``varying``: outputs whose shape follows a padded input's length (they are cut
-    back per request on the host, so they are postprocessed there too)."""
-    pp = pp if pp is not None else model.postprocess.resolved(classifier=True)
-    raw_name = model.output or engine.info.output_names[0]
+def postprocess_plan(engine: GpuEngine, outputs: OutputPlan) -> PostprocessPlan:
+    """Decide where postprocessing runs (see the module docstring) for the
+    outputs a result carries (``OutputPlan``: its raw output, resolved settings,
+    the outputs passed as computed, and those cut back per request on the host,
+    which are postprocessed there too)."""
+    pp = outputs.post
+    raw_name = outputs.raw_name
+    passed = outputs.passed
+    varying = frozenset(outputs.cuts)
     specs = {t.name: t for t in engine.outputs}
     if raw_name not in specs:
         raise ConfigError(f"model.output: {raw_name!r} not in engine outputs {list(specs)}")

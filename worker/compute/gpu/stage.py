@@ -63,14 +63,12 @@ from worker.compute.gpu.staging import (
     split_chunks,
     staged_bytes,
 )
-from worker.compute.triage import ServiceTimeHook, report_service_time, run_isolating, triage
-from worker.config import GpuConfig, LimitsConfig, ModelConfig
-from worker.flow.errors import ConfigError, EngineDead, InferenceFailed, WorkerError
+from worker.compute.stage import Stage, internal_errors_fail_the_run
+from worker.compute.triage import ServiceTimeHook, run_isolating, triage
+from worker.config import GpuConfig
+from worker.flow.errors import ConfigError, EngineDead
 from worker.flow.messages import Answer, Batch, Completed, Job
-from worker.flow.streams import end_of_stream
-from worker.model.inputs import ModelInputs, bind, is_classifier
-from worker.model.outputs import OutputPlan
-from worker.obs import metrics
+from worker.model.inputs import Binding, ModelInputs
 
 log = structlog.get_logger(__name__)
 
@@ -102,35 +100,43 @@ def _no_bytes(answer: Answer) -> int:
     return 0
 
 
-class GpuInferenceStage:
+class GpuInferenceStage(Stage):
     def __init__(
         self,
-        source: asyncio.Queue[Batch[Job] | None],
-        sink: asyncio.Queue[asyncio.Future[Completed] | None],
+        batches_in: asyncio.Queue[Batch[Job] | None],
+        completed_out: asyncio.Queue[asyncio.Future[Completed] | None],
         engine: GpuEngine,
-        model: ModelConfig,
+        binding: Binding,
+        *,
         max_batch_size: int,
         num_slots: int,
-        gpu: GpuConfig | None = None,
-        *,
-        inputs: ModelInputs | None = None,
+        gpu: GpuConfig,
         preferred_batch_sizes: tuple[int, ...] = (),
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
         (kernel compilation, engine contexts): construct it off the event loop.
-        ``inputs``: the model's bound request inputs (bound here with default
-        settings when not given); ``preferred_batch_sizes``: the batch buckets."""
-        gpu = gpu or GpuConfig()
+        ``binding``: the model's inputs and outputs as the worker bound them;
+        ``preferred_batch_sizes``: the batch buckets."""
+        super().__init__(
+            batches_in, completed_out, engine.info, binding,
+            max_attempts=max_attempts, on_service_time=on_service_time,
+        )  # fmt: skip
         _check_sizes(num_slots)
-        inputs = inputs if inputs is not None else bind(model, engine.info.io, LimitsConfig())
+        inputs = binding.inputs
         _check_layout(inputs)
         # A batch larger than the engine takes runs in chunks of its maximum (a
         # model of fixed batch: chunks of exactly that, padded up by the buckets).
         max_batch_size = min(max_batch_size, engine.max_batch_size)
         image = device_image(inputs)
-        nvjpeg.check_config(gpu.decode, image.cfg if image is not None else model.preprocess)
+        if gpu.decode == "nvjpeg" and image is None:
+            raise ConfigError(
+                "gpu.decode: 'nvjpeg' decodes into the image input the kernels preprocess; "
+                "set device = 'gpu' on it ([model.preprocess] or [model.inputs.NAME])"
+            )
+        if image is not None:
+            nvjpeg.check_config(gpu.decode, image.cfg)
         # Before CuPy: a missing torch is named as what gpu.decode needs.
         self._nvjpeg = (
             nvjpeg.NvJpeg(gpu.device, image.cfg.channels)
@@ -138,17 +144,11 @@ class GpuInferenceStage:
             else None
         )
         self._cupy = import_cupy()
-        self._source = source
-        self._sink = sink
         self._engine = engine
-        self._inputs = inputs
         self._image = image
         self._host = host_kinds(inputs, image)
         self._device = gpu.device
         self._max_rows = max_batch_size
-        self._max_attempts = max_attempts
-        self._report = report_service_time(on_service_time)
-        self._metrics = metrics.ModelMetrics(engine.info.name, engine.info.version)
         # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
         # images exceed it runs in several chunks; one larger image is too_large.
         self._max_input_bytes = gpu.max_input_bytes if image is not None else None
@@ -159,11 +159,7 @@ class GpuInferenceStage:
         )  # fmt: skip
         self._buckets = dict(shapes.lengths)
         engine.prepare(shapes)
-        post = model.postprocess.resolved(is_classifier(inputs))
-        self.outputs = OutputPlan(engine.info.io, model, post, inputs.padded_symbols)
-        plan = postprocess_plan(
-            engine, model, post, self.outputs.passed, frozenset(self.outputs.cuts)
-        )
+        plan = postprocess_plan(engine, self._outputs)
         self._forms = plan.forms
         self._launcher = Launcher(self._cupy, engine, inputs, image, self._host, plan, self._nvjpeg)
         self.layout = SlotLayout(
@@ -232,24 +228,20 @@ class GpuInferenceStage:
 
     # --- the stage ----------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
+        """A batch with a request to run takes a slot (waiting for one: the ring's
+        bound is the stage's backpressure); one without is answered at once."""
+        if self._watch.dead is not None:
+            raise self._watch.dead
         loop = asyncio.get_running_loop()
-        async with end_of_stream(self._sink):
-            while (batch := await self._source.get()) is not None:
-                if self._watch.dead is not None:
-                    raise self._watch.dead
-                self._metrics.batches(batch.reason).inc()
-                fut: asyncio.Future[Completed]
-                if any(job.failure is None for job in batch.items):
-                    slot = await self._ring.acquire()
-                    fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
-                    fut.add_done_callback(functools.partial(self._watch.batch_done, slot))
-                else:  # nothing to run: answered without a slot
-                    fut = loop.create_future()
-                    fut.set_result(triage(batch, time.monotonic(), self._metrics)[0])
-                fut.add_done_callback(self._report)
-                metrics.INFLIGHT_BATCHES.inc()
-                await self._sink.put(fut)
+        if not any(job.failure is None for job in batch.items):
+            done: asyncio.Future[Completed] = loop.create_future()
+            done.set_result(triage(batch, time.monotonic(), self._metrics)[0])
+            return done
+        slot = await self._ring.acquire()
+        fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
+        fut.add_done_callback(functools.partial(self._watch.batch_done, slot))
+        return fut
 
     def close(self) -> None:
         """Stop accepting work, wait for in-flight streams and free every slot."""
@@ -402,16 +394,12 @@ class GpuInferenceStage:
         """Each answer's rows: the device's postprocessed forms as they came back, or
         the host reference on the raw output; outputs cut back to each request's
         lengths (``OutputPlan``)."""
-        try:
+        with internal_errors_fail_the_run():
             if self._forms:
                 forms = {name: outputs[name] for name in self._forms}
-                self.outputs.scatter(outputs, answers, forms=forms)
+                self._outputs.scatter(outputs, answers, forms=forms)
             else:
-                self.outputs.scatter(outputs, answers)
-        except WorkerError:
-            raise
-        except Exception as exc:  # boundary: a host postprocessing bug on odd rows
-            raise InferenceFailed(f"internal error: {exc!r}") from exc
+                self._outputs.scatter(outputs, answers)
 
     async def _run_chunk(
         self, slot: Slot, chunk: Chunk

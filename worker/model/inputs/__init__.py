@@ -7,12 +7,20 @@ model inputs (``binding``). Stages see ``ModelInputs`` only.
 """
 
 from worker.model.inputs.batch import Collated, ModelInputs, length_bucket
-from worker.model.inputs.binding import bind, configured_inputs, is_classifier
+from worker.model.inputs.binding import (
+    Binding,
+    bind,
+    bind_model,
+    configured_inputs,
+    is_classifier,
+)
 
 __all__ = [
+    "Binding",
     "Collated",
     "ModelInputs",
     "bind",
+    "bind_model",
     "configured_inputs",
     "is_classifier",
     "length_bucket",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Final
 
 import structlog
@@ -47,7 +48,7 @@ from worker.model.inputs.image import BoundImage
 from worker.model.inputs.tensor import BoundTensor
 from worker.model.inputs.text import BoundText
 from worker.model.io import ModelIO, TensorDesc
-from worker.model.outputs import select_outputs
+from worker.model.outputs import OutputPlan, select_outputs
 
 log = structlog.get_logger(__name__)
 
@@ -207,6 +208,27 @@ def bind(
         length_buckets=b.length_buckets,
         batch=io.batch,
     )
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a stage runs a batch against, decided once at start-up: the request
+    inputs bound to the model's, and the plan of the outputs a result carries."""
+
+    inputs: ModelInputs
+    outputs: OutputPlan
+
+
+def bind_model(
+    model: ModelConfig,
+    io: ModelIO,
+    limits: LimitsConfig,
+    batching: BatchingConfig | None = None,
+) -> Binding:
+    """``bind`` and the output plan that goes with it (the one place both are made)."""
+    inputs = bind(model, io, limits, batching)
+    post = model.postprocess.resolved(is_classifier(inputs))
+    return Binding(inputs, OutputPlan(io, model, post, inputs.padded_symbols))
 
 
 def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:

@@ -1,0 +1,163 @@
+"""The pipeline's stages, built once from the settings, the run plan and the
+loaded engine, and linked by bounded queues:
+
+    consumer -> [jobs] -> batcher -> [batches] -> inference stage
+        -> [futures, dispatch order] -> writer -> offset tracker -> committer
+
+Each stage gets its input queue and downstream handle in its constructor; end of
+stream (``None``) flows down the same queues, so shutdown drains stage by stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import structlog
+
+from worker.app.plan import RunPlan
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import Engine, GpuEngine
+from worker.compute.stage import Stage
+from worker.config import Settings
+from worker.flow.backpressure import Backpressure
+from worker.flow.batching import BatchPolicy, MicroBatcher
+from worker.flow.budget import FailureBudget
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.offsets import OffsetTracker
+from worker.flow.values import ModelInfo
+from worker.kafka.clients import client_kwargs
+from worker.kafka.commit import Committer
+from worker.kafka.consumer import KafkaSource
+from worker.kafka.crashguard import CrashGuard
+from worker.kafka.delivery.at_least_once import ResultSink
+from worker.kafka.delivery.exactly_once import TransactionalSink
+from worker.kafka.intake import JobFactory
+from worker.kafka.lease import GroupLease
+from worker.model.inputs import Binding, bind_model
+from worker.model.inputs.binding import fit_limits, summary
+from worker.obs.tracing import Tracer
+
+log = structlog.get_logger(__name__)
+
+RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+@dataclass
+class Stages:
+    """Everything the worker builds, kept together so closing never guesses."""
+
+    source: KafkaSource
+    batcher: MicroBatcher[Job]
+    infer: Stage
+    sink: ResultSink | TransactionalSink
+    committer: Committer
+
+
+async def build_stages(
+    s: Settings,
+    plan: RunPlan,
+    engine: Engine | GpuEngine,
+    tracker: OffsetTracker,
+    tracer: Tracer,
+    on_revoke: RevokeHook,
+) -> Stages:
+    """The stages, wired; the binding decided once (exit 2 on a mismatch, before
+    Kafka is contacted), shared by the intake and the inference stage."""
+    b = s.batching
+    binding = bind_model(s.model, engine.info.io, s.limits, b)
+    log.info(
+        "model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names)
+    )
+    limits = fit_limits(s.limits, binding.inputs)
+    jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
+    batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
+    completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
+        b.max_inflight_batches
+    )
+    policy: BatchPolicy[Job] = BatchPolicy(
+        b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
+    )
+    source = KafkaSource(
+        s.kafka,
+        JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
+        jobs,
+        tracker,
+        on_revoke,
+        Backpressure(b.max_inflight_records, b.max_inflight_bytes),
+    )
+    committer = Committer(
+        tracker, source, timeout=plan.request_timeout_s, transactional=plan.exactly_once
+    )
+    infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
+    model = ModelInfo(name=engine.info.name, version=engine.info.version)
+    budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
+    sink: ResultSink | TransactionalSink
+    if plan.exactly_once:
+        lease = GroupLease(
+            lambda: source.consumer, s.kafka.session_timeout_ms, plan.request_timeout_s
+        )
+        sink = TransactionalSink(
+            completed, s.kafka, model, tracker, committer, lease,
+            max_batches=plan.transaction_batches, budget=budget, tracer=tracer,
+        )  # fmt: skip
+    else:
+        sink = ResultSink(
+            completed, s.kafka, model, tracker, committer,
+            max_pending_acks=plan.max_pending_acks, budget=budget, tracer=tracer,
+        )  # fmt: skip
+    return Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
+
+
+async def _inference_stage(
+    s: Settings,
+    plan: RunPlan,
+    batches: asyncio.Queue[Batch[Job] | None],
+    completed: asyncio.Queue[asyncio.Future[Completed] | None],
+    engine: Engine | GpuEngine,
+    policy: BatchPolicy[Job],
+    binding: Binding,
+) -> Stage:
+    """The CPU stage, or the GPU stage with its slot ring (allocated once, off the
+    event loop: kernel compilation and engine contexts take a while)."""
+    b = s.batching
+    if plan.device == "cpu":
+        return InferenceStage(
+            batches, completed, engine, binding,
+            max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
+            max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
+        )  # fmt: skip
+    from worker.compute.gpu.stage import GpuInferenceStage
+
+    return await asyncio.to_thread(
+        lambda: GpuInferenceStage(
+            batches, completed, cast(GpuEngine, engine), binding,
+            max_batch_size=b.max_batch_size, num_slots=plan.inflight, gpu=s.gpu,
+            preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,
+            on_service_time=policy.observe_service_time,
+        )
+    )  # fmt: skip
+
+
+def crash_guard(
+    s: Settings, plan: RunPlan, stages: Stages, existing: set[str]
+) -> CrashGuard | None:
+    """Crash-loop protection when configured and its topic exists."""
+    if s.limits.max_crash_attempts == 0:
+        return None
+    if s.kafka.crash_guard_topic not in existing:
+        log.warning(
+            "crash_loop_protection_off",
+            reason=f"topic {s.kafka.crash_guard_topic} does not exist",
+            fix="create it (compacted, 1 partition), or set limits.max_crash_attempts = 0",
+        )
+        return None
+    guard = CrashGuard(
+        client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.sink
+    )
+    stages.source.protect(
+        guard, s.limits.max_crash_attempts, plan.crash_guard_window, stages.committer.settled
+    )
+    return guard

@@ -1,0 +1,81 @@
+"""What both inference stages are: batches in, one future per batch out, in the
+order the batches were dispatched (so the writer produces results in request
+order), end of stream passed on; one failure boundary.
+
+The CPU stage (``cpu``) and the GPU stage (``gpu.stage``) differ only in how a
+batch is run, which is the one method they implement (``dispatch``). Everything
+else about a batch (which requests need the engine, poison isolation, the
+service-time feedback to the batch policy) is ``triage``'s, and what a batch is
+run against is the ``Binding`` decided once at start-up: a stage cannot be
+built without it (no default binding that would differ from the worker's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+from worker.compute.triage import ServiceTimeHook, report_service_time
+from worker.flow.errors import InferenceFailed, WorkerError
+from worker.flow.messages import Batch, Completed, Job
+from worker.flow.streams import end_of_stream
+from worker.model.inputs.binding import Binding
+from worker.model.io import EngineInfo
+from worker.obs import metrics
+
+
+class Stage(ABC):
+    def __init__(
+        self,
+        batches_in: asyncio.Queue[Batch[Job] | None],
+        completed_out: asyncio.Queue[asyncio.Future[Completed] | None],
+        info: EngineInfo,
+        binding: Binding,
+        *,
+        max_attempts: int,
+        on_service_time: ServiceTimeHook | None,
+    ) -> None:
+        self._batches_in = batches_in
+        self._completed_out = completed_out
+        self.binding = binding
+        self._inputs = binding.inputs
+        self._outputs = binding.outputs
+        self._max_attempts = max_attempts
+        self._report = report_service_time(on_service_time)
+        self._metrics = metrics.ModelMetrics(info.name, info.version)
+
+    async def run(self) -> None:
+        """Dispatch batches in order until end of stream; each batch's future goes
+        downstream as soon as it is dispatched (up to the queue's bound)."""
+        async with end_of_stream(self._completed_out):
+            while (batch := await self._batches_in.get()) is not None:
+                self._metrics.batches(batch.reason).inc()
+                fut = await self.dispatch(batch)
+                fut.add_done_callback(self._report)
+                metrics.INFLIGHT_BATCHES.inc()  # the writer lowers it once produced
+                await self._completed_out.put(fut)
+
+    @abstractmethod
+    async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
+        """Start running ``batch``; the future completes with its answers."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop accepting work and free what the stage holds (threads, slots)."""
+
+
+@contextlib.contextmanager
+def internal_errors_fail_the_run() -> Iterator[None]:
+    """The stages' failure boundary around host code that runs per batch
+    (collation, postprocessing): anything but our own errors (a bug tripped by
+    one odd request) becomes ``InferenceFailed``, so it is isolated like an
+    engine failure instead of killing the worker, which would then crash-loop
+    on the same record."""
+    try:
+        yield
+    except WorkerError:
+        raise
+    except Exception as exc:
+        raise InferenceFailed(f"internal error: {exc!r}") from exc
