@@ -38,6 +38,7 @@ from worker.contract import (
     encode_request,
     sniff_format,
 )
+from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.kafka.clients import topic_partitions
@@ -70,7 +71,7 @@ class InferenceClient:
         input_topic: str = "infer.requests",
         output_topic: str = "infer.results",
         input_name: str = "image",
-        max_request_size: int = 8 * 1024 * 1024 + 64 * 1024,
+        max_request_size: int = DEFAULT_LIMITS.max_record_bytes + 64 * 1024,
         wire: Literal["msgpack", "oip"] = "msgpack",
     ) -> None:
         """``wire``: how requests travel: msgpack (contract v1), or Open Inference

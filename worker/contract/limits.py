@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from worker.config import LimitsConfig
 from worker.contract.wire import REQUEST_FIELDS
 from worker.flow.values import is_int
+
+# The bounds operators set ([limits]) have one home, the settings: their
+# defaults here are the settings' defaults, not a second declaration.
+_SET: Final = LimitsConfig()
 
 
 @dataclass(frozen=True)
@@ -21,8 +26,8 @@ class Limits:
     bins are still bounded by the record size, which is already in memory.
     """
 
-    max_record_bytes: int = 8 * 1024 * 1024
-    max_tensor_bytes: int = 4 * 1024 * 1024
+    max_record_bytes: int = _SET.max_record_bytes
+    max_tensor_bytes: int = _SET.max_tensor_bytes
     max_inputs: int = 8
     max_rank: int = 4
     max_id_chars: int = 256
@@ -30,7 +35,7 @@ class Limits:
     max_map_len: int = 64
     max_array_len: int = 64
     max_str_len: int = 4096
-    max_text_bytes: int = 4096  # a text input (str); msgpack's string limit is the larger
+    max_text_bytes: int = _SET.max_text_bytes  # a text input; msgpack's string limit is the larger
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +65,16 @@ class Limits:
                 f"limits.max_array_len: must be >= max_rank ({self.max_rank}), "
                 f"got {self.max_array_len}"
             )
+
+
+    @classmethod
+    def of(cls, limits: LimitsConfig) -> Limits:
+        """The codec's bounds for the operator's ``[limits]``."""
+        return cls(
+            max_record_bytes=limits.max_record_bytes,
+            max_tensor_bytes=limits.max_tensor_bytes,
+            max_text_bytes=limits.max_text_bytes,
+        )
 
 
 DEFAULT_LIMITS: Final = Limits()

@@ -47,11 +47,7 @@ class JobFactory:
         self._inputs = inputs
         self._max_age_ms = max_record_age_ms
         self._default_json = content_type == JSON
-        self._codec_limits = Limits(
-            max_record_bytes=limits.max_record_bytes,
-            max_tensor_bytes=limits.max_tensor_bytes,
-            max_text_bytes=limits.max_text_bytes,
-        )
+        self._codec_limits = Limits.of(limits)
 
     def __call__(
         self,
