@@ -50,6 +50,7 @@ from worker.compute.engines.base import EngineSlot, Feeds
 from worker.compute.engines.cuda import buffer_address, translate_gpu_error
 from worker.compute.engines.torch_module import (
     compute_dtype,
+    flatten_outputs,
     import_torch,
     load_module,
     load_program,
@@ -250,18 +251,8 @@ class TorchEngine:
                 self._mark_dynamic(x, desc)
         if self._autocast:
             with torch.autocast(self._device.type, dtype=self._dtype):
-                return self._flatten(module(*cast))
-        return self._flatten(module(*cast))
-
-    def _flatten(self, value: Any) -> list[tuple[str | None, Any]]:
-        torch = self._torch
-        if isinstance(value, torch.Tensor):
-            return [(None, value)]
-        if isinstance(value, dict):
-            return [(str(k), v) for k, v in value.items()]
-        if isinstance(value, tuple | list):
-            return [(None, v) for v in value]
-        raise InferenceFailed(f"torch: unsupported model output type {type(value).__name__}")
+                return flatten_outputs(torch, module(*cast))
+        return flatten_outputs(torch, module(*cast))
 
     def _on_device(self) -> Any:
         if self._device.type == "cuda":

@@ -31,7 +31,7 @@ import numpy as np
 
 from worker.compute.engines.base import EngineUnavailable
 from worker.config import TorchConfig
-from worker.flow.errors import ConfigError
+from worker.flow.errors import ConfigError, InferenceFailed
 from worker.model.io import Dim, ModelIO, TensorDesc
 
 
@@ -241,3 +241,15 @@ def probe_outputs(
         dtype = numpy_dtype(torch, t.dtype, name)
         specs.append(TensorDesc(name, dtype, tuple(int(d) for d in t.shape[1:])))
     return tuple(specs)
+
+
+def flatten_outputs(torch: Any, value: Any) -> list[tuple[str | None, Any]]:
+    """A module's return value as (name, tensor) pairs: a tensor, a dict of them
+    (named), or a tuple or list of them."""
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if isinstance(value, dict):
+        return [(str(k), v) for k, v in value.items()]
+    if isinstance(value, tuple | list):
+        return [(None, v) for v in value]
+    raise InferenceFailed(f"torch: unsupported model output type {type(value).__name__}")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.compute.engines.base import GpuEngine
-from worker.config import PostprocessConfig
+from worker.compute.gpu import nvjpeg
+from worker.config import GpuConfig, PostprocessConfig
 from worker.flow.errors import ConfigError
 from worker.model.inputs import ModelInputs
 from worker.model.inputs.base import BoundInput
@@ -102,6 +103,34 @@ def postprocess_plan(engine: GpuEngine, outputs: OutputPlan) -> PostprocessPlan:
     return PostprocessPlan(
         raw, topk, softmax_rows, False, tuple(dict.fromkeys((*names, *passed))), pp
     )
+
+
+def check_gpu_inputs(inputs: ModelInputs, gpu: GpuConfig, slots: int) -> BoundImage | None:
+    """What the GPU stage can serve, checked at start-up (a refusal names the
+    setting); returns the image input the kernels preprocess, if any. Inputs
+    without a batch dimension, or batched on another axis, have never run on a
+    GPU: refused there, not guessed (the CPU path serves them)."""
+    if slots < 1:
+        raise ConfigError("gpu.num_slots: must be >= 1")
+    for kind in (*inputs.kinds, *inputs.constants):
+        for feed in kind.feeds:
+            if feed.batch_axis != 0:
+                where = ("no batch dimension" if feed.batch_axis is None
+                         else f"its batch dimension at axis {feed.batch_axis}")  # fmt: skip
+                raise ConfigError(
+                    f"model.inputs.{kind.name}: the model input {feed.name!r} has {where}; the "
+                    "GPU stage serves inputs batched on their first axis (use backend "
+                    "onnxruntime for this model)"
+                )
+    image = device_image(inputs)
+    if gpu.decode == "nvjpeg" and image is None:
+        raise ConfigError(
+            "gpu.decode: 'nvjpeg' decodes into the image input the kernels preprocess; "
+            "set device = 'gpu' on it ([model.preprocess] or [model.inputs.NAME])"
+        )
+    if image is not None:
+        nvjpeg.check_config(gpu.decode, image.cfg)
+    return image
 
 
 def device_image(inputs: ModelInputs) -> BoundImage | None:

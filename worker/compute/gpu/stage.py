@@ -1,39 +1,32 @@
-"""GpuInferenceStage: batches in, completed batches (in dispatch order) out, on a GPU.
+"""GpuInferenceStage: the stage skeleton (``worker.compute.stage``) on a GPU.
 
-The same queue contract as the CPU stage (``worker.compute.cpu``): one future
-per batch goes downstream in dispatch order, ``None`` passes end of stream; the
-same triage and poison isolation (``worker.compute.triage``). What differs is
-where the work happens. Each batch takes a slot (``slots``), and all of its GPU
-work is enqueued on that slot's stream in one go by the launcher (``launch``),
-on a worker thread, so batches on different slots overlap (one copies in while
-another computes and a third copies out). The event loop only awaits completion
-and scatters rows to requests, copied out of pinned memory before the slot is
+Each batch takes a slot (``slots``), and all of its GPU work is enqueued on that
+slot's stream in one go by the launcher (``launch``), on a worker thread, so
+batches on different slots overlap (one copies in while another computes and a
+third copies out). The event loop only awaits completion (``completion``) and
+scatters rows to requests, copied out of pinned memory before the slot is
 released for the next batch.
-
-Completion (a host callback on the stream, a slow event poll behind it) and
-what a device failure means are ``completion``'s.
 
 Inputs: one image input may be preprocessed on the device by the kernels (its
 ``device = "gpu"``); every other input (tensors, texts' tokens, images
-preprocessed on the CPU) is collated on the stage's threads into the slot's
-pinned twins and copied in. A batch whose rows have free dimensions of
-different lengths runs in groups by the lengths the slots were warmed at
-(``plan.slot_shapes``), each at its group's bucket, so no run meets a new shape.
+preprocessed on the CPU, constants) is collated on the stage's threads into the
+slot's pinned twins and copied in. Rows run together as the binding groups them
+(``ModelInputs.groups``): a padded dimension at the smallest warmed bucket that
+holds the group's longest row, any other at the rows' own (equal) length.
 
 Encoded images: PNG and WebP files are decoded on the host (Pillow, on the
-stage's threads) before the batch is staged, like JPEGs with ``gpu.decode =
-"host"``. With ``"nvjpeg"`` a batch's JPEGs are decoded on the device in one
-call per chunk (``nvjpeg``) while the slot's stream is idle, and copied into the
-slot's device staging; a JPEG nvJPEG refuses is decoded on the host instead,
-and a file neither can decode is answered ``invalid_request`` alone. The staging
-byte budget counts a JPEG by its decoded size, read from its header.
+stage's threads), like JPEGs with ``gpu.decode = "host"``. With ``"nvjpeg"`` a
+batch's JPEGs are decoded on the device in one call per chunk (``nvjpeg``)
+while the slot's stream is idle; a JPEG nvJPEG refuses is decoded on the host,
+and a file neither can decode is answered ``invalid_request`` alone. The
+staging byte budget counts a JPEG by its decoded size, read from its header.
 
-Failures: out of memory or an engine failure on a batch raises
-``InferenceFailed`` from ``run_rows``, which runs any subset of a batch's
-answers again on the same slot (and returns only once that slot is idle), so
-the shared bisection isolates the poison requests. An unrecoverable device
-error raises ``EngineDead``: the batch's future fails, downstream stops
-committing, and every later batch fails the same way.
+Failures: out of memory or an engine failure raises ``InferenceFailed`` from
+``run_rows``, which runs any subset of a batch's answers again on the same slot
+(returning only once that slot is idle), so the shared bisection isolates the
+poison requests. An unrecoverable device error raises ``EngineDead``: the
+batch's future fails, downstream stops committing, and every later batch fails
+the same way.
 """
 
 from __future__ import annotations
@@ -53,7 +46,12 @@ from worker.compute.engines.cuda import import_cupy, translate_gpu_error
 from worker.compute.gpu import nvjpeg
 from worker.compute.gpu.completion import SlotWatch
 from worker.compute.gpu.launch import Chunk, Launcher
-from worker.compute.gpu.plan import device_image, host_kinds, postprocess_plan, slot_shapes
+from worker.compute.gpu.plan import (
+    check_gpu_inputs,
+    host_kinds,
+    postprocess_plan,
+    slot_shapes,
+)
 from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout, SlotRing
 from worker.compute.gpu.staging import (
     OnDevice,
@@ -66,34 +64,11 @@ from worker.compute.gpu.staging import (
 from worker.compute.stage import Stage, internal_errors_fail_the_run
 from worker.compute.triage import ServiceTimeHook, run_isolating, triage
 from worker.config import GpuConfig
-from worker.flow.errors import ConfigError, EngineDead
+from worker.flow.errors import EngineDead
 from worker.flow.messages import Answer, Batch, Completed, Job
-from worker.model.inputs import Binding, ModelInputs
+from worker.model.inputs import Binding
 
 log = structlog.get_logger(__name__)
-
-
-def _check_sizes(slots: int) -> None:
-    if slots < 1:
-        raise ConfigError("gpu.num_slots: must be >= 1")
-
-
-def _check_layout(inputs: ModelInputs) -> None:
-    """What the slots' buffers cannot hold yet (never run on a GPU: refused, not
-    guessed): an input without a batch dimension, or batched on another axis."""
-    for kind in (*inputs.kinds, *inputs.constants):
-        for feed in kind.feeds:
-            if feed.batch_axis != 0:
-                where = (
-                    "no batch dimension"
-                    if feed.batch_axis is None
-                    else (f"its batch dimension at axis {feed.batch_axis}")
-                )
-                raise ConfigError(
-                    f"model.inputs.{kind.name}: the model input {feed.name!r} has {where}; the "
-                    "GPU stage serves inputs batched on their first axis (use backend "
-                    "onnxruntime for this model)"
-                )
 
 
 def _no_bytes(answer: Answer) -> int:
@@ -123,20 +98,11 @@ class GpuInferenceStage(Stage):
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time,
         )  # fmt: skip
-        _check_sizes(num_slots)
         inputs = binding.inputs
-        _check_layout(inputs)
+        image = check_gpu_inputs(inputs, gpu, num_slots)
         # A batch larger than the engine takes runs in chunks of its maximum (a
         # model of fixed batch: chunks of exactly that, padded up by the buckets).
         max_batch_size = min(max_batch_size, engine.max_batch_size)
-        image = device_image(inputs)
-        if gpu.decode == "nvjpeg" and image is None:
-            raise ConfigError(
-                "gpu.decode: 'nvjpeg' decodes into the image input the kernels preprocess; "
-                "set device = 'gpu' on it ([model.preprocess] or [model.inputs.NAME])"
-            )
-        if image is not None:
-            nvjpeg.check_config(gpu.decode, image.cfg)
         # Before CuPy: a missing torch is named as what gpu.decode needs.
         self._nvjpeg = (
             nvjpeg.NvJpeg(gpu.device, image.cfg.channels)
