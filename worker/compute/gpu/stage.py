@@ -56,6 +56,7 @@ from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout,
 from worker.compute.gpu.staging import (
     OnDevice,
     needs_host_work,
+    no_bytes,
     prepare_on_host,
     reject_oversized,
     split_chunks,
@@ -69,10 +70,6 @@ from worker.flow.messages import Answer, Batch, Completed, Job
 from worker.model.inputs import Binding
 
 log = structlog.get_logger(__name__)
-
-
-def _no_bytes(answer: Answer) -> int:
-    return 0
 
 
 class GpuInferenceStage(Stage):
@@ -259,7 +256,7 @@ class GpuInferenceStage(Stage):
     def _sizer(self, on_device: OnDevice) -> Callable[[Answer], int]:
         """Bytes an answer's device image takes in the packed staging (0 without one)."""
         if self._image is None:
-            return _no_bytes
+            return no_bytes
         return functools.partial(staged_bytes, on_device=on_device, name=self._image.name)
 
     async def _run_group(

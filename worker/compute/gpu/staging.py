@@ -25,6 +25,11 @@ OnDevice = Mapping[int, DeviceImage]
 """The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
 
 
+def no_bytes(answer: Answer) -> int:
+    """The staging a batch without a device image takes per answer."""
+    return 0
+
+
 def staged_bytes(answer: Answer, on_device: OnDevice, name: str = "image") -> int:
     """Bytes the answer's image (request input ``name``) takes in the packed
     staging: a JPEG for nvJPEG by the size its header gives, before it is decoded."""
