@@ -61,8 +61,9 @@ async def test_idempotent_where_the_broker_supports_it_else_a_warned_fallback(
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
 @pytest.mark.parametrize("guarantee", ["at-least-once", "exactly-once"])
+@pytest.mark.parametrize("batch", ["1", "8"])
 async def test_a_result_refused_for_good_does_not_stall_its_partition(
-    broker: Broker, names: dict[str, str], guarantee: str
+    broker: Broker, names: dict[str, str], guarantee: str, batch: str
 ) -> None:
     """The results topic takes record batches up to 2 KiB; every fifth request
     asks for a ~4 KiB result. The broker refuses those for good, and with them
@@ -90,8 +91,7 @@ async def test_a_result_refused_for_good_does_not_stall_its_partition(
         names["requests"],
         [(None, request(i, pad=3500 if i in large else 0)) for i in range(n)],
     )
-    # One result per record batch, so only the large ones exceed the limit.
-    env = {"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "1"}
+    env = {"INFER_WORKER_BATCHING__MAX_BATCH_SIZE": batch}
     if guarantee == "exactly-once":
         env |= {
             "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": guarantee,

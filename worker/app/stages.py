@@ -30,10 +30,10 @@ from worker.flow.offsets import OffsetTracker
 from worker.flow.values import ModelInfo
 from worker.kafka.clients import client_kwargs
 from worker.kafka.commit import Committer
-from worker.kafka.consumer import KafkaSource
+from worker.kafka.consumer import Consumer
 from worker.kafka.crashguard import CrashGuard
-from worker.kafka.delivery.at_least_once import ResultSink
-from worker.kafka.delivery.exactly_once import TransactionalSink
+from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
+from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
 from worker.model.inputs import Binding, bind_model
@@ -49,10 +49,10 @@ RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 class Stages:
     """Everything the worker builds, kept together so closing never guesses."""
 
-    source: KafkaSource
+    source: Consumer
     batcher: MicroBatcher[Job]
     infer: Stage
-    sink: ResultSink | TransactionalSink
+    sink: AtLeastOnceWriter | ExactlyOnceWriter
     committer: Committer
 
 
@@ -80,7 +80,7 @@ async def build_stages(
     policy: BatchPolicy[Job] = BatchPolicy(
         b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
     )
-    source = KafkaSource(
+    source = Consumer(
         s.kafka,
         JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
         jobs,
@@ -94,17 +94,17 @@ async def build_stages(
     infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-    sink: ResultSink | TransactionalSink
+    sink: AtLeastOnceWriter | ExactlyOnceWriter
     if plan.exactly_once:
         lease = GroupLease(
-            lambda: source.consumer, s.kafka.session_timeout_ms, plan.request_timeout_s
+            lambda: source.client, s.kafka.session_timeout_ms, plan.request_timeout_s
         )
-        sink = TransactionalSink(
+        sink = ExactlyOnceWriter(
             completed, s.kafka, model, tracker, committer, lease,
             max_batches=plan.transaction_batches, budget=budget, tracer=tracer,
         )  # fmt: skip
     else:
-        sink = ResultSink(
+        sink = AtLeastOnceWriter(
             completed, s.kafka, model, tracker, committer,
             max_pending_acks=plan.max_pending_acks, budget=budget, tracer=tracer,
         )  # fmt: skip

@@ -26,10 +26,10 @@ from worker.flow.errors import BrokerUnavailable, ConfigError
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
-from worker.kafka.consumer import report_partitions, watch_broker
 from worker.kafka.crashguard import CrashGuard
-from worker.kafka.delivery.exactly_once import TransactionalSink
+from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import Writer
+from worker.kafka.monitors import report_partitions, watch_broker
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -283,7 +283,7 @@ class Worker:
             revoked,
             self.plan.revoke_timeout_s,
             lambda: self._failure is not None,
-            fence=sink.fence if isinstance(sink, TransactionalSink) else None,
+            fence=sink.fence if isinstance(sink, ExactlyOnceWriter) else None,
         )
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer

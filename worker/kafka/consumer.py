@@ -1,4 +1,4 @@
-"""KafkaSource: the group consumer, its rebalance listener, and the bounded queue.
+"""Consumer: the group consumer, its rebalance listener, and the bounded queue.
 
 Every record read is registered with the offset tracker *before* it is queued, so
 the commit watermark can never pass a record that has not been answered. Each
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -21,6 +20,7 @@ from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
+from worker.flow.backoff import Backoff
 from worker.flow.backpressure import Backpressure
 from worker.flow.errors import CrashLoop
 from worker.flow.messages import Job, TopicPartition
@@ -37,18 +37,17 @@ log = structlog.get_logger(__name__)
 RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
-def fetch_backoff(failures: int, cap: float = 5.0) -> float:
-    """Seconds to wait after ``failures`` consecutive failed fetches. The exponent
-    is bounded: ``0.1 * 2**1024`` raises OverflowError, which killed the consume
-    stage after a long enough outage."""
-    return min(0.1 * float(2 ** min(failures, 16)), cap)
+def fetch_backoff() -> Backoff:
+    """Waits between failed fetches: 0.2 s doubling to 5 s, no jitter (one
+    member's own fetch loop; the broker sees its reconnects, not these)."""
+    return Backoff(0.2, cap=5.0, jitter=(1.0, 1.0))
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
     we count them (``infer_rebalance_listener_errors_total``) and log them as errors."""
 
-    def __init__(self, source: KafkaSource, on_revoke: RevokeHook) -> None:
+    def __init__(self, source: Consumer, on_revoke: RevokeHook) -> None:
         self._source = source
         self._on_revoke = on_revoke
 
@@ -82,15 +81,15 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         log.info("partitions_assigned", partitions=names)
 
 
-class KafkaSource:
-    """Consumes input topics into ``sink`` until ``stop_fetching()``; then puts
-    ``None`` (end of stream) so downstream stages drain."""
+class Consumer:
+    """Consumes input topics into ``jobs_out`` until ``stop_fetching()``; then
+    puts ``None`` (end of stream) so downstream stages drain."""
 
     def __init__(
         self,
         kafka: KafkaConfig,
         make_job: JobFactory,
-        sink: asyncio.Queue[Job | None],
+        jobs_out: asyncio.Queue[Job | None],
         tracker: OffsetTracker,
         on_revoke: RevokeHook,
         backpressure: Backpressure,
@@ -99,7 +98,7 @@ class KafkaSource:
         self.missing_topics: list[str] = []  # input topics the last probe did not find
         self._backpressure = backpressure
         self._make_job = make_job
-        self._sink = sink
+        self._jobs_out = jobs_out
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
@@ -113,18 +112,18 @@ class KafkaSource:
         self._cautious: dict[TopicPartition, int] = {}
         self._quarantine: dict[TopicPartition, int] = {}
         self._deciding: dict[TopicPartition, asyncio.Event] = {}
-        self.consumer: AIOKafkaConsumer | None = None
+        self.client: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
         k = self._kafka
         consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
         consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
         # Set before start(): the first assignment's listener call may come during it.
-        self.consumer = consumer
+        self.client = consumer
         try:
             await consumer.start()
         except BaseException:
-            self.consumer = None
+            self.client = None
             await consumer.stop()
             raise
 
@@ -133,7 +132,7 @@ class KafkaSource:
         the beginning when there is none), explicitly. The consumer can otherwise
         keep a fetch position from before a rebalance, which skips records when
         the broker lost its log (the embedded broker after a restart)."""
-        assert self.consumer is not None
+        assert self.client is not None
         deciding = {TopicPartition(t.topic, t.partition): asyncio.Event() for t in tps}
         if self.guard is not None:
             # Set before the first await: the fetcher may hand out records of these
@@ -147,19 +146,19 @@ class KafkaSource:
                 event.set()
 
     async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
-        assert self.consumer is not None
+        assert self.client is not None
         fresh = []
         for tp in tps:
-            committed = await self.consumer.committed(tp)
+            committed = await self.client.committed(tp)
             if committed is None:
                 fresh.append(tp)
             else:
-                self.consumer.seek(tp, committed)
+                self.client.seek(tp, committed)
         if fresh:
-            await self.consumer.seek_to_beginning(*fresh)
+            await self.client.seek_to_beginning(*fresh)
         if self.guard is not None and tps:
             heads = {
-                TopicPartition(t.topic, t.partition): await self.consumer.position(t) for t in tps
+                TopicPartition(t.topic, t.partition): await self.client.position(t) for t in tps
             }
             await self._check_crash_loops(heads)
 
@@ -201,10 +200,11 @@ class KafkaSource:
         self._revocations += 1
 
     async def run(self) -> None:
-        assert self.consumer is not None, "start() first"
-        consumer = self.consumer
+        assert self.client is not None, "start() first"
+        consumer = self.client
         failures = 0
-        async with end_of_stream(self._sink):
+        backoff = fetch_backoff()
+        async with end_of_stream(self._jobs_out):
             while not self._stopping.is_set():
                 self._apply_backpressure()
                 # While paused, poll often: the member stays in the group and
@@ -225,9 +225,10 @@ class KafkaSource:
                     failures += 1
                     metrics.FETCH_ERRORS.inc()
                     log.warning("fetch_failed", error=repr(exc), consecutive=failures)
-                    await self._sleep(fetch_backoff(failures))
+                    await self._sleep(backoff.next())
                     continue
                 failures = 0
+                backoff.reset()
                 for records in fetched.values():
                     await self._enqueue(records, generation)
                     self._apply_backpressure()
@@ -248,7 +249,7 @@ class KafkaSource:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     def _apply_backpressure(self) -> None:
-        assert self.consumer is not None
+        assert self.client is not None
         records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
         metrics.INFLIGHT_RECORDS.set(records)
         metrics.INFLIGHT_BYTES.set(nbytes)
@@ -257,12 +258,12 @@ class KafkaSource:
             metrics.PAUSES.inc()
             log.info("fetch_paused", inflight_records=records, inflight_bytes=nbytes)
         elif action == "resume":
-            self.consumer.resume(*self.consumer.paused())
+            self.client.resume(*self.client.paused())
             metrics.RESUMES.inc()
             log.info("fetch_resumed", inflight_records=records, inflight_bytes=nbytes)
         if self._backpressure.paused:
             # Also covers partitions assigned by a rebalance while paused.
-            self.consumer.pause(*self.consumer.assignment())
+            self.client.pause(*self.client.assignment())
 
     async def _enqueue(self, records: list[ConsumerRecord[Any, Any]], generation: int) -> None:
         queued = 0
@@ -291,16 +292,16 @@ class KafkaSource:
                     if self._cautious[tp] <= 0:
                         del self._cautious[tp]
                 job = self._job(record)
-                if self._sink.full():
-                    await self._sink.put(job)
+                if self._jobs_out.full():
+                    await self._jobs_out.put(job)
                 else:
-                    self._sink.put_nowait(job)  # no coroutine per record while there is room
+                    self._jobs_out.put_nowait(job)  # no coroutine per record while there is room
                 queued += 1
         finally:
             # Per fetch, not per record: metric updates are a measurable share of
             # the per-record cost on the consume path.
             metrics.RECORDS_CONSUMED.inc(queued)
-            metrics.QUEUE_DEPTH.set(self._sink.qsize())
+            metrics.QUEUE_DEPTH.set(self._jobs_out.qsize())
 
     def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
         """Track the record's offset (before it is queued), then make its Job."""
@@ -332,8 +333,8 @@ class KafkaSource:
 
     async def commit(self, offsets: dict[KafkaTP, int]) -> None:
         """Commit explicit offsets (the Committer's only way to reach the group)."""
-        assert self.consumer is not None, "start() first"
-        await self.consumer.commit(offsets)
+        assert self.client is not None, "start() first"
+        await self.client.commit(offsets)
 
     async def probe(self, timeout: float) -> bool:
         """True when the cluster answers a metadata request for the input topics
@@ -343,11 +344,11 @@ class KafkaSource:
         readiness needs an explicit round trip; it asks for the subscribed topics
         only (the consumer's own metadata refresh), not the whole cluster's, which
         twenty workers probing every second would make the brokers pay for."""
-        if self.consumer is None:
+        if self.client is None:
             return False
         # aiokafka has no public per-topic metadata call; this is the refresh the
         # consumer runs every metadata_max_age_ms, brought forward.
-        client = self.consumer._client
+        client = self.client._client
         try:
             updated = await asyncio.wait_for(client.force_metadata_update(), timeout)
         except (KafkaError, TimeoutError, OSError):
@@ -358,62 +359,12 @@ class KafkaSource:
         return bool(updated)
 
     def assignment(self) -> set[TopicPartition]:
-        if self.consumer is None:
+        if self.client is None:
             return set()
-        return {TopicPartition(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        return {TopicPartition(tp.topic, tp.partition) for tp in self.client.assignment()}
 
     async def close(self) -> None:
         """Leave the group and close the connection (idempotent)."""
-        consumer, self.consumer = self.consumer, None
+        consumer, self.client = self.client, None
         if consumer is not None:
             await consumer.stop()
-
-
-async def watch_broker(source: KafkaSource, timeout: float, interval: float = 1.0) -> None:
-    """Keep the "broker" and "topics" readiness conditions current while the
-    worker runs: an input topic deleted under a running worker makes it not
-    ready, where the cluster does not create topics on demand (with
-    ``auto.create.topics.enable=true``, and on the embedded broker, aiokafka's
-    own metadata refresh re-creates it at once, empty: measured)."""
-    up, missing = True, list[str]()
-    while True:
-        ok = await source.probe(timeout)
-        if ok != up:
-            log.warning("broker_reachable" if ok else "broker_unreachable")
-            up = ok
-        if source.missing_topics != missing:
-            missing = source.missing_topics
-            if missing:
-                log.error("input_topics_missing", topics=missing)
-            else:
-                log.info("input_topics_found")
-        metrics.set_condition("broker", ok)
-        metrics.set_condition("topics", not missing)
-        await asyncio.sleep(interval)
-
-
-async def report_partitions(
-    source: KafkaSource,
-    committed: Callable[[TopicPartition], int | None],
-    last_commit: dict[TopicPartition, float],
-    interval: float = 5.0,
-) -> None:
-    """Per-partition lag and commit age for the partitions this member owns.
-
-    Lag is the high watermark the last fetch saw minus the committed offset: what
-    the group still has to answer on this partition, as the broker's own
-    consumer-group lag would say (``end_offsets`` is not used: the embedded
-    broker answers it wrongly)."""
-    while True:
-        consumer = source.consumer
-        now = time.monotonic()
-        if consumer is not None:
-            for ktp in consumer.assignment():
-                tp = TopicPartition(ktp.topic, ktp.partition)
-                labels = (tp.topic, str(tp.partition))
-                high, done = consumer.highwater(ktp), committed(tp)
-                if high is not None and done is not None:
-                    metrics.PARTITION_LAG.labels(*labels).set(max(0, high - done))
-                if tp in last_commit:
-                    metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
-        await asyncio.sleep(interval)

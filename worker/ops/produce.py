@@ -47,13 +47,13 @@ _ENVELOPE = 64 * 1024
 
 
 @dataclass(frozen=True)
-class Outgoing:
+class LabelledRequest:
     id: str
     label: str  # what the person asked for: a file name or "sample 3 (a 7)"
     value: bytes
 
 
-def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> Outgoing:
+def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> LabelledRequest:
     """A request for one file: image files as sent, ``.npy`` as a tensor (any
     dtype the contract carries: the worker checks it against the model)."""
     rid = f"{path.stem}-{uuid.uuid4().hex[:8]}"
@@ -75,19 +75,19 @@ def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> Ou
             )
         image = EncodedImage(fmt, data)
     request = Request(v=1, id=rid, inputs={input_name: image})
-    return Outgoing(rid, str(path), encode_request(request))
+    return LabelledRequest(rid, str(path), encode_request(request))
 
 
-def from_text(text: str, input_name: str = "text") -> Outgoing:
+def from_text(text: str, input_name: str = "text") -> LabelledRequest:
     """A request for one text (a text input: the worker tokenizes it)."""
     rid = f"text-{uuid.uuid4().hex[:8]}"
     label = text if len(text) <= 40 else text[:37] + "..."
-    return Outgoing(
+    return LabelledRequest(
         rid, repr(label), encode_request(Request(v=1, id=rid, inputs={input_name: text}))
     )
 
 
-def from_samples(n: int, model: str = "digits") -> list[Outgoing]:
+def from_samples(n: int, model: str = "digits") -> list[LabelledRequest]:
     """``n`` labelled held-out samples of a bundled model: digits (8x8, grey) or
     sentiment (review texts; 1 = positive)."""
     out = []
@@ -99,19 +99,23 @@ def from_samples(n: int, model: str = "digits") -> list[Outgoing]:
             rid = f"sample-{i}-{run}"
             request = Request(v=1, id=rid, inputs={"text": text.text})
             label = f"sample {i} ({'positive' if text.label else 'negative'})"
-            out.append(Outgoing(rid, label, encode_request(request)))
+            out.append(LabelledRequest(rid, label, encode_request(request)))
         return out
     from worker.ops.samples import labelled_samples
 
     for i, sample in enumerate(labelled_samples(1)[:n]):
         rid = f"sample-{i}-{run}"
         request = Request(v=1, id=rid, inputs={"image": Tensor.from_numpy(sample.image)})
-        out.append(Outgoing(rid, f"sample {i} (a {sample.label})", encode_request(request)))
+        out.append(LabelledRequest(rid, f"sample {i} (a {sample.label})", encode_request(request)))
     return out
 
 
 async def send(
-    kafka: KafkaConfig, topic: str, requests: Sequence[Outgoing], max_bytes: int, oip: bool = False
+    kafka: KafkaConfig,
+    topic: str,
+    requests: Sequence[LabelledRequest],
+    max_bytes: int,
+    oip: bool = False,
 ) -> None:
     """Send ``requests``; with ``oip``, as Open Inference Protocol JSON (header
     ``content-type: application/json``) instead of msgpack."""

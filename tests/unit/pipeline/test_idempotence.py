@@ -21,7 +21,7 @@ from worker.flow.messages import Answer, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import idempotence, producer_kwargs
 from worker.kafka.commit import Committer
-from worker.kafka.delivery.at_least_once import ResultSink
+from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 
 from .test_stages import FakeBatch, FakeGroup
 
@@ -121,7 +121,7 @@ async def test_a_refusal_for_good_renews_the_producer_and_nothing_is_lost() -> N
     tracker = OffsetTracker()
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
-    sink = ResultSink(
+    sink = AtLeastOnceWriter(
         source,
         KafkaConfig(retry_backoff_ms=1),
         ModelInfo("m", "1"),

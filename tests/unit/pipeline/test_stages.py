@@ -24,8 +24,8 @@ from worker.flow.backpressure import Backpressure
 from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
-from worker.kafka.consumer import KafkaSource, _Listener
-from worker.kafka.delivery.at_least_once import ResultSink
+from worker.kafka.consumer import Consumer, _Listener
+from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.intake import JobFactory
 
 A = TopicPartition("in", 0)
@@ -102,10 +102,10 @@ class FakeProducer:
 
 def make_sink(
     tracker: OffsetTracker, producer: FakeProducer
-) -> tuple[ResultSink, asyncio.Queue[asyncio.Future[Completed] | None], Committer]:
+) -> tuple[AtLeastOnceWriter, asyncio.Queue[asyncio.Future[Completed] | None], Committer]:
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
-    sink = ResultSink(
+    sink = AtLeastOnceWriter(
         source,
         KafkaConfig(retry_backoff_ms=1),
         ModelInfo("m", "1"),
@@ -170,7 +170,7 @@ async def test_record_with_neither_key_nor_value_goes_to_the_dlq() -> None:
 
 
 class FakeConsumer:
-    """What KafkaSource.run needs from AIOKafkaConsumer: one fetch, then nothing."""
+    """What Consumer.run needs from AIOKafkaConsumer: one fetch, then nothing."""
 
     def __init__(self, records: Iterable[ConsumerRecord[bytes, bytes]]) -> None:
         self._fetches = [{KafkaTP(A.topic, A.partition): list(records)}]
@@ -202,11 +202,11 @@ def record(offset: int) -> ConsumerRecord[bytes, bytes]:
 
 def make_source(
     jobs: asyncio.Queue[Job | None], tracker: OffsetTracker, consumer: FakeConsumer
-) -> KafkaSource:
+) -> Consumer:
     async def forget(tps: set[TopicPartition]) -> None:
         tracker.forget(tps)
 
-    source = KafkaSource(
+    source = Consumer(
         KafkaConfig(),
         JobFactory(model_inputs(), LimitsConfig()),
         jobs,
@@ -214,7 +214,7 @@ def make_source(
         forget,
         Backpressure(max_records=1000, max_bytes=1 << 30),
     )
-    source.consumer = consumer  # type: ignore[assignment]
+    source.client = consumer  # type: ignore[assignment]
     return source
 
 
@@ -346,9 +346,11 @@ def test_fetch_backoff_is_capped_however_long_the_outage() -> None:
     at the 5 s cap): the consume stage must keep retrying, not die."""
     from worker.kafka.consumer import fetch_backoff
 
-    assert fetch_backoff(1) == 0.2
-    assert fetch_backoff(6) == 5.0
-    assert fetch_backoff(5000) == 5.0
+    backoff = fetch_backoff()
+    delays = [backoff.next() for _ in range(5000)]
+    assert delays[0] == 0.2
+    assert delays[5] == 5.0
+    assert delays[4999] == 5.0
 
 
 async def test_stopped_committer_makes_no_further_commit() -> None:

@@ -21,7 +21,7 @@ from worker.flow.errors import TransactionFenced
 from worker.flow.messages import Answer, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
-from worker.kafka.delivery.exactly_once import TransactionalSink
+from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 
 from .test_stages import FakeBatch, FakeGroup
 
@@ -118,7 +118,7 @@ class Lease:
 
 @dataclass
 class Rig:
-    sink: TransactionalSink
+    sink: ExactlyOnceWriter
     source: asyncio.Queue[asyncio.Future[Completed] | None]
     tracker: OffsetTracker
     cluster: Cluster
@@ -136,7 +136,7 @@ async def rig(lease: Lease | None = None, fence_on_commit: bool = False) -> Rig:
 
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup(), transactional=True)
-    sink = TransactionalSink(
+    sink = ExactlyOnceWriter(
         source,
         KafkaConfig(retry_backoff_ms=1, group_instance_id="w1"),
         ModelInfo("m", "1"),

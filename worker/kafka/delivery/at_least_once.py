@@ -1,4 +1,4 @@
-"""ResultSink: encode answers, produce results / DLQ records, await broker acks.
+"""AtLeastOnceWriter: encode answers, produce results / DLQ records, await acks.
 
 Completed batches arrive in dispatch order and are sent in that order, so results
 of one input partition are produced in request order. Acks are awaited in a
@@ -10,36 +10,28 @@ the tracker, which is what lets the committer move the watermark.
 from __future__ import annotations
 
 import asyncio
-import random
+from collections import Counter
 
 import structlog
 
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
 from worker.flow.budget import FailureBudget
-from worker.flow.errors import DeliveryFailed
 from worker.flow.messages import Completed
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import start_producer
 from worker.kafka.commit import Committer
-from worker.kafka.delivery.outgoing import Outgoing, fallback
-from worker.kafka.delivery.writer import (
-    SEQUENCE_BROKEN,
-    ProducerFactory,
-    Sent,
-    Writer,
-    refusal_code,
-    retriable,
-)
+from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.writer import Action, ProducerFactory, Sent, Verdict, Writer, retriable
 from worker.obs import metrics
 from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ProducerFactory", "ResultSink", "refusal_code", "retriable"]
+__all__ = ["AtLeastOnceWriter", "ProducerFactory"]
 
 
-class ResultSink(Writer):
+class AtLeastOnceWriter(Writer):
     """Produces answers in order, awaits acks, marks offsets done.
 
     When acknowledgements fail (broker unreachable, timeouts), nothing is marked
@@ -51,7 +43,7 @@ class ResultSink(Writer):
 
     def __init__(
         self,
-        source: asyncio.Queue[asyncio.Future[Completed] | None],
+        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
         kafka: KafkaConfig,
         model: ModelInfo,
         tracker: OffsetTracker,
@@ -62,13 +54,14 @@ class ResultSink(Writer):
         tracer: Tracer | None = None,
     ) -> None:
         super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
-        self._source = source
+        self._completed_in = completed_in
         self._committer = committer
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
-        self._undelivered: list[Outgoing] = []
+        # Records not acknowledged, with why, and whether they were sent in a record
+        # batch of their own: decide() says what is sent next.
+        self._undelivered: list[tuple[OutRecord, BaseException | None, bool]] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
-        self._renew = False  # an idempotent producer's sequence may be broken
 
     async def run(self) -> None:
         while (fut := await self._next()) is not None:
@@ -89,9 +82,9 @@ class ResultSink(Writer):
             self._delivery_failed.clear()
             if self._undelivered:
                 await self._redeliver()
-            if not self._source.empty():
-                return self._source.get_nowait()
-            getter = asyncio.ensure_future(self._source.get())
+            if not self._completed_in.empty():
+                return self._completed_in.get_nowait()
+            getter = asyncio.ensure_future(self._completed_in.get())
             failed = asyncio.ensure_future(self._delivery_failed.wait())
             try:
                 await asyncio.wait({getter, failed}, return_when=asyncio.FIRST_COMPLETED)
@@ -105,7 +98,7 @@ class ResultSink(Writer):
                 return getter.result()
 
     async def _send_batch(self, completed: Completed) -> None:
-        outs = self._outgoing(completed)
+        outs = self._records(completed)
         if not outs:
             return
         sent = await self._send_grouped(outs)
@@ -115,7 +108,7 @@ class ResultSink(Writer):
         task.add_done_callback(self._ack_tasks.discard)
 
     async def _await_acks(self, sent: Sent) -> None:
-        acked: list[Outgoing] = []
+        acked: list[OutRecord] = []
         try:
             # One by one, not gather(): a batch's acks arrive together, so after the
             # first wait the rest are already done and awaiting them costs nothing.
@@ -131,9 +124,9 @@ class ResultSink(Writer):
                 else:
                     acked.append(out)
                     continue
-                # Not acknowledged: the offset stays pending (never committed) and
-                # the record is re-sent by _redeliver.
-                self._undelivered.append(self._to_resend(out, failure))
+                # Not acknowledged: the offset stays pending (never committed);
+                # _redeliver decides what is sent instead.
+                self._undelivered.append((out, failure, False))
                 self._delivery_failed.set()
                 log.warning("delivery_failed", source=str(out.job.source), error=repr(failure))
             self._acknowledged(acked)
@@ -141,74 +134,74 @@ class ResultSink(Writer):
         finally:
             self._ack_slots.release()
 
-    def _to_resend(self, out: Outgoing, failure: BaseException) -> Outgoing:
-        """What to re-send for a record whose send failed: the record itself, or,
-        when the broker refused it for good, its small fallback at once (re-sent
-        as it was, beside its neighbours in one record batch, the refused bytes
-        would have them refused too)."""
-        if retriable(failure):
-            return out
-        # A refusal for good leaves a gap in an idempotent producer's sequence:
-        # the records after it fail with a sequence error, and are re-sent as
-        # they are, through a new producer.
-        self._renew = self._renew or self.idempotent
-        if isinstance(failure, SEQUENCE_BROKEN) or out.fallback:
-            return out
-        return fallback(out, refusal_code(failure), repr(failure), self._model)
-
     async def _settle(self) -> None:
         """Wait for every outstanding acknowledgement."""
         while self._ack_tasks:
             await asyncio.gather(*self._ack_tasks)
 
     async def _redeliver(self) -> None:
-        """Re-send unacknowledged records, oldest first, until all are acked."""
+        """Send again what was not acknowledged, oldest first, as ``decide`` says
+        (the same bytes, each alone, or a fallback), until everything is. Each
+        record goes in a record batch of its own: the producer's own batching
+        would put refused records beside others again, and their fallbacks too.
+        A record that may be refused again (one refused with its neighbours) is
+        sent alone and awaited before anything after it, so the results of a
+        partition stay in request order whatever becomes of it."""
         await self._settle()
         metrics.set_condition("delivery", False)
-        backoff = self._kafka.retry_backoff_ms / 1000.0
+        backoff = self.backoff()
         while self._undelivered:
-            if self._renew:
-                await self._renew_producer()
-            pending = sorted(self._undelivered, key=lambda o: o.seq)
+            failures = [
+                (o, f, alone) for o, f, alone in self._undelivered
+                if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)
+            ]  # fmt: skip
             self._undelivered = []
-            live = [o for o in pending if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)]
-            log.info("redelivering", records=len(live), backoff_s=backoff)
-            sent = [(o, await self._send(o)) for o in live]
-            metrics.DELIVERY_RETRIES.inc(len(sent))
-            outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
-            failed = 0
-            for (out, _), outcome in zip(sent, outcomes, strict=True):
-                if not isinstance(outcome, BaseException):
-                    self._acknowledged([out])
-                    continue
-                if self.idempotent and isinstance(outcome, SEQUENCE_BROKEN):
-                    self._renew = True  # never written: the same bytes, new producer
-                    self._undelivered.append(out)
-                    continue
-                if retriable(outcome):
-                    failed += 1
-                    self._undelivered.append(out)
-                elif not out.fallback:
-                    # Refused for good (e.g. too large for the broker): retrying
-                    # the same bytes cannot help; send the small fallback instead.
-                    self._renew = self._renew or self.idempotent
-                    self._undelivered.append(
-                        fallback(out, refusal_code(outcome), repr(outcome), self._model)
-                    )
-                else:
-                    raise DeliveryFailed(
-                        f"{out.job.source} cannot be delivered even as an error: {outcome!r}"
-                    )
+            struck = Counter(id(f) for _, f, _ in failures if f is not None)
+            todo: list[tuple[OutRecord, Verdict]] = []
+            for out, failure, alone in sorted(failures, key=lambda t: t[0].seq):
+                shared = failure is not None and struck[id(failure)] > 1
+                todo.append(self._next_attempt(out, failure, shared=shared, alone=alone))
+            if any(verdict.renew for _, verdict in todo):
+                await self._replace_producer("a record was refused for good")
+            log.info("redelivering", records=len(todo), backoff_s=backoff.current)
+            if await self._send_in_order(todo):
+                await asyncio.sleep(backoff.next())  # the broker is away: wait for it
             self._committer.notify()
-            if failed:
-                # Jittered: twenty workers that lost the broker together must not
-                # all come back to it in the same instant.
-                await asyncio.sleep(backoff * random.uniform(0.75, 1.25))
-                backoff = min(backoff * 2, 10.0)
         metrics.set_condition("delivery", True)
         log.info("delivery_recovered")
 
-    async def _renew_producer(self) -> None:
-        """A new producer (no send of this sink in flight): see ``Writer._replace_producer``."""
-        await self._replace_producer("a batch was refused for good")
-        self._renew = False
+    async def _send_in_order(self, todo: list[tuple[OutRecord, Verdict]]) -> bool:
+        """One round of redelivery; what fails goes back to ``_undelivered``.
+        True when a failure was one the broker may get over (wait, then retry)."""
+        burst: list[OutRecord] = []
+        unreachable = False
+        for i, (out, verdict) in enumerate(todo):
+            if verdict.action is not Action.RESEND_ALONE:
+                burst.append(out)
+                continue
+            unreachable = await self._send_each(burst) or unreachable
+            burst = []
+            (sent,) = await self._send_grouped([out])
+            try:
+                await self._watched(sent[1])
+            except Exception as exc:  # boundary: aiokafka's delivery errors
+                # Refused again, alone: nothing after it goes before its fallback.
+                self._undelivered.append((out, exc, True))
+                self._undelivered += [(o, None, True) for o, _ in todo[i + 1 :]]
+                return unreachable or retriable(exc)
+            self._acknowledged([out])
+        return await self._send_each(burst) or unreachable
+
+    async def _send_each(self, outs: list[OutRecord]) -> bool:
+        """``outs`` each in a record batch of its own, all at once, in order."""
+        sent = [pair for o in outs for pair in await self._send_grouped([o])]
+        metrics.DELIVERY_RETRIES.inc(len(sent))
+        outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
+        unreachable = False
+        for (out, _), outcome in zip(sent, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                self._undelivered.append((out, outcome, True))
+                unreachable = unreachable or retriable(outcome)
+            else:
+                self._acknowledged([out])
+        return unreachable

@@ -1,4 +1,4 @@
-"""TransactionalSink: exactly-once. The results, the DLQ records and the input
+"""ExactlyOnceWriter: exactly-once. The results, the DLQ records and the input
 offsets they answer are committed together, in one Kafka transaction.
 
 Each cycle takes the next completed batch and those that completed behind it
@@ -10,7 +10,7 @@ Each cycle takes the next completed batch and those that completed behind it
           -> commit_transaction -> mark the offsets done and committed
 
 This is the one place where flush, produce and commit are ordered under
-exactly-once (``produce.ResultSink`` and ``commit.Committer`` order them under
+exactly-once (``at_least_once`` and ``commit.Committer`` order them under
 at-least-once). Answers reach the sink only after their device-to-host copy, so
 a transaction never holds a result that was not computed. A transaction stays
 open while a partition has a gap below its answers (batches complete out of
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import random
+from collections import Counter
 
 import structlog
 from aiokafka.errors import KafkaError, ProducerFenced
@@ -46,19 +46,14 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
 from worker.flow.budget import FailureBudget
-from worker.flow.errors import DeliveryFailed, TransactionFenced
+from worker.flow.errors import TransactionFenced
 from worker.flow.messages import Completed, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import start_transactional_producer, transactional_id
 from worker.kafka.commit import Committer
-from worker.kafka.delivery.outgoing import Outgoing, fallback
-from worker.kafka.delivery.writer import (
-    SEQUENCE_BROKEN,
-    ProducerFactory,
-    Writer,
-    refusal_code,
-    retriable,
-)
+from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.transaction import Txn, TxnState
+from worker.kafka.delivery.writer import Action, ProducerFactory, Writer
 from worker.kafka.lease import GroupLease
 from worker.obs import metrics
 from worker.obs.tracing import Tracer
@@ -81,13 +76,13 @@ class _Failed(Exception):
         self.refused = refused or {}
 
 
-class TransactionalSink(Writer):
+class ExactlyOnceWriter(Writer):
     """Sends answers and commits them with their offsets, one transaction per
     group of completed batches (see the module's docstring)."""
 
     def __init__(
         self,
-        source: asyncio.Queue[asyncio.Future[Completed] | None],
+        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
         kafka: KafkaConfig,
         model: ModelInfo,
         tracker: OffsetTracker,
@@ -99,19 +94,46 @@ class TransactionalSink(Writer):
         tracer: Tracer | None = None,
     ) -> None:
         super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
-        self._source = source
+        self._completed_in = completed_in
         self._committer = committer
         self._lease = lease
         self._max_batches = max(1, max_batches)
         self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences
-        self._in_txn = False
-        self._open: list[Outgoing] = []  # sent in the open transaction (or being sent)
-        self._retry: list[Outgoing] = []  # to send again: their transaction was aborted
+        self._txn = TxnState()
+        self._open: list[OutRecord] = []  # sent in the open transaction (or being sent)
+        self._retry: list[OutRecord] = []  # to send again: their transaction was aborted
         self._wake = asyncio.Event()  # records wait in _retry (after a fence)
         self._held: asyncio.Future[Completed] | None = None  # taken, not yet completed
-        self._backoff = kafka.retry_backoff_ms / 1000.0
-        self._failing = False
-        self._alone = False  # send each record in a record batch of its own (see _abort)
+        self._backoff = self.backoff()
+        # Send each record in a record batch of its own until the next commit: some
+        # were refused together with their neighbours (decide: RESEND_ALONE).
+        self._alone = False
+
+    # --- the state ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> Txn:
+        return self._txn.state
+
+    @property
+    def _in_txn(self) -> bool:
+        return self._txn.open
+
+    def _to(self, state: Txn) -> None:
+        """Move the transaction's state (checked); delivery is not ready from a
+        failure until a transaction commits again."""
+        before = self._txn.to(state)
+        failing = (Txn.FAILED, Txn.RETRYING)
+        if state is Txn.FAILED and before not in failing:
+            metrics.set_condition("delivery", False)
+        elif state is Txn.READY and before is Txn.RETRYING:
+            metrics.set_condition("delivery", True)
+            log.info("delivery_recovered")
+
+    async def _begin(self) -> None:
+        assert self.producer is not None, "start() first"
+        await self.producer.begin_transaction()
+        self._to(Txn.RETRYING if self._txn.state is Txn.FAILED else Txn.OPEN)
 
     async def start(self) -> None:
         await super().start()
@@ -125,12 +147,11 @@ class TransactionalSink(Writer):
             batches: list[Completed] = []
             if more:
                 batches, more = await self._take()
-            outs = [out for completed in batches for out in self._outgoing(completed)]
+            outs = [out for completed in batches for out in self._records(completed)]
             async with self._lock:
                 ok = await self._cycle(outs, final=not more)
             if not ok:  # backed off outside the lock: a revocation may need it
-                await asyncio.sleep(self._backoff * random.uniform(0.75, 1.25))
-                self._backoff = min(self._backoff * 2, 10.0)
+                await asyncio.sleep(self._backoff.next())
 
     async def _take(self) -> tuple[list[Completed], bool]:
         """Completed batches for the next transaction: the next one (waited for,
@@ -141,7 +162,7 @@ class TransactionalSink(Writer):
             busy = bool(batches or self._retry)
             fut, self._held = self._held, None
             if fut is None:
-                if busy and self._source.empty():
+                if busy and self._completed_in.empty():
                     break
                 item = await self._get()
                 if item is _Woken.WOKEN:  # records wait to be sent again
@@ -158,9 +179,9 @@ class TransactionalSink(Writer):
 
     async def _get(self) -> asyncio.Future[Completed] | _Woken | None:
         """The queue's next item, or WOKEN when woken to send records again."""
-        if not self._source.empty():
-            return self._source.get_nowait()
-        getter = asyncio.ensure_future(self._source.get())
+        if not self._completed_in.empty():
+            return self._completed_in.get_nowait()
+        getter = asyncio.ensure_future(self._completed_in.get())
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -175,13 +196,13 @@ class TransactionalSink(Writer):
 
     # --- one transaction --------------------------------------------------------------
 
-    async def _cycle(self, new: list[Outgoing], final: bool) -> bool:
+    async def _cycle(self, new: list[OutRecord], final: bool) -> bool:
         """Send ``new`` and the records waiting to be sent again in the open
         transaction, and commit it unless a gap keeps it open. False when it was
         aborted (what it held waits in ``_retry``) or could not begin."""
         todo = [o for o in (*self._retry, *new) if self._owned(o)]
         self._retry = []
-        if self._failing and todo and not await self._lease.held():
+        if self._txn.state is Txn.FAILED and todo and not await self._lease.held():
             self._retry = todo  # not a member now: sending would only be aborted again
             return False
         try:
@@ -205,6 +226,7 @@ class TransactionalSink(Writer):
                 raise _Failed("group membership not confirmed (expelled, or rejoining)")
             await self._commit(offsets)
         except ProducerFenced as exc:
+            self._to(Txn.FENCED)
             raise TransactionFenced(
                 f"transactional id {transactional_id(self._kafka)!r} was taken by another "
                 "process (a restarted instance of this member): this one stops"
@@ -214,11 +236,11 @@ class TransactionalSink(Writer):
             return False
         return True
 
-    def _owned(self, out: Outgoing) -> bool:
+    def _owned(self, out: OutRecord) -> bool:
         job = out.job
         return self._tracker.owns(job.tp, job.offset, job.epoch)
 
-    async def _send_all(self, outs: list[Outgoing]) -> None:
+    async def _send_all(self, outs: list[OutRecord]) -> None:
         """Send ``outs`` in the open transaction (begun if none is) and await
         their acknowledgements. They join ``_open`` first, so that whatever
         fails from here on, an abort finds them to send again."""
@@ -227,8 +249,7 @@ class TransactionalSink(Writer):
         assert self.producer is not None, "start() first"
         self._open += outs
         if not self._in_txn:
-            await self.producer.begin_transaction()
-            self._in_txn = True
+            await self._begin()
         if self._alone:
             sent = [pair for out in outs for pair in await self._send_grouped([out])]
         else:
@@ -256,7 +277,7 @@ class TransactionalSink(Writer):
                 self._kafka.group_id,
             )
         await self._watched(self.producer.commit_transaction())
-        self._in_txn = False
+        self._to(Txn.FAILED if self._retry else Txn.READY)
         committed, self._open = self._open, []
         self._alone = False
         self._acknowledged(committed)
@@ -264,48 +285,28 @@ class TransactionalSink(Writer):
             self._committer.record(moved)
         self._committer.notify()
         metrics.TRANSACTIONS.labels(outcome="committed").inc()
-        self._backoff = self._kafka.retry_backoff_ms / 1000.0
-        if self._failing:
-            self._failing = False
-            metrics.set_condition("delivery", True)
-            log.info("delivery_recovered")
+        self._backoff.reset()
 
     async def _abort(self, exc: BaseException) -> None:
-        """End the open transaction without its records, and queue them (with
-        fallbacks for those the broker refused for good) to be sent again."""
+        """End the open transaction without its records, and queue what ``decide``
+        says is sent instead (the same records, each alone, or fallbacks)."""
         refused = exc.refused if isinstance(exc, _Failed) else {}
-        # How many records each failure struck: the broker refuses a record
-        # batch as a whole, so one record too large for the topic has every
-        # record batched with it refused too. Those are first sent again one per
-        # record batch; only a record refused on its own gets its fallback.
-        struck: dict[int, int] = {}
-        for error in refused.values():
-            struck[id(error)] = struck.get(id(error), 0) + 1
-        redo: list[Outgoing] = []
-        broken, alone = False, False
+        struck = Counter(id(error) for error in refused.values())
+        redo: list[OutRecord] = []
+        renew = alone = False
         for out in sorted(self._open, key=seq):
             failure = refused.get(id(out))
-            if failure is None or retriable(failure) or isinstance(failure, SEQUENCE_BROKEN):
-                redo.append(out)
-            elif struck[id(failure)] > 1 and not self._alone:
-                redo.append(out)
-                alone = True
-            elif out.fallback:
-                raise DeliveryFailed(
-                    f"{out.job.source} cannot be delivered even as an error: {failure!r}"
-                )
-            else:
-                redo.append(fallback(out, refusal_code(failure), repr(failure), self._model))
-            # A refusal for good breaks the partition's sequence (see sending.py).
-            broken = broken or (failure is not None and not retriable(failure))
+            shared = failure is not None and struck[id(failure)] > 1
+            nxt, verdict = self._next_attempt(out, failure, shared=shared, alone=self._alone)
+            renew = renew or verdict.renew
+            alone = alone or verdict.action is Action.RESEND_ALONE
+            redo.append(nxt)
         self._open = []
         self._alone = self._alone or alone
         log.warning("transaction_aborted", reason=str(exc) or repr(exc), records=len(redo))
         metrics.TRANSACTIONS.labels(outcome="aborted").inc()
-        if not self._failing:
-            self._failing = True
-            metrics.set_condition("delivery", False)
-        await self._end_open("a record was refused for good" if broken else None)
+        await self._end_open("a record was refused for good" if renew else None)
+        self._to(Txn.FAILED)
         self._retry = redo
 
     async def _end_open(self, renew: str | None = None) -> None:
@@ -313,17 +314,20 @@ class TransactionalSink(Writer):
         abort fails) replace the producer: a new one's InitProducerId aborts
         whatever the old one left open, and starts its sequences again."""
         assert self.producer is not None
-        if self._in_txn and renew is None:
+        was_open = self._in_txn
+        if was_open and renew is None:
             try:
                 await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
             except ProducerFenced:
+                self._to(Txn.FENCED)
                 raise
             except (KafkaError, TimeoutError, AssertionError) as exc:
                 # aiokafka asserts its state transitions: after a failed commit
                 # an abort can be one it refuses.
                 log.warning("transaction_abort_failed", error=repr(exc))
                 renew = "the abort failed"
-        self._in_txn = False
+        if was_open:  # closed: a revocation's abort keeps a failure's state
+            self._to(Txn.FAILED if self._txn.state is Txn.RETRYING else Txn.READY)
         if renew is not None:
             await self._replace_producer(renew)
 
@@ -364,13 +368,12 @@ class TransactionalSink(Writer):
         async with self._lock:
             own = not self._in_txn
             if own:
-                await self.producer.begin_transaction()
-                self._in_txn = True
+                await self._begin()
             try:
                 meta = await self._watched(await self.producer.send(topic, value, key=key))
                 if own:
                     await self._watched(self.producer.commit_transaction())
-                    self._in_txn = False
+                    self._to(Txn.FAILED if self._retry else Txn.READY)
             except KafkaError:
                 if own:
                     await self._end_open()
@@ -385,9 +388,9 @@ class TransactionalSink(Writer):
                 await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
             except Exception as exc:  # boundary: closing; the broker times it out otherwise
                 log.warning("transaction_abort_failed", error=repr(exc))
-            self._in_txn = False
+            self._to(Txn.FAILED if self._txn.state is Txn.RETRYING else Txn.READY)
         await super().close()
 
 
-def seq(out: Outgoing) -> int:
+def seq(out: OutRecord) -> int:
     return out.seq

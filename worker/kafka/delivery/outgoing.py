@@ -1,7 +1,7 @@
 """What the produce stage sends, decided without I/O: results, DLQ records, fallbacks.
 
 Pure functions of an answer, so every rule (which topic, which headers, what a
-too-large record becomes) is unit-tested without a broker. ``ResultSink``
+too-large record becomes) is unit-tested without a broker. ``AtLeastOnceWriter``
 (``worker.kafka.delivery.at_least_once``) only sends what these build.
 """
 
@@ -34,7 +34,7 @@ FallbackCode = Literal["too_large", "internal"]
 
 
 @dataclass(slots=True)
-class Outgoing:
+class OutRecord:
     """One record to produce for one job, kept until acknowledged so it can be
     re-sent unchanged if delivery fails."""
 
@@ -121,7 +121,7 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
     )
 
 
-def outgoing(
+def record_for(
     answer: Answer,
     model: ModelInfo,
     topics: Topics,
@@ -129,14 +129,14 @@ def outgoing(
     now: float,
     max_bytes: int,
     trace: TraceContext | None = None,
-) -> Outgoing:
+) -> OutRecord:
     """The record for one answer: an undecodable record goes to the DLQ with its
     original bytes; everything else becomes a result, in the format the request
     came in (msgpack, or Open Inference Protocol JSON). One that would exceed
     ``max_bytes`` (``kafka.max_request_size``) becomes its ``too_large`` fallback.
     ``trace``: the answer's trace context (a child span of the request's), carried
     in its headers."""
-    out = _outgoing(answer, model, topics, seq, now)
+    out = _encoded(answer, model, topics, seq, now)
     if trace is not None:
         out.headers.extend(trace.headers())
     if out.size <= max_bytes:
@@ -144,7 +144,7 @@ def outgoing(
     return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
 
 
-def _outgoing(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
+def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
     job = answer.job
     if job.wire == "oip" and not isinstance(job.failure, UndecodableRecord):
         return _oip(answer, model, topics, seq, now)
@@ -158,18 +158,18 @@ def _outgoing(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: f
             # a KafkaError), which killed the worker on it at every restart.
             value = b""
         error = ErrorInfo.from_error(job.failure)
-        return Outgoing(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
+        return OutRecord(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
     if answer.outputs is not None and answer.error is None and job.failure is None:
         # The common case, on the hot path: encoded straight from the output rows.
         request_id, meta = _echo(job)
         timing = _timing(answer, now)
         value = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
-        return Outgoing(
+        return OutRecord(
             job, topics.output, job.key, value, [("id", request_id.encode())], "ok", seq,
             request_id=request_id,
         )  # fmt: skip
     result = build_result(answer, model, now)
-    return Outgoing(
+    return OutRecord(
         job,
         topics.output,
         job.key,
@@ -182,7 +182,7 @@ def _outgoing(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: f
     )
 
 
-def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> Outgoing:
+def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
     """An Open Inference Protocol answer: the outputs the request named (all by
     default), or an OIP error; header ``content-type: application/json``."""
     job = answer.job
@@ -206,11 +206,11 @@ def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float)
     )  # fmt: skip
     headers = [("id", request_id.encode()), ("content-type", JSON.encode())]
     kind: Kind = "ok" if error is None else "error"
-    return Outgoing(job, topics.output, job.key, value, headers, kind, seq,
+    return OutRecord(job, topics.output, job.key, value, headers, kind, seq,
                     request_id=request_id, error=error)  # fmt: skip
 
 
-def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -> Outgoing:
+def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) -> OutRecord:
     """A small record for what could not be produced as it is (too large for
     the producer, or refused for good by the broker): results become a ``code``
     error result without outputs or meta; DLQ records keep their headers but not
@@ -224,7 +224,7 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
         headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
         headers += trace
         # b"" rather than None: a record needs a key or a value.
-        return Outgoing(
+        return OutRecord(
             job, out.topic, out.key, b"", headers, "dlq", out.seq,
             request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason[:1024]),
         )  # fmt: skip
@@ -232,7 +232,7 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
     if job.wire == "oip":
         value = encode_oip_result(out.request_id, model, job.source, {}, None, error=error)
         headers = [("id", out.request_id.encode()), ("content-type", JSON.encode()), *trace]
-        return Outgoing(job, out.topic, out.key, value, headers, "error", out.seq,
+        return OutRecord(job, out.topic, out.key, value, headers, "error", out.seq,
                         request_id=out.request_id, fallback=True, error=error)  # fmt: skip
     result = Result(
         id=out.request_id,
@@ -241,7 +241,7 @@ def fallback(out: Outgoing, code: FallbackCode, reason: str, model: ModelInfo) -
         model=model,
         error=error,
     )
-    return Outgoing(
+    return OutRecord(
         job,
         out.topic,
         out.key,

@@ -1,20 +1,23 @@
-"""What both result sinks share: the producer, answers turned into records, and
-records handed to the producer grouped per output partition.
+"""What both writers share: the producer, answers turned into records, records
+handed to the producer grouped per output partition, and the one decision of
+what to do with a record whose send failed.
 
-The sinks differ in what makes an offset committable: ``produce.ResultSink``
-(at-least-once) marks it done once the broker acknowledged its record, and the
-committer commits it later; ``transactions.TransactionalSink`` (exactly-once)
-commits the records and their offsets together in one transaction. Encoding,
-grouping, refusals and the failure budget are the same in both, and live here.
+The writers differ in what makes an offset committable: ``at_least_once``
+marks it done once the broker acknowledged its record, and the committer
+commits it later; ``exactly_once`` commits the records and their offsets
+together in one transaction. Encoding, grouping, refusals, the failure budget
+and ``decide`` (resend, resend alone, fall back, give up; and whether the
+producer must be replaced first) are the same in both, and live here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import enum
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -32,11 +35,12 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
+from worker.flow.backoff import Backoff
 from worker.flow.budget import FailureBudget
-from worker.flow.errors import FailureBudgetExceeded
+from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
 from worker.flow.messages import Completed
 from worker.flow.offsets import OffsetTracker
-from worker.kafka.delivery.outgoing import FallbackCode, Outgoing, Topics, outgoing
+from worker.kafka.delivery.outgoing import FallbackCode, OutRecord, Topics, fallback, record_for
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
 from worker.obs.tracing import Tracer, answer_span
@@ -54,7 +58,7 @@ _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeE
 SEQUENCE_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
 
 ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
-Sent = list[tuple[Outgoing, "asyncio.Future[object]"]]
+Sent = list[tuple[OutRecord, "asyncio.Future[object]"]]
 
 
 def retriable(exc: BaseException) -> bool:
@@ -71,6 +75,59 @@ def retriable(exc: BaseException) -> bool:
 def refusal_code(exc: BaseException) -> FallbackCode:
     """Translate a permanent delivery failure into the fallback's error code."""
     return "too_large" if isinstance(exc, _TOO_LARGE) else "internal"
+
+
+class Action(enum.Enum):
+    RESEND = "resend"  # the same bytes again
+    RESEND_ALONE = "resend alone"  # again, in a record batch of its own
+    FALL_BACK = "fall back"  # its small error answer instead
+    GIVE_UP = "give up"  # even its fallback was refused: the worker stops
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    renew: bool  # replace the producer before anything is sent again
+
+
+def decide(
+    record: OutRecord,
+    failure: BaseException | None,
+    *,
+    idempotent: bool,
+    shared: bool,
+    alone: bool,
+) -> Verdict:
+    """What to send next for a record whose send failed, or whose transaction was
+    aborted: the one place both writers decide it.
+
+    ``failure``: why the record was not acknowledged (None: it was, but its
+    transaction failed for another reason); ``shared``: the same failure struck
+    other records too (the broker refuses a record batch as a whole, so one
+    record too large for the topic has every record batched with it refused);
+    ``alone``: the record was already sent in a record batch of its own.
+
+    - never written (a broken idempotent sequence, a timeout before it was even
+      queued, any retriable error): the same bytes again;
+    - refused for good with its neighbours: each alone first, so only the one
+      that is too large gets a fallback;
+    - refused for good alone: its small fallback (a ``too_large`` or
+      ``internal`` answer), once; a refused fallback is fatal.
+
+    A refusal for good leaves a gap in an idempotent producer's sequence: the
+    records after it then fail as out of order, so the producer is replaced
+    (a new producer id, sequences from 0) before the next send."""
+    if failure is None:
+        return Verdict(Action.RESEND, renew=False)
+    if isinstance(failure, SEQUENCE_BROKEN):
+        return Verdict(Action.RESEND, renew=idempotent)
+    if retriable(failure):
+        return Verdict(Action.RESEND, renew=False)
+    if shared and not alone:
+        return Verdict(Action.RESEND_ALONE, renew=idempotent)
+    if record.fallback:
+        return Verdict(Action.GIVE_UP, renew=idempotent)
+    return Verdict(Action.FALL_BACK, renew=idempotent)
 
 
 class Writer:
@@ -101,6 +158,10 @@ class Writer:
         self.producer: AIOKafkaProducer | None = None
         self.idempotent = False
 
+    def backoff(self) -> Backoff:
+        """Waits between retries, from ``kafka.retry_backoff_ms`` (doubling to 10 s)."""
+        return Backoff(self._kafka.retry_backoff_ms / 1000.0)
+
     async def start(self) -> None:
         self.producer, self.idempotent = await self._producer_factory(self._kafka)
         log.info("producer_started", idempotent=self.idempotent)
@@ -118,12 +179,12 @@ class Writer:
         cluster = await self.producer.client.fetch_all_metadata()
         return set(cluster.topics())
 
-    def _outgoing(self, completed: Completed) -> list[Outgoing]:
+    def _records(self, completed: Completed) -> list[OutRecord]:
         """The records for a completed batch's answers, skipping those of
         partitions revoked or reset meanwhile (their new owner answers them);
         each counts against the failure budget."""
         now = time.monotonic()
-        outs: list[Outgoing] = []
+        outs: list[OutRecord] = []
         for answer in completed.answers:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
@@ -133,7 +194,7 @@ class Writer:
             if job.trace is not None or self._tracer.exporting:
                 trace = answer_span(self._tracer, answer, self._model.name,
                                     len(completed.answers), now)  # fmt: skip
-            out = outgoing(
+            out = record_for(
                 answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size,
                 trace,
             )  # fmt: skip
@@ -151,7 +212,22 @@ class Writer:
             outs.append(out)
         return outs
 
-    def _log_rejection(self, out: Outgoing) -> None:
+    def _next_attempt(
+        self, record: OutRecord, failure: BaseException | None, *, shared: bool, alone: bool
+    ) -> tuple[OutRecord, Verdict]:
+        """``decide``, applied: the record to send next (itself or its fallback);
+        raises ``DeliveryFailed`` when even the fallback was refused."""
+        verdict = decide(record, failure, idempotent=self.idempotent, shared=shared, alone=alone)
+        if verdict.action is Action.GIVE_UP:
+            raise DeliveryFailed(
+                f"{record.job.source} cannot be delivered even as an error: {failure!r}"
+            )
+        if verdict.action is Action.FALL_BACK:
+            assert failure is not None
+            return fallback(record, refusal_code(failure), repr(failure), self._model), verdict
+        return record, verdict
+
+    def _log_rejection(self, out: OutRecord) -> None:
         """Every request answered with an error or sent to the DLQ is logged (at
         most ``burst`` lines per interval): code, where it came from and its id,
         never its payload."""
@@ -170,7 +246,7 @@ class Writer:
             sent_to="dlq" if out.kind == "dlq" else "result",
         )
 
-    async def _send_grouped(self, outs: list[Outgoing]) -> Sent:
+    async def _send_grouped(self, outs: list[OutRecord]) -> Sent:
         """Hand a completed batch's records to the producer as one record batch
         per output partition, instead of one ``send()`` per record: the per-record
         cost of the producer's send path was the largest single share of the
@@ -178,7 +254,7 @@ class Writer:
         default partitioner: murmur2 of the key), and each record's future is its
         batch's, so acknowledgement and redelivery work per record as before."""
         assert self.producer is not None, "start() first"
-        by_partition: dict[tuple[str, int], list[Outgoing]] = {}
+        by_partition: dict[tuple[str, int], list[OutRecord]] = {}
         partitions: dict[str, list[int]] = {}
         for out in outs:
             parts = partitions.get(out.topic)
@@ -212,7 +288,7 @@ class Writer:
         return sent
 
     async def _submit(
-        self, batch: Any, topic: str, partition: int, members: list[Outgoing]
+        self, batch: Any, topic: str, partition: int, members: list[OutRecord]
     ) -> Sent:
         assert self.producer is not None
         batch.close()
@@ -225,7 +301,7 @@ class Writer:
             fut.set_exception(exc)
         return [(out, fut) for out in members]
 
-    async def _send(self, out: Outgoing) -> asyncio.Future[object]:
+    async def _send(self, out: OutRecord) -> asyncio.Future[object]:
         """Hand one record to the producer; a failure to even enqueue it becomes a
         failed future, handled like a failed ack."""
         assert self.producer is not None, "start() first"
@@ -258,7 +334,7 @@ class Writer:
             if not self._overdue_waits:
                 metrics.set_condition("acks", True)
 
-    def _acknowledged(self, acked: list[Outgoing]) -> None:
+    def _acknowledged(self, acked: list[OutRecord]) -> None:
         """Mark offsets done and count what was delivered, per batch."""
         now, wall_ms = time.monotonic(), time.time() * 1000.0
         kinds: dict[str, int] = {}
@@ -284,15 +360,15 @@ class Writer:
         transactional one's InitProducerId also aborts the old one's open
         transaction). The old one is closed within the request timeout: its
         pending batches may be bound for a broker that is gone."""
-        backoff = self._kafka.retry_backoff_ms / 1000
+        backoff = self.backoff()
         while True:
             try:
                 producer, idempotent = await self._producer_factory(self._kafka)
                 break
             except KafkaError as exc:  # the broker answered a moment ago: retry
-                log.warning("producer_renewal_failed", error=repr(exc), backoff_s=backoff)
-                await asyncio.sleep(backoff * random.uniform(0.75, 1.25))
-                backoff = min(backoff * 2, 10.0)
+                log.warning("producer_renewal_failed", error=repr(exc),
+                            backoff_s=backoff.current)  # fmt: skip
+                await asyncio.sleep(backoff.next())
         old, self.producer, self.idempotent = self.producer, producer, idempotent
         log.info("producer_renewed", idempotent=idempotent, reason=reason)
         if old is not None:
