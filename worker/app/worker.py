@@ -10,7 +10,6 @@ never hang silently.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -22,6 +21,7 @@ from worker.app.plan import RunPlan
 from worker.app.stages import Stages, build_stages, crash_guard
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
+from worker.flow.backoff import Deadline
 from worker.flow.errors import BrokerUnavailable, ConfigError
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
@@ -207,14 +207,9 @@ class Worker:
             # block on its full queue, so waiting for them would only delay the exit
             # by the whole drain timeout.
             timeout = 0.0
-        started = time.monotonic()
-        deadline = started + timeout
-
-        def left(floor: float) -> float:
-            """What is left of the drain deadline, but at least ``floor`` seconds
-            for a step that must still be tried (a commit, closing sockets)."""
-            return max(floor, deadline - time.monotonic())
-
+        # The drain's budget; a step that must still be tried (a commit, closing
+        # sockets) gets at least a floor of it, however late.
+        deadline = Deadline(timeout)
         _, pending = await asyncio.wait(self._pipeline, timeout=timeout)
         drained = not pending and self._failure is None
         for task in pending:
@@ -228,20 +223,20 @@ class Worker:
         await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
         # Only acknowledged offsets are below the watermark, so this final commit
         # is safe even when draining failed or timed out; bounded by the deadline.
-        await stages.committer.commit_now(timeout=left(0.5))
+        await stages.committer.commit_now(timeout=deadline.left(0.5))
         if self._guard is not None:
             last = stages.committer.last_offsets
             heads = {tp: last.get(tp) for tp in self._guard.claimed}
-            await self._guard.release(heads, timeout=left(0.5))
+            await self._guard.release(heads, timeout=deadline.left(0.5))
         abandoned = 0 if drained else self.tracker.in_flight()
         if abandoned:
             # Read but not acknowledged: uncommitted, so the group reads them again.
             log.warning("records_abandoned", records=abandoned, redelivered_to="the group")
-        await self._close(limit=left(1.0))
+        await self._close(limit=deadline.left(1.0))
         log.info(
             "worker_stopped",
             drained=drained,
-            drain_seconds=round(time.monotonic() - started, 3),
+            drain_seconds=round(deadline.elapsed(), 3),
             uncommitted=self.tracker.in_flight(),
             abandoned=abandoned,
         )

@@ -65,9 +65,7 @@ class AtLeastOnceWriter(Writer):
 
     async def run(self) -> None:
         while (fut := await self._next()) is not None:
-            completed = await fut  # EngineDead propagates: the worker stops, uncommitted
-            metrics.INFLIGHT_BATCHES.dec()
-            await self._send_batch(completed)
+            await self._send_batch(await self._completed(fut))
         await self._settle()
         if self._undelivered:
             await self._redeliver()

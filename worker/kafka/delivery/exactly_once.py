@@ -173,8 +173,7 @@ class ExactlyOnceWriter(Writer):
             if busy and not fut.done():
                 self._held = fut  # the next transaction's: not waited for now
                 break
-            batches.append(await fut)  # EngineDead propagates: the worker stops, uncommitted
-            metrics.INFLIGHT_BATCHES.dec()
+            batches.append(await self._completed(fut))
         return batches, True
 
     async def _get(self) -> asyncio.Future[Completed] | _Woken | None:

@@ -179,6 +179,14 @@ class Writer:
         cluster = await self.producer.client.fetch_all_metadata()
         return set(cluster.topics())
 
+    async def _completed(self, fut: asyncio.Future[Completed]) -> Completed:
+        """A batch the inference stage dispatched, once it completed: no longer in
+        flight (the stage counted it in). ``EngineDead`` propagates: the worker
+        stops, uncommitted."""
+        completed = await fut
+        metrics.INFLIGHT_BATCHES.dec()
+        return completed
+
     def _records(self, completed: Completed) -> list[OutRecord]:
         """The records for a completed batch's answers, skipping those of
         partitions revoked or reset meanwhile (their new owner answers them);
