@@ -15,12 +15,12 @@ from worker.compute.engines import load_engine
 from worker.config import Settings
 from worker.contract import ErrorInfo, ModelInfo, encode_result
 from worker.flow.errors import InferenceFailed, UndecodableRecord
-from worker.flow.messages import Answer
 from worker.kafka.clients import client_kwargs, group_consumer_kwargs
 from worker.kafka.delivery.outgoing import build_result, dlq_headers
 from worker.kafka.intake import JobFactory
 from worker.model.inputs import bind
 from worker.model.postprocess import postprocess
+from worker.model.rows import Row
 
 
 async def serve_naive(settings: Settings, expect: int) -> int:
@@ -38,7 +38,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
         for _ in range(expect):
             record = await consumer.getone()
             job = make_job(record.topic, record.partition, record.offset, record.key, record.value)
-            answer = Answer(job)
+            answer = Row.of(job)
             if isinstance(job.failure, UndecodableRecord):
                 await producer.send_and_wait(
                     k.dlq_topic,
@@ -58,7 +58,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
                     except InferenceFailed as exc:
                         answer.error = ErrorInfo(exc.code, str(exc))
                     answer.timing_us["infer"] = round((time.monotonic() - t0) * 1e6)
-                result = build_result(answer, model, time.monotonic())
+                result = build_result(answer.answer(), model, time.monotonic())
                 await producer.send_and_wait(
                     k.output_topic,
                     encode_result(result),

@@ -39,10 +39,10 @@ def image_pre(**settings: Any) -> ImagePreprocess:
 def jobs_for(inputs: Any, requests: list[dict[str, Any]]) -> list[Job]:
     jobs = []
     for i, given in enumerate(requests):
-        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None)
-        job.request = Request(v=1, id=f"r{i}", inputs=given)
-        job.inputs, job.lengths = inputs.check(job.request)
-        jobs.append(job)
+        request = Request(v=1, id=f"r{i}", inputs=given)
+        values, lengths = inputs.check(request)
+        jobs.append(Job(TopicPartition("t", 0), i, None, time.monotonic(), None,
+                        request=request, inputs=values, lengths=lengths))  # fmt: skip
     return jobs
 
 

@@ -114,10 +114,10 @@ def ranker_engine(seed: int = 0) -> RankerEngine:
 def jobs(inputs: ModelInputs, requests: list[dict[str, Any]]) -> list[Job]:
     out = []
     for i, given in enumerate(requests):
-        job = Job(TopicPartition("gpu-any", 0), i, None, time.monotonic(), None)
-        job.request = Request(v=1, id=str(i), inputs=given)
-        job.inputs, job.lengths = inputs.check(job.request)
-        out.append(job)
+        request = Request(v=1, id=str(i), inputs=given)
+        values, lengths = inputs.check(request)
+        out.append(Job(TopicPartition("gpu-any", 0), i, None, time.monotonic(), None,
+                       request=request, inputs=values, lengths=lengths))  # fmt: skip
     return out
 
 

@@ -19,8 +19,9 @@ from worker.app.plan import RunPlan
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.contract import Request
-from worker.flow.messages import Answer, Job, TopicPartition
+from worker.flow.messages import Job, TopicPartition
 from worker.model.inputs import ModelInputs, bind
+from worker.model.rows import Row
 from worker.model.shapes import bucket_sizes
 
 # The engine runs until its time is up or it ran this often, after a warm-up.
@@ -83,9 +84,10 @@ def cpu_batch_seconds(
     collated once as the CPU stage does it; its runs timed over and over."""
     answers = []
     for i in range(rows):
-        job = Job(TopicPartition("bench", 0), i, None, arrived=0.0, deadline=None)
-        job.inputs, job.lengths = inputs.check(requests[i % len(requests)])
-        answers.append(Answer(job))
+        values, lengths = inputs.check(requests[i % len(requests)])
+        job = Job(TopicPartition("bench", 0), i, None, arrived=0.0, deadline=None,
+                  inputs=values, lengths=lengths)  # fmt: skip
+        answers.append(Row.of(job))
     if len(inputs.prepare(answers)) != len(answers):
         raise ValueError(f"a benchmark request was refused: {[a.error for a in answers]}")
     runs = [inputs.collate(group).feeds for group in inputs.groups(answers)]

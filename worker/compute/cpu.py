@@ -23,10 +23,11 @@ import structlog
 
 from worker.compute.engines import Engine
 from worker.compute.stage import Stage, internal_errors_fail_the_run
-from worker.compute.triage import ServiceTimeHook, micros, run_isolating, triage
-from worker.flow.messages import Answer, Batch, Completed, Job
+from worker.compute.triage import ServiceTimeHook, completed, micros, run_isolating, triage
+from worker.flow.messages import Batch, Completed, Job
 from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
+from worker.model.rows import Row
 
 Buffers = dict[str, np.ndarray]
 
@@ -76,13 +77,12 @@ class InferenceStage(Stage):
         return asyncio.ensure_future(self.run_batch(batch))
 
     async def run_batch(self, batch: Batch[Job]) -> Completed:
-        completed, runnable = triage(batch, time.monotonic(), self._metrics)
+        rows, runnable = triage(batch, time.monotonic(), self._metrics)
         if runnable and self._inputs.pending(runnable):
             loop = asyncio.get_running_loop()
             runnable = await loop.run_in_executor(self._pool, self._inputs.prepare, runnable)
-            completed.engine_rows = len(runnable)
         if not runnable:
-            return completed
+            return completed(batch, rows, 0)
         buffers = await self._buffers.get()
         try:
             # Every log line of this batch (failures, isolation) names it; the
@@ -94,27 +94,27 @@ class InferenceStage(Stage):
                 run = functools.partial(self._run_in_thread, buffers)
                 for group in self._inputs.groups(runnable):
                     await run_isolating(group, run, self._max_attempts, self._metrics)
-                completed.service_s = time.monotonic() - started
+                service_s = time.monotonic() - started
         finally:
             self._buffers.put_nowait(buffers)
-        return completed
+        return completed(batch, rows, len(runnable), service_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    async def _run_in_thread(self, buffers: Buffers, answers: list[Answer]) -> None:
+    async def _run_in_thread(self, buffers: Buffers, answers: list[Row]) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self._run_rows, answers, buffers)
 
     # --- runs in a worker thread --------------------------------------------------
 
-    def _run_rows(self, answers: list[Answer], buffers: Buffers) -> None:
+    def _run_rows(self, answers: list[Row], buffers: Buffers) -> None:
         """One engine run over ``answers``; scatters one row of each output to each
         (the stages' failure boundary around it)."""
         with internal_errors_fail_the_run():
             self._run_rows_unchecked(answers, buffers)
 
-    def _run_rows_unchecked(self, answers: list[Answer], buffers: Buffers) -> None:
+    def _run_rows_unchecked(self, answers: list[Row], buffers: Buffers) -> None:
         n = len(answers)
         t0 = time.monotonic()
         fixed = self._inputs.batch

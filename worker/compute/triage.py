@@ -16,12 +16,13 @@ import structlog
 
 from worker.contract import ErrorInfo
 from worker.flow.errors import InferenceFailed
-from worker.flow.messages import Answer, Batch, Completed, ExpiryRule, Job
+from worker.flow.messages import Batch, Completed, ExpiryRule, Job
+from worker.model.rows import Row
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
-RowRunner = Callable[[list[Answer]], Awaitable[None]]
+RowRunner = Callable[[list[Row]], Awaitable[None]]
 """Runs answers through the engine, filling their outputs and timings; raises
 ``InferenceFailed`` with none of them filled, or ``EngineDead``."""
 
@@ -39,15 +40,13 @@ def micros(seconds: float) -> int:
     return round(seconds * 1e6)
 
 
-def triage(
-    batch: Batch[Job], now: float, m: metrics.ModelMetrics
-) -> tuple[Completed, list[Answer]]:
-    """One answer per job, in batch order, and the answers that need the engine.
+def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list[Row], list[Row]]:
+    """One row per job, in batch order, and the rows that need the engine.
 
     Jobs that failed at intake pass through with their failure; jobs past their
     deadline are answered ``deadline_exceeded`` without spending engine time."""
-    answers = [Answer(job) for job in batch.items]
-    runnable: list[Answer] = []
+    answers = [Row.of(job) for job in batch.items]
+    runnable: list[Row] = []
     for answer in answers:
         job = answer.job
         queued = batch.formed_at - job.arrived
@@ -61,11 +60,18 @@ def triage(
             metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
             continue
         runnable.append(answer)
-    return Completed(seq=batch.seq, answers=answers, engine_rows=len(runnable)), runnable
+    return answers, runnable
+
+
+def completed(
+    batch: Batch[Job], rows: list[Row], engine_rows: int, service_s: float = 0.0
+) -> Completed:
+    """What goes downstream for ``batch``: its rows' answers, frozen, in order."""
+    return Completed(batch.seq, tuple(r.answer() for r in rows), engine_rows, service_s)
 
 
 async def run_isolating(
-    answers: list[Answer], run: RowRunner, max_attempts: int, m: metrics.ModelMetrics
+    answers: list[Row], run: RowRunner, max_attempts: int, m: metrics.ModelMetrics
 ) -> None:
     """Run ``answers``; when the engine fails on them, split them in halves and run
     each, until the failing requests are alone. A request that fails alone is
@@ -85,13 +91,13 @@ async def run_isolating(
             m.isolation_runs.inc()
             await run_isolating(part, run, max_attempts, m)
         return
-    job = answers[0].job
-    job.attempts += 1
-    if job.attempts < max_attempts:
+    row = answers[0]
+    row.attempts += 1
+    if row.attempts < max_attempts:
         m.isolation_runs.inc()
         await run_isolating(answers, run, max_attempts, m)
         return
-    answers[0].error = ErrorInfo(failure.code, f"{failure} (after {job.attempts} attempts)")
+    row.error = ErrorInfo(failure.code, f"{failure} (after {row.attempts} attempts)")
 
 
 def report_service_time(

@@ -1,4 +1,5 @@
-"""What flows between the stages, in one place.
+"""What flows between the stages, in one place; frozen, so a stage hands on a new
+value instead of changing one another stage holds.
 
     consume -> Job -> batching -> Batch[Job] -> inference -> Completed(Answer...)
         -> produce -> offsets
@@ -10,6 +11,7 @@ containers: no I/O, no behaviour beyond what describes the data.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
@@ -19,6 +21,7 @@ from worker.flow.errors import RecordError
 from worker.flow.values import ErrorInfo, Request, Source
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
+Wire = Literal["msgpack", "oip"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +50,10 @@ class TopicPartition(NamedTuple):
     partition: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Job:
-    """One input record on its way through the pipeline."""
+    """One input record on its way through the pipeline: made once, by the intake,
+    and never changed after (a stage that needs another value makes a new one)."""
 
     tp: TopicPartition
     offset: int
@@ -57,22 +61,21 @@ class Job:
     arrived: float  # monotonic, when the worker read it
     deadline: float | None  # monotonic: the earlier of deadline_ms and the record-age limit
     request: Request | None = None
-    # The request's inputs once validated, by request input name, in the form its
-    # kind (``worker.model.inputs``) works on: an image's uint8 [H, W, C] view or its
-    # file until decoded, a tensor's array, a text until tokenized, then its tokens.
-    inputs: dict[str, Any] = field(default_factory=dict)
-    # Lengths of the request's free dimensions, by the model's symbol for them
-    # (``worker.model.io``): what a batch is padded to and outputs are cut back to.
-    lengths: dict[str, int] = field(default_factory=dict)
+    # The request's inputs once validated, by request input name, as sent: an
+    # image's uint8 [H, W, C] view or its file, a tensor's array, a text. The
+    # inference stage prepares them (decodes files, tokenizes) into its own rows.
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    # Lengths of the request's free dimensions known at intake, by the model's
+    # symbol for them (``worker.model.io``; a text's are known once tokenized).
+    lengths: Mapping[str, int] = field(default_factory=dict)
     failure: RecordError | None = None  # answered without inference when set
     raw_value: bytes | None = None  # kept only for DLQ records (original bytes)
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
-    attempts: int = 0  # engine runs this request took part in that failed
     expiry: ExpiryRule | None = None  # which rule set ``deadline``
     timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
     # How it came and is answered: msgpack (contract v1) or Open Inference Protocol
     # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants.
-    wire: Literal["msgpack", "oip"] = "msgpack"
+    wire: Wire = "msgpack"
     outputs_wanted: tuple[str, ...] | None = None
     trace: TraceContext | None = None  # the record's W3C trace context, if it had one
 
@@ -95,7 +98,7 @@ T = TypeVar("T", bound=Batchable)
 FlushReason = Literal["full", "preferred", "delay", "deadline", "drain"]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Batch(Generic[T]):
     items: list[T]
     formed_at: float  # monotonic
@@ -106,21 +109,22 @@ class Batch(Generic[T]):
         return len(self.items)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Answer:
-    """The outcome for one job: outputs (one row of each batch output) or an error."""
+    """The outcome for one job: outputs (one row of each batch output) or an error,
+    and the time each stage took (``timing_us``)."""
 
     job: Job
-    outputs: dict[str, np.ndarray] | None = None
+    outputs: Mapping[str, np.ndarray] | None = None
     error: ErrorInfo | None = None
-    timing_us: dict[str, int] = field(default_factory=dict)
+    timing_us: Mapping[str, int] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Completed:
     """One batch's answers, in the batch's order."""
 
     seq: int
-    answers: list[Answer]
+    answers: tuple[Answer, ...]
     engine_rows: int  # requests that actually went through the engine
     service_s: float = 0.0  # preprocess + compute of the batch (feeds the batch policy)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -318,17 +319,17 @@ class Consumer:
             record.value,
             record.timestamp,
             record.headers,
+            epoch=epoch,
         )
-        job.epoch = epoch
         if self._quarantine.get(tp) == record.offset:
             del self._quarantine[tp]
-            job.request = None
-            job.inputs = {}
-            job.raw_value = record.value
-            job.failure = CrashLoop(
-                f"worker processes died {self._max_crashes} times with this record at the "
-                "head of its partition; not run again (limits.max_crash_attempts)"
-            )
+            job = dataclasses.replace(
+                job, request=None, inputs={}, raw_value=record.value,
+                failure=CrashLoop(
+                    f"worker processes died {self._max_crashes} times with this record at "
+                    "the head of its partition; not run again (limits.max_crash_attempts)"
+                ),
+            )  # fmt: skip
         return job
 
     async def commit(self, offsets: dict[KafkaTP, int]) -> None:

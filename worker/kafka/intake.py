@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from worker.config import LimitsConfig
 from worker.contract import Limits, decode_request
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
 from worker.flow.errors import RecordError, UndecodableRecord
-from worker.flow.messages import Job, TopicPartition
+from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
+from worker.flow.values import Request
 from worker.model.inputs import ModelInputs
 from worker.obs import metrics
 from worker.obs.tracing import parse as parse_trace
@@ -58,32 +60,41 @@ class JobFactory:
         value: bytes | None,
         timestamp_ms: int | None = None,
         headers: Headers | None = None,
+        epoch: int = 0,
     ) -> Job:
         """``timestamp_ms``: the Kafka record's timestamp (epoch ms), which
         ``batching.max_record_age_ms`` is measured from; ``headers``: the record's
-        (content type, trace context)."""
+        (content type, trace context); ``epoch``: its partition's tracker epoch."""
         now = time.monotonic()
-        job = Job(TopicPartition(topic, partition), offset, key, arrived=now, deadline=None)
-        job.timestamp_ms = timestamp_ms
-        if headers:
-            job.trace = parse_trace(headers)
+        trace = parse_trace(headers) if headers else None
+        wire: Wire = "msgpack"
+        request: Request | None = None
+        outputs_wanted: tuple[str, ...] | None = None
+        inputs: dict[str, Any] = {}
+        lengths: dict[str, int] = {}
+        deadline: float | None = None
+        expiry: ExpiryRule | None = None
+        failure: RecordError | None = None
         try:
             if self._is_json(headers):
-                job.wire = "oip"
+                wire = "oip"
                 oip = decode_oip_request(value, self._codec_limits)
-                request, job.outputs_wanted = oip.request, oip.outputs
+                request, outputs_wanted = oip.request, oip.outputs
             else:
                 request = decode_request(value, self._codec_limits)
-            job.request = request
-            self._set_deadline(job, request.deadline_ms, timestamp_ms)
+            deadline, expiry = self._deadline(request.deadline_ms, timestamp_ms)
             # Image files and texts stay as sent: decoded and tokenized off the
             # event loop, per batch, in the inference stage.
-            job.inputs, job.lengths = self._inputs.check(request, batched=job.wire == "oip")
+            inputs, lengths = self._inputs.check(request, batched=wire == "oip")
         except RecordError as exc:
-            job.failure = exc
-            job.raw_value = value
+            failure = exc
             metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
-        return job
+        return Job(
+            TopicPartition(topic, partition), offset, key, arrived=now, deadline=deadline,
+            request=request, inputs=inputs, lengths=lengths, failure=failure,
+            raw_value=value if failure is not None else None, epoch=epoch, expiry=expiry,
+            timestamp_ms=timestamp_ms, wire=wire, outputs_wanted=outputs_wanted, trace=trace,
+        )  # fmt: skip
 
     def _is_json(self, headers: Headers | None) -> bool:
         """A record's content-type header, else ``kafka.content_type``; a content
@@ -98,12 +109,17 @@ class JobFactory:
                 )
         return self._default_json
 
-    def _set_deadline(self, job: Job, deadline_ms: int | None, timestamp_ms: int | None) -> None:
+    def _deadline(
+        self, deadline_ms: int | None, timestamp_ms: int | None
+    ) -> tuple[float | None, ExpiryRule | None]:
         """Both rules apply; the earlier wins. Converted to the monotonic clock once,
         here, so later comparisons are immune to wall-clock jumps."""
+        deadline: float | None = None
+        expiry: ExpiryRule | None = None
         if deadline_ms is not None:
-            job.deadline, job.expiry = epoch_ms_to_monotonic(deadline_ms), "deadline_ms"
+            deadline, expiry = epoch_ms_to_monotonic(deadline_ms), "deadline_ms"
         if self._max_age_ms > 0 and timestamp_ms is not None and timestamp_ms >= 0:
             stale_at = epoch_ms_to_monotonic(timestamp_ms + self._max_age_ms)
-            if job.deadline is None or stale_at < job.deadline:
-                job.deadline, job.expiry = stale_at, "max_record_age"
+            if deadline is None or stale_at < deadline:
+                deadline, expiry = stale_at, "max_record_age"
+        return deadline, expiry

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from worker.contract import EncodedImage, ErrorInfo
-from worker.flow.messages import Answer
+from worker.model.rows import Row
 from worker.obs import metrics
 
 _MODES: Final = {1: "L", 3: "RGB", 4: "RGBA"}
@@ -47,21 +47,20 @@ def decode_image(image: EncodedImage, channels: int) -> np.ndarray:
     return pixels[:, :, None] if pixels.ndim == 2 else pixels
 
 
-def decode_pending(answers: list[Answer], channels: int, input_name: str) -> list[Answer]:
+def decode_pending(answers: list[Row], channels: int, input_name: str) -> list[Row]:
     """Decode the files of input ``input_name`` among ``answers`` (a worker thread);
     returns the answers that can run. A failure is that request's
     ``invalid_request`` answer; the decoded pixels replace the file."""
-    runnable: list[Answer] = []
+    runnable: list[Row] = []
     decoded = invalid = 0
     for answer in answers:
-        job = answer.job
-        encoded = job.inputs.get(input_name)
+        encoded = answer.values.get(input_name)
         if not isinstance(encoded, EncodedImage):
             runnable.append(answer)
             continue
         started = time.monotonic()
         try:
-            job.inputs[input_name] = decode_image(encoded, channels)
+            answer.values[input_name] = decode_image(encoded, channels)
         except DecodeFailed as exc:
             answer.error = ErrorInfo("invalid_request", f"inputs.{input_name}: {exc}"[:1024])
             invalid += 1

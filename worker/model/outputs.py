@@ -29,9 +29,9 @@ import numpy as np
 
 from worker.config import ModelConfig, PostprocessConfig
 from worker.flow.errors import ConfigError, InferenceFailed
-from worker.flow.messages import Answer
 from worker.model.io import ModelIO
 from worker.model.postprocess import l2_normalize, postprocess
+from worker.model.rows import Row
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class OutputPlan:
     def scatter(
         self,
         raw: Mapping[str, np.ndarray],
-        answers: Sequence[Answer],
+        answers: Sequence[Row],
         forms: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Fill each answer's ``outputs`` with its row of every output it carries.
@@ -173,7 +173,7 @@ class OutputPlan:
     def _postprocess(
         self,
         raw: Mapping[str, np.ndarray],
-        answers: Sequence[Answer],
+        answers: Sequence[Row],
         batch: dict[str, np.ndarray],
         rows: dict[str, list[np.ndarray]],
     ) -> None:
@@ -186,11 +186,11 @@ class OutputPlan:
         for form in per_row[0] if per_row else {}:
             rows[form] = [p[form][0] for p in per_row]
 
-    def _cut(self, arr: np.ndarray, name: str, answers: Sequence[Answer]) -> list[np.ndarray]:
+    def _cut(self, arr: np.ndarray, name: str, answers: Sequence[Row]) -> list[np.ndarray]:
         cuts = self.cuts[name]
         out = []
         for i, answer in enumerate(answers):
-            lengths = answer.job.lengths
+            lengths = answer.lengths
             index: list[slice] = [slice(None)] * (arr.ndim - 1)
             for axis, symbol in cuts:
                 index[axis] = slice(0, lengths.get(symbol, arr.shape[axis + 1]))

@@ -25,7 +25,8 @@ from tests.images import encode
 from worker.compute.gpu.nvjpeg import NvJpeg
 from worker.compute.gpu.staging import route_encoded
 from worker.contract import EncodedImage
-from worker.flow.messages import Answer, Job, TopicPartition
+from worker.flow.messages import Job, TopicPartition
+from worker.model.rows import Row
 
 pytestmark = pytest.mark.usefixtures("torch_installed")
 
@@ -52,10 +53,10 @@ class HostSlot:
     stream: HostStream = field(default_factory=HostStream)
 
 
-def _answer(offset: int, data: bytes) -> Answer:
+def _answer(offset: int, data: bytes) -> Row:
     job = Job(TopicPartition("t", 0), offset, None, arrived=time.monotonic(), deadline=None)
     job.inputs["image"] = EncodedImage("jpeg", data)
-    return Answer(job)
+    return Row.of(job)
 
 
 def bad_scan(data: bytes) -> bytes:

@@ -31,9 +31,10 @@ from worker.config import GpuConfig, LimitsConfig, ModelConfig, PreprocessConfig
 from worker.contract import EncodedImage
 from worker.contract.jpeg import read_frame
 from worker.flow.errors import ConfigError
-from worker.flow.messages import Answer, Job, TopicPartition
+from worker.flow.messages import Job, TopicPartition
 from worker.model.inputs import bind_model
 from worker.model.io import ModelIO, TensorDesc
+from worker.model.rows import Row
 
 RNG = np.random.default_rng(11)
 PHOTO = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
@@ -128,14 +129,14 @@ def test_png_and_webp_stay_on_the_host() -> None:
         assert device_image(EncodedImage(name, encode(PHOTO, fmt)), 3) is None  # type: ignore[arg-type]
 
 
-def _answer(offset: int, image: np.ndarray | None = None, encoded: bytes | None = None) -> Answer:
+def _answer(offset: int, image: np.ndarray | None = None, encoded: bytes | None = None) -> Row:
     job = Job(TopicPartition("t", 0), offset, None, arrived=time.monotonic(), deadline=None)
     if image is not None:
         job.inputs["image"] = image
     if encoded is not None:
         fmt = "png" if encoded.startswith(b"\x89PNG") else "jpeg"
         job.inputs["image"] = EncodedImage(fmt, encoded)
-    return Answer(job)
+    return Row.of(job)
 
 
 def test_routing_a_mixed_batch() -> None:

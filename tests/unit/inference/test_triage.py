@@ -3,6 +3,7 @@ the failing request is alone; everything else in it is answered normally."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -11,11 +12,13 @@ from prometheus_client import REGISTRY
 
 from tests.models import cpu_stage
 from worker.compute.engines import load_engine
+from worker.compute.triage import completed as answered
 from worker.compute.triage import run_isolating, triage
 from worker.config import ModelConfig
 from worker.flow.errors import EngineDead, InferenceFailed, InvalidRequest
-from worker.flow.messages import Answer, Batch, Job, TopicPartition
+from worker.flow.messages import Batch, Job, TopicPartition
 from worker.model.io import EngineInfo
+from worker.model.rows import Row
 from worker.obs.metrics import ModelMetrics
 
 
@@ -94,11 +97,11 @@ async def test_the_bisection_is_shared_and_runs_any_row_runner() -> None:
     """``run_isolating`` (used by the CPU and GPU stages alike) with a runner that
     fails any run holding the poison request: exactly that request fails, after
     ``max_attempts`` runs alone, and the number of runs stays bounded."""
-    answers = [Answer(job) for job in jobs(8, set())]
+    answers = [Row.of(job) for job in jobs(8, set())]
     poison = {5}
     runs: list[list[int]] = []
 
-    async def run(part: list[Answer]) -> None:
+    async def run(part: list[Row]) -> None:
         offsets = [a.job.offset for a in part]
         runs.append(offsets)
         if poison & set(offsets):
@@ -115,7 +118,7 @@ async def test_the_bisection_is_shared_and_runs_any_row_runner() -> None:
     assert [a.job.offset for a in answers if a.error is not None] == [5]
     assert answers[5].error is not None and "after 2 attempts" in answers[5].error.message
     assert all(a.outputs is not None for a in answers if a.job.offset != 5)
-    assert answers[5].job.attempts == 2
+    assert answers[5].attempts == 2
     assert runs[0] == list(range(8))  # the whole batch first
     assert runs.count([5]) == 2  # alone once, then retried once
     assert len(runs) <= 2 * 8 - 1 + 2
@@ -123,10 +126,10 @@ async def test_the_bisection_is_shared_and_runs_any_row_runner() -> None:
 
 async def test_engine_dead_is_not_isolated() -> None:
     """A dead engine stops the bisection at once: nothing can run any more."""
-    answers = [Answer(job) for job in jobs(4, set())]
+    answers = [Row.of(job) for job in jobs(4, set())]
     calls = 0
 
-    async def run(part: list[Answer]) -> None:
+    async def run(part: list[Row]) -> None:
         nonlocal calls
         calls += 1
         raise EngineDead("device lost")
@@ -139,11 +142,12 @@ async def test_engine_dead_is_not_isolated() -> None:
 def test_triage_answers_failed_and_expired_jobs_without_the_engine() -> None:
     now = time.monotonic()
     ok, expired, failed = jobs(3, set())
-    expired.deadline = now - 1.0
-    failed.failure = InvalidRequest("inputs.image: missing")
+    expired = dataclasses.replace(expired, deadline=now - 1.0)
+    failed = dataclasses.replace(failed, failure=InvalidRequest("inputs.image: missing"))
     labels = {"model": "triage-test", "version": "1"}
     batch = Batch([ok, expired, failed], now, "delay", seq=3)
-    completed, runnable = triage(batch, now, ModelMetrics(*labels.values()))
+    rows, runnable = triage(batch, now, ModelMetrics(*labels.values()))
+    completed = answered(batch, rows, len(runnable))
     assert REGISTRY.get_sample_value("infer_queue_seconds_count", labels) == 3
     assert [a.job for a in runnable] == [ok]
     assert completed.seq == 3 and completed.engine_rows == 1

@@ -14,9 +14,10 @@ from worker.config import BatchingConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput, TextInput
 from worker.contract import EncodedImage, Request, Tensor
 from worker.flow.errors import InvalidRequest, TensorTooLarge
-from worker.flow.messages import Answer, Job, TopicPartition
+from worker.flow.messages import Job, TopicPartition
 from worker.model.inputs import bind, length_bucket
 from worker.model.io import ModelIO, TensorDesc
+from worker.model.rows import Row
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
 RANKER = ModelIO(
@@ -118,12 +119,13 @@ def test_a_text_input_takes_a_non_empty_string(value: Any, message: str) -> None
         inputs.check(request(text=value))
 
 
-def answers_for(inputs: Any, texts: list[str]) -> list[Answer]:
+def answers_for(inputs: Any, texts: list[str]) -> list[Row]:
     out = []
     for i, text in enumerate(texts):
-        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None)
-        job.inputs, job.lengths = inputs.check(request(text=text))
-        out.append(Answer(job))
+        values, lengths = inputs.check(request(text=text))
+        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None, inputs=values,
+                  lengths=lengths)  # fmt: skip
+        out.append(Row.of(job))
     return out
 
 
@@ -133,7 +135,7 @@ def test_texts_are_tokenized_truncated_and_padded_per_run() -> None:
     assert inputs.pending(answers)
     inputs.prepare(answers)
     # [CLS] great [SEP]; the long one truncated at max_length (8), [SEP] kept last.
-    assert [a.job.lengths["batch_seq"] for a in answers] == [3, 8]
+    assert [a.lengths["batch_seq"] for a in answers] == [3, 8]
     collated = inputs.collate(answers)
     assert collated.padded == {"batch_seq": 8}
     ids, mask = collated.feeds["input_ids"], collated.feeds["attention_mask"]
@@ -147,9 +149,10 @@ def test_runs_are_grouped_by_length_bucket_in_batch_order() -> None:
     inputs = bind(LIMITED, RANKER, LimitsConfig())
     answers = []
     for i, n in enumerate([3, 16, 4, 2, 9, 1]):
-        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None)
-        job.inputs, job.lengths = inputs.check(request(**good(n)))
-        answers.append(Answer(job))
+        values, lengths = inputs.check(request(**good(n)))
+        job = Job(TopicPartition("t", 0), i, None, time.monotonic(), None, inputs=values,
+                  lengths=lengths)  # fmt: skip
+        answers.append(Row.of(job))
     groups = inputs.groups(answers)
     assert [[a.job.offset for a in g] for g in groups] == [[0, 2], [1, 4], [3], [5]]
     # Lengths 3 and 4 share bucket 4: padded to 4, not to the batch's 16.

@@ -141,7 +141,7 @@ async def test_a_refusal_for_good_renews_the_producer_and_nothing_is_lost() -> N
         fut.set_result(
             Completed(
                 seq=offset,
-                answers=[Answer(job, error=ErrorInfo("deadline_exceeded", message))],
+                answers=(Answer(job, error=ErrorInfo("deadline_exceeded", message)),),
                 engine_rows=0,
             )
         )

@@ -17,8 +17,8 @@ TOPICS = Topics(output="out", dlq="dlq")
 
 def _answer(outputs: dict[str, np.ndarray], meta: dict[str, object] | None) -> Answer:
     image = Tensor.from_numpy(np.zeros((2, 2, 1), np.uint8))
-    job = Job(TopicPartition("in", 3), 41, b"k", arrived=10.0, deadline=None)
-    job.request = Request(v=1, id="req-7", inputs={"image": image}, meta=meta)
+    request = Request(v=1, id="req-7", inputs={"image": image}, meta=meta)
+    job = Job(TopicPartition("in", 3), 41, b"k", arrived=10.0, deadline=None, request=request)
     return Answer(job, outputs=outputs, timing_us={"queue": 5, "infer": np.int64(7)})  # type: ignore[dict-item]
 
 
@@ -56,9 +56,8 @@ def test_an_unsupported_output_dtype_is_refused_as_before() -> None:
 
 
 def test_undecodable_records_go_to_the_dlq_with_their_bytes() -> None:
-    job = Job(TopicPartition("in", 0), 5, b"key", arrived=0.0, deadline=None)
-    job.failure = UndecodableRecord("not msgpack")
-    job.raw_value = b"\xc1garbage"
+    job = Job(TopicPartition("in", 0), 5, b"key", arrived=0.0, deadline=None,
+              failure=UndecodableRecord("not msgpack"), raw_value=b"\xc1garbage")  # fmt: skip
     out = record_for(Answer(job), MODEL, TOPICS, seq=2, now=1.0, max_bytes=1 << 20)
     assert out.topic == "dlq" and out.kind == "dlq" and out.value == b"\xc1garbage"
     assert dict(out.headers)["error.code"] == b"undecodable"
@@ -78,9 +77,8 @@ def test_a_fallback_keeps_the_records_trace_context() -> None:
     trace = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "01", b"k=v")
     result = record_for(_answer({"x": np.zeros(2, np.float32)}, None), MODEL, TOPICS, seq=1,
                       now=11.0, max_bytes=1 << 20, trace=trace)  # fmt: skip
-    job = Job(TopicPartition("in", 0), 5, b"key", arrived=0.0, deadline=None)
-    job.failure = UndecodableRecord("not msgpack")
-    job.raw_value = b"\xc1garbage"
+    job = Job(TopicPartition("in", 0), 5, b"key", arrived=0.0, deadline=None,
+              failure=UndecodableRecord("not msgpack"), raw_value=b"\xc1garbage")  # fmt: skip
     dlq = record_for(Answer(job), MODEL, TOPICS, seq=2, now=1.0, max_bytes=1 << 20, trace=trace)
     for out in (result, dlq):
         replaced = fallback(out, "too_large", "refused by the broker", MODEL)

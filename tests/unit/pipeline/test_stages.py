@@ -119,7 +119,7 @@ def make_sink(
 
 def completed(*answers: Answer) -> asyncio.Future[Completed]:
     fut: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
-    fut.set_result(Completed(seq=1, answers=list(answers), engine_rows=0))
+    fut.set_result(Completed(seq=1, answers=tuple(answers), engine_rows=0))
     return fut
 
 
@@ -158,8 +158,8 @@ async def test_record_with_neither_key_nor_value_goes_to_the_dlq() -> None:
     or the worker dies on it and crash-loops on every restart."""
     tracker = OffsetTracker()
     epoch = tracker.track(A, 0)
-    job = JobFactory(model_inputs(), LimitsConfig())(A.topic, A.partition, 0, None, None)
-    job.epoch = epoch
+    job = JobFactory(model_inputs(), LimitsConfig())(A.topic, A.partition, 0, None, None,
+                                                     epoch=epoch)  # fmt: skip
     producer = FakeProducer()
     sink, source, _ = make_sink(tracker, producer)
     source.put_nowait(completed(Answer(job)))

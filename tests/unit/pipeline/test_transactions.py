@@ -159,7 +159,7 @@ def batch(r: Rig, offsets: list[int], big: set[int] = frozenset()) -> asyncio.Fu
         message = "x" * (5000 if offset in big else 10)
         answers.append(Answer(job, error=ErrorInfo("deadline_exceeded", message)))
     fut: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
-    fut.set_result(Completed(seq=offsets[0], answers=answers, engine_rows=0))
+    fut.set_result(Completed(seq=offsets[0], answers=tuple(answers), engine_rows=0))
     return fut
 
 

@@ -42,10 +42,10 @@ from worker.compute.gpu.nvjpeg import NvJpeg
 from worker.compute.gpu.plan import PostprocessPlan
 from worker.compute.gpu.slots import Slot, StagedImage, pack_batch
 from worker.flow.errors import EngineDead, WorkerError
-from worker.flow.messages import Answer
 from worker.model.inputs import ModelInputs
 from worker.model.inputs.base import BoundInput
 from worker.model.inputs.image import BoundImage
+from worker.model.rows import Row
 from worker.model.shapes import dense
 
 _H2D: Final = 1  # cudaMemcpyHostToDevice
@@ -77,7 +77,7 @@ class Chunk(NamedTuple):
     (host arrays, or ``DeviceImage`` decoded by nvJPEG; empty without a device
     image), and the length of each padded dimension (one of the slot's buckets)."""
 
-    answers: list[Answer]
+    answers: list[Row]
     images: list[StagedImage]
     lengths: dict[str, int]
 

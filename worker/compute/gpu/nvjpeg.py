@@ -67,9 +67,9 @@ from worker.config import PreprocessConfig
 from worker.contract import EncodedImage
 from worker.contract.jpeg import read_frame
 from worker.flow.errors import ConfigError, EngineDead
-from worker.flow.messages import Answer
 from worker.model.decode import decode_pending
 from worker.model.preprocess import ImagePreprocess
+from worker.model.rows import Row
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -284,8 +284,8 @@ class NvJpeg:
             raise error from exc
 
     def decode_answers(
-        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage], name: str
-    ) -> tuple[list[Answer], float]:
+        self, slot: Slot, answers: list[Row], on_device: dict[int, DeviceImage], name: str
+    ) -> tuple[list[Row], float]:
         """On a stage thread: one batched nvJPEG call for the group's JPEGs; those it
         refuses go to the host decoder (request input ``name``). Returns the answers
         that can run and the decode's seconds."""
@@ -293,7 +293,7 @@ class NvJpeg:
         started = time.monotonic()
         problems = self.decode(slot, [on_device[id(a)] for a in jpegs])
         seconds = time.monotonic() - started
-        refused: list[Answer] = []
+        refused: list[Row] = []
         for answer, problem in zip(jpegs, problems, strict=True):
             if problem is None:
                 continue  # its pixels are on the device (``on_device``)

@@ -63,11 +63,12 @@ from worker.compute.gpu.staging import (
     staged_bytes,
 )
 from worker.compute.stage import Stage, internal_errors_fail_the_run
-from worker.compute.triage import ServiceTimeHook, run_isolating, triage
+from worker.compute.triage import ServiceTimeHook, completed, run_isolating, triage
 from worker.config import GpuConfig
 from worker.flow.errors import EngineDead
-from worker.flow.messages import Answer, Batch, Completed, Job
+from worker.flow.messages import Batch, Completed, Job
 from worker.model.inputs import Binding
+from worker.model.rows import Row
 
 log = structlog.get_logger(__name__)
 
@@ -199,7 +200,7 @@ class GpuInferenceStage(Stage):
         loop = asyncio.get_running_loop()
         if not any(job.failure is None for job in batch.items):
             done: asyncio.Future[Completed] = loop.create_future()
-            done.set_result(triage(batch, time.monotonic(), self._metrics)[0])
+            done.set_result(completed(batch, triage(batch, time.monotonic(), self._metrics)[0], 0))
             return done
         slot = await self._ring.acquire()
         fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
@@ -228,7 +229,7 @@ class GpuInferenceStage(Stage):
 
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
-            completed, runnable = triage(batch, time.monotonic(), self._metrics)
+            rows, runnable = triage(batch, time.monotonic(), self._metrics)
             on_device: dict[int, DeviceImage] = {}
             if runnable and needs_host_work(runnable, self._host, self._image):
                 # Files for the host decoder are decoded and texts tokenized now, on
@@ -241,19 +242,17 @@ class GpuInferenceStage(Stage):
                 )  # fmt: skip
             size = self._sizer(on_device)
             runnable = reject_oversized(runnable, size, self._max_input_bytes)
-            completed.engine_rows = 0
+            engine_rows, service_s = 0, 0.0
             if runnable:
                 started = time.monotonic()
                 for group in self._inputs.groups(runnable, self._buckets):
                     lengths = self._inputs.bucketed(group, self._buckets)
                     for chunk in split_chunks(group, size, self._max_rows, self._max_input_bytes):
-                        completed.engine_rows += await self._run_group(
-                            slot, chunk, on_device, lengths
-                        )
-                completed.service_s = time.monotonic() - started
-            return completed
+                        engine_rows += await self._run_group(slot, chunk, on_device, lengths)
+                service_s = time.monotonic() - started
+            return completed(batch, rows, engine_rows, service_s)
 
-    def _sizer(self, on_device: OnDevice) -> Callable[[Answer], int]:
+    def _sizer(self, on_device: OnDevice) -> Callable[[Row], int]:
         """Bytes an answer's device image takes in the packed staging (0 without one)."""
         if self._image is None:
             return no_bytes
@@ -262,7 +261,7 @@ class GpuInferenceStage(Stage):
     async def _run_group(
         self,
         slot: Slot,
-        answers: list[Answer],
+        answers: list[Row],
         on_device: dict[int, DeviceImage],
         lengths: dict[str, int],
     ) -> int:
@@ -291,8 +290,8 @@ class GpuInferenceStage(Stage):
         return len(answers)
 
     async def _decode_on_device(
-        self, slot: Slot, answers: list[Answer], on_device: dict[int, DeviceImage]
-    ) -> tuple[list[Answer], float]:
+        self, slot: Slot, answers: list[Row], on_device: dict[int, DeviceImage]
+    ) -> tuple[list[Row], float]:
         """nvJPEG on a stage thread, the slot marked busy meanwhile (a cancelled
         batch releases it only once the decode has returned)."""
         loop = asyncio.get_running_loop()
@@ -318,7 +317,7 @@ class GpuInferenceStage(Stage):
     async def run_rows(
         self,
         slot: Slot,
-        answers: list[Answer],
+        answers: list[Row],
         on_device: OnDevice | None = None,
         lengths: dict[str, int] | None = None,
     ) -> None:
@@ -338,10 +337,10 @@ class GpuInferenceStage(Stage):
         )
         image = self._image
         chunks = split_chunks(answers, self._sizer(device), self._max_rows, self._max_input_bytes)
-        results: list[tuple[list[Answer], dict[str, np.ndarray], dict[str, int]]] = []
+        results: list[tuple[list[Row], dict[str, np.ndarray], dict[str, int]]] = []
         for part in chunks:
             images = (
-                [device.get(id(a)) or a.job.inputs[image.name] for a in part]
+                [device.get(id(a)) or a.values[image.name] for a in part]
                 if image is not None
                 else []
             )
@@ -353,7 +352,7 @@ class GpuInferenceStage(Stage):
             for answer in part:
                 answer.timing_us.update(timing)
 
-    def _scatter(self, answers: list[Answer], outputs: dict[str, np.ndarray]) -> None:
+    def _scatter(self, answers: list[Row], outputs: dict[str, np.ndarray]) -> None:
         """Each answer's rows: the device's postprocessed forms as they came back, or
         the host reference on the raw output; outputs cut back to each request's
         lengths (``OutputPlan``)."""

@@ -15,36 +15,36 @@ import numpy as np
 from worker.compute.gpu import nvjpeg
 from worker.compute.gpu.slots import DeviceImage
 from worker.contract import EncodedImage, ErrorInfo
-from worker.flow.messages import Answer
 from worker.model.decode import decode_pending
 from worker.model.inputs.base import BoundInput
 from worker.model.inputs.image import BoundImage
+from worker.model.rows import Row
 from worker.obs import metrics
 
 OnDevice = Mapping[int, DeviceImage]
 """The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
 
 
-def no_bytes(answer: Answer) -> int:
+def no_bytes(answer: Row) -> int:
     """The staging a batch without a device image takes per answer."""
     return 0
 
 
-def staged_bytes(answer: Answer, on_device: OnDevice, name: str = "image") -> int:
+def staged_bytes(answer: Row, on_device: OnDevice, name: str = "image") -> int:
     """Bytes the answer's image (request input ``name``) takes in the packed
     staging: a JPEG for nvJPEG by the size its header gives, before it is decoded."""
     image = on_device.get(id(answer))
     if image is not None:
         return image.nbytes
-    pixels = answer.job.inputs[name]
+    pixels = answer.values[name]
     assert isinstance(pixels, np.ndarray)
     return int(pixels.nbytes)
 
 
 def reject_oversized(
-    answers: list[Answer], size: Callable[[Answer], int], limit: int | None
-) -> list[Answer]:
-    """Answer ``too_large`` each image that alone exceeds the slot's staging."""
+    answers: list[Row], size: Callable[[Row], int], limit: int | None
+) -> list[Row]:
+    """Row ``too_large`` each image that alone exceeds the slot's staging."""
     if limit is None:
         return answers
     kept = []
@@ -61,11 +61,11 @@ def reject_oversized(
 
 
 def split_chunks(
-    answers: Sequence[Answer], size: Callable[[Answer], int], max_rows: int, limit: int | None
-) -> list[list[Answer]]:
+    answers: Sequence[Row], size: Callable[[Row], int], max_rows: int, limit: int | None
+) -> list[list[Row]]:
     """Consecutive chunks of at most ``max_rows`` answers and ``limit`` staged bytes."""
-    chunks: list[list[Answer]] = []
-    current: list[Answer] = []
+    chunks: list[list[Row]] = []
+    current: list[Row] = []
     used = 0
     for answer in answers:
         nbytes = size(answer)
@@ -81,15 +81,15 @@ def split_chunks(
 
 
 def route_encoded(
-    answers: list[Answer], channels: int, use_nvjpeg: bool, name: str = "image"
-) -> tuple[list[Answer], dict[int, DeviceImage]]:
+    answers: list[Row], channels: int, use_nvjpeg: bool, name: str = "image"
+) -> tuple[list[Row], dict[int, DeviceImage]]:
     """Split the answers whose image (request input ``name``) is a file: those for
     the host decoder, and the JPEGs nvJPEG takes (by ``id``, with their header's
     size)."""
-    to_host: list[Answer] = []
+    to_host: list[Row] = []
     on_device: dict[int, DeviceImage] = {}
     for answer in answers:
-        encoded = answer.job.inputs.get(name)
+        encoded = answer.values.get(name)
         if not isinstance(encoded, EncodedImage):
             continue
         image = nvjpeg.device_image(encoded, channels) if use_nvjpeg else None
@@ -101,7 +101,7 @@ def route_encoded(
 
 
 def needs_host_work(
-    answers: list[Answer], host: Sequence[BoundInput], image: BoundImage | None
+    answers: list[Row], host: Sequence[BoundInput], image: BoundImage | None
 ) -> bool:
     """Whether a batch has host work before it can be staged."""
     if image is not None and image.pending(answers):
@@ -110,8 +110,8 @@ def needs_host_work(
 
 
 def prepare_on_host(
-    answers: list[Answer], host: Sequence[BoundInput], image: BoundImage | None, use_nvjpeg: bool
-) -> tuple[list[Answer], dict[int, DeviceImage]]:
+    answers: list[Row], host: Sequence[BoundInput], image: BoundImage | None, use_nvjpeg: bool
+) -> tuple[list[Row], dict[int, DeviceImage]]:
     """On a stage thread: the host inputs' batch work (tokenize, decode files of
     images preprocessed on the CPU) and the device image's files nvJPEG does not
     take; returns the answers that can run and the JPEGs left for nvJPEG."""

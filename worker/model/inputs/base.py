@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from worker.contract import EncodedImage, InputValue
-from worker.flow.messages import Answer
 from worker.model.io import TensorDesc
+from worker.model.rows import Row
 from worker.model.shapes import dense
 
 
@@ -62,12 +62,12 @@ class BoundInput(ABC):
         """The row's free-dimension lengths by symbol, when known at intake."""
         return {}
 
-    def pending(self, answers: Sequence[Answer]) -> bool:
+    def pending(self, answers: Sequence[Row]) -> bool:
         """Whether ``prepare`` has work for these answers (the stage skips a thread
         hop when no input has)."""
         return False
 
-    def prepare(self, answers: Sequence[Answer]) -> None:  # noqa: B027 (optional hook)
+    def prepare(self, answers: Sequence[Row]) -> None:  # noqa: B027 (optional hook)
         """Batch work before the rows can be collated, on a worker thread. A row
         that fails gets its ``answer.error`` (``invalid_request``) and is skipped."""
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from worker.contract import Request, Tensor
 from worker.flow.errors import InvalidRequest
-from worker.flow.messages import Answer
 from worker.model.inputs.base import BoundInput
+from worker.model.rows import Row
 
 
 @dataclass(frozen=True)
@@ -171,11 +171,11 @@ class ModelInputs:
 
     # --- inference stage (worker threads, per batch) ---------------------------------
 
-    def pending(self, answers: list[Answer]) -> bool:
+    def pending(self, answers: list[Row]) -> bool:
         """Whether ``prepare`` has work to do for these answers."""
         return any(k.pending(answers) for k in self.kinds)
 
-    def prepare(self, answers: list[Answer]) -> list[Answer]:
+    def prepare(self, answers: list[Row]) -> list[Row]:
         """Each kind's batch work (decode files, tokenize; a worker thread); returns
         the answers that can run (a failure is that answer's error)."""
         runnable = answers
@@ -185,8 +185,8 @@ class ModelInputs:
         return runnable
 
     def groups(
-        self, answers: list[Answer], buckets: Mapping[str, Sequence[int]] | None = None
-    ) -> list[list[Answer]]:
+        self, answers: list[Row], buckets: Mapping[str, Sequence[int]] | None = None
+    ) -> list[list[Row]]:
         """Runs of the batch that go to the engine together, in batch order within
         each: rows of equal free dimensions, except that on a padded dimension
         rows share a run when their lengths fall in one bucket (``buckets`` per
@@ -197,9 +197,9 @@ class ModelInputs:
         names = tuple(self.symbols)
         padded = self.padded_symbols
         split = self.split_by_length
-        groups: dict[tuple[int, ...], list[Answer]] = {}
+        groups: dict[tuple[int, ...], list[Row]] = {}
         for answer in answers:
-            lengths = answer.job.lengths
+            lengths = answer.lengths
             key = tuple(
                 lengths.get(s, 1)
                 if s not in padded
@@ -214,7 +214,7 @@ class ModelInputs:
         return list(groups.values())
 
     def bucketed(
-        self, answers: Sequence[Answer], buckets: Mapping[str, Sequence[int]]
+        self, answers: Sequence[Row], buckets: Mapping[str, Sequence[int]]
     ) -> dict[str, int]:
         """The lengths a GPU runs ``answers`` (one group) at: on a padded
         dimension, the smallest compiled bucket that holds the longest row; on
@@ -224,14 +224,14 @@ class ModelInputs:
             for s, longest in self.padded(answers).items()
         }
 
-    def padded(self, answers: Sequence[Answer]) -> dict[str, int]:
+    def padded(self, answers: Sequence[Row]) -> dict[str, int]:
         """Each symbol's longest length among ``answers`` (one group): what the CPU
         runs it at (every row's own length where the dimension is not padded)."""
-        return {s: max(a.job.lengths.get(s, 1) for a in answers) for s in self.symbols}
+        return {s: max(a.lengths.get(s, 1) for a in answers) for s in self.symbols}
 
     def collate(
         self,
-        answers: Sequence[Answer],
+        answers: Sequence[Row],
         padded: Mapping[str, int] | None = None,
         buffers: Mapping[str, np.ndarray] | None = None,
         kinds: Sequence[BoundInput] | None = None,
@@ -243,12 +243,12 @@ class ModelInputs:
         sizes = dict(padded) if padded is not None else self.padded(answers)
         out: dict[str, np.ndarray] = dict(buffers or {})
         for kind in self.kinds if kinds is None else kinds:
-            kind.collate([a.job.inputs[kind.name] for a in answers], sizes, out)
+            kind.collate([a.values[kind.name] for a in answers], sizes, out)
         for constant in self.constants:
             constant.collate([None] * len(answers), sizes, out)
         return Collated(out, sizes)
 
-    def waste(self, answers: Sequence[Answer], padded: Mapping[str, int]) -> tuple[int, int]:
+    def waste(self, answers: Sequence[Row], padded: Mapping[str, int]) -> tuple[int, int]:
         """Elements of the free-dimension feeds (real, padded) for a run: the
         padding cost the ``infer_padding_ratio`` metric reports."""
         real = total = 0
@@ -261,6 +261,6 @@ class ModelInputs:
                 syms = feed.symbols()
                 total += fixed * math.prod(padded[s] for s in syms) * len(answers)
                 real += fixed * sum(
-                    math.prod(a.job.lengths.get(s, 1) for s in syms) for a in answers
+                    math.prod(a.lengths.get(s, 1) for s in syms) for a in answers
                 )
         return real, total

@@ -22,11 +22,11 @@ import numpy as np
 from worker.config.model import PreprocessConfig
 from worker.contract import EncodedImage, InputValue, check_image_value
 from worker.flow.errors import ConfigError
-from worker.flow.messages import Answer
 from worker.model.decode import decode_pending
 from worker.model.inputs.base import BoundInput
 from worker.model.io import Dim, TensorDesc
 from worker.model.preprocess import ImagePreprocess, preprocess_into
+from worker.model.rows import Row
 
 
 class BoundImage(BoundInput):
@@ -57,10 +57,10 @@ class BoundImage(BoundInput):
     def check(self, value: InputValue) -> np.ndarray | EncodedImage:
         return check_image_value(value, self.field, self.cfg.channels, self.max_pixels)
 
-    def pending(self, answers: Sequence[Answer]) -> bool:
-        return any(isinstance(a.job.inputs.get(self.name), EncodedImage) for a in answers)
+    def pending(self, answers: Sequence[Row]) -> bool:
+        return any(isinstance(a.values.get(self.name), EncodedImage) for a in answers)
 
-    def prepare(self, answers: Sequence[Answer]) -> None:
+    def prepare(self, answers: Sequence[Row]) -> None:
         if self.pending(answers):
             decode_pending(list(answers), self.cfg.channels, self.name)
 

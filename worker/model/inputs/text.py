@@ -19,10 +19,10 @@ import numpy as np
 from worker.config.model import TextInput
 from worker.contract import ErrorInfo, InputValue
 from worker.flow.errors import ConfigError, InvalidRequest
-from worker.flow.messages import Answer
 from worker.model.files import resolve_tokenizer_path
 from worker.model.inputs.base import BoundInput, value_kind
 from worker.model.io import ModelIO, TensorDesc
+from worker.model.rows import Row
 from worker.model.shapes import dense
 from worker.obs import metrics
 
@@ -85,13 +85,13 @@ class BoundText(BoundInput):
             raise InvalidRequest(f"{self.field}: the text is empty")
         return value
 
-    def pending(self, answers: Sequence[Answer]) -> bool:
+    def pending(self, answers: Sequence[Row]) -> bool:
         return bool(answers)
 
-    def prepare(self, answers: Sequence[Answer]) -> None:
+    def prepare(self, answers: Sequence[Row]) -> None:
         """One ``encode_batch`` for the batch's texts; a batch the tokenizer refuses
         is encoded row by row, so only the text it refuses is answered."""
-        texts = [a.job.inputs[self.name] for a in answers]
+        texts = [a.values[self.name] for a in answers]
         try:
             encodings = self.tokenizer.encode_batch(texts)
         except Exception:  # boundary: tokenizers' own exception type
@@ -99,15 +99,14 @@ class BoundText(BoundInput):
         for answer, encoding in zip(answers, encodings, strict=True):
             if encoding is None:
                 continue
-            job = answer.job
-            job.inputs[self.name] = encoding
+            answer.values[self.name] = encoding
             n = len(encoding.ids)
             for feed in self.feeds:
                 dim = feed.shape[0]
                 if not isinstance(dim, int):
-                    job.lengths[feed.symbol(0)] = n
+                    answer.lengths[feed.symbol(0)] = n
 
-    def _encode_one(self, answer: Answer, text: str) -> Any:
+    def _encode_one(self, answer: Row, text: str) -> Any:
         try:
             return self.tokenizer.encode(text)
         except Exception as exc:  # boundary
