@@ -49,10 +49,10 @@ RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 class Stages:
     """Everything the worker builds, kept together so closing never guesses."""
 
-    source: Consumer
+    consumer: Consumer
     batcher: MicroBatcher[Job]
     infer: Stage
-    sink: AtLeastOnceWriter | ExactlyOnceWriter
+    writer: AtLeastOnceWriter | ExactlyOnceWriter
     committer: Committer
 
 
@@ -80,7 +80,7 @@ async def build_stages(
     policy: BatchPolicy[Job] = BatchPolicy(
         b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
     )
-    source = Consumer(
+    consumer = Consumer(
         s.kafka,
         JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
         jobs,
@@ -89,26 +89,26 @@ async def build_stages(
         Backpressure(b.max_inflight_records, b.max_inflight_bytes),
     )
     committer = Committer(
-        tracker, source, timeout=plan.request_timeout_s, transactional=plan.exactly_once
+        tracker, consumer, timeout=plan.request_timeout_s, transactional=plan.exactly_once
     )
     infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-    sink: AtLeastOnceWriter | ExactlyOnceWriter
+    writer: AtLeastOnceWriter | ExactlyOnceWriter
     if plan.exactly_once:
         lease = GroupLease(
-            lambda: source.client, s.kafka.session_timeout_ms, plan.request_timeout_s
+            lambda: consumer.client, s.kafka.session_timeout_ms, plan.request_timeout_s
         )
-        sink = ExactlyOnceWriter(
+        writer = ExactlyOnceWriter(
             completed, s.kafka, model, tracker, committer, lease,
             max_batches=plan.transaction_batches, budget=budget, tracer=tracer,
         )  # fmt: skip
     else:
-        sink = AtLeastOnceWriter(
+        writer = AtLeastOnceWriter(
             completed, s.kafka, model, tracker, committer,
             max_pending_acks=plan.max_pending_acks, budget=budget, tracer=tracer,
         )  # fmt: skip
-    return Stages(source, MicroBatcher(jobs, batches, policy), infer, sink, committer)
+    return Stages(consumer, MicroBatcher(jobs, batches, policy), infer, writer, committer)
 
 
 async def _inference_stage(
@@ -155,9 +155,9 @@ def crash_guard(
         )
         return None
     guard = CrashGuard(
-        client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.sink
+        client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.writer
     )
-    stages.source.protect(
+    stages.consumer.protect(
         guard, s.limits.max_crash_attempts, plan.crash_guard_window, stages.committer.settled
     )
     return guard

@@ -88,10 +88,10 @@ class Worker:
             stages = self._stages = await build_stages(
                 s, self.plan, engine, self.tracker, self._tracer, self._on_revoke
             )
-            await stages.sink.start()
-            existing = await self._check_input_topics(stages.sink)
+            await stages.writer.start()
+            existing = await self._check_input_topics(stages.writer)
             self._guard = crash_guard(s, self.plan, stages, existing)
-            await stages.source.start()
+            await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
             raise BrokerUnavailable(
@@ -118,17 +118,17 @@ class Worker:
             device=self.plan.device_name,
         ).set(1)
         self._pipeline = [
-            self._spawn(stages.source.run(), "consume"),
+            self._spawn(stages.consumer.run(), "consume"),
             self._spawn(stages.batcher.run(), "batch"),
             self._spawn(stages.infer.run(), "infer"),
-            self._spawn(stages.sink.run(), "produce"),
+            self._spawn(stages.writer.run(), "produce"),
         ]
         self._support = [
             self._spawn(stages.committer.run(), "commit"),
-            self._spawn(watch_broker(stages.source, self.plan.probe_timeout_s), "probe"),
+            self._spawn(watch_broker(stages.consumer, self.plan.probe_timeout_s), "probe"),
             self._spawn(
                 report_partitions(
-                    stages.source, self.tracker.committed, stages.committer.last_commit
+                    stages.consumer, self.tracker.committed, stages.committer.last_commit
                 ),
                 "partitions",
             ),
@@ -138,11 +138,11 @@ class Worker:
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
-    async def _check_input_topics(self, sink: Writer) -> set[str]:
+    async def _check_input_topics(self, writer: Writer) -> set[str]:
         """A misspelt input topic must stop the worker with a clear message: the
         consumer would otherwise wait on it silently (or a broker that creates
         topics on demand would create it, empty)."""
-        existing = await sink.existing_topics()
+        existing = await writer.existing_topics()
         missing = [t for t in self.settings.kafka.input_topics if t not in existing]
         if missing:
             raise ConfigError(
@@ -166,7 +166,7 @@ class Worker:
             log.error("stage_failed", stage=task.get_name(), error=repr(exc))
             metrics.set_condition("started", False)
             if self._stages is not None:
-                self._stages.source.stop_fetching()
+                self._stages.consumer.stop_fetching()
             self._stopped.set()
         elif self._pipeline and task is self._pipeline[-1]:
             self._stopped.set()  # the produce stage ended: the stream drained to its end
@@ -200,7 +200,7 @@ class Worker:
             else drain_timeout
         )
         metrics.set_condition("started", False)
-        stages.source.stop_fetching()
+        stages.consumer.stop_fetching()
         if self._pipeline[-1].done():
             # The produce stage died (failure budget, engine dead, delivery failed):
             # nothing still upstream can be acknowledged, and the stages feeding it
@@ -249,8 +249,8 @@ class Worker:
         stages = self._stages
         if stages is not None:
             for name, closer in (
-                ("consumer", stages.source.close),
-                ("producer", stages.sink.close),
+                ("consumer", stages.consumer.close),
+                ("producer", stages.writer.close),
             ):
                 await _close_within(name, closer, limit)
             await asyncio.to_thread(stages.infer.close)
@@ -273,12 +273,12 @@ class Worker:
         """Settle revoked partitions: bounded wait for their in-flight work, commit."""
         if self._stages is None:
             return
-        sink = self._stages.sink
+        writer = self._stages.writer
         fenced = await self._stages.committer.settle_revoked(
             revoked,
             self.plan.revoke_timeout_s,
             lambda: self._failure is not None,
-            fence=sink.fence if isinstance(sink, ExactlyOnceWriter) else None,
+            fence=writer.fence if isinstance(writer, ExactlyOnceWriter) else None,
         )
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer

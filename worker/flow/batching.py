@@ -110,13 +110,13 @@ class MicroBatcher(Generic[T]):
 
     def __init__(
         self,
-        source: asyncio.Queue[T | None],
-        sink: asyncio.Queue[Batch[T] | None],
+        items_in: asyncio.Queue[T | None],
+        batches_out: asyncio.Queue[Batch[T] | None],
         policy: BatchPolicy[T],
         clock: Clock = time.monotonic,
     ) -> None:
-        self._source = source
-        self._sink = sink
+        self._items_in = items_in
+        self._batches_out = batches_out
         self.policy = policy
         self._clock = clock
 
@@ -127,7 +127,7 @@ class MicroBatcher(Generic[T]):
             timeout = None if flush_at is None else max(0.0, flush_at - self._clock())
             ended = False
             try:
-                item = await asyncio.wait_for(self._source.get(), timeout)
+                item = await asyncio.wait_for(self._items_in.get(), timeout)
             except TimeoutError:
                 pass
             else:
@@ -138,21 +138,21 @@ class MicroBatcher(Generic[T]):
                     ended = self._drain_ready()
             if ended:
                 while (batch := policy.take(self._clock(), queue_drained=False)) is not None:
-                    await self._sink.put(batch)
+                    await self._batches_out.put(batch)
                 if (last := policy.drain(self._clock())) is not None:
-                    await self._sink.put(last)
-                await self._sink.put(None)
+                    await self._batches_out.put(last)
+                await self._batches_out.put(None)
                 return
             while (
-                batch := policy.take(self._clock(), queue_drained=self._source.empty())
+                batch := policy.take(self._clock(), queue_drained=self._items_in.empty())
             ) is not None:
-                await self._sink.put(batch)
+                await self._batches_out.put(batch)
 
     def _drain_ready(self) -> bool:
         """Move already-queued items into the policy without waiting; True on EOS."""
         while self.policy.has_room:
             try:
-                item = self._source.get_nowait()
+                item = self._items_in.get_nowait()
             except asyncio.QueueEmpty:
                 return False
             if item is None:

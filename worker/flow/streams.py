@@ -15,8 +15,8 @@ from typing import Any
 
 
 @contextlib.asynccontextmanager
-async def end_of_stream(sink: asyncio.Queue[Any]) -> AsyncIterator[None]:
-    """Put ``None`` into ``sink`` when the block ends.
+async def end_of_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[None]:
+    """Put ``None`` into ``queue`` when the block ends.
 
     Normal end or a failure: wait for room, so downstream drains everything.
     Cancelled (drain deadline passed, second signal): downstream is being
@@ -27,9 +27,9 @@ async def end_of_stream(sink: asyncio.Queue[Any]) -> AsyncIterator[None]:
         yield
     except asyncio.CancelledError:
         with contextlib.suppress(asyncio.QueueFull):
-            sink.put_nowait(None)
+            queue.put_nowait(None)
         raise
     except BaseException:
-        await sink.put(None)
+        await queue.put(None)
         raise
-    await sink.put(None)
+    await queue.put(None)
