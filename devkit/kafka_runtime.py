@@ -26,7 +26,7 @@ from pathlib import Path
 from worker.ops.broker import BrokerError
 
 # The Kafka version the tests run against; docker-compose.yml's apache/kafka
-# image carries the same (tests/unit/tools/test_apache_kafka.py checks).
+# image carries the same (tests/unit/devkit/test_apache_kafka.py checks).
 KAFKA_VERSION = "4.4.0"
 # Kafka's log4j2 binding. Kafka 4.x's pom pulls slf4j-api 1.7, which the
 # slf4j2 binding does not serve: slf4j-api 2 is named explicitly (its 1.x

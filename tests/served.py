@@ -2,7 +2,7 @@
 models tests/onnx_models.py writes (each a shape real models have), and the
 real third-party ones (tests/real_models.py). Each entry builds its worker
 configuration and draws requests of mixed free-dimension sizes; the property
-test (tests/unit/inference/test_batch_equals_alone.py) holds them all to one
+test (tests/unit/model/test_batch_equals_alone.py) holds them all to one
 rule: a batch answers each request exactly as that request alone."""
 
 from __future__ import annotations

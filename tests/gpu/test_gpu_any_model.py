@@ -241,8 +241,8 @@ async def test_the_bundled_text_model_equals_the_cpu_stage(cp: Any) -> None:
 async def test_the_torch_engine_on_an_exported_two_input_program(
     cp: Any, torch: Any, tmp_path: Path
 ) -> None:
-    from tests.unit.engines.test_torch_cpu import MAX_LEN as TORCH_MAX
-    from tests.unit.engines.test_torch_cpu import export
+    from tests.unit.compute.engines.test_torch_cpu import MAX_LEN as TORCH_MAX
+    from tests.unit.compute.engines.test_torch_cpu import export
     from worker.compute.engines.torch import TorchEngine
 
     path, module = export(tmp_path)

@@ -46,7 +46,7 @@ torch and torchvision are imported only when ``gpu.decode = "nvjpeg"``; the
 header reading and the routing are pure and run anywhere. For tests without a
 GPU, ``NvJpeg(..., decoder="cpu")`` runs the same batching, fallbacks, checks and
 placement with torchvision's CPU decoder into host tensors
-(tests/unit/inference/test_nvjpeg_cpu.py); the worker never builds it so.
+(tests/unit/compute/test_nvjpeg_cpu.py); the worker never builds it so.
 """
 
 from __future__ import annotations
