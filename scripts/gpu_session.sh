@@ -41,7 +41,7 @@ KILL_AFTER_S=5
 declare -A BUDGET=(
     [setup.wheels]=40      # pip install of a few wheels from .whl, no network
     [setup.gpu]=10         # nvidia-smi
-    [tests.suite]=210      # tests/gpu + tests/unit/engines, small models
+    [tests.suite]=210      # tests/gpu + tests/unit/compute/engines, small models
     [tests.e2e]=240        # ResNet-50 bench, uncompiled, 2 processes (its own timeout: 200)
     [bench1.jpeg1]=245     # cold call: export + the first compile, 80k JPEG records
     [bench1.raw1]=200      # warm cache; 23k raw records, 4.5 GB through the broker
@@ -131,7 +131,7 @@ for phase in "${phases[@]}"; do
         # cost the rest of the suite its results.
         e2e=tests/gpu/test_gpu_modelbench.py::test_resnet50_jpeg_bench_end_to_end
         step tests.suite "$OUT/gpu-tests.txt" python3 -m pytest -q -rfEs -p no:cacheprovider \
-            tests/gpu tests/unit/engines --deselect "$e2e" --durations 15 \
+            tests/gpu tests/unit/compute/engines --deselect "$e2e" --durations 15 \
             --junitxml="$OUT/gpu-tests.xml" -o log_cli=false
         step tests.e2e "$OUT/gpu-tests-e2e.txt" python3 -m pytest -q -rfEs \
             -p no:cacheprovider "$e2e" --durations 5
