@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig
-from worker.model.files import resolve_model_path
+from worker.model.files import bundled_file, resolve_model_path
 from worker.model.inputs.image import resolve
 from worker.model.preprocess import preprocess
 
@@ -88,7 +87,7 @@ def build_module(torch: Any, layers: Sequence[tuple[np.ndarray, np.ndarray]]) ->
 
 def held_out_batch() -> tuple[np.ndarray, np.ndarray]:
     """The bundled held-out samples, preprocessed as the worker does: (x, labels)."""
-    with np.load(Path(str(files("worker") / "models" / "digits_samples.npz"))) as npz:
+    with np.load(Path(str(bundled_file("digits_samples.npz")))) as npz:
         images, labels = list(npz["images"]), np.asarray(npz["labels"])
     cfg = ModelConfig()
     engine = OnnxRuntimeEngine(resolve_model_path(cfg.path), cfg)

@@ -12,7 +12,7 @@ Preprocessing contract (what the worker does before calling the model):
     x = (x - 0.5) / 0.5
     x = x.transpose(HWC -> CHW)            # NCHW for a batch
 
-Outputs (in ``--out-dir``, default ``worker/models``):
+Outputs (in ``--out-dir``, default ``worker/model/bundled``):
 
 * ``digits.onnx``        - the model (opset 17, dynamic batch dimension "batch")
 * ``digits_samples.npz`` - held-out test images (uint8 [M, 8, 8, 1]) and labels (int64 [M])
@@ -112,7 +112,7 @@ def build_onnx(clf: MLPClassifier, seed: int, n_train: int) -> onnx.ModelProto:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=Path("worker/models"))
+    parser.add_argument("--out-dir", type=Path, default=Path("worker/model/bundled"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     seed: int = args.seed

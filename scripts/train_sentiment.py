@@ -17,7 +17,7 @@ knows nothing of negation or word order.
 The tokenizer is a word-level model learnt with Hugging Face ``tokenizers`` from
 the same reviews (lower-cased, ``[CLS] text [SEP]``, pad id 0).
 
-Outputs (in ``--out-dir``, default ``worker/models``):
+Outputs (in ``--out-dir``, default ``worker/model/bundled``):
 
 * ``sentiment.onnx``           - the model (opset 17; symbolic dims "batch", "sequence")
 * ``sentiment.tokenizer.json`` - its tokenizer
@@ -200,7 +200,7 @@ def build_onnx(w: np.ndarray, b: np.ndarray, seed: int) -> onnx.ModelProto:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=Path("worker/models"))
+    parser.add_argument("--out-dir", type=Path, default=Path("worker/model/bundled"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)

@@ -8,16 +8,17 @@ raises, with no hint which request caused it.
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from worker.model.files import bundled_file
+
 
 def build(out: Path) -> Path:
-    base = onnx.load(str(resources.files("worker") / "models" / "digits.onnx"))
+    base = onnx.load(str(bundled_file("digits.onnx")))
     graph = base.graph
     logits = graph.output[0].name
     graph.output.remove(graph.output[0])

@@ -8,7 +8,6 @@ for at least 99% of the held-out samples (reduced precision may flip a near-tie)
 
 from __future__ import annotations
 
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from tests.gpu.support import gpu_stage
 from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig, PreprocessConfig
-from worker.model.files import resolve_model_path
+from worker.model.files import bundled_file, resolve_model_path
 from worker.model.preprocess import preprocess
 from worker.ops import build_engine
 
@@ -28,7 +27,7 @@ from .support import batches_of, make_jobs, queues, run_stage
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_tensorrt]
 
 ONNX = resolve_model_path("builtin:digits")
-SAMPLES = Path(str(files("worker") / "models" / "digits_samples.npz"))
+SAMPLES = Path(str(bundled_file("digits_samples.npz")))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The GPU pipeline end to end with the torch engine, against the CPU pipeline.
 
-The bundled digits model (worker/models/digits.onnx: Flatten -> Gemm -> Relu ->
+The bundled digits model (worker/model/bundled/digits.onnx: Flatten -> Gemm -> Relu ->
 Gemm) is rebuilt as a TorchScript MLP from the ONNX file's own initializers, so
 both pipelines run the same weights: the CPU ``InferenceStage`` with ONNX Runtime
 and the ``GpuInferenceStage`` with ``TorchEngine`` (GPU preprocessing, the model
@@ -15,7 +15,6 @@ switched off so the GPU GEMM really is float32.
 from __future__ import annotations
 
 import dataclasses
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig
 from worker.flow.messages import Completed
-from worker.model.files import resolve_model_path
+from worker.model.files import bundled_file, resolve_model_path
 from worker.model.preprocess import preprocess
 
 from .support import batches_of, make_jobs, queues, run_stage
@@ -36,7 +35,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 
 SCORE_ATOL = 1e-5
 GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}
-SAMPLES = Path(str(files("worker") / "models" / "digits_samples.npz"))
+SAMPLES = Path(str(bundled_file("digits_samples.npz")))
 
 
 @pytest.fixture(scope="module")

@@ -50,9 +50,9 @@ def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -
     for cu in (ROOT / "kernels").glob("*.cu"):
         assert f"worker/_kernels/{cu.name}" in names
     assert {
-        "worker/models/digits.onnx",
-        "worker/models/digits_samples.npz",
-        "worker/models/digits.json",
+        "worker/model/bundled/digits.onnx",
+        "worker/model/bundled/digits_samples.npz",
+        "worker/model/bundled/digits.json",
         "worker/py.typed",
         "worker/compute/engines/tensorrt.py",
     } <= names

@@ -14,7 +14,7 @@ from worker.flow.errors import ConfigError
 
 @dataclass(frozen=True)
 class Builtin:
-    """A model in ``worker/models``; ``tokenizer`` for the text models."""
+    """A model in ``worker/model/bundled``; ``tokenizer`` for the text models."""
 
     file: str
     tokenizer: str | None = None
@@ -27,8 +27,10 @@ BUILTIN_MODELS: Final = {
 }
 
 
-def _builtin_file(name: str) -> Path:
-    return Path(str(resources.files("worker") / "models" / name))
+def bundled_file(name: str) -> Path:
+    """A file shipped with the bundled models (``worker/model/bundled``): models,
+    tokenizers, held-out samples, training records."""
+    return Path(str(resources.files("worker.model") / "bundled" / name))
 
 
 def resolve_model_path(path: str) -> Path:
@@ -38,7 +40,7 @@ def resolve_model_path(path: str) -> Path:
         if name not in BUILTIN_MODELS:
             known = ", ".join(sorted(BUILTIN_MODELS))
             raise ConfigError(f"model.path: unknown builtin model {name!r} (builtin: {known})")
-        return _builtin_file(BUILTIN_MODELS[name].file)
+        return bundled_file(BUILTIN_MODELS[name].file)
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"model.path: {path} is not a file")
@@ -53,7 +55,7 @@ def resolve_tokenizer_path(path: str, setting: str) -> Path:
         if builtin is None or builtin.tokenizer is None:
             known = ", ".join(sorted(n for n, b in BUILTIN_MODELS.items() if b.tokenizer))
             raise ConfigError(f"{setting}: no builtin tokenizer {name!r} (builtin: {known})")
-        return _builtin_file(builtin.tokenizer)
+        return bundled_file(builtin.tokenizer)
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{setting}: {path} is not a file")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Final
 
 import numpy as np
@@ -22,7 +21,7 @@ import numpy as np
 from worker.compute.engines import load_engine
 from worker.config import ModelConfig
 from worker.contract import Request, Result, Tensor, encode_request
-from worker.model.files import resolve_tokenizer_path
+from worker.model.files import bundled_file, resolve_tokenizer_path
 from worker.model.inputs.image import resolve
 from worker.model.postprocess import softmax
 from worker.model.preprocess import preprocess
@@ -53,8 +52,7 @@ class TextSample:
 def labelled_samples(repeat: int) -> list[Sample]:
     """The held-out set ``repeat`` times; pass r is upscaled (nearest) by 1 + r % 3,
     so requests arrive at 8x8, 16x16 and 24x24 and the worker resizes them."""
-    with resources.as_file(resources.files("worker") / "models" / "digits_samples.npz") as p:
-        data = np.load(p)
+    with np.load(bundled_file("digits_samples.npz")) as data:
         images, labels = data["images"], data["labels"]
     out = []
     for r in range(repeat):
@@ -69,7 +67,7 @@ def sentiment_samples(repeat: int = 1, max_length: int = 64) -> list[TextSample]
     """The bundled text model's held-out reviews, ``repeat`` times."""
     from tokenizers import Tokenizer
 
-    path = resources.files("worker") / "models" / "sentiment_samples.json"
+    path = bundled_file("sentiment_samples.json")
     data = json.loads(path.read_text(encoding="utf-8"))
     tokenizer = Tokenizer.from_file(str(resolve_tokenizer_path("builtin:sentiment", "tokenizer")))
     tokenizer.no_padding()

@@ -1,4 +1,5 @@
-"""The bundled digits model (worker/models/digits.*) is real, loadable and as accurate as recorded.
+"""The bundled digits model (worker/model/bundled/digits.*) is real, loadable and as
+accurate as recorded.
 
 Only numpy, onnxruntime and the standard library are used here; the preprocessing contract is
 re-implemented with numpy so that this test pins it independently of the worker's code:
@@ -15,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-MODELS = files("worker") / "models"
+MODELS = files("worker.model") / "bundled"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import importlib.util
 import sys
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from worker.compute.gpu import kernels
 from worker.compute.gpu.plan import postprocess_plan
 from worker.config import GpuConfig, LimitsConfig, ModelConfig, PostprocessConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
-from worker.model.files import resolve_model_path
+from worker.model.files import bundled_file, resolve_model_path
 from worker.model.inputs import Binding, bind_model
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 from worker.model.outputs import OutputPlan
@@ -42,7 +41,7 @@ from worker.ops import build_engine
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-SAMPLES = Path(str(files("worker") / "models" / "digits_samples.npz"))
+SAMPLES = Path(str(bundled_file("digits_samples.npz")))
 
 F32 = np.dtype(np.float32)
 
