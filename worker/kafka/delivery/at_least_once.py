@@ -22,7 +22,15 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import start_producer
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import OutRecord
-from worker.kafka.delivery.writer import Action, ProducerFactory, Sent, Verdict, Writer, retriable
+from worker.kafka.delivery.writer import (
+    Action,
+    ProducerFactory,
+    Sent,
+    Verdict,
+    Woken,
+    Writer,
+    retriable,
+)
 from worker.obs import metrics
 from worker.obs.tracing import Tracer
 
@@ -53,9 +61,9 @@ class AtLeastOnceWriter(Writer):
         producer_factory: ProducerFactory = start_producer,
         tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
-        self._completed_in = completed_in
-        self._committer = committer
+        super().__init__(
+            completed_in, kafka, model, tracker, committer, budget, producer_factory, tracer
+        )
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
         # Records not acknowledged, with why, and whether they were sent in a record
@@ -77,23 +85,11 @@ class AtLeastOnceWriter(Writer):
         because they are in flight, no batch ever comes (a deadlock), and on an
         idle topic their clients wait for unrelated traffic."""
         while True:
-            self._delivery_failed.clear()
             if self._undelivered:
                 await self._redeliver()
-            if not self._completed_in.empty():
-                return self._completed_in.get_nowait()
-            getter = asyncio.ensure_future(self._completed_in.get())
-            failed = asyncio.ensure_future(self._delivery_failed.wait())
-            try:
-                await asyncio.wait({getter, failed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                failed.cancel()
-                if not getter.done():
-                    # Leaves an item it was woken for in the queue: Queue.get()
-                    # removes it only after its wait returns, never when cancelled.
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                return getter.result()
+            item = await self._next_or_woken(self._delivery_failed)
+            if item is not Woken.WOKEN:
+                return item
 
     async def _send_batch(self, completed: Completed) -> None:
         outs = self._records(completed)

@@ -36,7 +36,6 @@ older transaction protocol (no epoch bump per transaction).
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import Counter
 
 import structlog
@@ -53,18 +52,12 @@ from worker.kafka.clients import start_transactional_producer, transactional_id
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.transaction import Txn, TxnState
-from worker.kafka.delivery.writer import Action, ProducerFactory, Writer
+from worker.kafka.delivery.writer import Action, ProducerFactory, Woken, Writer
 from worker.kafka.lease import GroupLease
 from worker.obs import metrics
 from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
-
-
-class _Woken(enum.Enum):
-    """What ``_get`` returns when woken to send records again, not by a batch."""
-
-    WOKEN = 1
 
 
 class _Failed(Exception):
@@ -93,9 +86,9 @@ class ExactlyOnceWriter(Writer):
         producer_factory: ProducerFactory = start_transactional_producer,
         tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(kafka, model, tracker, budget, producer_factory, tracer)
-        self._completed_in = completed_in
-        self._committer = committer
+        super().__init__(
+            completed_in, kafka, model, tracker, committer, budget, producer_factory, tracer
+        )
         self._lease = lease
         self._max_batches = max(1, max_batches)
         self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences
@@ -164,8 +157,8 @@ class ExactlyOnceWriter(Writer):
             if fut is None:
                 if busy and self._completed_in.empty():
                     break
-                item = await self._get()
-                if item is _Woken.WOKEN:  # records wait to be sent again
+                item = await self._next_or_woken(self._wake)
+                if item is Woken.WOKEN:  # records wait to be sent again
                     break
                 if item is None:
                     return batches, False
@@ -175,23 +168,6 @@ class ExactlyOnceWriter(Writer):
                 break
             batches.append(await self._completed(fut))
         return batches, True
-
-    async def _get(self) -> asyncio.Future[Completed] | _Woken | None:
-        """The queue's next item, or WOKEN when woken to send records again."""
-        if not self._completed_in.empty():
-            return self._completed_in.get_nowait()
-        getter = asyncio.ensure_future(self._completed_in.get())
-        woken = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            if not getter.done():
-                getter.cancel()  # an item it was woken for stays in the queue
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        self._wake.clear()
-        return _Woken.WOKEN
 
     # --- one transaction --------------------------------------------------------------
 

@@ -98,24 +98,17 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
     error = answer.error
     if failure is not None:
         error = ErrorInfo.from_error(failure)  # contract code, message length capped
-    if error is not None:
-        return Result(
-            id=request_id,
-            status="error",
-            source=job.source,
-            model=model,
-            error=error,
-            meta=meta,
-            timing_us=timing,
-        )
-    assert answer.outputs is not None
-    outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
+    outputs = {}
+    if error is None:
+        assert answer.outputs is not None
+        outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
     return Result(
         id=request_id,
-        status="ok",
+        status="ok" if error is None else "error",
         source=job.source,
         model=model,
         outputs=outputs,
+        error=error,
         meta=meta,
         timing_us=timing,
     )

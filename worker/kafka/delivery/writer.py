@@ -40,6 +40,7 @@ from worker.flow.budget import FailureBudget
 from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
 from worker.flow.messages import Completed
 from worker.flow.offsets import OffsetTracker
+from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import FallbackCode, OutRecord, Topics, fallback, record_for
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
@@ -59,6 +60,12 @@ SEQUENCE_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
 
 ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
 Sent = list[tuple[OutRecord, "asyncio.Future[object]"]]
+
+
+class Woken(enum.Enum):
+    """What ``Writer._next_or_woken`` returns when woken, not by a batch."""
+
+    WOKEN = 1
 
 
 def retriable(exc: BaseException) -> bool:
@@ -135,13 +142,17 @@ class Writer:
 
     def __init__(
         self,
+        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
         kafka: KafkaConfig,
         model: ModelInfo,
         tracker: OffsetTracker,
+        committer: Committer,
         budget: FailureBudget | None,
         producer_factory: ProducerFactory,
         tracer: Tracer | None = None,
     ) -> None:
+        self._completed_in = completed_in
+        self._committer = committer
         self._kafka = kafka
         self._tracer = tracer or Tracer()
         self._model = model
@@ -178,6 +189,28 @@ class Writer:
         assert self.producer is not None, "start() first"
         cluster = await self.producer.client.fetch_all_metadata()
         return set(cluster.topics())
+
+    async def _next_or_woken(
+        self, wake: asyncio.Event
+    ) -> asyncio.Future[Completed] | Woken | None:
+        """The next item of the queue (a batch's future, or None at the end), or
+        ``WOKEN`` as soon as ``wake`` is set (records wait to be sent again)."""
+        if not self._completed_in.empty():
+            return self._completed_in.get_nowait()
+        getter = asyncio.ensure_future(self._completed_in.get())
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not getter.done():
+                # Leaves an item it was woken for in the queue: Queue.get()
+                # removes it only after its wait returns, never when cancelled.
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        wake.clear()
+        return Woken.WOKEN
 
     async def _completed(self, fut: asyncio.Future[Completed]) -> Completed:
         """A batch the inference stage dispatched, once it completed: no longer in
