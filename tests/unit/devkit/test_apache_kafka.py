@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from devkit import kafka_runtime
-from devkit.apache_kafka import TEST_SETTINGS, cluster_id, server_properties
+from devkit.kafka_settings import TEST_SETTINGS, cluster_id, server_properties
 from devkit.kafka_runtime import KAFKA_VERSION, KafkaUnavailable, kafka_libs, pom
 
 ROOT = Path(__file__).resolve().parents[3]
