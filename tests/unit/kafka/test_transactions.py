@@ -22,6 +22,7 @@ from worker.flow.messages import Answer, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
+from worker.obs import metrics
 
 from .test_stages import FakeBatch, FakeGroup
 
@@ -126,12 +127,16 @@ class Rig:
     lease: Lease
 
 
-async def rig(lease: Lease | None = None, fence_on_commit: bool = False) -> Rig:
+async def rig(
+    lease: Lease | None = None,
+    fence_on_commit: bool = False,
+    producer: type[TxnProducer] = TxnProducer,
+) -> Rig:
     cluster, made, tracker = Cluster(), list[TxnProducer](), OffsetTracker()
     lease = lease or Lease()
 
     async def factory(k: KafkaConfig) -> tuple[Any, bool]:
-        made.append(TxnProducer(cluster, fence_on_commit))
+        made.append(producer(cluster, fence_on_commit))
         return made[-1], True
 
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
@@ -236,6 +241,42 @@ async def test_nothing_commits_while_group_membership_is_unconfirmed() -> None:
     finally:
         task.cancel()
     assert answered(r.cluster) == [0, 1] and list(r.cluster.offsets.values()) == [2]
+
+
+class SlowAbort(TxnProducer):
+    """Its abort waits until ``release`` is set (a broker slow to answer)."""
+
+    release = asyncio.Event()
+
+    async def abort_transaction(self) -> None:
+        await self.release.wait()
+        await super().abort_transaction()
+
+
+async def test_delivery_is_not_ready_from_the_moment_a_transaction_fails() -> None:
+    """Readiness drops as soon as a transaction is known to fail, not once its
+    abort (which can take up to the request timeout) has returned."""
+    SlowAbort.release = asyncio.Event()
+    lease = Lease(held=False)
+    r = await rig(lease, producer=SlowAbort)
+    metrics.set_condition("delivery", True)
+    task = asyncio.create_task(r.sink.run())
+    try:
+        r.source.put_nowait(batch(r, [0, 1]))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not metrics.conditions()["delivery"]:
+                break
+        assert r.made[0].aborts == 0, "the abort is still waiting for the broker"
+        assert metrics.conditions()["delivery"] is False
+        lease.value = True
+        SlowAbort.release.set()
+        r.source.put_nowait(None)
+        await asyncio.wait_for(task, 5)
+    finally:
+        task.cancel()
+    assert answered(r.cluster) == [0, 1]
+    assert metrics.conditions()["delivery"] is True  # a transaction committed again
 
 
 async def test_a_revocation_aborts_an_open_transaction_holding_its_partitions() -> None:

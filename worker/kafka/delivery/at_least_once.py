@@ -10,7 +10,6 @@ the tracker, which is what lets the committer move the watermark.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 import structlog
 
@@ -150,11 +149,7 @@ class AtLeastOnceWriter(Writer):
                 if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)
             ]  # fmt: skip
             self._undelivered = []
-            struck = Counter(id(f) for _, f, _ in failures if f is not None)
-            todo: list[tuple[OutRecord, Verdict]] = []
-            for out, failure, alone in sorted(failures, key=lambda t: t[0].seq):
-                shared = failure is not None and struck[id(failure)] > 1
-                todo.append(self._next_attempt(out, failure, shared=shared, alone=alone))
+            todo = self._next_attempts(failures)
             if any(verdict.renew for _, verdict in todo):
                 await self._replace_producer("a record was refused for good")
             log.info("redelivering", records=len(todo), backoff_s=backoff.current)

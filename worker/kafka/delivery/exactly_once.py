@@ -36,7 +36,6 @@ older transaction protocol (no epoch bump per transaction).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 import structlog
 from aiokafka.errors import KafkaError, ProducerFenced
@@ -266,20 +265,17 @@ class ExactlyOnceWriter(Writer):
         """End the open transaction without its records, and queue what ``decide``
         says is sent instead (the same records, each alone, or fallbacks)."""
         refused = exc.refused if isinstance(exc, _Failed) else {}
-        struck = Counter(id(error) for error in refused.values())
-        redo: list[OutRecord] = []
-        renew = alone = False
-        for out in sorted(self._open, key=seq):
-            failure = refused.get(id(out))
-            shared = failure is not None and struck[id(failure)] > 1
-            nxt, verdict = self._next_attempt(out, failure, shared=shared, alone=self._alone)
-            renew = renew or verdict.renew
-            alone = alone or verdict.action is Action.RESEND_ALONE
-            redo.append(nxt)
+        todo = self._next_attempts([(o, refused.get(id(o)), self._alone) for o in self._open])
+        redo = [record for record, _ in todo]
+        renew = any(verdict.renew for _, verdict in todo)
+        alone = any(verdict.action is Action.RESEND_ALONE for _, verdict in todo)
         self._open = []
         self._alone = self._alone or alone
         log.warning("transaction_aborted", reason=str(exc) or repr(exc), records=len(redo))
         metrics.TRANSACTIONS.labels(outcome="aborted").inc()
+        # Not ready from now: the abort below can take up to the request timeout,
+        # and the state says FAILED only after it.
+        metrics.set_condition("delivery", False)
         await self._end_open("a record was refused for good" if renew else None)
         self._to(Txn.FAILED)
         self._retry = redo

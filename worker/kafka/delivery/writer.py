@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,9 +191,7 @@ class Writer:
         cluster = await self.producer.client.fetch_all_metadata()
         return set(cluster.topics())
 
-    async def _next_or_woken(
-        self, wake: asyncio.Event
-    ) -> asyncio.Future[Completed] | Woken | None:
+    async def _next_or_woken(self, wake: asyncio.Event) -> asyncio.Future[Completed] | Woken | None:
         """The next item of the queue (a batch's future, or None at the end), or
         ``WOKEN`` as soon as ``wake`` is set (records wait to be sent again)."""
         if not self._completed_in.empty():
@@ -253,20 +252,32 @@ class Writer:
             outs.append(out)
         return outs
 
-    def _next_attempt(
-        self, record: OutRecord, failure: BaseException | None, *, shared: bool, alone: bool
-    ) -> tuple[OutRecord, Verdict]:
-        """``decide``, applied: the record to send next (itself or its fallback);
-        raises ``DeliveryFailed`` when even the fallback was refused."""
-        verdict = decide(record, failure, idempotent=self.idempotent, shared=shared, alone=alone)
-        if verdict.action is Action.GIVE_UP:
-            raise DeliveryFailed(
-                f"{record.job.source} cannot be delivered even as an error: {failure!r}"
+    def _next_attempts(
+        self, failed: list[tuple[OutRecord, BaseException | None, bool]]
+    ) -> list[tuple[OutRecord, Verdict]]:
+        """``decide``, applied to records not acknowledged, each with why (None: its
+        transaction failed for another reason) and whether it was sent alone: the
+        records to send next (each itself or its fallback), in request order. A
+        failure is ``shared`` when the same exception struck several records (the
+        broker refused their record batch as a whole). Raises ``DeliveryFailed``
+        when even a fallback was refused."""
+        struck = Counter(id(f) for _, f, _ in failed if f is not None)
+        todo = []
+        for record, failure, alone in sorted(failed, key=lambda t: t[0].seq):
+            shared = failure is not None and struck[id(failure)] > 1
+            verdict = decide(
+                record, failure, idempotent=self.idempotent, shared=shared, alone=alone
             )
-        if verdict.action is Action.FALL_BACK:
-            assert failure is not None
-            return fallback(record, refusal_code(failure), repr(failure), self._model), verdict
-        return record, verdict
+            if verdict.action is Action.GIVE_UP:
+                raise DeliveryFailed(
+                    f"{record.job.source} cannot be delivered even as an error: {failure!r}"
+                )
+            nxt = record
+            if verdict.action is Action.FALL_BACK:
+                assert failure is not None
+                nxt = fallback(record, refusal_code(failure), repr(failure), self._model)
+            todo.append((nxt, verdict))
+        return todo
 
     def _log_rejection(self, out: OutRecord) -> None:
         """Every request answered with an error or sent to the DLQ is logged (at
