@@ -168,9 +168,7 @@ def payload(
     for i in range(n):
         inputs = {
             "features": Tensor.from_numpy(rng.normal(size=4).astype(np.float32)),
-            "ids": Tensor.from_numpy(
-                rng.integers(1, 50, length(rng)).astype(np.int64)
-            ),
+            "ids": Tensor.from_numpy(rng.integers(1, 50, length(rng)).astype(np.int64)),
         }
         records.append((str(i).encode(), encode_request(Request(v=1, id=str(i), inputs=inputs))))
     env = {

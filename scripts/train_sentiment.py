@@ -167,18 +167,14 @@ def build_onnx(w: np.ndarray, b: np.ndarray, seed: int) -> onnx.ModelProto:
         helper.make_node("Squeeze", ["scores3", "last"], ["token_scores"]),
     ]
     ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
-    mask = helper.make_tensor_value_info(
-        "attention_mask", TensorProto.INT64, ["batch", "sequence"]
-    )
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"])
     graph = helper.make_graph(
         nodes,
         "sentiment",
         [ids, mask],
         [
             helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2]),
-            helper.make_tensor_value_info(
-                "token_scores", TensorProto.FLOAT, ["batch", "sequence"]
-            ),
+            helper.make_tensor_value_info("token_scores", TensorProto.FLOAT, ["batch", "sequence"]),
         ],
         [
             numpy_helper.from_array(w, "weights"),

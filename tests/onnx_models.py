@@ -81,9 +81,7 @@ def ranker(path: Path, seed: int = 0) -> Path:
         ],
         [
             helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1]),
-            helper.make_tensor_value_info(
-                "token_scores", TensorProto.FLOAT, ["batch", "sequence"]
-            ),
+            helper.make_tensor_value_info("token_scores", TensorProto.FLOAT, ["batch", "sequence"]),
         ],
         [
             numpy_helper.from_array(w, "w"),

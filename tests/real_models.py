@@ -282,4 +282,3 @@ def close_enough(name: str, got: np.ndarray, want: np.ndarray) -> None:
     model = MODELS[name]
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     np.testing.assert_allclose(got, want, rtol=model.rtol, atol=model.atol, err_msg=name)
-

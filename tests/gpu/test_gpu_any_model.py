@@ -70,9 +70,7 @@ class RankerEngine:
 
     def prepare(self, shapes: SlotShapes) -> None:
         top = shapes.max_lengths
-        self.inputs = tuple(
-            TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self.info.io.inputs
-        )
+        self.inputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self.info.io.inputs)
         self.outputs = tuple(
             TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self.info.io.outputs
         )

@@ -185,8 +185,7 @@ async def run(
     """Answers in request order, and nvJPEG's (decoded, refused) counts."""
     source, sink = queues()
     gpu = GpuConfig(decode=decode, max_input_bytes=1 << 22)  # type: ignore[arg-type]
-    stage = gpu_stage(source, sink, engine or engine_for(model), model, max(sizes), slots, gpu
-    )
+    stage = gpu_stage(source, sink, engine or engine_for(model), model, max(sizes), slots, gpu)
     try:
         if before is not None:
             before(stage)

@@ -60,9 +60,7 @@ async def produce_with_headers(
         await producer.stop()
 
 
-async def run_worker(
-    broker: Broker, names: dict[str, str], env: dict[str, str]
-) -> WorkerProcess:
+async def run_worker(broker: Broker, names: dict[str, str], env: dict[str, str]) -> WorkerProcess:
     await create_topics(broker.bootstrap, {names["requests"]: 1, names["results"]: 1,
                                            names["dlq"]: 1})  # fmt: skip
     w = spawn_worker(

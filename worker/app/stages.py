@@ -68,9 +68,7 @@ async def build_stages(
     Kafka is contacted), shared by the intake and the inference stage."""
     b = s.batching
     binding = bind_model(s.model, engine.info.io, s.limits, b)
-    log.info(
-        "model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names)
-    )
+    log.info("model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names))
     limits = fit_limits(s.limits, binding.inputs)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
     batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)

@@ -66,7 +66,6 @@ class Limits:
                 f"got {self.max_array_len}"
             )
 
-
     @classmethod
     def of(cls, limits: LimitsConfig) -> Limits:
         """The codec's bounds for the operator's ``[limits]``."""

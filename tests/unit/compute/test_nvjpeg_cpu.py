@@ -120,4 +120,3 @@ def test_a_file_decoded_to_another_size_than_its_header_says_is_refused() -> Non
     problems = decoder.decode(slot, [image])
     assert problems == [f"nvJPEG decoded [3, 24, 32]; the header says (3, {image.height}, 32)"]
     assert image.pixels is None
-

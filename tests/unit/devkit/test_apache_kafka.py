@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from devkit import kafka_runtime
-from devkit.kafka_settings import TEST_SETTINGS, cluster_id, server_properties
 from devkit.kafka_runtime import KAFKA_VERSION, KafkaUnavailable, kafka_libs, pom
+from devkit.kafka_settings import TEST_SETTINGS, cluster_id, server_properties
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -97,9 +97,7 @@ def test_an_image_entry_names_its_feed_and_keeps_its_preprocessing() -> None:
             r"model\.inputs\.feats: the model has no input 'feats'.*set feed",
         ),
         (
-            ModelConfig(
-                inputs={"a": TensorInput(feed="ids"), "b": TensorInput(feed="ids")}
-            ),
+            ModelConfig(inputs={"a": TensorInput(feed="ids"), "b": TensorInput(feed="ids")}),
             RANKER,
             r"model\.inputs\.b: the model input 'ids' is already fed by request input 'a'",
         ),
@@ -162,7 +160,7 @@ def test_inputs_from_the_config_file_and_the_environment(tmp_path: Path) -> None
     path.write_text(
         '[model]\npath = "m.onnx"\n'
         '[model.inputs.query]\nkind = "text"\ntokenizer = "tok.json"\nmax_length = 32\n'
-        '[model.inputs.features]\npad_value = -1.0\n'
+        "[model.inputs.features]\npad_value = -1.0\n"
     )
     s = load_settings(path, env={"INFER_WORKER_MODEL__INPUTS__QUERY__MAX_LENGTH": "64"})
     assert s.model.inputs["query"] == TextInput(tokenizer="tok.json", max_length=64)

@@ -143,9 +143,7 @@ def test_cli_reads_committed_transactions_when_asked_or_configured(
 
     monkeypatch.setattr(verify_cli, "read_topics", fake_read)
     cfg = tmp_path / "worker.toml"
-    cfg.write_text(
-        '[kafka]\nprocessing_guarantee = "exactly-once"\ngroup_instance_id = "w1"\n'
-    )
+    cfg.write_text('[kafka]\nprocessing_guarantee = "exactly-once"\ngroup_instance_id = "w1"\n')
     assert run(parse()) == 0
     assert run(parse("--read-committed")) == 0
     assert run(parse("--config", str(cfg))) == 0

@@ -178,9 +178,7 @@ class TorchEngine:
         top = shapes.max_lengths
         self.shapes = shapes
         self.inputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.inputs)
-        self.outputs = tuple(
-            TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.outputs
-        )
+        self.outputs = tuple(TensorDesc(t.name, t.dtype, t.row_at(top)) for t in self._io.outputs)
 
     def _fit_precision(self, io: ModelIO) -> None:
         """Check the converted program runs at all. One that casts itself in forward

@@ -346,6 +346,7 @@ class Slot:
             # stream, so slots overlap with each other and with other libraries.
             stream = cupy.cuda.Stream(non_blocking=True)
             events = SlotEvents(*(cupy.cuda.Event() for _ in range(4)))
+
             def buffers(tensors: tuple[TensorDesc, ...]) -> dict[str, Any]:
                 return {t.name: device((n, *t.fixed_shape), t.dtype) for t in tensors}
 

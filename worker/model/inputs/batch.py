@@ -260,7 +260,5 @@ class ModelInputs:
                 fixed = math.prod(d for d in feed.shape if isinstance(d, int))
                 syms = feed.symbols()
                 total += fixed * math.prod(padded[s] for s in syms) * len(answers)
-                real += fixed * sum(
-                    math.prod(a.lengths.get(s, 1) for s in syms) for a in answers
-                )
+                real += fixed * sum(math.prod(a.lengths.get(s, 1) for s in syms) for a in answers)
         return real, total
