@@ -34,6 +34,7 @@ from worker.kafka.consumer import Consumer
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
+from worker.kafka.delivery.writer import WriterParts
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
 from worker.model.inputs import Binding, bind_model
@@ -92,20 +93,15 @@ async def build_stages(
     infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
+    parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer)
     writer: AtLeastOnceWriter | ExactlyOnceWriter
     if plan.exactly_once:
         lease = GroupLease(
             lambda: consumer.client, s.kafka.session_timeout_ms, plan.request_timeout_s
         )
-        writer = ExactlyOnceWriter(
-            completed, s.kafka, model, tracker, committer, lease,
-            max_batches=plan.transaction_batches, budget=budget, tracer=tracer,
-        )  # fmt: skip
+        writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
-        writer = AtLeastOnceWriter(
-            completed, s.kafka, model, tracker, committer,
-            max_pending_acks=plan.max_pending_acks, budget=budget, tracer=tracer,
-        )  # fmt: skip
+        writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
     return Stages(consumer, MicroBatcher(jobs, batches, policy), infer, writer, committer)
 
 

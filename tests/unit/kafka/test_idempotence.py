@@ -22,6 +22,7 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import idempotence, producer_kwargs
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
+from worker.kafka.delivery.writer import WriterParts
 
 from .test_stages import FakeBatch, FakeGroup
 
@@ -121,15 +122,10 @@ async def test_a_refusal_for_good_renews_the_producer_and_nothing_is_lost() -> N
     tracker = OffsetTracker()
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
-    sink = AtLeastOnceWriter(
-        source,
-        KafkaConfig(retry_backoff_ms=1),
-        ModelInfo("m", "1"),
-        tracker,
-        committer,
-        max_pending_acks=2,
-        producer_factory=factory,
+    parts = WriterParts(
+        source, KafkaConfig(retry_backoff_ms=1), ModelInfo("m", "1"), tracker, committer
     )
+    sink = AtLeastOnceWriter(parts, max_pending_acks=2, producer_factory=factory)
     await sink.start()
     assert sink.idempotent
     n, large = 6, 2

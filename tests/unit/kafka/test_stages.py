@@ -26,6 +26,7 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.consumer import Consumer, _Listener
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
+from worker.kafka.delivery.writer import WriterParts
 from worker.kafka.intake import JobFactory
 
 A = TopicPartition("in", 0)
@@ -105,14 +106,10 @@ def make_sink(
 ) -> tuple[AtLeastOnceWriter, asyncio.Queue[asyncio.Future[Completed] | None], Committer]:
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
-    sink = AtLeastOnceWriter(
-        source,
-        KafkaConfig(retry_backoff_ms=1),
-        ModelInfo("m", "1"),
-        tracker,
-        committer,
-        max_pending_acks=2,
+    parts = WriterParts(
+        source, KafkaConfig(retry_backoff_ms=1), ModelInfo("m", "1"), tracker, committer
     )
+    sink = AtLeastOnceWriter(parts, max_pending_acks=2)
     sink.producer = producer  # type: ignore[assignment]
     return sink, source, committer
 

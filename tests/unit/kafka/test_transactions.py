@@ -22,6 +22,7 @@ from worker.flow.messages import Answer, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
+from worker.kafka.delivery.writer import WriterParts
 from worker.obs import metrics
 
 from .test_stages import FakeBatch, FakeGroup
@@ -141,12 +142,10 @@ async def rig(
 
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup(), transactional=True)
+    kafka = KafkaConfig(retry_backoff_ms=1, group_instance_id="w1")
+    parts = WriterParts(source, kafka, ModelInfo("m", "1"), tracker, committer)
     sink = ExactlyOnceWriter(
-        source,
-        KafkaConfig(retry_backoff_ms=1, group_instance_id="w1"),
-        ModelInfo("m", "1"),
-        tracker,
-        committer,
+        parts,
         lease,  # type: ignore[arg-type]
         max_batches=4,
         producer_factory=factory,

@@ -13,13 +13,8 @@ import asyncio
 
 import structlog
 
-from worker.config import KafkaConfig
-from worker.contract import ModelInfo
-from worker.flow.budget import FailureBudget
 from worker.flow.messages import Completed
-from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import start_producer
-from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.writer import (
     Action,
@@ -28,10 +23,10 @@ from worker.kafka.delivery.writer import (
     Verdict,
     Woken,
     Writer,
+    WriterParts,
     retriable,
 )
 from worker.obs import metrics
-from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
@@ -50,19 +45,11 @@ class AtLeastOnceWriter(Writer):
 
     def __init__(
         self,
-        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
-        kafka: KafkaConfig,
-        model: ModelInfo,
-        tracker: OffsetTracker,
-        committer: Committer,
+        parts: WriterParts,
         max_pending_acks: int,
-        budget: FailureBudget | None = None,
         producer_factory: ProducerFactory = start_producer,
-        tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(
-            completed_in, kafka, model, tracker, committer, budget, producer_factory, tracer
-        )
+        super().__init__(parts, producer_factory)
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
         # Records not acknowledged, with why, and whether they were sent in a record

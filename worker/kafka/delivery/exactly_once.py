@@ -41,20 +41,14 @@ import structlog
 from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import TopicPartition as KafkaTP
 
-from worker.config import KafkaConfig
-from worker.contract import ModelInfo
-from worker.flow.budget import FailureBudget
 from worker.flow.errors import TransactionFenced
 from worker.flow.messages import Completed, TopicPartition
-from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import start_transactional_producer, transactional_id
-from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.transaction import Txn, TxnState
-from worker.kafka.delivery.writer import Action, ProducerFactory, Woken, Writer
+from worker.kafka.delivery.writer import Action, ProducerFactory, Woken, Writer, WriterParts
 from worker.kafka.lease import GroupLease
 from worker.obs import metrics
-from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
@@ -74,20 +68,12 @@ class ExactlyOnceWriter(Writer):
 
     def __init__(
         self,
-        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
-        kafka: KafkaConfig,
-        model: ModelInfo,
-        tracker: OffsetTracker,
-        committer: Committer,
+        parts: WriterParts,
         lease: GroupLease,
         max_batches: int,
-        budget: FailureBudget | None = None,
         producer_factory: ProducerFactory = start_transactional_producer,
-        tracer: Tracer | None = None,
     ) -> None:
-        super().__init__(
-            completed_in, kafka, model, tracker, committer, budget, producer_factory, tracer
-        )
+        super().__init__(parts, producer_factory)
         self._lease = lease
         self._max_batches = max(1, max_batches)
         self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences

@@ -138,28 +138,33 @@ def decide(
     return Verdict(Action.FALL_BACK, renew=idempotent)
 
 
+@dataclass(frozen=True)
+class WriterParts:
+    """What every writer is given: the completed batches it reads, where answers
+    go and for which model, the offsets it settles and who commits them."""
+
+    completed_in: asyncio.Queue[asyncio.Future[Completed] | None]
+    kafka: KafkaConfig
+    model: ModelInfo
+    tracker: OffsetTracker
+    committer: Committer
+    budget: FailureBudget | None = None
+    tracer: Tracer | None = None
+
+
 class Writer:
     """The producer and everything about a record up to handing it over."""
 
-    def __init__(
-        self,
-        completed_in: asyncio.Queue[asyncio.Future[Completed] | None],
-        kafka: KafkaConfig,
-        model: ModelInfo,
-        tracker: OffsetTracker,
-        committer: Committer,
-        budget: FailureBudget | None,
-        producer_factory: ProducerFactory,
-        tracer: Tracer | None = None,
-    ) -> None:
-        self._completed_in = completed_in
-        self._committer = committer
+    def __init__(self, parts: WriterParts, producer_factory: ProducerFactory) -> None:
+        kafka, model = parts.kafka, parts.model
+        self._completed_in = parts.completed_in
+        self._committer = parts.committer
         self._kafka = kafka
-        self._tracer = tracer or Tracer()
+        self._tracer = parts.tracer or Tracer()
         self._model = model
         self._metrics = metrics.ModelMetrics(model.name, model.version)
-        self._tracker = tracker
-        self._budget = budget
+        self._tracker = parts.tracker
+        self._budget = parts.budget
         self._seq = 0
         self._rejections = RateLimited(burst=10, interval=10.0)
         self._partitioner = DefaultPartitioner()
