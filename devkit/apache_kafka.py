@@ -35,6 +35,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from devkit.kafka_runtime import KAFKA_VERSION, java_binary, kafka_libs
+from devkit.kafka_security import LISTENERS, PROTOCOL_MAP, Security
 from devkit.kafka_settings import JVM_OPTIONS, LOG4J2, cluster_id, server_properties
 from worker.ops.broker import BrokerError, BrokerKind, free_port
 
@@ -73,6 +74,7 @@ class KafkaCluster:
         version: str = KAFKA_VERSION,
         startup_timeout: float = 120.0,
         properties: Mapping[str, str] | None = None,
+        security: Security | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -80,6 +82,7 @@ class KafkaCluster:
         self.size = nodes
         self._startup_timeout = startup_timeout
         self._extra = dict(properties or {})
+        self.security = security
         self._dir: Path | None = None
         self._keep_dir = False
         self._nodes: dict[int, _Node] = {}
@@ -107,10 +110,11 @@ class KafkaCluster:
         if self.running:
             return self
         self._libs = kafka_libs(self.version)
+        security_on = self.security is not None
         self._dir = Path(tempfile.mkdtemp(prefix=f"kafka-{self.version}-"))
         self._keep_dir = False
         for i in range(1, self.size + 1):
-            port = free_port(2)
+            port = free_port(2 + (len(LISTENERS) if security_on else 0))
             home = self._dir / f"node-{i}"
             (home / "data").mkdir(parents=True)
             self._nodes[i] = _Node(i, port, port + 1, home)
@@ -198,6 +202,15 @@ class KafkaCluster:
     def node_port(self, node: int) -> int:
         return self._node(node).port
 
+    def listener(self, name: str) -> str:
+        """The bootstrap servers of the secured listener ``name`` (one of
+        ``kafka_security.LISTENERS``); ``bootstrap`` stays the harness's own
+        PLAINTEXT listener."""
+        if self.security is None or name not in LISTENERS:
+            raise BrokerError(f"no secured listener {name!r} (start with security=...)")
+        offset = 2 + LISTENERS.index(name)
+        return ",".join(f"127.0.0.1:{n.port + offset}" for n in self._nodes.values())
+
     # -- internals -------------------------------------------------------------------
 
     def _node(self, node: int) -> _Node:
@@ -227,6 +240,14 @@ class KafkaCluster:
         settings = server_properties(
             node.node_id, node.port, node.controller_port, voters, self.size, node.home / "data"
         )
+        if self.security is not None:
+            secured = [
+                f"{name}://127.0.0.1:{node.port + 2 + i}" for i, name in enumerate(LISTENERS)
+            ]
+            settings["listeners"] += "," + ",".join(secured)
+            settings["advertised.listeners"] += "," + ",".join(secured)
+            settings["listener.security.protocol.map"] = PROTOCOL_MAP
+            settings |= self.security.properties()
         return "".join(f"{k}={v}\n" for k, v in {**settings, **self._extra}.items())
 
     def _java(self, node: _Node, main: str, *args: str) -> list[str]:
@@ -248,6 +269,7 @@ class KafkaCluster:
             cmd = self._java(
                 node, "kafka.tools.StorageTool", "format", "-t", cid,
                 "-c", str(node.home / "server.properties"),
+                *(self.security.format_arguments() if self.security else ()),
             )  # fmt: skip
             with open(node.home / "format.log", "wb") as out:
                 procs.append((node, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)))

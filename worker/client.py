@@ -73,12 +73,17 @@ class InferenceClient:
         input_name: str = "image",
         max_request_size: int = DEFAULT_LIMITS.max_record_bytes + 64 * 1024,
         wire: Literal["msgpack", "oip"] = "msgpack",
+        security: Mapping[str, Any] | None = None,
     ) -> None:
         """``wire``: how requests travel: msgpack (contract v1), or Open Inference
         Protocol v2 JSON (``content-type: application/json``); answers are read in
-        either format."""
+        either format. ``security``: aiokafka's security arguments for a secured
+        cluster (``security_protocol``, ``ssl_context``, ``sasl_*``); the worker's
+        own settings give them with ``worker.kafka.credentials.security_kwargs``
+        (README "Secured Kafka")."""
         self._wire = wire
         self._bootstrap = bootstrap_servers
+        self._security = dict(security or {})
         self._input_topic = input_topic
         self._output_topic = output_topic
         self._input_name = input_name
@@ -91,11 +96,13 @@ class InferenceClient:
     async def start(self) -> None:
         try:
             self._producer = AIOKafkaProducer(
-                bootstrap_servers=self._bootstrap, max_request_size=self._max_request_size
+                bootstrap_servers=self._bootstrap,
+                max_request_size=self._max_request_size,
+                **self._security,
             )
             await self._producer.start()
             self._consumer = AIOKafkaConsumer(
-                bootstrap_servers=self._bootstrap, enable_auto_commit=False
+                bootstrap_servers=self._bootstrap, enable_auto_commit=False, **self._security
             )
             await self._consumer.start()
             parts = await topic_partitions(self._consumer, self._output_topic)

@@ -15,6 +15,7 @@ import msgpack
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from worker.kafka.clients import topic_partitions
+from worker.kafka.credentials import Connection, connect_kwargs
 
 
 def arrivals_after(times: Iterable[float], start: float) -> int:
@@ -37,7 +38,7 @@ class Drain:
         return self.records / self.seconds if self.seconds > 0 else 0.0
 
 
-async def drain_ceiling(bootstrap: str, topic: str, n: int, timeout: float = 600.0) -> Drain:
+async def drain_ceiling(bootstrap: Connection, topic: str, n: int, timeout: float = 600.0) -> Drain:
     """Decode-and-discard ``n`` records of ``topic``: fetch, ``msgpack.unpackb``
     each value, nothing else. The consumer is assigned every partition (no
     group: joining one takes seconds that say nothing about ingest) and timed
@@ -48,7 +49,7 @@ async def drain_ceiling(bootstrap: str, topic: str, n: int, timeout: float = 600
     whole of a small backlog. Raises TimeoutError when fewer than ``n`` arrive
     within ``timeout`` seconds."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **connect_kwargs(bootstrap),
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=10,

@@ -29,11 +29,22 @@ class KafkaConfig:
     # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
     # factory returning an aiokafka AbstractTokenProvider (see README).
     sasl_oauth_token_provider: str | None = None
+    # OAUTHBEARER without code: a file holding the token, read at every
+    # authentication (a sidecar or a projected volume keeps it fresh), or a
+    # command that prints one (run again before the token's "exp").
+    sasl_oauth_token_file: str | None = None
+    sasl_oauth_token_command: str | None = None
     sasl_plain_username: str | None = None
+    # The password, or a file holding it (a mounted secret; read when a client
+    # is built, so a rotated secret is used by the next connection's client).
     sasl_plain_password: str | None = None
+    sasl_plain_password_file: str | None = None
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # The password of an encrypted ssl_keyfile, or a file holding it.
+    ssl_password: str | None = None
+    ssl_password_file: str | None = None
     session_timeout_ms: int = 10000
     heartbeat_interval_ms: int = 0  # 0 = min(3000, session_timeout_ms / 3), Kafka's advice
     max_poll_interval_ms: int = 300000
@@ -131,19 +142,43 @@ class KafkaConfig:
                 "kafka.group_instance_id (unique per member, e.g. the pod name) or "
                 "kafka.transactional_id",
             )
-        if self.security_protocol.startswith("SASL") and self.sasl_mechanism in (
-            "PLAIN",
-            "SCRAM-SHA-256",
-            "SCRAM-SHA-512",
-        ):
+        self._check_security()
+
+    def _check_security(self) -> None:
+        sasl = self.security_protocol.startswith("SASL")
+        check(
+            self.sasl_plain_password is None or self.sasl_plain_password_file is None,
+            "kafka.sasl_plain_password_file",
+            "set sasl_plain_password or sasl_plain_password_file, not both",
+        )
+        check(
+            self.ssl_password is None or self.ssl_password_file is None,
+            "kafka.ssl_password_file",
+            "set ssl_password or ssl_password_file, not both",
+        )
+        if sasl and self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
             check(
-                self.sasl_plain_username is not None and self.sasl_plain_password is not None,
+                self.sasl_plain_username is not None
+                and (self.sasl_plain_password is not None or bool(self.sasl_plain_password_file)),
                 "kafka.sasl_plain_username",
-                f"{self.security_protocol} with {self.sasl_mechanism} needs username and password",
+                f"{self.security_protocol} with {self.sasl_mechanism} needs a username and a "
+                "password (sasl_plain_password or sasl_plain_password_file)",
             )
-        if self.security_protocol.startswith("SASL") and self.sasl_mechanism == "OAUTHBEARER":
+        if sasl and self.sasl_mechanism == "OAUTHBEARER":
+            sources = [
+                self.sasl_oauth_token_provider,
+                self.sasl_oauth_token_file,
+                self.sasl_oauth_token_command,
+            ]
             check(
-                ":" in (self.sasl_oauth_token_provider or ""),
+                sum(bool(x) for x in sources) == 1,
+                "kafka.sasl_oauth_token_provider",
+                "OAUTHBEARER needs exactly one of sasl_oauth_token_file, "
+                "sasl_oauth_token_command, or sasl_oauth_token_provider (a factory as "
+                "'module:callable')",
+            )
+            check(
+                not self.sasl_oauth_token_provider or ":" in self.sasl_oauth_token_provider,
                 "kafka.sasl_oauth_token_provider",
                 "OAUTHBEARER needs a token provider factory as 'module:callable'",
             )

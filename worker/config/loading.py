@@ -263,6 +263,12 @@ def redacted_tree(settings: object) -> dict[str, Any]:
     assert dataclasses.is_dataclass(settings) and not isinstance(settings, type)
     out: dict[str, Any] = dataclasses.asdict(settings)
     kafka = out.get("kafka", {})
-    if kafka.get("sasl_plain_password") is not None:
-        kafka["sasl_plain_password"] = "***"
+    for key in SECRET_KEYS:
+        if kafka.get(key) is not None:
+            kafka[key] = "***"
     return out
+
+
+# Settings whose values are secrets: never logged or printed. (The *_file keys
+# name files, which are not secret; what the files hold never reaches a log.)
+SECRET_KEYS = ("sasl_plain_password", "ssl_password")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib
 import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -15,6 +13,7 @@ from aiokafka.errors import BrokerResponseError
 
 from worker.config import KafkaConfig
 from worker.flow.errors import ConfigError
+from worker.kafka.credentials import security_kwargs
 
 log = structlog.get_logger(__name__)
 
@@ -191,50 +190,13 @@ def with_options(
 
 def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
     """aiokafka keyword arguments for bootstrap, identity and security."""
-    kwargs: dict[str, Any] = {
+    return {
         "bootstrap_servers": k.bootstrap_servers,
         "client_id": k.client_id,
-        "security_protocol": k.security_protocol,
         "metadata_max_age_ms": k.metadata_max_age_ms,
         "request_timeout_ms": k.request_timeout_ms,
+        **security_kwargs(k),
     }
-    if k.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        kwargs["ssl_context"] = create_ssl_context(
-            cafile=k.ssl_cafile, certfile=k.ssl_certfile, keyfile=k.ssl_keyfile
-        )
-    if k.security_protocol.startswith("SASL"):
-        kwargs["sasl_mechanism"] = k.sasl_mechanism
-        if k.sasl_mechanism == "OAUTHBEARER":
-            kwargs["sasl_oauth_token_provider"] = token_provider(k.sasl_oauth_token_provider)
-        else:
-            kwargs["sasl_plain_username"] = k.sasl_plain_username
-            kwargs["sasl_plain_password"] = k.sasl_plain_password
-    return kwargs
-
-
-@functools.cache
-def token_provider(spec: str | None) -> Any:
-    """Call the ``module:callable`` factory named by kafka.sasl_oauth_token_provider
-    and check that it returned an aiokafka ``AbstractTokenProvider``. Called once
-    per process: the consumer, the producer and the crash guard share the one
-    provider (a factory may open sessions or start refresh tasks)."""
-    from aiokafka.abc import AbstractTokenProvider
-
-    name = "kafka.sasl_oauth_token_provider"
-    module_name, _, attr = (spec or "").partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"{name}: cannot import {spec!r}: {exc}") from exc
-    provider = factory()
-    if not isinstance(provider, AbstractTokenProvider):
-        raise ConfigError(
-            f"{name}: {spec} returned {type(provider).__name__}, not an "
-            "aiokafka.abc.AbstractTokenProvider"
-        )
-    return provider
 
 
 async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:

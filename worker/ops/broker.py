@@ -27,6 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from worker.flow.errors import WorkerError
+from worker.kafka.credentials import Connection, connect_kwargs
 
 
 class BrokerError(WorkerError):
@@ -201,9 +202,9 @@ class EmbeddedBroker:
         self.stop()
 
 
-async def create_topics(bootstrap: str, partitions: Mapping[str, int]) -> None:
+async def create_topics(bootstrap: Connection, partitions: Mapping[str, int]) -> None:
     """Create topics with explicit partition counts (existing ones are kept)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**connect_kwargs(bootstrap))
     await admin.start()
     try:
         for name, count in partitions.items():

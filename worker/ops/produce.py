@@ -40,6 +40,7 @@ from worker.contract import (
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.flow.errors import ConfigError
+from worker.kafka.credentials import connection
 from worker.ops.topics import Collected, Collector
 
 # Room for the request envelope around the largest image the worker accepts.
@@ -119,9 +120,7 @@ async def send(
 ) -> None:
     """Send ``requests``; with ``oip``, as Open Inference Protocol JSON (header
     ``content-type: application/json``) instead of msgpack."""
-    producer = AIOKafkaProducer(
-        bootstrap_servers=kafka.bootstrap_servers, acks="all", max_request_size=max_bytes
-    )
+    producer = AIOKafkaProducer(**connection(kafka), acks="all", max_request_size=max_bytes)
     await producer.start()
     try:
         for r in requests:
@@ -189,7 +188,7 @@ async def watch(
     """Print results (of ``ids`` only, when given) as they arrive. Returns how
     many of ``ids`` were not answered before ``timeout`` (0 when none given)."""
     topics = [kafka.output_topic] + ([kafka.dlq_topic] if include_dlq else [])
-    collector = Collector(kafka.bootstrap_servers, topics)
+    collector = Collector(connection(kafka), topics)
     await collector.start()
     wanted = set(ids or ())
     seen: set[str] = set()

@@ -19,6 +19,7 @@ from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
 from worker.kafka.clients import topic_partitions
+from worker.kafka.credentials import Connection, connect_kwargs
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Produced:
 
 
 async def produce_all(
-    bootstrap: str,
+    bootstrap: Connection,
     topic: str,
     records: Iterable[tuple[bytes | None, bytes]],
     *,
@@ -47,7 +48,7 @@ async def produce_all(
     waits for answers would slow down exactly when the worker queues, and hide
     the queueing it is meant to measure."""
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
+        **connect_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
     )
     await producer.start()
     try:
@@ -136,7 +137,7 @@ class OffsetGaps:
 class Collector:
     """Reads whole topics from the beginning without a consumer group."""
 
-    bootstrap: str
+    bootstrap: Connection
     topics: Sequence[str]
     records: dict[str, list[Collected]] = field(default_factory=dict)
     # "read_committed": only records of committed transactions (exactly-once output).
@@ -150,7 +151,7 @@ class Collector:
             # sees, so gaps are expected there, not re-read.
             self._gaps.patience = 0.0
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
+            **connect_kwargs(self.bootstrap),
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_bytes=64 * 1024 * 1024,
@@ -220,11 +221,11 @@ class Collector:
 
 
 async def committed_offsets(
-    bootstrap: str, group_id: str, topic: str, partitions: int
+    bootstrap: Connection, group_id: str, topic: str, partitions: int
 ) -> dict[int, int]:
     """The group's committed offsets per partition (-1 where none)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False
+        **connect_kwargs(bootstrap), group_id=group_id, enable_auto_commit=False
     )
     await consumer.start()
     try:
@@ -237,12 +238,12 @@ async def committed_offsets(
         await consumer.stop()
 
 
-async def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+async def end_offsets(bootstrap: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:
     """Every partition's end offset (the next offset to be written), as the
     broker reports it. Apache Kafka only: the embedded broker answers
     ``end_offsets`` wrongly (DESIGN.md), which is why the readers here stop on
     idleness rather than at these offsets."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**connect_kwargs(bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
         tps = []

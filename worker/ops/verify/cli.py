@@ -11,6 +11,7 @@ from typing import Any
 
 from worker.config import KafkaConfig, load_settings
 from worker.flow.errors import ConfigError
+from worker.kafka.credentials import connection
 from worker.ops.verify.check import check
 from worker.ops.verify.read import read_topics
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         inputs, observed = asyncio.run(
             read_topics(
-                kafka.bootstrap_servers,
+                connection(kafka),
                 kafka.input_topics,
                 kafka.output_topic,
                 kafka.dlq_topic,

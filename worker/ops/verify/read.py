@@ -12,6 +12,7 @@ from typing import Final
 
 from worker.contract import decode_result
 from worker.flow.errors import WorkerError
+from worker.kafka.credentials import Connection
 from worker.ops.topics import Collected, Collector
 from worker.ops.verify.report import InputRecord, Reply, Unparseable
 
@@ -66,7 +67,7 @@ def _result_source(value: bytes | None) -> InputRecord | str:
 
 
 async def read_topics(
-    bootstrap: str,
+    bootstrap: Connection,
     input_topics: Sequence[str],
     output_topic: str,
     dlq_topic: str,
