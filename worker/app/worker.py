@@ -29,7 +29,9 @@ from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import Writer
+from worker.kafka.diagnose import diagnose
 from worker.kafka.monitors import report_partitions, watch_broker
+from worker.kafka.permissions import check_topics, refused
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -91,9 +93,17 @@ class Worker:
             await stages.writer.start()
             existing = await self._check_input_topics(stages.writer)
             self._guard = crash_guard(s, self.plan, stages, existing)
+            if s.kafka.security_protocol != "PLAINTEXT":
+                assert stages.writer.producer is not None
+                guarded = self._guard is not None
+                await check_topics(stages.writer.producer.client, s.kafka, guarded)
             await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
+            # A refused password, certificate or ACL is a configuration error: exit 2.
+            problem = refused(exc, s.kafka) or await diagnose(s.kafka)
+            if problem is not None:
+                raise problem from exc
             raise BrokerUnavailable(
                 f"cannot reach Kafka at {s.kafka.bootstrap_servers}: {exc!r}"
             ) from exc
@@ -145,10 +155,15 @@ class Worker:
         existing = await writer.existing_topics()
         missing = [t for t in self.settings.kafka.input_topics if t not in existing]
         if missing:
+            unseen = (
+                ""
+                if self.settings.kafka.security_protocol == "PLAINTEXT"
+                else ', or this principal may not Describe them (README "Secured Kafka")'
+            )
             raise ConfigError(
                 f"kafka.input_topics: {', '.join(missing)} not found on "
                 f"{self.settings.kafka.bootstrap_servers} (create them first; "
-                f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'})"
+                f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'}{unseen})"
             )
         return existing
 

@@ -14,6 +14,7 @@ from aiokafka.errors import BrokerResponseError
 from worker.config import KafkaConfig
 from worker.flow.errors import ConfigError
 from worker.kafka.credentials import security_kwargs
+from worker.kafka.permissions import refused
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +150,8 @@ async def start_transactional_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer
             _started(AIOKafkaProducer(**kwargs)), k.request_timeout_ms / 1000
         )
     except (BrokerResponseError, TimeoutError) as exc:
+        if (not_allowed := refused(exc, k)) is not None:
+            raise not_allowed from exc
         raise ConfigError(
             'kafka.processing_guarantee = "exactly-once": the broker at '
             f"{k.bootstrap_servers} gave no transactional producer (InitProducerId for "
