@@ -30,6 +30,7 @@ from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, decide
 from worker.kafka.intake import JobFactory
+from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -226,8 +227,12 @@ class Consumer:
                     failures += 1
                     metrics.FETCH_ERRORS.inc()
                     log.warning("fetch_failed", error=repr(exc), consecutive=failures)
+                    if isinstance(exc, NOT_AUTHORISED):  # an ACL gone: not ready until back
+                        metrics.set_condition("fetch", False)
                     await self._sleep(backoff.next())
                     continue
+                if failures:
+                    metrics.set_condition("fetch", True)
                 failures = 0
                 backoff.reset()
                 for records in fetched.values():

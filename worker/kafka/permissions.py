@@ -37,6 +37,15 @@ from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 from worker.config import KafkaConfig
 from worker.flow.errors import ConfigError
 
+# Refusals an operator can undo (an ACL granted again): at run time the worker
+# waits for them, not-ready, and neither answers nor commits what they hold up.
+NOT_AUTHORISED = (
+    TopicAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+    ClusterAuthorizationFailedError,
+)
+
 READ, WRITE, DESCRIBE = 3, 4, 8  # Kafka's AclOperation codes: bit n of the answer
 _NAMES = {READ: "Read", WRITE: "Write", DESCRIBE: "Describe"}
 _NOT_ASKED = -(2**31)  # what the broker answers when operations were not requested

@@ -13,6 +13,8 @@ from aiokafka.errors import (
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
     RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
     UnknownProducerId,
 )
 
@@ -38,6 +40,10 @@ CASES = [
     (UnknownProducerId(), True, True, False, False, Verdict(A.RESEND, renew=True)),
     (KafkaTimeoutError(), True, True, False, False, Verdict(A.RESEND, renew=False)),
     (KafkaConnectionError(), False, False, False, False, Verdict(A.RESEND, renew=False)),
+    # A permission taken away: waited for (an operator grants it again), never a
+    # fallback, which the same missing ACL would refuse or divert to the DLQ.
+    (TopicAuthorizationFailedError(), True, False, True, False, Verdict(A.RESEND, renew=False)),
+    (TransactionalIdAuthorizationFailed(), True, True, False, False, Verdict(A.RESEND, False)),
     # Refused for good with its neighbours: each alone first.
     (MessageSizeTooLargeError(), True, True, False, False, Verdict(A.RESEND_ALONE, renew=True)),
     (MessageSizeTooLargeError(), False, True, False, False,

@@ -43,6 +43,7 @@ from worker.flow.messages import Completed
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.outgoing import FallbackCode, OutRecord, Topics, fallback, record_for
+from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
 from worker.obs.tracing import Tracer, answer_span
@@ -76,7 +77,13 @@ def retriable(exc: BaseException) -> bool:
     partition's pending batch was not drained: the partition's leader is gone
     (measured: SIGKILL of a partition leader of a three-broker cluster). The
     record was never written and took no sequence number: it is re-sent as it
-    is, not replaced by a fallback as a refusal for good would be."""
+    is, not replaced by a fallback as a refusal for good would be. A missing
+    permission is waited out the same way (``NOT_AUTHORISED``)."""
+    if isinstance(exc, NOT_AUTHORISED):
+        # Not for good: the ACL can come back, and a fallback answer would be
+        # refused by the same missing permission (or, on the DLQ, divert every
+        # answer). Sent again with backoff, delivery not-ready, offsets held.
+        return True
     return isinstance(exc, KafkaTimeoutError) or bool(getattr(exc, "retriable", True))
 
 
@@ -267,6 +274,12 @@ class Writer:
         broker refused their record batch as a whole). Raises ``DeliveryFailed``
         when even a fallback was refused."""
         struck = Counter(id(f) for _, f, _ in failed if f is not None)
+        for f in {id(f): f for _, f, _ in failed if isinstance(f, NOT_AUTHORISED)}.values():
+            self._rejections(
+                log.error, "not_authorised", error=repr(f), effect="answers wait, "
+                "offsets stay uncommitted, delivery is not ready until the ACL is back",
+                fix='README "Secured Kafka" lists every ACL a worker needs',
+            )  # fmt: skip
         todo = []
         for record, failure, alone in sorted(failed, key=lambda t: t[0].seq):
             shared = failure is not None and struck[id(failure)] > 1

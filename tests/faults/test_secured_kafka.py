@@ -1,0 +1,364 @@
+"""The worker on a secured Apache Kafka (issue 29): TLS with SASL (SCRAM-SHA-512,
+PLAIN), mutual TLS, and OAUTHBEARER, with ACLs enforced
+(``allow.everyone.if.no.acl.found=false``) and the worker given exactly the ACLs
+README "Secured Kafka" lists. Certificates are made for the run
+(``devkit/kafka_pki.py``), the cluster is ``devkit/kafka_security.py``'s.
+
+The harness (topic creation, producing requests, reading answers, granting and
+revoking ACLs) uses the node's own PLAINTEXT listener as a super user; the
+worker and the client library only ever get a secured listener."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devkit.apache_kafka import KafkaCluster
+from devkit.kafka_pki import Pki, make_pki
+from devkit.kafka_security import (
+    Acl,
+    Security,
+    client_settings,
+    grant,
+    revoke,
+    unsecured_token,
+    worker_acls,
+)
+from tests.conftest import require_kafka
+from worker.config import KafkaConfig
+from worker.kafka.credentials import security_kwargs
+from worker.ops.broker import create_topics
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collector, committed_offsets, produce_all
+from worker.ops.verify import check, read_topics
+
+from .conftest import FAST_GROUP, no_crash_in_log, request, wait_assigned, wait_ready
+
+pytestmark = pytest.mark.faults
+
+PASSWORD = "s3cret-w0rker-pass"  # grepped for in logs: it must never appear
+CLIENT_PASSWORD = "s3cret-cl1ent-pass"
+WORKER = "User:worker"
+
+
+@pytest.fixture(scope="module")
+def pki() -> Iterator[Pki]:
+    with tempfile.TemporaryDirectory(prefix="pki-") as d:
+        yield make_pki(Path(d), ("worker", "client"))
+
+
+@pytest.fixture(scope="module")
+def secured(pki: Pki) -> Iterator[KafkaCluster]:
+    require_kafka()
+    users = {"worker": PASSWORD, "client": CLIENT_PASSWORD}
+    with KafkaCluster(security=Security(pki, users)) as cluster:
+        yield cluster
+
+
+def acls_for(names: dict[str, str], transactional_id: str | None = None) -> list[Acl]:
+    return worker_acls(
+        WORKER,
+        inputs=[names["requests"]],
+        output=names["results"],
+        dlq=names["dlq"],
+        group=names["group"],
+        crash_guard=names["guard"],
+        transactional_id=transactional_id,
+    )
+
+
+async def topics(cluster: KafkaCluster, names: dict[str, str], partitions: int = 2) -> None:
+    await create_topics(
+        cluster.bootstrap,
+        {names["requests"]: partitions, names["results"]: partitions, names["dlq"]: 1,
+         names["guard"]: 1},
+    )  # fmt: skip
+
+
+def secrets_dir() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="secrets-"))
+    d.chmod(0o700)
+    return d
+
+
+def worker_security(
+    cluster: KafkaCluster, pki: Pki, listener: str, mechanism: str = "SCRAM-SHA-512"
+) -> dict[str, str]:
+    """A worker's settings for ``listener``, secrets from files as an operator
+    mounts them (a password file, a token file)."""
+    secrets = secrets_dir()
+    if listener == "OAUTH":
+        token = secrets / "token"
+        token.write_text(unsecured_token("worker") + "\n")
+        env = client_settings("OAUTH", cluster.listener("OAUTH"), pki, mechanism="OAUTHBEARER")
+        return {**env, "INFER_WORKER_KAFKA__SASL_OAUTH_TOKEN_FILE": str(token)}
+    env = client_settings(listener, cluster.listener(listener), pki, user="worker",
+                          password=PASSWORD, mechanism=mechanism)  # fmt: skip
+    if listener == "SASL_SSL":
+        password = secrets / "password"
+        password.write_text(PASSWORD + "\n")
+        del env["INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD"]
+        env["INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD_FILE"] = str(password)
+    return env
+
+
+def spawn(
+    cluster: KafkaCluster, names: dict[str, str], security: dict[str, str], **env: str
+) -> WorkerProcess:
+    bootstrap = security["INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS"]
+    return spawn_worker(
+        bootstrap,
+        input_topics=[names["requests"]],
+        output_topic=names["results"],
+        dlq_topic=names["dlq"],
+        group_id=names["group"],
+        extra_env={**FAST_GROUP, **security, "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC":
+                   names["guard"], **env},
+    )  # fmt: skip
+
+
+def assert_no_secret(text: str) -> None:
+    assert PASSWORD not in text and CLIENT_PASSWORD not in text
+    assert unsecured_token("worker").split(".")[0] + "." not in text  # no token either
+
+
+@pytest.mark.parametrize(
+    ("listener", "mechanism"),
+    [("SASL_SSL", "SCRAM-SHA-512"), ("SASL_SSL", "PLAIN"), ("SSL", ""), ("OAUTH", "")],
+)
+async def test_a_worker_with_only_its_acls_answers_every_request(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], listener: str, mechanism: str
+) -> None:
+    """Each listener and mechanism, the worker holding exactly README's ACLs (at
+    least once); the client library sends the requests over SASL_SSL as a user
+    of its own, with ACLs for a client."""
+    await topics(secured, names)
+    await grant(secured.bootstrap, acls_for(names))
+    client = "User:client"
+    await grant(secured.bootstrap, [
+        Acl(client, "Write", "topic", names["requests"]),
+        Acl(client, "Read", "topic", names["results"]),
+    ])  # fmt: skip
+    w = spawn(secured, names, worker_security(secured, pki, listener, mechanism or "PLAIN"))
+    try:
+        await wait_assigned([w], 2)
+        from worker.client import InferenceClient
+
+        client_kafka = KafkaConfig(
+            bootstrap_servers=secured.listener("SASL_SSL"),
+            security_protocol="SASL_SSL",
+            sasl_mechanism="SCRAM-SHA-512",
+            sasl_plain_username="client",
+            sasl_plain_password=CLIENT_PASSWORD,
+            ssl_cafile=str(pki.ca),
+        )
+        async with InferenceClient(
+            client_kafka.bootstrap_servers,
+            input_topic=names["requests"],
+            output_topic=names["results"],
+            security=security_kwargs(client_kafka),
+        ) as c:
+            import numpy as np
+
+            images = [np.full((8, 8, 1), i * 10, dtype=np.uint8) for i in range(20)]
+            results = await asyncio.gather(*(c.infer(img, timeout=60) for img in images))
+        assert [r.status for r in results] == ["ok"] * 20, [r.error for r in results]
+        assert w.terminate() == 0, w.log_tail()
+        no_crash_in_log(w)
+        assert_no_secret(w.log_tail(10**6))
+    finally:
+        w.kill()
+
+
+async def test_exactly_once_across_a_sigkill_with_only_its_acls(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    """SASL_SSL (SCRAM, password from a file), exactly-once, the member SIGKILLed
+    mid-stream and restarted: a read_committed reader sees every request answered
+    once, and the worker never held more than README's ACLs (its transactional
+    id included)."""
+    n, member = 1500, "w1"
+    await topics(secured, names)
+    await grant(secured.bootstrap, acls_for(names, transactional_id=f"{names['group']}.{member}"))
+    security = worker_security(secured, pki, "SASL_SSL")
+    eos = {
+        "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": "exactly-once",
+        "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": member,
+        "INFER_WORKER_KAFKA__MAX_POLL_RECORDS": "100",
+    }
+    w = spawn(secured, names, security, **eos)
+    restarted: WorkerProcess | None = None
+    try:
+        await wait_assigned([w], 2)
+        producing = asyncio.create_task(
+            produce_all(secured.bootstrap, names["requests"],
+                        [(None, request(i)) for i in range(n)], rate=600)
+        )  # fmt: skip
+        await asyncio.sleep(1.0)
+        w.kill()
+        restarted = spawn(secured, names, security, **eos)
+        await producing
+        committed = Collector(
+            secured.bootstrap, [names["results"]], isolation_level="read_committed"
+        )
+        await committed.start()
+        try:
+            done = await committed.collect(lambda c: c.count() >= n, 120.0)
+            assert done, f"{committed.count()} of {n}\n{restarted.log_tail()}"
+        finally:
+            await committed.stop()
+        assert restarted.terminate() == 0, restarted.log_tail()
+        no_crash_in_log(restarted)
+    finally:
+        w.kill()
+        if restarted is not None:
+            restarted.kill()
+    inputs, seen = await read_topics(
+        secured.bootstrap, [names["requests"]], names["results"], names["dlq"],
+        idle_timeout=1.5, isolation_level="read_committed",
+    )  # fmt: skip
+    report = check(inputs, list(seen.answers), unparseable=seen.unparseable, strict=True)
+    assert report.totals.requests == n and report.ok, report.format()
+    for proc in (w, restarted):
+        assert_no_secret(proc.log_tail(10**6))
+
+
+def run_until_exit(env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "run"],
+        env={**base, **FAST_GROUP, "INFER_WORKER_METRICS__PORT": "0", **env},
+        capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+REFUSALS = {
+    "wrong-password": ("SASL_SSL", {"INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": "not-it"},
+                       None, "kafka.sasl_plain_username / sasl_plain_password"),
+    "unknown-CA": ("SASL_SSL", {"INFER_WORKER_KAFKA__SSL_CAFILE": "{stranger_ca}"},
+                   None, "kafka.ssl_cafile: the broker's certificate"),
+    "expired-certificate": ("SSL", {"INFER_WORKER_KAFKA__SSL_CERTFILE": "{expired.cert}",
+                                    "INFER_WORKER_KAFKA__SSL_KEYFILE": "{expired.key}"},
+                            None, "kafka.ssl_certfile: {expired.cert} expired on"),
+    "certificate-of-another-CA": ("SSL", {"INFER_WORKER_KAFKA__SSL_CERTFILE": "{stranger.cert}",
+                                          "INFER_WORKER_KAFKA__SSL_KEYFILE": "{stranger.key}"},
+                                  None, "kafka.ssl_certfile: the broker at"),
+    "no-Read-on-the-group": ("SASL_SSL", {}, Acl(WORKER, "Read", "group", "{group}"),
+                             "not allowed Read on group {group}"),
+    "no-Read-on-an-input-topic": ("SASL_SSL", {}, Acl(WORKER, "Read", "topic", "{requests}"),
+                                  "not allowed Read on topic {requests}"),
+    "no-Write-on-the-result-topic": ("SASL_SSL", {}, Acl(WORKER, "Write", "topic", "{results}"),
+                                     "not allowed Write on topic {results}"),
+    "no-Write-on-the-DLQ": ("SASL_SSL", {}, Acl(WORKER, "Write", "topic", "{dlq}"),
+                            "not allowed Write on topic {dlq}"),
+    "no-Write-on-the-crash-guard-topic": ("SASL_SSL", {}, Acl(WORKER, "Write", "topic", "{guard}"),
+                                          "not allowed Write on topic {guard}"),
+    "no-Write-on-the-transactional-id": (
+        "SASL_SSL", {"INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": "exactly-once",
+                     "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "m1"},
+        Acl(WORKER, "Write", "transactional_id", "{group}.m1"),
+        "not allowed Write on its transactional id"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+async def test_a_refused_credential_or_missing_acl_exits_2_naming_it(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], case: str
+) -> None:
+    listener, overrides, withheld, expected = REFUSALS[case]
+    fill = {"stranger_ca": pki.stranger_ca, "expired": pki.expired, "stranger": pki.stranger,
+            **names}  # fmt: skip
+    await topics(secured, names)
+    acls = acls_for(names, transactional_id=f"{names['group']}.m1")
+    if withheld is not None:
+        gone = Acl(withheld.principal, withheld.operation, withheld.kind,
+                   withheld.name.format(**fill))  # fmt: skip
+        acls = [a for a in acls if a != gone]
+    await grant(secured.bootstrap, acls)
+    env = {
+        **worker_security(secured, pki, listener),
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+        "INFER_WORKER_KAFKA__GROUP_ID": names["group"],
+        "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC": names["guard"],
+    }
+    if "INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD" in overrides:
+        env.pop("INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD_FILE", None)
+    env |= {k: v.format(**fill) for k, v in overrides.items()}
+    proc = await asyncio.to_thread(run_until_exit, env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected.format(**fill) in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert_no_secret(proc.stdout + proc.stderr)
+
+
+async def test_a_write_acl_revoked_while_serving_holds_offsets_until_it_is_back(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    """Write on the result topic revoked while the worker runs: it goes not-ready,
+    answers nothing and commits nothing (no fallback on the DLQ either); once the
+    ACL is granted again every request is answered and committed."""
+    await topics(secured, names)
+    await grant(secured.bootstrap, acls_for(names))
+    w = spawn(secured, names, worker_security(secured, pki, "SASL_SSL"))
+    write = Acl(WORKER, "Write", "topic", names["results"])
+    try:
+        await wait_assigned([w], 2)
+        await wait_ready(w, 200, 30)
+        first = [(None, request(i)) for i in range(10)]
+        await produce_all(secured.bootstrap, names["requests"], first, partition_of=lambda i: i % 2)
+        results = Collector(secured.bootstrap, [names["results"], names["dlq"]])
+        await results.start()
+        try:
+            assert await results.collect(lambda c: c.count() >= 10, 60.0), w.log_tail()
+            await revoke(secured.bootstrap, [write])
+            await produce_all(secured.bootstrap, names["requests"],
+                              [(None, request(i)) for i in range(10, 30)],
+                              partition_of=lambda i: i % 2)  # fmt: skip
+            await wait_ready(w, 503, 60)
+            held = await committed_offsets(secured.bootstrap, names["group"], names["requests"], 2)
+            assert sum(held.values()) <= 10, held  # nothing past the first ten committed
+            assert results.count() == 10 and not results.records.get(names["dlq"])
+            await grant(secured.bootstrap, [write])
+            assert await results.collect(lambda c: c.count() >= 30, 90.0), w.log_tail()
+            statuses = [r.result().status for r in results.records[names["results"]]]
+            assert statuses == ["ok"] * 30, "no answer became an error"
+            await wait_ready(w, 200, 60)
+        finally:
+            await results.stop()
+        assert w.terminate() == 0, w.log_tail()
+    finally:
+        w.kill()
+    inputs, seen = await read_topics(
+        secured.bootstrap, [names["requests"]], names["results"], names["dlq"], idle_timeout=1.5
+    )
+    report = check(inputs, list(seen.answers), unparseable=seen.unparseable)
+    assert report.totals.requests == 30 and report.totals.lost == 0, report.format()
+    log = w.log_tail(10**6)
+    assert "not_authorised" in log and "TopicAuthorizationFailedError" in log
+    assert_no_secret(log)
+
+
+def test_config_command_masks_secrets(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= {
+        "INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+        "INFER_WORKER_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+        "INFER_WORKER_KAFKA__SASL_PLAIN_USERNAME": "worker",
+        "INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": PASSWORD,
+        "INFER_WORKER_KAFKA__SSL_PASSWORD": CLIENT_PASSWORD,
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "worker", "config"], env=env, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    assert "***" in out.stdout and "worker" in out.stdout
+    assert_no_secret(out.stdout + out.stderr)
