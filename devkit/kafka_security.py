@@ -161,22 +161,16 @@ def worker_acls(
     crash_guard: str,
     transactional_id: str | None = None,
 ) -> list[Acl]:
-    """What a worker needs and nothing more (README "Secured Kafka": the list
-    there and this one are the same, a test reads both)."""
+    """What a worker needs and nothing more: the table in README "Secured Kafka"
+    (tests/unit/devkit/test_kafka_security.py checks the two agree). Read and
+    Write imply Describe; an idempotent producer needs no IdempotentWrite on
+    Kafka 3.0 and later (KIP-679)."""
     acls = [Acl(principal, "Read", "topic", t) for t in inputs]
-    acls += [Acl(principal, "Describe", "topic", t) for t in inputs]
     acls += [Acl(principal, "Read", "group", group)]
-    for topic in (output, dlq):
-        acls += [
-            Acl(principal, "Write", "topic", topic),
-            Acl(principal, "Describe", "topic", topic),
-        ]
-    acls += [Acl(principal, op, "topic", crash_guard) for op in ("Read", "Write", "Describe")]
-    acls += [Acl(principal, "IdempotentWrite", "cluster", "kafka-cluster")]
+    acls += [Acl(principal, "Write", "topic", t) for t in (output, dlq)]
+    acls += [Acl(principal, op, "topic", crash_guard) for op in ("Read", "Write")]
     if transactional_id is not None:
-        acls += [
-            Acl(principal, op, "transactional_id", transactional_id) for op in ("Write", "Describe")
-        ]
+        acls += [Acl(principal, "Write", "transactional_id", transactional_id)]
     return acls
 
 

@@ -28,7 +28,6 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
-from worker.kafka.delivery.writer import Writer
 from worker.kafka.diagnose import diagnose
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics, refused
@@ -91,12 +90,15 @@ class Worker:
                 s, self.plan, engine, self.tracker, self._tracer, self._on_revoke
             )
             await stages.writer.start()
-            existing = await self._check_input_topics(stages.writer)
-            self._guard = crash_guard(s, self.plan, stages, existing)
+            existing = await stages.writer.existing_topics()
             if s.kafka.security_protocol != "PLAINTEXT":
+                # Before the existence check: a topic this principal may not even
+                # Describe looks absent, and the missing ACL is the better answer.
                 assert stages.writer.producer is not None
-                guarded = self._guard is not None
+                guarded = s.limits.max_crash_attempts > 0 and s.kafka.crash_guard_topic in existing
                 await check_topics(stages.writer.producer.client, s.kafka, guarded)
+            self._check_input_topics(existing)
+            self._guard = crash_guard(s, self.plan, stages, existing)
             await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
@@ -148,11 +150,10 @@ class Worker:
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
-    async def _check_input_topics(self, writer: Writer) -> set[str]:
+    def _check_input_topics(self, existing: set[str]) -> None:
         """A misspelt input topic must stop the worker with a clear message: the
         consumer would otherwise wait on it silently (or a broker that creates
         topics on demand would create it, empty)."""
-        existing = await writer.existing_topics()
         missing = [t for t in self.settings.kafka.input_topics if t not in existing]
         if missing:
             unseen = (
@@ -165,7 +166,6 @@ class Worker:
                 f"{self.settings.kafka.bootstrap_servers} (create them first; "
                 f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'}{unseen})"
             )
-        return existing
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only

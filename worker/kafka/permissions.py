@@ -50,6 +50,7 @@ READ, WRITE, DESCRIBE = 3, 4, 8  # Kafka's AclOperation codes: bit n of the answ
 _NAMES = {READ: "Read", WRITE: "Write", DESCRIBE: "Describe"}
 _NOT_ASKED = -(2**31)  # what the broker answers when operations were not requested
 _TOPIC_AUTHORIZATION_FAILED = 29
+_UNKNOWN_TOPIC = 3
 
 ACL_HINT = 'README "Secured Kafka" lists every ACL a worker needs'
 
@@ -133,6 +134,8 @@ def missing(answer: Mapping[str, tuple[int, int]], need: Mapping[str, set[int]])
     out = []
     for topic, ops in need.items():
         error, bits = answer.get(topic, (_TOPIC_AUTHORIZATION_FAILED, 0))
+        if error == _UNKNOWN_TOPIC:
+            continue  # it does not exist (and this principal may know that): said elsewhere
         granted = 0 if error == _TOPIC_AUTHORIZATION_FAILED or bits == _NOT_ASKED else bits
         out += [f"{_NAMES[op]} on topic {topic}" for op in sorted(ops) if not granted >> op & 1]
     return out

@@ -129,6 +129,7 @@ def test_the_permissions_asked_for_and_what_is_missing() -> None:
     bits = lambda *ops: sum(1 << op for op in ops)  # noqa: E731
     answer = {"in": (0, bits(READ, 8)), "out": (0, bits(8)), "dlq": (0, bits(WRITE)),
               "guard": (29, -(2**31))}  # fmt: skip
+    assert missing({**answer, "in": (3, -(2**31))}, {"in": {READ}}) == []  # absent: said elsewhere
     assert missing(answer, need) == [
         "Write on topic out",
         "Read on topic guard",
