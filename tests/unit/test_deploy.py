@@ -482,3 +482,18 @@ def test_the_gpu_image_model_conversion_writes_a_torchscript_equal_to_onnxruntim
     out = tmp_path / "digits.pt"
     assert digits_torchscript().main([str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_the_secured_override_merges_into_a_valid_secured_worker() -> None:
+    """deploy/compose/secured.yml over the worker service: a valid configuration
+    whose secrets are files Compose mounts, never values in the environment."""
+    override = yaml.safe_load((ROOT / "deploy" / "compose" / "secured.yml").read_text())
+    worker = services()["worker"]
+    extra = override["services"]["worker"]["environment"]
+    merged = {**worker, "environment": {**environment(worker), **extra}}
+    settings = settings_of(merged)
+    assert settings.kafka.security_protocol == "SASL_SSL"
+    assert settings.kafka.sasl_plain_password is None
+    mounted = {f"/run/secrets/{name}" for name in override["services"]["worker"]["secrets"]}
+    assert {settings.kafka.sasl_plain_password_file, settings.kafka.ssl_cafile} == mounted
+    assert set(override["secrets"]) == set(override["services"]["worker"]["secrets"])

@@ -154,3 +154,18 @@ def test_kubernetes_manifests_validate_against_the_api_schemas() -> None:
     kinds = {(doc["apiVersion"], doc["kind"]) for _, doc in manifests()}
     assert ("apps/v1", "Deployment") in validated
     assert set(validated) == kinds - NO_SCHEMA
+
+
+def test_the_secured_deployment_takes_its_secrets_from_mounted_files() -> None:
+    deployment = yaml.safe_load((DEPLOY / "kubernetes" / "worker-secured.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value", "from-a-secret") for e in container["env"]}
+    settings = load_settings(env=env)
+    assert settings.kafka.security_protocol == "SASL_SSL"
+    assert not any(e["name"].endswith("_PASSWORD") for e in container["env"])
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    for path in (settings.kafka.sasl_plain_password_file, settings.kafka.ssl_cafile):
+        assert path is not None and any(path.startswith(m + "/") for m in mounts), path
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {m["name"] for m in container["volumeMounts"]} == volumes
