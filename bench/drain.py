@@ -49,6 +49,7 @@ import numpy as np
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from devkit.apache_kafka import KafkaCluster
+from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
 from worker.bench.demo import encode_samples, labelled_samples
 from worker.contract import Request, Tensor, decode_request, encode_request
@@ -58,6 +59,7 @@ from worker.ops.children import children_die_with_this_process
 from worker.ops.processes import mean_batch_size, spawn_worker, summed
 from worker.ops.topics import Collector, produce_all
 
+_BENCH_PASSWORD = "bench-only-password"
 _RUN_FROM = (
     "import sys; sys.path.insert(0, {!r}); "
     "from worker.__main__ import main; sys.exit(main(['run']))"
@@ -189,6 +191,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         name: dict(item.split("=", 1) for item in settings.split(","))
         for name, settings in (v.split(":", 1) for v in args.variant)
     }
+    secured = (
+        secured_cluster(tmp / "pki", _BENCH_PASSWORD) if args.broker == "kafka-secured" else None
+    )
+    if secured:
+        variants |= {"sasl_ssl": {}, "mtls": {}}  # settings once the cluster listens
     names += list(variants)
     if args.oip:
         names.append("worker-oip")
@@ -203,8 +210,18 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 settings[key] = value.replace("{OTLP}", sink)
     # On Kafka the results are read as a read_committed client would: an
     # exactly-once variant's answers count once their transaction committed.
-    isolation = "read_committed" if args.broker == "kafka" else "read_uncommitted"
-    with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
+    isolation = "read_uncommitted" if args.broker == "embedded" else "read_committed"
+    broker = (
+        secured[0]
+        if secured
+        else EmbeddedBroker()
+        if args.broker == "embedded"
+        else KafkaCluster(1)
+    )
+    with broker:
+        if secured:  # the listeners' ports are known once the cluster started
+            await grant_everything(broker.bootstrap, "User:worker")
+            variants.update(listener_variants(secured[0], secured[1], _BENCH_PASSWORD))
         topics = {"requests": "drain.requests", "results": "drain.results", "dlq": "drain.dlq"}
         if args.oip:  # the same requests as Open Inference Protocol JSON
             oip = [(k, encode_oip_request(decode_request(v))) for k, v in records]
@@ -352,10 +369,12 @@ def main() -> int:
     parser.add_argument("--baseline-path", help="also drain with the worker package in this dir")
     parser.add_argument(
         "--broker",
-        choices=("embedded", "kafka"),
+        choices=("embedded", "kafka", "kafka-secured"),
         default="embedded",
         help="kafka: a single-node Apache Kafka started for the run (needed for "
-        "exactly-once variants; Java 17 and Maven, see README)",
+        "exactly-once variants; Java 17 and Maven, see README); kafka-secured: the "
+        "same with TLS listeners, the worker also drained on SASL_SSL (SCRAM) and "
+        "mutual TLS (variants sasl_ssl, mtls): the cost of TLS, same run",
     )
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()

@@ -26,11 +26,16 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.protocol.admin import CreateAclsRequest, DeleteAclsRequest
 
-from devkit.kafka_pki import Pki
+from devkit.kafka_pki import Pki, make_pki
+
+if TYPE_CHECKING:
+    from devkit.apache_kafka import KafkaCluster
 
 LISTENERS = ("SASL_SSL", "SSL", "OAUTH")  # one port each per node, in this order
 
@@ -206,3 +211,31 @@ def client_settings(
                 "INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": password or "",
             }
     return env
+
+
+def secured_cluster(directory: Path, password: str) -> tuple[KafkaCluster, Pki]:
+    """A single-node secured cluster whose user ``worker`` (SCRAM password
+    ``password``, or the client certificate CN=worker) may use every topic and
+    group: the benchmarks' cluster, where what is measured is the wire, not ACLs."""
+    from devkit.apache_kafka import KafkaCluster
+
+    pki = make_pki(directory, ("worker",))
+    return KafkaCluster(security=Security(pki, {"worker": password})), pki
+
+
+async def grant_everything(bootstrap: str, principal: str) -> None:
+    await grant(bootstrap, [
+        *(Acl(principal, op, "topic", "*") for op in ("Read", "Write", "Describe")),
+        Acl(principal, "Read", "group", "*"),
+        Acl(principal, "Write", "transactional_id", "*"),
+    ])  # fmt: skip
+
+
+def listener_variants(cluster: KafkaCluster, pki: Pki, password: str) -> dict[str, dict[str, str]]:
+    """Worker settings per secured listener (``bench.drain --broker kafka-secured``)."""
+    return {
+        "sasl_ssl": client_settings(
+            "SASL_SSL", cluster.listener("SASL_SSL"), pki, user="worker", password=password
+        ),
+        "mtls": client_settings("SSL", cluster.listener("SSL"), pki, user="worker"),
+    }

@@ -177,17 +177,18 @@ async def test_a_worker_with_only_its_acls_answers_every_request(
         w.kill()
 
 
+@pytest.mark.parametrize("listener", ["SASL_SSL", "SSL"])
 async def test_exactly_once_across_a_sigkill_with_only_its_acls(
-    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], listener: str
 ) -> None:
-    """SASL_SSL (SCRAM, password from a file), exactly-once, the member SIGKILLed
-    mid-stream and restarted: a read_committed reader sees every request answered
-    once, and the worker never held more than README's ACLs (its transactional
-    id included)."""
+    """SASL_SSL (SCRAM, password from a file) and mutual TLS, exactly-once, the
+    member SIGKILLed mid-stream and restarted: a read_committed reader sees every
+    request answered once, and the worker never held more than README's ACLs
+    (its transactional id included)."""
     n, member = 1500, "w1"
     await topics(secured, names)
     await grant(secured.bootstrap, acls_for(names, transactional_id=f"{names['group']}.{member}"))
-    security = worker_security(secured, pki, "SASL_SSL")
+    security = worker_security(secured, pki, listener)
     eos = {
         "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": "exactly-once",
         "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": member,
