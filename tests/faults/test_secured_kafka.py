@@ -363,3 +363,49 @@ def test_config_command_masks_secrets(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "***" in out.stdout and "worker" in out.stdout
     assert_no_secret(out.stdout + out.stderr)
+
+
+async def test_produce_consume_and_verify_speak_security(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    """The operator's commands with a client's own principal over SASL_SSL:
+    ``produce --samples`` waits for its answers, ``consume --id`` finds them,
+    ``verify`` reads every topic; all from the same INFER_WORKER_KAFKA__* settings."""
+    await topics(secured, names)
+    await grant(secured.bootstrap, acls_for(names))
+    client = "User:client"
+    await grant(secured.bootstrap, [
+        Acl(client, "Write", "topic", names["requests"]),
+        *(Acl(client, "Read", "topic", names[t]) for t in ("requests", "results", "dlq")),
+    ])  # fmt: skip
+    w = spawn(secured, names, worker_security(secured, pki, "SASL_SSL"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= client_settings("SASL_SSL", secured.listener("SASL_SSL"), pki, user="client",
+                           password=CLIENT_PASSWORD)  # fmt: skip
+    env |= {
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "worker", *args], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+    try:
+        await wait_assigned([w], 2)
+        produced = await asyncio.to_thread(cli, "produce", "--samples", "3", "--json")
+        assert produced.returncode == 0, produced.stderr[-2000:]
+        ids = [line.split('"id": "')[1].split('"')[0] for line in produced.stdout.splitlines()]
+        assert len(ids) == 3
+        consumed = await asyncio.to_thread(cli, "consume", *(f"--id={i}" for i in ids),
+                                           "--timeout", "30", "--json")  # fmt: skip
+        assert consumed.returncode == 0, consumed.stderr[-2000:]
+        verified = await asyncio.to_thread(cli, "verify", "--idle-timeout", "1.5")
+        assert verified.returncode == 0 and "3 requests, all answered" in verified.stdout, (
+            verified.stdout + verified.stderr[-2000:]
+        )
+        for run in (produced, consumed, verified):
+            assert_no_secret(run.stdout + run.stderr)
+    finally:
+        w.kill()

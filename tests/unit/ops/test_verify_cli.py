@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from worker.kafka.credentials import bootstrap_of
 from worker.ops.verify import InputRecord, Reply, add_arguments, run
 
 
@@ -63,7 +64,8 @@ def test_cli_config_file_supplies_topics_and_flags_win(
     async def fake_read(
         bootstrap: str, inputs: list[str], output: str, dlq: str, **kw: object
     ) -> object:
-        seen.update(bootstrap=bootstrap, inputs=list(inputs), output=output, dlq=dlq, **kw)
+        seen.update(bootstrap=bootstrap_of(bootstrap), inputs=list(inputs), output=output,
+                    dlq=dlq, **kw)  # fmt: skip
         return {"x": {0: [0]}, "y": {}}, verify_module.Observed(
             (Reply(InputRecord("x", 0, 0), 0, 0, "result"),), (), True
         )
@@ -113,7 +115,7 @@ def test_cli_defaults_come_from_kafka_config(monkeypatch: pytest.MonkeyPatch) ->
     async def fake_read(
         bootstrap: str, inputs: list[str], output: str, dlq: str, **kw: float
     ) -> object:
-        seen.append((bootstrap, list(inputs), output, dlq))
+        seen.append((bootstrap_of(bootstrap), list(inputs), output, dlq))
         return {}, verify_module.Observed((), (), True)
 
     monkeypatch.setattr(verify_cli, "read_topics", fake_read)

@@ -61,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
-    """Flags over ``--config`` over defaults, validated by ``KafkaConfig`` itself
-    so the verifier rejects exactly the topic layouts the worker rejects."""
-    base = load_settings(args.config).kafka if args.config else KafkaConfig()
+    """Flags over ``--config`` and ``INFER_WORKER_KAFKA__*`` over defaults,
+    validated by ``KafkaConfig`` itself so the verifier rejects exactly the topic
+    layouts the worker rejects; the security settings are the worker's."""
+    base = load_settings(args.config).kafka  # INFER_WORKER_KAFKA__* too: security, topics
     changes: dict[str, Any] = {}
     if args.bootstrap_servers is not None:
         changes["bootstrap_servers"] = args.bootstrap_servers
@@ -74,13 +75,6 @@ def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
     if args.dlq_topic is not None:
         changes["dlq_topic"] = args.dlq_topic
     kafka = dataclasses.replace(base, **changes)
-    if kafka.security_protocol != "PLAINTEXT":
-        # The topic reader connects in plaintext; failing here beats a
-        # connection that hangs against a TLS listener.
-        raise ConfigError(
-            "kafka.security_protocol: verify connects in PLAINTEXT only, "
-            f"got {kafka.security_protocol}"
-        )
     if not (args.idle_timeout > 0 and args.timeout > 0):
         raise ConfigError("--idle-timeout and --timeout must be > 0")
     return kafka
