@@ -409,3 +409,30 @@ async def test_produce_consume_and_verify_speak_security(
             assert_no_secret(run.stdout + run.stderr)
     finally:
         w.kill()
+
+
+async def test_a_read_acl_revoked_while_serving_makes_the_worker_not_ready_until_back(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    await topics(secured, names)
+    await grant(secured.bootstrap, acls_for(names))
+    w = spawn(secured, names, worker_security(secured, pki, "SASL_SSL"))
+    read = Acl(WORKER, "Read", "topic", names["requests"])
+    try:
+        await wait_assigned([w], 2)
+        await wait_ready(w, 200, 30)
+        await revoke(secured.bootstrap, [read])
+        await wait_ready(w, 503, 60)
+        await grant(secured.bootstrap, [read])
+        records = [(None, request(i)) for i in range(10)]
+        await produce_all(secured.bootstrap, names["requests"], records)
+        results = Collector(secured.bootstrap, [names["results"]])
+        await results.start()
+        try:
+            assert await results.collect(lambda c: c.count() >= 10, 60.0), w.log_tail()
+        finally:
+            await results.stop()
+        await wait_ready(w, 200, 30)
+        assert w.terminate() == 0, w.log_tail()
+    finally:
+        w.kill()
