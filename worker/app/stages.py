@@ -138,8 +138,16 @@ async def _inference_stage(
 def crash_guard(
     s: Settings, plan: RunPlan, stages: Stages, existing: set[str]
 ) -> CrashGuard | None:
-    """Crash-loop protection when configured and its topic exists."""
+    """Crash-loop protection when configured and its topic exists; never for a
+    shadow (``kafka.shadow``), whose marks would share the production group's
+    topic and whose quarantined records would go to a DLQ it does not write."""
     if s.limits.max_crash_attempts == 0:
+        return None
+    if s.kafka.shadow:
+        log.info(
+            "crash_loop_protection_off",
+            reason="kafka.shadow: a shadow writes and reads no crash-guard marks",
+        )
         return None
     if s.kafka.crash_guard_topic not in existing:
         log.warning(

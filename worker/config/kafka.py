@@ -21,6 +21,11 @@ class KafkaConfig:
     group_instance_id: str = ""
     # Where crash-loop marks live (compacted; one key per group and partition).
     crash_guard_topic: str = "infer.crash-guard"
+    # A shadow deployment (a candidate read beside production, README "Rolling
+    # out a model safely"): it writes no DLQ records (one is only logged, and
+    # counted in infer_requests_rejected_total) and neither writes nor reads
+    # crash-guard marks. It needs a group_id and an output_topic of its own.
+    shadow: bool = False
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = (

@@ -176,6 +176,7 @@ class Writer:
         self._rejections = RateLimited(burst=10, interval=10.0)
         self._partitioner = DefaultPartitioner()
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
+        self._shadow = kafka.shadow  # a shadow writes no DLQ records
         self._producer_factory = producer_factory
         self._overdue = kafka.request_timeout_ms / 1000.0
         self._overdue_waits = 0
@@ -261,6 +262,12 @@ class Writer:
                     )
             if out.kind != "ok":
                 self._log_rejection(out)
+            if out.kind == "dlq" and self._shadow:
+                # Logged above, counted at intake (infer_requests_rejected_total):
+                # answered, as far as its offset goes, without a record.
+                self._tracker.done(job.tp, job.offset, job.epoch)
+                self._committer.notify()
+                continue
             outs.append(out)
         return outs
 
@@ -313,7 +320,7 @@ class Writer:
             partition=job.tp.partition,
             offset=job.offset,
             id=out.request_id,
-            sent_to="dlq" if out.kind == "dlq" else "result",
+            sent_to="result" if out.kind != "dlq" else "none (shadow)" if self._shadow else "dlq",
         )
 
     async def _send_grouped(self, outs: list[OutRecord]) -> Sent:
