@@ -100,7 +100,7 @@ def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> 
     request_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= limits.max_id_chars else ""
     params = obj.get("parameters")
     meta = (
-        {k: v for k, v in params.items() if k != "deadline_ms"}
+        {k: v for k, v in params.items() if k not in _PARAMETERS}
         if isinstance(params, dict)
         else None
     )
@@ -116,12 +116,16 @@ def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> 
                 f"id: expected a string of at most {limits.max_id_chars} characters"
             )
         deadline = _deadline(params, meta, limits)
+        start, end = (_flag(params, f) for f in ("sequence_start", "sequence_end"))
         inputs = _inputs(obj.get("inputs"), limits)
         outputs = _outputs(obj.get("outputs"))
     except InvalidRequest as exc:
         exc.request_id, exc.meta = request_id, meta
         raise
-    request = Request(v=1, id=request_id, inputs=inputs, deadline_ms=deadline, meta=meta or None)
+    request = Request(
+        v=1, id=request_id, inputs=inputs, deadline_ms=deadline, meta=meta or None,
+        sequence_start=start, sequence_end=end,
+    )  # fmt: skip
     return OipRequest(request, outputs)
 
 
@@ -130,6 +134,17 @@ _JSON_KINDS: Final[dict[type, str]] = {dict: "an object", list: "an array", str:
 
 def _json_kind(x: object) -> str:
     return _JSON_KINDS.get(type(x), type(x).__name__)
+
+
+# Parameters the worker reads; every other one is echoed back as meta.
+_PARAMETERS: Final = ("deadline_ms", "sequence_start", "sequence_end")
+
+
+def _flag(params: object, name: str) -> bool:
+    value = params.get(name, False) if isinstance(params, dict) else False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"parameters.{name}: expected true or false")
+    return value
 
 
 def _deadline(params: object, meta: Mapping[str, Any] | None, limits: Limits) -> int | None:
@@ -318,6 +333,9 @@ def encode_oip_request(request: Request, outputs: tuple[str, ...] | None = None)
     params = dict(request.meta or {})
     if request.deadline_ms is not None:
         params["deadline_ms"] = request.deadline_ms
+    for flag in ("sequence_start", "sequence_end"):
+        if getattr(request, flag):
+            params[flag] = True
     if params:
         body["parameters"] = params
     if outputs is not None:

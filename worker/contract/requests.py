@@ -68,6 +68,7 @@ def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Requ
         if id_problem is not None:
             raise InvalidRequest(id_problem)
         deadline_ms = _decode_deadline(obj)
+        start, end = (_decode_flag(obj, f) for f in ("sequence_start", "sequence_end"))
         if meta_problem is not None:
             raise InvalidRequest(meta_problem)
         inputs = _decode_inputs(obj, limits)
@@ -75,7 +76,10 @@ def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Requ
         exc.request_id = request_id
         exc.meta = meta
         raise
-    return Request(v=obj["v"], id=request_id, inputs=inputs, deadline_ms=deadline_ms, meta=meta)
+    return Request(
+        v=obj["v"], id=request_id, inputs=inputs, deadline_ms=deadline_ms, meta=meta,
+        sequence_start=start, sequence_end=end,
+    )  # fmt: skip
 
 
 def encode_request(req: Request) -> bytes:
@@ -89,6 +93,9 @@ def encode_request(req: Request) -> bytes:
         wire["deadline_ms"] = int(req.deadline_ms)
     if req.meta is not None:
         wire["meta"] = dict(req.meta)
+    for flag in ("sequence_start", "sequence_end"):
+        if getattr(req, flag):
+            wire[flag] = True
     return pack(wire)
 
 
@@ -117,6 +124,13 @@ def _check_version_and_fields(obj: dict[str, Any]) -> None:
             raise InvalidRequest(
                 f"{short_name(key)}: unknown field; request v1 has {', '.join(REQUEST_FIELDS)}"
             )
+
+
+def _decode_flag(obj: dict[str, Any], name: str) -> bool:
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name}: expected true or false, got {kind(value)}")
+    return value
 
 
 def _decode_deadline(obj: dict[str, Any]) -> int | None:

@@ -15,7 +15,9 @@ import msgpack
 from worker.flow.errors import UndecodableRecord
 from worker.flow.values import SUPPORTED_VERSIONS
 
-REQUEST_FIELDS: Final = ("v", "id", "inputs", "deadline_ms", "meta")
+REQUEST_FIELDS: Final = (
+    "v", "id", "inputs", "deadline_ms", "meta", "sequence_start", "sequence_end",
+)  # fmt: skip
 TENSOR_FIELDS: Final = ("dtype", "shape", "data")
 
 # A client-chosen name in an error message is cut to this many characters.

@@ -171,6 +171,10 @@ class Request:
     inputs: Mapping[str, InputValue]
     deadline_ms: int | None = None
     meta: Mapping[str, Any] | None = None
+    # Stateful models (the record key is the sequence): reset the sequence's
+    # state before answering, and drop it after. Ignored by stateless models.
+    sequence_start: bool = False
+    sequence_end: bool = False
 
 
 @dataclass(frozen=True)

@@ -787,3 +787,25 @@ def test_exception_types_are_what_the_pipeline_routes_on() -> None:
     assert not issubclass(UndecodableRecord, InvalidRequest)
     assert issubclass(RecordTooLarge, UndecodableRecord)
     assert issubclass(TensorTooLarge, InvalidRequest)
+
+
+@pytest.mark.parametrize(("start", "end"), [(True, False), (False, True), (True, True)])
+def test_sequence_flags_round_trip_in_both_encodings(start: bool, end: bool) -> None:
+    from worker.contract.oip import decode_oip_request, encode_oip_request
+
+    t = Tensor.from_numpy(np.zeros(3, np.float32))
+    request = Request(v=1, id="s", inputs={"x": t}, sequence_start=start, sequence_end=end)
+    back = decode_request(encode_request(request))
+    assert (back.sequence_start, back.sequence_end) == (start, end)
+    oip = decode_oip_request(encode_oip_request(request)).request
+    assert (oip.sequence_start, oip.sequence_end) == (start, end)
+    assert oip.meta is None  # the flags are read, not echoed
+
+
+def test_a_sequence_flag_that_is_not_a_boolean_is_refused() -> None:
+    import msgpack
+
+    raw = msgpack.packb({"v": 1, "id": "s", "inputs": {"x": Tensor.from_numpy(
+        np.zeros(1, np.float32)).to_wire()}, "sequence_end": 1})  # fmt: skip
+    with pytest.raises(InvalidRequest, match="sequence_end: expected true or false"):
+        decode_request(raw)

@@ -198,11 +198,12 @@ def test_broken_requests_fail_validation(change: Any) -> None:
     ids=["request", "result"],
 )
 def test_required_fields_match_the_dataclasses(schema: dict[str, Any], cls: type) -> None:
-    """A field whose default is None is left off the wire when None (optional);
-    every other field is always written (required)."""
+    """A field whose default is None is left off the wire when None, a flag whose
+    default is false when false (optional); every other field is always written
+    (required)."""
     fields = dataclasses.fields(cls)
-    always = {f.name for f in fields if f.default is not None}
-    optional = {f.name for f in fields if f.default is None}
+    optional = {f.name for f in fields if f.default is None or f.default is False}
+    always = {f.name for f in fields} - optional
     assert set(schema["required"]) == always
     assert set(schema["properties"]) == always | optional
 
