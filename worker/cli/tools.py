@@ -1,4 +1,5 @@
-"""``infer-worker config``, ``verify`` and ``build-engine``: the operator's tools."""
+"""``infer-worker config``, ``verify``, ``compare`` and ``build-engine``: the
+operator's tools."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     cfg.add_argument("--config", help="TOML file")
 
-    from worker.ops import build_engine, verify
+    from worker.ops import build_engine, compare, verify
 
     ver = add_command(
         sub, "verify", "report lost, duplicated and reordered answers",
@@ -43,6 +44,25 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
         verify.run,
     )  # fmt: skip
     verify.add_arguments(ver)
+    cmp = add_command(
+        sub, "compare", "compare a candidate's answers with production's (shadow rollout)",
+        "Read two result topics from the beginning (no consumer group), production's\n"
+        "(--baseline) and a candidate's, e.g. a shadow worker's (--candidate); join the\n"
+        "results on their source (topic, partition, offset) and report, per output, top-1\n"
+        "and top-k agreement (classifier-like outputs), the largest absolute difference and\n"
+        "the mean cosine similarity; the requests whose status or error code differ; each\n"
+        "side's latency percentiles per stage and model version; the join's coverage; with\n"
+        "--label-key, each side's top-1 accuracy.\n"
+        "Exit 0 every threshold met; 1 one not met (or the topics never went quiet); 2 usage\n"
+        "or configuration errors, or topics that cannot be read.",
+        compare.run,
+        epilog="examples:\n"
+        "  infer-worker compare --baseline infer.results --candidate infer.results.shadow\n"
+        "  infer-worker compare --config worker.toml --baseline infer.results "
+        "--candidate infer.results.shadow --min-top1 0.99 --min-coverage 0.99 "
+        "--max-error-diff 0 --json compare.json",
+    )  # fmt: skip
+    compare.add_arguments(cmp)
     build = add_command(
         sub, "build-engine", "build a TensorRT plan from ONNX (cached)",
         "Build a TensorRT plan from an ONNX model with one optimisation profile per GPU "
