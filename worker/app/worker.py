@@ -295,6 +295,9 @@ class Worker:
             lambda: self._failure is not None,
             fence=writer.fence if isinstance(writer, ExactlyOnceWriter) else None,
         )
+        # After their in-flight batches settled: the next owner starts their
+        # sequences afresh (this version keeps states in memory only).
+        self._stages.infer.forget(revoked)
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer
             heads = {tp: committer.last_offsets.get(tp) for tp in revoked}

@@ -22,12 +22,21 @@ import numpy as np
 import structlog
 
 from worker.compute.engines import Engine
+from worker.compute.sequences import SequenceStates, waves
 from worker.compute.stage import Stage, internal_errors_fail_the_run
-from worker.compute.triage import ServiceTimeHook, completed, micros, run_isolating, triage
-from worker.flow.messages import Batch, Completed, Job
+from worker.compute.triage import (
+    RowRunner,
+    ServiceTimeHook,
+    completed,
+    micros,
+    run_isolating,
+    triage,
+)
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.rows import Row
+from worker.obs import metrics
 
 Buffers = dict[str, np.ndarray]
 
@@ -60,7 +69,8 @@ class InferenceStage(Stage):
         on_service_time: ServiceTimeHook | None = None,
     ) -> None:
         """``binding``: the model's inputs and outputs as the worker bound them
-        (``worker.model.inputs.bind_model``); ``max_inflight``: batches run at once."""
+        (``worker.model.inputs.bind_model``); ``max_inflight``: batches run at once.
+        A stateful model's sequence states live here (``compute.sequences``)."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time,
@@ -72,11 +82,37 @@ class InferenceStage(Stage):
         self._buffers: asyncio.Queue[Buffers] = asyncio.Queue()
         for _ in range(max_inflight):
             self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
+        states = binding.inputs.states
+        self.sequences = (
+            SequenceStates(states, binding.state_ttl_s, binding.max_sequences) if states else None
+        )
+        # A stateful model's batches take their turns with the states in the order
+        # they were dispatched (each awaits the one before): a key's next request
+        # must see the state its previous one left.
+        self._turn: asyncio.Future[None] | None = None
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
-        return asyncio.ensure_future(self.run_batch(batch))
+        if self.sequences is None:
+            return asyncio.ensure_future(self.run_batch(batch))
+        before, self._turn = self._turn, asyncio.get_running_loop().create_future()
+        return asyncio.ensure_future(self.run_batch(batch, (before, self._turn)))
 
-    async def run_batch(self, batch: Batch[Job]) -> Completed:
+    async def run_batch(
+        self,
+        batch: Batch[Job],
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None,
+    ) -> Completed:
+        try:
+            return await self._run_batch(batch, turn)
+        finally:
+            if turn is not None and not turn[1].done():
+                turn[1].set_result(None)
+
+    async def _run_batch(
+        self,
+        batch: Batch[Job],
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
+    ) -> Completed:
         rows, runnable = triage(batch, time.monotonic(), self._metrics)
         if runnable and self._inputs.pending(runnable):
             loop = asyncio.get_running_loop()
@@ -92,12 +128,37 @@ class InferenceStage(Stage):
             ):
                 started = time.monotonic()
                 run = functools.partial(self._run_in_thread, buffers)
-                for group in self._inputs.groups(runnable):
-                    await run_isolating(group, run, self._max_attempts, self._metrics)
+                if self.sequences is None:
+                    for group in self._inputs.groups(runnable):
+                        await run_isolating(group, run, self._max_attempts, self._metrics)
+                else:
+                    assert turn is not None
+                    if turn[0] is not None:
+                        await turn[0]
+                    await self._run_sequences(runnable, run)
                 service_s = time.monotonic() - started
         finally:
             self._buffers.put_nowait(buffers)
         return completed(batch, rows, len(runnable), service_s)
+
+    async def _run_sequences(self, runnable: list[Row], run: RowRunner) -> None:
+        """Each wave (one row per sequence) loaded, run and stored before the next."""
+        assert self.sequences is not None
+        self.sequences.expire_every(time.monotonic())
+        for wave in waves(runnable):
+            now = time.monotonic()
+            loaded = [row for row in wave if self.sequences.load(row, now)]
+            for group in self._inputs.groups(loaded):
+                await run_isolating(group, run, self._max_attempts, self._metrics)
+            for row in loaded:
+                if row.error is None and row.outputs is not None:
+                    self.sequences.store(row)
+        metrics.LIVE_SEQUENCES.set(len(self.sequences))
+
+    def forget(self, revoked: set[TopicPartition]) -> None:
+        if self.sequences is not None:
+            self.sequences.forget(revoked)
+            metrics.LIVE_SEQUENCES.set(len(self.sequences))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from worker.compute.triage import ServiceTimeHook, report_service_time
 from worker.flow.errors import InferenceFailed, WorkerError
-from worker.flow.messages import Batch, Completed, Job
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.flow.streams import end_of_stream
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
@@ -60,6 +60,10 @@ class Stage(ABC):
     @abstractmethod
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         """Start running ``batch``; the future completes with its answers."""
+
+    def forget(self, revoked: set[TopicPartition]) -> None:  # noqa: B027 (optional hook)
+        """Drop what the stage keeps for revoked partitions (a stateful model's
+        sequence states); nothing for a stateless one."""
 
     @abstractmethod
     def close(self) -> None:

@@ -208,6 +208,24 @@ class TorchConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    """A model input that carries state from one request of a sequence to the
+    next (``[model.state.NAME]``; the record key is the sequence): the worker
+    feeds it, requests never carry it."""
+
+    output: str = ""  # the model output that carries the next state
+    # Where the state's batch dimension is ([layers, batch, hidden]: 1); None:
+    # where the model file says (its batch symbol), else 0.
+    batch_axis: int | None = None
+    initial: float = 0.0  # every element of a new sequence's state
+
+    def __post_init__(self) -> None:
+        check(bool(self.output), "model.state.*.output", "names the output carrying the next state")
+        check(self.batch_axis is None or self.batch_axis >= 0, "model.state.*.batch_axis",
+              "must be >= 0")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     # Results' model.name and metric labels; "" = derived from path (builtin:NAME
     # gives NAME, a file its stem).
@@ -228,6 +246,12 @@ class ModelConfig:
     intra_op_threads: int = 1
     # Request inputs by name, each with its kind (tensor, image, text).
     inputs: dict[str, InputConfig] = field(default_factory=dict)
+    # Stateful models: the inputs that carry a sequence's state (README "Stateful
+    # models"); a sequence idle this long is dropped, and at most max_sequences
+    # are kept (a new one beyond is answered with an error, never by evicting one).
+    state: dict[str, StateConfig] = field(default_factory=dict)
+    state_ttl_s: float = 3600.0
+    max_sequences: int = 100_000
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)
     torch: TorchConfig = field(default_factory=TorchConfig)
@@ -248,3 +272,8 @@ class ModelConfig:
             )
         check(len(set(self.outputs)) == len(self.outputs), "model.outputs", "names repeat")
         check(self.intra_op_threads >= 0, "model.intra_op_threads", "must be >= 0")
+        clash = sorted(set(self.state) & set(self.inputs))
+        check(not clash, "model.state", f"{clash} also in [model.inputs]: a state is fed by the "
+              "worker, never by requests")  # fmt: skip
+        check(self.state_ttl_s > 0, "model.state_ttl_s", "must be > 0")
+        check(self.max_sequences >= 1, "model.max_sequences", "must be >= 1")

@@ -50,6 +50,8 @@ ERROR_CODES: Final = frozenset(
         "undecodable",
         "crash_loop",
         "internal",
+        # A stateful model holds model.max_sequences sequences: a new one waits.
+        "too_many_sequences",
     }
 )
 

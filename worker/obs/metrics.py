@@ -128,6 +128,7 @@ REQUEST_SECONDS = Histogram(
 BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on", _MODEL)
 QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
 INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
+LIVE_SEQUENCES = Gauge("infer_live_sequences", "Sequences whose state a stateful model keeps")
 COMMITS = Counter("infer_commits_total", "Successful offset commits")
 COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
 READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")

@@ -112,6 +112,11 @@ def check_gpu_inputs(inputs: ModelInputs, gpu: GpuConfig, slots: int) -> BoundIm
     GPU: refused there, not guessed (the CPU path serves them)."""
     if slots < 1:
         raise ConfigError("gpu.num_slots: must be >= 1")
+    if inputs.states:
+        raise ConfigError(
+            f"model.state.{inputs.states[0].name}: stateful models run on the CPU path in this "
+            "version (backend onnxruntime); the GPU stage keeps no sequence states"
+        )
     for kind in (*inputs.kinds, *inputs.constants):
         for feed in kind.feeds:
             if feed.batch_axis != 0:

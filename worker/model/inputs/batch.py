@@ -29,6 +29,7 @@ import numpy as np
 from worker.contract import Request, Tensor
 from worker.flow.errors import InvalidRequest
 from worker.model.inputs.base import BoundInput
+from worker.model.inputs.state import BoundState
 from worker.model.rows import Row
 
 
@@ -75,6 +76,8 @@ class ModelInputs:
         if it has one."""
         self.kinds = tuple(kinds)
         self.constants = tuple(constants)
+        # Worker-fed inputs that carry a sequence's state (a stateful model).
+        self.states = tuple(k for k in self.constants if isinstance(k, BoundState))
         self.by_name = {k.name: k for k in self.kinds}
         self._constant_names = {k.name: k for k in self.constants}
         self._names = ", ".join(sorted(self.by_name))
@@ -244,8 +247,8 @@ class ModelInputs:
         out: dict[str, np.ndarray] = dict(buffers or {})
         for kind in self.kinds if kinds is None else kinds:
             kind.collate([a.values[kind.name] for a in answers], sizes, out)
-        for constant in self.constants:
-            constant.collate([None] * len(answers), sizes, out)
+        for fed in self.constants:  # a constant ignores its rows; a state's are the stage's
+            fed.collate([a.values.get(fed.name) for a in answers], sizes, out)
         return Collated(out, sizes)
 
     def waste(self, answers: Sequence[Row], padded: Mapping[str, int]) -> tuple[int, int]:

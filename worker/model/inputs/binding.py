@@ -6,7 +6,8 @@ write, so the worker exits 2 before it reads a record):
 
 1. every ``[model.inputs.NAME]`` entry binds its kind to the model inputs it
    names (``feed``, else NAME; a text's ``ids``, ``mask``, ``type_ids``); a
-   ``constant`` is fed by the worker, never by requests;
+   ``constant`` is fed by the worker, never by requests, and so is each
+   ``[model.state.NAME]`` (a sequence's state, ``worker.model.inputs.state``);
 2. the classifier shorthand: where ``[model.preprocess]`` or ``model.input`` is
    set (or for the bundled digits model) and no entry is an image, the one
    remaining model input shaped like an image (one row of rank 3, floating
@@ -45,6 +46,7 @@ from worker.model.inputs.base import BoundInput
 from worker.model.inputs.batch import ModelInputs
 from worker.model.inputs.constant import BoundConstant
 from worker.model.inputs.image import BoundImage
+from worker.model.inputs.state import BoundState
 from worker.model.inputs.tensor import BoundTensor
 from worker.model.inputs.text import BoundText
 from worker.model.io import ModelIO, TensorDesc
@@ -169,12 +171,15 @@ def bind(
                     f"contract cannot carry (supported: {', '.join(sorted(DTYPES))})"
                 )
             fed_by[feed.name] = kind.name
-        (constants if isinstance(kind, BoundConstant) else kinds).append(kind)
+        worker_fed = isinstance(kind, BoundConstant | BoundState)
+        (constants if worker_fed else kinds).append(kind)
 
     entries = configured_inputs(model)
     for name, cfg in entries.items():
         at = f"model.inputs.{name}"
         claim(KINDS[cfg.kind](name, cfg, io, limits, at), at)
+    for name, state in model.state.items():
+        claim(BoundState(name, state, io), f"model.state.{name}")
     if not any(isinstance(c, ImageInput) for c in entries.values()) and _wants_shorthand(model):
         images = [t for t in io.inputs if t.name not in fed_by and _image_shaped(t)]
         if len(images) == 1:
@@ -217,6 +222,9 @@ class Binding:
 
     inputs: ModelInputs
     outputs: OutputPlan
+    # A stateful model's bounds (model.state_ttl_s, model.max_sequences).
+    state_ttl_s: float = 3600.0
+    max_sequences: int = 100_000
 
 
 def bind_model(
@@ -228,7 +236,8 @@ def bind_model(
     """``bind`` and the output plan that goes with it (the one place both are made)."""
     inputs = bind(model, io, limits, batching)
     post = model.postprocess.resolved(is_classifier(inputs))
-    return Binding(inputs, OutputPlan(io, model, post, inputs.padded_symbols))
+    plan = OutputPlan(io, model, post, inputs.padded_symbols)
+    return Binding(inputs, plan, model.state_ttl_s, model.max_sequences)
 
 
 def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:
