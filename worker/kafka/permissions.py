@@ -121,9 +121,10 @@ class _AuthorizedOperations(Request[_MetadataRequestV8]):  # type: ignore[misc]
 def needed(k: KafkaConfig, guard: bool) -> dict[str, set[int]]:
     """The operations the worker needs per topic (Read and Write imply Describe)."""
     need: dict[str, set[int]] = {t: {READ} for t in k.input_topics}
-    for topic in (k.output_topic, k.dlq_topic):
+    # A shadow writes no DLQ records and keeps no crash guard (kafka.shadow).
+    for topic in (k.output_topic,) if k.shadow else (k.output_topic, k.dlq_topic):
         need.setdefault(topic, set()).add(WRITE)
-    if guard:
+    if guard and not k.shadow:
         need.setdefault(k.crash_guard_topic, set()).update({READ, WRITE})
     return need
 

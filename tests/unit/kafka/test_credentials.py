@@ -135,3 +135,9 @@ def test_the_permissions_asked_for_and_what_is_missing() -> None:
         "Read on topic guard",
         "Write on topic guard",
     ]
+
+
+def test_a_shadow_asks_for_no_dlq_or_crash_guard_permission() -> None:
+    k = KafkaConfig(input_topics=("in",), output_topic="shadow.out", dlq_topic="dlq",
+                    crash_guard_topic="guard", shadow=True)  # fmt: skip
+    assert needed(k, guard=True) == {"in": {READ}, "shadow.out": {WRITE}}

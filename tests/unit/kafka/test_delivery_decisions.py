@@ -19,9 +19,9 @@ from aiokafka.errors import (
 )
 
 from worker.flow.messages import Job, TopicPartition
+from worker.kafka.delivery.decide import Action, Verdict, decide
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.transaction import MOVES, Txn, TxnState
-from worker.kafka.delivery.writer import Action, Verdict, decide
 
 A = Action
 JOB = Job(TopicPartition("in", 0), 5, None, 0.0, None)
