@@ -19,6 +19,7 @@ from aiokafka.errors import KafkaError
 from worker import __version__
 from worker.app.plan import RunPlan
 from worker.app.stages import Stages, build_stages, crash_guard
+from worker.app.states import wire_states
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.flow.backoff import Deadline
@@ -99,6 +100,7 @@ class Worker:
                 await check_topics(stages.writer.producer.client, s.kafka, guarded)
             self._check_input_topics(existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
+            await wire_states(s, self.plan, stages, existing, self.tracker)
             await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()

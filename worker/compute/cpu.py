@@ -148,6 +148,8 @@ class InferenceStage(Stage):
         for wave in waves(runnable):
             now = time.monotonic()
             loaded = [row for row in wave if self.sequences.load(row, now)]
+            if not loaded:
+                continue
             for group in self._inputs.groups(loaded):
                 await run_isolating(group, run, self._max_attempts, self._metrics)
             for row in loaded:

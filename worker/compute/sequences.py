@@ -21,12 +21,12 @@ partition loses its sequences' states (README "Stateful models").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from worker.flow.messages import TopicPartition
+from worker.flow.messages import Job, StateChange, TopicPartition
 from worker.flow.values import ErrorInfo
 from worker.model.inputs.state import BoundState
 from worker.model.rows import Row
@@ -60,6 +60,11 @@ class SequenceStates:
         self._ttl = ttl_s
         self._max = max_sequences
         self._live: dict[bytes, _Sequence] = {}
+        # Whether a row's partition is still this worker's, as read (the app wires
+        # the offset tracker's answer): a row read before a revocation, still in
+        # the pipeline when the partition came back, must not touch the states
+        # restored since (its answer is dropped; its record is read again).
+        self.owns: Callable[[Job], bool] = lambda job: True
         # Idle sequences are looked for at most this often (a scan of them all).
         self._expiry_interval = min(10.0, ttl_s / 4)
         self._expired_at = 0.0
@@ -71,6 +76,9 @@ class SequenceStates:
         """Put the row's sequence state into its values; False (and the row's
         error set) where it cannot run: no key, or no room for a new sequence."""
         key = row.job.key
+        if not self.owns(row.job):
+            row.error = ErrorInfo("internal", "partition revoked: its new owner answers it")
+            return False
         if key is None:
             row.error = ErrorInfo(
                 "invalid_request",
@@ -106,9 +114,28 @@ class SequenceStates:
         if seq is not None:
             for state in self._states:
                 seq.values[state.name] = np.array(row.outputs[state.output.name])
+            row.state = StateChange(dict(seq.values))
         row.outputs = {k: v for k, v in row.outputs.items() if k not in self._outputs}
         if row.job.request is not None and row.job.request.sequence_end:
             self._live.pop(key, None)
+            row.state = StateChange(None)
+
+    def restore(self, tp: TopicPartition, states: dict[bytes, dict[str, np.ndarray]],
+                now: float) -> int:  # fmt: skip
+        """Take over a newly assigned partition's sequences (read from the state
+        changelog); a state whose shape no longer fits the model is skipped.
+        Returns how many were restored."""
+        restored = 0
+        for key, values in states.items():
+            fits = all(
+                s.name in values and values[s.name].shape == s.initial.shape
+                and values[s.name].dtype == s.initial.dtype
+                for s in self._states
+            )  # fmt: skip
+            if fits:
+                self._live[key] = _Sequence({s.name: values[s.name] for s in self._states}, tp, now)
+                restored += 1
+        return restored
 
     def expire_every(self, now: float) -> None:
         """``expire``, when the last scan is older than the expiry interval."""

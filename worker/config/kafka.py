@@ -21,6 +21,9 @@ class KafkaConfig:
     group_instance_id: str = ""
     # Where crash-loop marks live (compacted; one key per group and partition).
     crash_guard_topic: str = "infer.crash-guard"
+    # A stateful model's state changelog (compacted; as many partitions as each
+    # input topic: README "Stateful models"). "" = states in memory only.
+    state_topic: str = ""
     # A shadow deployment (a candidate read beside production, README "Rolling
     # out a model safely"): it writes no DLQ records (one is only logged, and
     # counted in infer_requests_rejected_total) and neither writes nor reads
@@ -108,6 +111,11 @@ class KafkaConfig:
             self.output_topic not in self.input_topics and self.dlq_topic not in self.input_topics,
             "kafka.output_topic",
             "output and DLQ topics must differ from the input topics (a result would loop)",
+        )
+        check(
+            self.state_topic not in (*self.input_topics, self.output_topic, self.dlq_topic),
+            "kafka.state_topic",
+            "must be a topic of its own (compacted; states only)",
         )
         check(bool(self.group_id), "kafka.group_id", "must not be empty")
         check(self.session_timeout_ms >= 100, "kafka.session_timeout_ms", "must be >= 100")

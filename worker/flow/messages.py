@@ -110,14 +110,25 @@ class Batch(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class StateChange:
+    """A stateful model's sequence (the job's key) after the job was answered:
+    its next state by state input, or None when the sequence ended. What the
+    writer records in the state changelog (``kafka.state_topic``)."""
+
+    values: Mapping[str, np.ndarray] | None
+
+
+@dataclass(frozen=True, slots=True)
 class Answer:
     """The outcome for one job: outputs (one row of each batch output) or an error,
-    and the time each stage took (``timing_us``)."""
+    and the time each stage took (``timing_us``); for a stateful model, what
+    became of its sequence's state."""
 
     job: Job
     outputs: Mapping[str, np.ndarray] | None = None
     error: ErrorInfo | None = None
     timing_us: Mapping[str, int] = field(default_factory=dict)
+    state: StateChange | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,8 @@ class Consumer:
         self._quarantine: dict[TopicPartition, int] = {}
         self._deciding: dict[TopicPartition, asyncio.Event] = {}
         self.client: AIOKafkaConsumer | None = None
+        # A stateful model's restore from its state changelog, per assignment.
+        self._restore: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         k = self._kafka
@@ -136,12 +138,15 @@ class Consumer:
         the broker lost its log (the embedded broker after a restart)."""
         assert self.client is not None
         deciding = {TopicPartition(t.topic, t.partition): asyncio.Event() for t in tps}
-        if self.guard is not None:
+        if self.guard is not None or self._restore is not None:
             # Set before the first await: the fetcher may hand out records of these
             # partitions while this listener still runs, and none may be queued
-            # before the crash guard has decided how to treat the partition.
+            # before the crash guard has decided how to treat the partition, or
+            # before its sequences' states are restored.
             self._deciding.update(deciding)
         try:
+            if self._restore is not None and tps:
+                await self._restore(list(deciding))
             await self._position_and_guard(tps)
         finally:
             for event in deciding.values():
@@ -192,6 +197,11 @@ class Consumer:
         """Turn on crash-loop protection (before ``start``)."""
         self.guard, self._max_crashes, self._cautious_window = guard, max_crashes, window
         self._settled = settled
+
+    def restore_with(self, restore: Callable[[list[TopicPartition]], Awaitable[None]]) -> None:
+        """Have each assignment's partitions restored (a stateful model's states)
+        before any of their records is queued (before ``start``)."""
+        self._restore = restore
 
     def stop_fetching(self) -> None:
         self._stopping.set()

@@ -124,6 +124,8 @@ def needed(k: KafkaConfig, guard: bool) -> dict[str, set[int]]:
     # A shadow writes no DLQ records and keeps no crash guard (kafka.shadow).
     for topic in (k.output_topic,) if k.shadow else (k.output_topic, k.dlq_topic):
         need.setdefault(topic, set()).add(WRITE)
+    if k.state_topic:
+        need.setdefault(k.state_topic, set()).update({READ, WRITE})
     if guard and not k.shadow:
         need.setdefault(k.crash_guard_topic, set()).update({READ, WRITE})
     return need

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.flow.messages import Answer, Job
+from worker.flow.messages import Answer, Job, StateChange
 from worker.flow.values import ErrorInfo
 
 
@@ -32,6 +32,7 @@ class Row:
     outputs: dict[str, np.ndarray] | None = None
     error: ErrorInfo | None = None
     attempts: int = 0  # engine runs it took part in that failed
+    state: StateChange | None = None  # a stateful model's sequence after this row ran
 
     @classmethod
     def of(cls, job: Job) -> Row:
@@ -39,4 +40,4 @@ class Row:
 
     def answer(self) -> Answer:
         """What goes downstream: the outcome, frozen."""
-        return Answer(self.job, self.outputs, self.error, self.timing_us)
+        return Answer(self.job, self.outputs, self.error, self.timing_us, self.state)

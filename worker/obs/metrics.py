@@ -129,6 +129,12 @@ BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine faile
 QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
 INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
 LIVE_SEQUENCES = Gauge("infer_live_sequences", "Sequences whose state a stateful model keeps")
+STATE_RECORDS = Counter("infer_state_records_total", "States written to the state changelog")
+STATE_RESTORES = Counter("infer_state_restores_total", "Partitions whose states were restored")
+STATE_RESTORE_SECONDS = Histogram(
+    "infer_state_restore_seconds", "Time to restore one assignment's states from the changelog"
+)
+RESTORED_SEQUENCES = Counter("infer_restored_sequences_total", "Sequences restored")
 COMMITS = Counter("infer_commits_total", "Successful offset commits")
 COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
 READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")

@@ -118,3 +118,22 @@ def test_a_revoked_partition_takes_its_sequences_along() -> None:
     seqs, _ = states()
     assert seqs.load(row(b"a", A), 0.0) and seqs.load(row(b"b", B), 0.0)
     assert seqs.forget({A}) == 1 and len(seqs) == 1
+
+
+def test_a_row_read_before_its_partition_was_revoked_touches_no_state() -> None:
+    """Still in the pipeline when the partition came back: its state was restored
+    since, and its record is read again; running it would apply it twice."""
+    seqs, _ = states()
+    seqs.owns = lambda job: job.epoch == 1
+    stale = row(b"a")  # epoch 0
+    assert not seqs.load(stale, 0.0) and len(seqs) == 0
+    assert stale.error is not None and "revoked" in stale.error.message
+
+
+def test_a_restored_sequence_continues_and_one_that_no_longer_fits_is_skipped() -> None:
+    seqs, _ = states()
+    good = {"state": np.full((2, 4), 5.0, F32)}
+    bad = {"state": np.zeros((3, 4), F32)}
+    assert seqs.restore(A, {b"a": good, b"b": bad}, 0.0) == 1
+    r = row(b"a")
+    assert seqs.load(r, 1.0) and (r.values["state"] == 5.0).all()

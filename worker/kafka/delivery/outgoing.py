@@ -23,13 +23,14 @@ from worker.contract import (
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
-from worker.flow.messages import Answer, Job, TraceContext
+from worker.flow.messages import Answer, Job, StateChange, TraceContext
+from worker.kafka.changelog import encode_state
 
 # Room for the record batch framing around one record, so a result that passes
 # this check is never rejected by the producer's own size limit.
 RECORD_OVERHEAD: Final = 1024
 
-Kind = Literal["ok", "error", "dlq"]
+Kind = Literal["ok", "error", "dlq", "state"]
 FallbackCode = Literal["too_large", "internal"]
 
 
@@ -48,6 +49,7 @@ class OutRecord:
     request_id: str = ""
     fallback: bool = False  # already the small replacement of a refused record
     error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
+    partition: int | None = None  # set: this partition (a state record's); else by key
 
     @property
     def size(self) -> int:
@@ -246,3 +248,13 @@ def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) 
         fallback=True,
         error=result.error,
     )
+
+
+def state_record(job: Job, change: StateChange, topic: str, seq: int) -> OutRecord:
+    """A stateful model's sequence after ``job``, for the state changelog
+    (``kafka.changelog``): on the input's partition number, keyed by the sequence.
+    Marked ``fallback``: a state the broker refuses for good has no smaller
+    replacement, and stops the worker (``decide``: give up)."""
+    value = encode_state(job, change)
+    return OutRecord(job, topic, job.key, value, [], "state", seq, fallback=True,
+                     partition=job.tp.partition)  # fmt: skip

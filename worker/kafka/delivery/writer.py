@@ -33,7 +33,7 @@ from worker.contract import ModelInfo
 from worker.flow.backoff import Backoff
 from worker.flow.budget import FailureBudget
 from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
-from worker.flow.messages import Completed
+from worker.flow.messages import Completed, Job, StateChange, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.decide import (
@@ -42,7 +42,13 @@ from worker.kafka.delivery.decide import (
     decide,
     refusal_code,
 )
-from worker.kafka.delivery.outgoing import OutRecord, Topics, fallback, record_for
+from worker.kafka.delivery.outgoing import (
+    OutRecord,
+    Topics,
+    fallback,
+    record_for,
+    state_record,
+)
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
@@ -95,6 +101,9 @@ class Writer:
         self._producer_factory = producer_factory
         self._overdue = kafka.request_timeout_ms / 1000.0
         self._overdue_waits = 0
+        # Records still unacknowledged of jobs that have more than one (an answer
+        # and its state record), by (partition, offset, epoch).
+        self._pending: dict[tuple[TopicPartition, int, int], int] = {}
         self.producer: AIOKafkaProducer | None = None
         self.idempotent = False
 
@@ -184,7 +193,17 @@ class Writer:
                 self._committer.notify()
                 continue
             outs.append(out)
+            if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
+                outs.append(self._state_record(answer.job, answer.state))
         return outs
+
+    def _state_record(self, job: Job, change: StateChange) -> OutRecord:
+        """The state record of ``job`` (``outgoing.state_record``); the job's
+        offset counts as done only once it and the answer are both acknowledged."""
+        self._seq += 1
+        key = (job.tp, job.offset, job.epoch)
+        self._pending[key] = self._pending.get(key, 1) + 1
+        return state_record(job, change, self._kafka.state_topic, self._seq)
 
     def _next_attempts(
         self, failed: list[tuple[OutRecord, BaseException | None, bool]]
@@ -257,7 +276,11 @@ class Writer:
                     )
                 except KafkaError:
                     return [(o, await self._send(o)) for o in outs]  # send() reports it
-            partition = self._partitioner(out.key, parts, parts)
+            partition = (
+                out.partition
+                if out.partition is not None
+                else self._partitioner(out.key, parts, parts)
+            )
             by_partition.setdefault((out.topic, partition), []).append(out)
         sent: Sent = []
         for (topic, partition), group in by_partition.items():
@@ -299,7 +322,11 @@ class Writer:
         assert self.producer is not None, "start() first"
         try:
             fut: asyncio.Future[object] = await self.producer.send(
-                out.topic, value=out.value, key=out.key, headers=out.headers
+                out.topic,
+                value=out.value,
+                key=out.key,
+                headers=out.headers,
+                partition=out.partition,
             )
         except KafkaError as exc:
             fut = asyncio.get_running_loop().create_future()
@@ -332,7 +359,15 @@ class Writer:
         kinds: dict[str, int] = {}
         for out in acked:
             job = out.job
-            self._tracker.done(job.tp, job.offset, job.epoch)
+            key = (job.tp, job.offset, job.epoch)
+            left = self._pending.pop(key, 1) - 1
+            if left:  # its answer or its state record is still unacknowledged
+                self._pending[key] = left
+            else:
+                self._tracker.done(job.tp, job.offset, job.epoch)
+            if out.kind == "state":
+                metrics.STATE_RECORDS.inc()
+                continue
             self._metrics.request_seconds.observe(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
