@@ -18,7 +18,7 @@ from tests import real_models
 from tests.serving import wire
 from worker.contract import Request, Tensor, encode_request
 from worker.ops.broker import Broker, create_topics
-from worker.ops.processes import spawn_worker
+from worker.ops.processes import WorkerProcess, spawn_worker
 from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
@@ -142,3 +142,66 @@ async def test_interleaved_streams_answer_as_each_stream_run_alone_in_order(
     assert no_key.error is not None and no_key.error.code == "invalid_request"
     assert "record key" in no_key.error.message
     assert sends_state.error is not None and "inputs.state" in sends_state.error.message
+
+
+async def test_a_restarted_worker_continues_each_stream_from_the_state_changelog(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """kafka.state_topic, at-least-once: the first worker answers half of every
+    stream and stops; a new process restores the streams' states from the
+    changelog and answers the rest, each answer equal to the stream run alone."""
+    parts, states = 2, f"{names['requests']}.states"
+    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: 1,
+                                           names["dlq"]: 1, states: parts})  # fmt: skip
+    streams = {s: audio(s) for s in range(STREAMS)}
+    records = [
+        (f"stream-{s}".encode(), chunk_request(s, i, streams[s][i]))
+        for i in range(CHUNKS) for s in range(STREAMS)
+    ]  # fmt: skip
+    part_of = {f"stream-{s}".encode(): s % parts for s in range(STREAMS)}
+    env = {
+        "INFER_WORKER_MODEL__PATH": str(real_models.model_path("silero-vad")),
+        "INFER_WORKER_KAFKA__STATE_TOPIC": states,
+        **STATEFUL,
+    }
+
+    def worker() -> WorkerProcess:
+        return spawn_worker(
+            broker.bootstrap, input_topics=[names["requests"]], output_topic=names["results"],
+            dlq_topic=names["dlq"], group_id=names["group"], extra_env=env,
+        )  # fmt: skip
+
+    async def serve(w: WorkerProcess, batch: list[tuple[bytes, bytes]], total: int) -> None:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= parts, 60.0,
+            "partition assignment",
+        )  # fmt: skip
+        await produce_all(broker.bootstrap, names["requests"], batch,
+                          partition_of=lambda i: part_of[batch[i][0]])  # fmt: skip
+        assert await c.collect(lambda c: c.count() >= total, 90.0), w.log_tail()
+
+    c = Collector(broker.bootstrap, [names["results"]])
+    await c.start()
+    half = (CHUNKS // 2) * STREAMS  # every stream's first chunks; none ended
+    first = second = None
+    try:
+        first = worker()
+        await serve(first, records[:half], half)
+        assert first.terminate() == 0, first.log_tail()
+        second = worker()
+        await serve(second, records[half:], len(records))
+        restored = second.metrics().get("infer_restored_sequences_total", 0)
+        assert second.terminate() == 0, second.log_tail()
+    finally:
+        for w in (first, second):
+            if w is not None:
+                w.kill()
+        await c.stop()
+    assert restored == STREAMS, f"{restored} of {STREAMS} streams restored"
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    for s, chunks in streams.items():
+        for i, want in enumerate(sequential_reference(chunks)):
+            got = results[f"s{s}-c{i}"]
+            assert got.status == "ok", got.error
+            np.testing.assert_allclose(got.outputs["output"].to_numpy(), want, rtol=1e-4,
+                                       atol=1e-5, err_msg=f"stream {s} chunk {i}")  # fmt: skip

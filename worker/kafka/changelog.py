@@ -21,7 +21,6 @@ Value: msgpack ``{"v": 1, "topic": str, "offset": int, "states": {name: tensor}}
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -33,7 +32,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from worker.config import KafkaConfig
 from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.tensors import decode_tensor
-from worker.flow.errors import WorkerError
+from worker.flow.errors import BrokerUnavailable, WorkerError
 from worker.flow.messages import Job, StateChange
 from worker.flow.values import Tensor
 from worker.kafka.credentials import connection
@@ -89,16 +88,26 @@ async def restore(
         tps = [KafkaTP(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
-        ends: Mapping[KafkaTP, int] = await consumer.end_offsets(tps)
-        pending = {tp for tp in tps if ends[tp] > 0}
+        pending = set(tps)
+        limit_s = max(60.0, k.request_timeout_ms / 1000)
+        deadline = time.monotonic() + limit_s
         while pending:
             batch = await consumer.getmany(*pending, timeout_ms=200)
             for tp, records in batch.items():
                 for r in records:
                     skipped += _apply(out[tp.partition], r, oldest_ms)
             for tp in list(pending):
-                if await consumer.position(tp) >= ends[tp]:
+                # The end, as the last fetch answered it (end_offsets is not
+                # reliable on every broker: the embedded one answers it wrongly).
+                end = consumer.last_stable_offset(tp) if read_committed else None
+                end = consumer.highwater(tp) if end is None or end < 0 else end
+                if end is not None and await consumer.position(tp) >= end:
                     pending.discard(tp)
+            if pending and not batch and time.monotonic() > deadline:
+                raise BrokerUnavailable(
+                    f"kafka.state_topic: {topic} could not be read to its end within "
+                    f"{limit_s:.0f} s (partitions {sorted(tp.partition for tp in pending)})"
+                )
     finally:
         await consumer.stop()
     if skipped:
