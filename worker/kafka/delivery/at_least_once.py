@@ -17,7 +17,8 @@ from worker.flow.messages import Completed
 from worker.kafka.clients import start_producer
 from worker.kafka.delivery.decide import Action, Verdict, retriable
 from worker.kafka.delivery.outgoing import OutRecord
-from worker.kafka.delivery.writer import ProducerFactory, Sent, Woken, Writer, WriterParts
+from worker.kafka.delivery.sending import Sent
+from worker.kafka.delivery.writer import ProducerFactory, Woken, Writer, WriterParts
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)

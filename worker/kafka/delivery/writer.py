@@ -26,7 +26,6 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     KafkaError,
 )
-from aiokafka.partitioner import DefaultPartitioner
 
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
@@ -49,6 +48,7 @@ from worker.kafka.delivery.outgoing import (
     record_for,
     state_record,
 )
+from worker.kafka.delivery.sending import Sent, send_grouped
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
@@ -57,7 +57,6 @@ from worker.obs.tracing import Tracer, answer_span
 log = structlog.get_logger(__name__)
 
 ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
-Sent = list[tuple[OutRecord, "asyncio.Future[object]"]]
 
 
 class Woken(enum.Enum):
@@ -95,7 +94,6 @@ class Writer:
         self._budget = parts.budget
         self._seq = 0
         self._rejections = RateLimited(burst=10, interval=10.0)
-        self._partitioner = DefaultPartitioner()
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
         self._shadow = kafka.shadow  # a shadow writes no DLQ records
         self._producer_factory = producer_factory
@@ -258,80 +256,9 @@ class Writer:
         )
 
     async def _send_grouped(self, outs: list[OutRecord]) -> Sent:
-        """Hand a completed batch's records to the producer as one record batch
-        per output partition, instead of one ``send()`` per record: the per-record
-        cost of the producer's send path was the largest single share of the
-        produce stage. Partitions are chosen exactly as ``send()`` would (the
-        default partitioner: murmur2 of the key), and each record's future is its
-        batch's, so acknowledgement and redelivery work per record as before."""
+        """A completed batch's records to the producer (``sending.send_grouped``)."""
         assert self.producer is not None, "start() first"
-        by_partition: dict[tuple[str, int], list[OutRecord]] = {}
-        partitions: dict[str, list[int]] = {}
-        for out in outs:
-            parts = partitions.get(out.topic)
-            if parts is None:
-                try:
-                    parts = partitions[out.topic] = sorted(
-                        await self.producer.partitions_for(out.topic)
-                    )
-                except KafkaError:
-                    return [(o, await self._send(o)) for o in outs]  # send() reports it
-            partition = (
-                out.partition
-                if out.partition is not None
-                else self._partitioner(out.key, parts, parts)
-            )
-            by_partition.setdefault((out.topic, partition), []).append(out)
-        sent: Sent = []
-        for (topic, partition), group in by_partition.items():
-            batch, members = self.producer.create_batch(), []
-            for out in group:
-                if batch.append(key=out.key, value=out.value, timestamp=None, headers=out.headers):
-                    members.append(out)
-                    continue
-                if members:  # full: send it, start the next with this record
-                    sent += await self._submit(batch, topic, partition, members)
-                    batch, members = self.producer.create_batch(), []
-                    if batch.append(
-                        key=out.key, value=out.value, timestamp=None, headers=out.headers
-                    ):
-                        members.append(out)
-                        continue
-                sent.append((out, await self._send(out)))  # larger than a batch on its own
-            if members:
-                sent += await self._submit(batch, topic, partition, members)
-        return sent
-
-    async def _submit(
-        self, batch: Any, topic: str, partition: int, members: list[OutRecord]
-    ) -> Sent:
-        assert self.producer is not None
-        batch.close()
-        try:
-            fut: asyncio.Future[object] = await self.producer.send_batch(
-                batch, topic, partition=partition
-            )
-        except KafkaError as exc:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(exc)
-        return [(out, fut) for out in members]
-
-    async def _send(self, out: OutRecord) -> asyncio.Future[object]:
-        """Hand one record to the producer; a failure to even enqueue it becomes a
-        failed future, handled like a failed ack."""
-        assert self.producer is not None, "start() first"
-        try:
-            fut: asyncio.Future[object] = await self.producer.send(
-                out.topic,
-                value=out.value,
-                key=out.key,
-                headers=out.headers,
-                partition=out.partition,
-            )
-        except KafkaError as exc:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(exc)
-        return fut
+        return await send_grouped(self.producer, outs)
 
     async def _watched(self, fut: Awaitable[object]) -> object:
         """Await an acknowledgement or a commit; while one has taken longer than
