@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -254,3 +255,33 @@ async def end_offsets(bootstrap: Connection, topics: Sequence[str]) -> dict[tupl
         return {(tp.topic, tp.partition): int(end) for tp, end in ends.items()}
     finally:
         await consumer.stop()
+
+
+class Draining(ABC):
+    """Takes what a ``Collector`` holds as it arrives and drops it (memory stays
+    flat however long the topics), and says when they went quiet: no new record
+    for ``idle_timeout`` seconds since the first completed fetch. Pass ``drain``
+    as the collector's progress hook and ``quiet`` as its condition."""
+
+    def __init__(self, idle_timeout: float) -> None:
+        self._idle_timeout = idle_timeout
+        self._last_new: float | None = None  # set by the first completed fetch
+
+    @abstractmethod
+    def take(self, topic: str, rec: Collected) -> None:
+        """One record, as it arrives."""
+
+    def drain(self, c: Collector) -> None:
+        now = time.monotonic()
+        fresh = False
+        for topic, bucket in c.records.items():
+            for rec in bucket:
+                self.take(topic, rec)
+            fresh = fresh or bool(bucket)
+            bucket.clear()
+        if fresh or self._last_new is None:
+            self._last_new = now
+
+    def quiet(self, _: Collector) -> bool:
+        last = self._last_new
+        return last is not None and time.monotonic() - last >= self._idle_timeout

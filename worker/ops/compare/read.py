@@ -3,15 +3,13 @@ beginning without a consumer group, into a ``Comparison`` as records arrive."""
 
 from __future__ import annotations
 
-import time
-
 from worker.contract import decode_request
 from worker.contract.oip import decode_oip_request
 from worker.flow.errors import InvalidRequest, WorkerError
 from worker.kafka.credentials import Connection
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.results import SIDES, ResultRow, Side
-from worker.ops.topics import Collected, Collector
+from worker.ops.topics import Collected, Collector, Draining
 
 
 async def read_results(
@@ -51,7 +49,7 @@ async def read_results(
     return complete
 
 
-class _Feed:
+class _Feed(Draining):
     """Turns records into rows (and labels) and drops them."""
 
     def __init__(
@@ -66,25 +64,9 @@ class _Feed:
         self._comparison = comparison
         self._input = input_topic
         self._label_key = label_key
-        self._idle_timeout = idle_timeout
-        self._last_new: float | None = None  # set by the first completed fetch
+        super().__init__(idle_timeout)
 
-    def drain(self, c: Collector) -> None:
-        now = time.monotonic()
-        fresh = False
-        for topic, bucket in c.records.items():
-            for rec in bucket:
-                self._take(topic, rec)
-            fresh = fresh or bool(bucket)
-            bucket.clear()
-        if fresh or self._last_new is None:
-            self._last_new = now
-
-    def quiet(self, _: Collector) -> bool:
-        last = self._last_new
-        return last is not None and time.monotonic() - last >= self._idle_timeout
-
-    def _take(self, topic: str, rec: Collected) -> None:
+    def take(self, topic: str, rec: Collected) -> None:
         if topic == self._input:
             self._comparison.label((topic, rec.partition, rec.offset), self._label(rec))
             return

@@ -5,7 +5,6 @@ committed offsets), boiled down to the core's inputs as they arrive."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -13,7 +12,7 @@ from typing import Final
 from worker.contract import decode_result
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
-from worker.ops.topics import Collected, Collector
+from worker.ops.topics import Collected, Collector, Draining
 from worker.ops.verify.report import InputRecord, Reply, Unparseable
 
 
@@ -123,20 +122,19 @@ async def read_topics(
     return sorter.result(complete)
 
 
-class _Sorter:
+class _Sorter(Draining):
     """Boils records down to request positions and answers as they arrive."""
 
     def __init__(
         self, input_topics: list[str], output_topic: str, dlq_topic: str, idle_timeout: float
     ) -> None:
         self.inputs: dict[str, dict[int, list[int]]] = {t: {} for t in input_topics}
+        super().__init__(idle_timeout)
         self._output, self._dlq = output_topic, dlq_topic
-        self._idle_timeout = idle_timeout
         self._answers: list[Reply] = []
         self._unparseable: list[Unparseable] = []
-        self._last_new: float | None = None  # set by the first completed fetch
 
-    def classify(self, topic: str, rec: Collected) -> None:
+    def take(self, topic: str, rec: Collected) -> None:
         if topic in self.inputs:
             self.inputs[topic].setdefault(rec.partition, []).append(rec.offset)
             return
@@ -154,22 +152,6 @@ class _Sorter:
                 return
             reasons.append(source)
         self._unparseable.append(Unparseable(topic, rec.partition, rec.offset, "; ".join(reasons)))
-
-    def drain(self, c: Collector) -> None:
-        """Classify and drop what the collector holds (memory stays flat)."""
-        now = time.monotonic()
-        fresh = False
-        for topic, bucket in c.records.items():
-            for rec in bucket:
-                self.classify(topic, rec)
-            fresh = fresh or bool(bucket)
-            bucket.clear()
-        if fresh or self._last_new is None:
-            self._last_new = now
-
-    def quiet(self, _: Collector) -> bool:
-        last = self._last_new
-        return last is not None and time.monotonic() - last >= self._idle_timeout
 
     def result(self, complete: bool) -> tuple[dict[str, dict[int, list[int]]], Observed]:
         for partitions in self.inputs.values():
