@@ -59,6 +59,11 @@ log = structlog.get_logger(__name__)
 ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
 
 
+# How many jobs with two records in flight before the map is swept of those
+# whose partition was revoked (their acknowledgements never come).
+_PENDING_SWEEP = 10_000
+
+
 class Woken(enum.Enum):
     """What ``Writer._next_or_woken`` returns when woken, not by a batch."""
 
@@ -200,6 +205,8 @@ class Writer:
         offset counts as done only once it and the answer are both acknowledged."""
         self._seq += 1
         key = (job.tp, job.offset, job.epoch)
+        if len(self._pending) >= _PENDING_SWEEP:  # jobs of revoked partitions: never acked
+            self._pending = {k: n for k, n in self._pending.items() if self._tracker.owns(*k)}
         self._pending[key] = self._pending.get(key, 1) + 1
         return state_record(job, change, self._kafka.state_topic, self._seq)
 
