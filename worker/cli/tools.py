@@ -64,10 +64,13 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     compare.add_arguments(cmp)
     build = add_command(
-        sub, "build-engine", "build a TensorRT plan from ONNX (cached)",
+        sub, "build-engine", "build a TensorRT plan, a torch program or an INT8/FP16 ONNX model",
         "Build a TensorRT plan from an ONNX model with one optimisation profile per GPU "
         "slot, at the given precision, cached under a key of the model, TensorRT version, "
-        "GPU, precision and batch range. Needs TensorRT 10 (exit 2 without it).",
+        "GPU, precision and batch range. Needs TensorRT 10 (exit 2 without it). "
+        "--backend torch exports a program (.pt2); --backend onnxruntime builds an INT8 "
+        "(static quantization, calibrated on samples preprocessed as the worker serves "
+        "them) or FP16 ONNX model for the CPU path, with a build record beside it.",
         build_engine_command,
     )  # fmt: skip
     build_engine.add_arguments(build)

@@ -1,5 +1,8 @@
 """``infer-worker build-engine``: ONNX -> TensorRT plan, cached; and an accuracy check.
 
+(``--backend torch``: ``worker.ops.build_torch``; ``--backend onnxruntime``, INT8 and
+FP16 ONNX models for the CPU path: ``worker.ops.precision``.)
+
 A plan is specific to the ONNX model, the TensorRT version, the GPU, the
 precision and the batch profile, and building one takes minutes. So plans are
 cached under a key of exactly those (``<out_dir>/<key>.plan``, with the key's
@@ -45,6 +48,7 @@ from worker.compute.engines.cuda import gpu_name
 from worker.config import PreprocessConfig, load_settings
 from worker.flow.errors import ConfigError, WorkerError
 from worker.model.preprocess import ImagePreprocess
+from worker.ops import precision_cli
 from worker.ops.engine_checks import (
     AccuracyReport,
     calibration_sha256,
@@ -228,14 +232,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         help="tensorrt: the ONNX model (FP32); torch: torchvision:NAME, FILE.py:CALLABLE "
-        "or package.module:CALLABLE (a zero-argument factory returning an nn.Module)",
+        "or package.module:CALLABLE (a zero-argument factory returning an nn.Module); "
+        "onnxruntime: the ONNX model (FP32) or builtin:NAME",
     )
     parser.add_argument(
         "--backend",
-        choices=("tensorrt", "torch"),
+        choices=("tensorrt", "torch", "onnxruntime"),
         default="tensorrt",
         help="tensorrt: a plan (default); torch: an exported program (.pt2) for model.backend "
-        "= 'torch' (--max-batch, --config, --out-dir and --force apply)",
+        "= 'torch' (--max-batch, --config, --out-dir and --force apply); onnxruntime: an "
+        "INT8 or FP16 ONNX model for the CPU path (see below)",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("engines"), help="cache dir")
     parser.add_argument(
@@ -278,6 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: what --config's [model.preprocess] produces)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    precision_cli.add_arguments(parser)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -291,6 +298,8 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend == "onnxruntime":
+        return precision_cli.run(args)
     if args.backend == "torch":
         from worker.ops.build_torch import input_shape_of, run_cli, torch_missing
 
