@@ -51,3 +51,23 @@ def test_help_example_with_a_smaller_batch_runs(tmp_path: Path) -> None:
     run = json.loads(out.read_text())["runs"][0]
     assert run["received"] == run["sent"] == 360
     assert 1 < run["mean_batch_size"] <= 16
+
+
+def test_the_stateful_demo_model_answers_as_each_sensor_run_alone(tmp_path: Path) -> None:
+    """``demo --model sensor``: the bundled stateful anomaly detector, a sequence
+    per sensor (the record key), readings interleaved over four partitions; the
+    stream's accuracy equals the model file run sequentially on each sensor with
+    its state threaded, which it can only when the worker keeps each sensor's
+    running mean and variance in order (without them every reading scores
+    against the initial state, and the accuracy differs)."""
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--model", "sensor", "--repeat", "2",
+         "--json", str(out)],
+        capture_output=True, check=False, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    run = summary["runs"][0]
+    assert run["received"] == run["sent"] == 2 * 24 * 40
+    assert run["correct"] == summary["offline_correct"] and run["errors"] == 0

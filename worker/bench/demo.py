@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,11 @@ async def _send_and_collect(
         collector.bootstrap,
         topics["requests"],
         samples.records,
-        partition_of=lambda i: i % opts.partitions,
+        partition_of=(
+            (lambda i: zlib.crc32(samples.records[i][0] or b"") % opts.partitions)
+            if samples.keyed
+            else (lambda i: i % opts.partitions)
+        ),
         rate=opts.rate,
     )
     if not await collecting:

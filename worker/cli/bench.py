@@ -171,9 +171,11 @@ def add_demo_and_bench(sub: Subparsers[argparse.ArgumentParser]) -> None:
             _model_arguments(p)
         else:
             p.add_argument(
-                "--model", dest="demo_model", choices=("digits", "sentiment"), default="digits",
-                help="the bundled model to stream samples of: digits (images, the default) "
-                "or sentiment (review texts, tokenized by the worker)",
+                "--model", dest="demo_model", choices=("digits", "sentiment", "sensor"),
+                default="digits",
+                help="the bundled model to stream samples of: digits (images, the default), "
+                "sentiment (review texts, tokenized by the worker) or sensor (a stateful "
+                "anomaly detector: a sequence per sensor, the record key)",
             )  # fmt: skip
 
 

@@ -19,11 +19,15 @@ class Builtin:
     file: str
     tokenizer: str | None = None
     max_length: int = 128  # its text input's truncation, when it has one
+    # A stateful model's states: (input, the output carrying the next, initial).
+    states: tuple[tuple[str, str, float], ...] = ()
 
 
 BUILTIN_MODELS: Final = {
     "digits": Builtin("digits.onnx"),
     "sentiment": Builtin("sentiment.onnx", tokenizer="sentiment.tokenizer.json", max_length=64),
+    # An anomaly detector per sensor (scripts/build_sensor_model.py): stateful.
+    "sensor": Builtin("sensor.onnx", states=(("mean", "meanN", 0.0), ("var", "varN", 1.0))),
 }
 
 

@@ -4,6 +4,9 @@ offline: what ``demo``, ``produce --samples``, the benchmarks and the tests send
 ``digits``: the 360 held-out 8x8 digits (image tensors; the demo repeats them at
 8x8, 16x16 and 24x24 so the worker resizes). ``sentiment``: the 400 held-out
 synthetic reviews of the bundled text model (strings the worker tokenizes).
+``sensor``: 24 sensors' readings for the bundled stateful anomaly detector, each
+sensor a record key (the worker keeps its running mean and variance), labelled
+1 where a spike was injected.
 Each set knows how to read the predicted class from a result, and counts the
 model's own correct answers on the same inputs without Kafka (ONNX Runtime on
 the same preprocessing or tokenizer), which the demo's stream must equal.
@@ -26,7 +29,7 @@ from worker.model.inputs.image import resolve
 from worker.model.postprocess import softmax
 from worker.model.preprocess import preprocess
 
-DEMO_MODELS: Final = ("digits", "sentiment")
+DEMO_MODELS: Final = ("digits", "sentiment", "sensor")
 
 
 @dataclass
@@ -143,6 +146,7 @@ class LabelledSet:
     labels: dict[str, int]  # request id -> label
     predicted: Callable[[Result], int]
     offline_correct: int
+    keyed: bool = False  # a stateful model's: a key's records stay on one partition
 
 
 def _top1(result: Result) -> int:
@@ -181,4 +185,55 @@ def labelled_set(model: str, repeat: int) -> LabelledSet:
             _argmax_logits,
             offline_text_correct(texts),
         )
+    if model == "sensor":
+        return sensor_set(repeat)
     raise ValueError(f"no labelled samples for {model!r} (demo models: {', '.join(DEMO_MODELS)})")
+
+
+SENSOR_THRESHOLD: Final = 9.0  # a squared z-score over 9: three standard deviations
+
+
+def sensor_set(repeat: int) -> LabelledSet:
+    """Every sensor's readings in order, ``repeat`` times (each repetition a
+    sequence of its own: ``sequence_start`` on its first reading, ``sequence_end``
+    on its last), interleaved across sensors; and the model's own answers run
+    sequentially per sensor, its state threaded, without Kafka."""
+    import onnxruntime as ort
+
+    from worker.model.files import resolve_model_path
+
+    with np.load(bundled_file("sensor_samples.npz")) as data:
+        readings, labels = data["readings"], data["labels"]
+    sensors, count = readings.shape
+    session = ort.InferenceSession(
+        str(resolve_model_path("builtin:sensor")), providers=["CPUExecutionProvider"]
+    )
+    records: list[tuple[bytes | None, bytes]] = []
+    truth: dict[str, int] = {}
+    correct = 0
+    for r in range(repeat):
+        for s in range(sensors):
+            mean, var = np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32)
+            for t in range(count):
+                x = readings[s, t].reshape(1, 1)
+                score, mean, var = session.run(None, {"x": x, "mean": mean, "var": var})
+                correct += int((float(score[0, 0]) > SENSOR_THRESHOLD) == bool(labels[s, t]))
+        for t in range(count):
+            for s in range(sensors):
+                rid = f"{r}-s{s}-{t}"
+                request = Request(
+                    v=1, id=rid, inputs={"x": Tensor.from_numpy(readings[s, t].reshape(1))},
+                    meta={"label": int(labels[s, t])},
+                    sequence_start=t == 0, sequence_end=t == count - 1,
+                )  # fmt: skip
+                records.append((f"sensor-{s}".encode(), encode_request(request)))
+                truth[rid] = int(labels[s, t])
+    return LabelledSet(
+        "sensor",
+        f"readings of {sensors} sensors, a stateful sequence per sensor ({count} each)",
+        records, truth, _anomaly, correct, keyed=True,
+    )  # fmt: skip
+
+
+def _anomaly(result: Result) -> int:
+    return int(float(result.outputs["score"].to_numpy().reshape(-1)[0]) > SENSOR_THRESHOLD)

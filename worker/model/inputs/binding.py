@@ -37,7 +37,14 @@ from typing import Final
 import structlog
 
 from worker.config import LimitsConfig, ModelConfig
-from worker.config.model import ConstantInput, ImageInput, InputConfig, TensorInput, TextInput
+from worker.config.model import (
+    ConstantInput,
+    ImageInput,
+    InputConfig,
+    StateConfig,
+    TensorInput,
+    TextInput,
+)
 from worker.config.runtime import BatchingConfig
 from worker.contract import DTYPES
 from worker.flow.errors import ConfigError
@@ -138,6 +145,15 @@ def configured_inputs(model: ModelConfig) -> dict[str, InputConfig]:
     return {"text": TextInput(tokenizer=f"builtin:{name}", max_length=builtin.max_length)}
 
 
+def configured_states(model: ModelConfig) -> dict[str, StateConfig]:
+    """``[model.state]``, or for a builtin stateful model without any, its own."""
+    if model.state or not model.path.startswith("builtin:"):
+        return dict(model.state)
+    builtin = BUILTIN_MODELS.get(model.path.removeprefix("builtin:"))
+    states = builtin.states if builtin is not None else ()
+    return {name: StateConfig(output=out, initial=initial) for name, out, initial in states}
+
+
 def _wants_shorthand(model: ModelConfig) -> bool:
     """The classifier shorthand applies where the configuration asks for it (or
     for the bundled digits model, which brings its image input as the text model
@@ -178,7 +194,7 @@ def bind(
     for name, cfg in entries.items():
         at = f"model.inputs.{name}"
         claim(KINDS[cfg.kind](name, cfg, io, limits, at), at)
-    for name, state in model.state.items():
+    for name, state in configured_states(model).items():
         claim(BoundState(name, state, io), f"model.state.{name}")
     if not any(isinstance(c, ImageInput) for c in entries.values()) and _wants_shorthand(model):
         images = [t for t in io.inputs if t.name not in fed_by and _image_shaped(t)]
