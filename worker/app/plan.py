@@ -14,6 +14,7 @@ from typing import Literal
 
 from worker.compute.engines import is_gpu_backend
 from worker.config import Settings
+from worker.flow.errors import ConfigError
 from worker.kafka.clients import exactly_once
 from worker.model.shapes import bucket_sizes
 
@@ -45,6 +46,12 @@ class RunPlan:
     def of(cls, s: Settings) -> RunPlan:
         b, k = s.batching, s.kafka
         gpu = is_gpu_backend(s.model.backend)
+        if gpu and s.model.reload_interval_s > 0:
+            raise ConfigError(
+                "model.reload_interval_s: swapping a model while serving runs on the CPU "
+                "path (backend onnxruntime); the GPU stage compiles and captures its engines "
+                "per slot at start"
+            )
         request_timeout = k.request_timeout_ms / 1000.0
         return cls(
             device="gpu" if gpu else "cpu",

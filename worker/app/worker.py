@@ -18,8 +18,10 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app.plan import RunPlan
+from worker.app.reload import watch_model
 from worker.app.stages import Stages, build_stages, crash_guard
 from worker.app.states import wire_states
+from worker.compute.cpu import InferenceStage
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.flow.backoff import Deadline
@@ -124,13 +126,9 @@ class Worker:
             group=s.kafka.group_id,
         )
         metrics.set_condition("started", True)
-        metrics.BUILD_INFO.labels(
-            version=__version__,
-            model=engine.info.name,
-            model_version=engine.info.version,
-            backend=engine.info.backend,
-            device=self.plan.device_name,
-        ).set(1)
+        labels = {"version": __version__, "model": engine.info.name,
+                  "backend": engine.info.backend, "device": self.plan.device_name}  # fmt: skip
+        metrics.BUILD_INFO.labels(**labels, model_version=engine.info.version).set(1)
         self._pipeline = [
             self._spawn(stages.consumer.run(), "consume"),
             self._spawn(stages.batcher.run(), "batch"),
@@ -147,6 +145,9 @@ class Worker:
                 "partitions",
             ),
         ]
+        if s.model.reload_interval_s > 0 and isinstance(stages.infer, InferenceStage):
+            watch = watch_model(s, stages.infer, engine.info.version, labels)
+            self._support.append(self._spawn(watch, "model-reload"))
         if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu
 

@@ -90,6 +90,22 @@ class InferenceStage(Stage):
         # they were dispatched (each awaits the one before): a key's next request
         # must see the state its previous one left.
         self._turn: asyncio.Future[None] | None = None
+        self._inflight = max_inflight
+        self.version: str | None = None  # None: the model the worker started with
+
+    async def swap(self, engine: Engine, binding: Binding, version: str) -> Engine:
+        """Serve ``engine`` (bound as ``binding``, compatible with the serving one:
+        ``worker.app.reload`` checked it) from the next batch on; returns the engine
+        it replaced, for the caller to close. Batches already on the old engine
+        finish on it: the swap takes every batch's buffer set first, so no batch is
+        between taking one and returning it while the engine changes."""
+        held = [await self._buffers.get() for _ in range(self._inflight)]
+        old, self._engine = self._engine, engine
+        self.binding, self._inputs, self._outputs = binding, binding.inputs, binding.outputs
+        self.version = version
+        for buffers in held:
+            self._buffers.put_nowait(buffers)
+        return old
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         if self.sequences is None:
@@ -119,7 +135,12 @@ class InferenceStage(Stage):
             runnable = await loop.run_in_executor(self._pool, self._inputs.prepare, runnable)
         if not runnable:
             return completed(batch, rows, 0)
+        if turn is not None and turn[0] is not None:
+            # Before taking a buffer: the batch before this one may still need one
+            # (its files took longer to prepare), and it must run first.
+            await turn[0]
         buffers = await self._buffers.get()
+        version = self.version  # the model this batch runs on, swaps notwithstanding
         try:
             # Every log line of this batch (failures, isolation) names it; the
             # binding is local to this batch's task.
@@ -132,14 +153,11 @@ class InferenceStage(Stage):
                     for group in self._inputs.groups(runnable):
                         await run_isolating(group, run, self._max_attempts, self._metrics)
                 else:
-                    assert turn is not None
-                    if turn[0] is not None:
-                        await turn[0]
                     await self._run_sequences(runnable, run)
                 service_s = time.monotonic() - started
         finally:
             self._buffers.put_nowait(buffers)
-        return completed(batch, rows, len(runnable), service_s)
+        return completed(batch, rows, len(runnable), service_s, version)
 
     async def _run_sequences(self, runnable: list[Row], run: RowRunner) -> None:
         """Each wave (one row per sequence) loaded, run and stored before the next."""

@@ -64,10 +64,15 @@ def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list
 
 
 def completed(
-    batch: Batch[Job], rows: list[Row], engine_rows: int, service_s: float = 0.0
+    batch: Batch[Job],
+    rows: list[Row],
+    engine_rows: int,
+    service_s: float = 0.0,
+    model_version: str | None = None,
 ) -> Completed:
     """What goes downstream for ``batch``: its rows' answers, frozen, in order."""
-    return Completed(batch.seq, tuple(r.answer() for r in rows), engine_rows, service_s)
+    answers = tuple(r.answer() for r in rows)
+    return Completed(batch.seq, answers, engine_rows, service_s, model_version)
 
 
 async def run_isolating(

@@ -252,6 +252,10 @@ class ModelConfig:
     state: dict[str, StateConfig] = field(default_factory=dict)
     state_ttl_s: float = 3600.0
     max_sequences: int = 100_000
+    # How often to look for a new version of the model file (its content hash)
+    # and swap it in between batches, checked first (README "Rolling out a model
+    # safely"); 0 = never. CPU path only.
+    reload_interval_s: float = 0.0
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)
     torch: TorchConfig = field(default_factory=TorchConfig)
@@ -277,3 +281,4 @@ class ModelConfig:
               "worker, never by requests")  # fmt: skip
         check(self.state_ttl_s > 0, "model.state_ttl_s", "must be > 0")
         check(self.max_sequences >= 1, "model.max_sequences", "must be >= 1")
+        check(self.reload_interval_s >= 0, "model.reload_interval_s", "must be >= 0")

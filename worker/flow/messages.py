@@ -139,3 +139,6 @@ class Completed:
     answers: tuple[Answer, ...]
     engine_rows: int  # requests that actually went through the engine
     service_s: float = 0.0  # preprocess + compute of the batch (feeds the batch policy)
+    # The model version that answered (a model swapped while the worker runs:
+    # worker.app.reload); None: the one the worker started with.
+    model_version: str | None = None

@@ -129,6 +129,9 @@ BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine faile
 QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
 INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
 LIVE_SEQUENCES = Gauge("infer_live_sequences", "Sequences whose state a stateful model keeps")
+MODEL_SWAPS = Counter(
+    "infer_model_swaps_total", "New model versions swapped in, or refused", ["outcome"]
+)
 STATE_RECORDS = Counter("infer_state_records_total", "States written to the state changelog")
 STATE_RESTORES = Counter("infer_state_restores_total", "Partitions whose states were restored")
 STATE_RESTORE_SECONDS = Histogram(

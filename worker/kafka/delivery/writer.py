@@ -165,6 +165,7 @@ class Writer:
         each counts against the failure budget."""
         now = time.monotonic()
         outs: list[OutRecord] = []
+        model = self._model_of(completed)
         for answer in completed.answers:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
@@ -172,12 +173,11 @@ class Writer:
             self._seq += 1
             trace = None
             if job.trace is not None or self._tracer.exporting:
-                trace = answer_span(self._tracer, answer, self._model.name,
+                trace = answer_span(self._tracer, answer, model.name,
                                     len(completed.answers), now)  # fmt: skip
             out = record_for(
-                answer, self._model, self._topics, self._seq, now, self._kafka.max_request_size,
-                trace,
-            )  # fmt: skip
+                answer, model, self._topics, self._seq, now, self._kafka.max_request_size, trace
+            )
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
                     answer.error is not None and answer.error.code == "inference_failed"
@@ -199,6 +199,14 @@ class Writer:
             if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
                 outs.append(self._state_record(answer.job, answer.state))
         return outs
+
+    def _model_of(self, completed: Completed) -> ModelInfo:
+        """The model that answered ``completed``: the start-up one, or the version
+        swapped in since (results carry it)."""
+        version = completed.model_version
+        if version is None or version == self._model.version:
+            return self._model
+        return ModelInfo(self._model.name, version)
 
     def _state_record(self, job: Job, change: StateChange) -> OutRecord:
         """The state record of ``job`` (``outgoing.state_record``); the job's

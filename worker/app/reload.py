@@ -1,0 +1,122 @@
+"""A new model version swapped in without leaving the consumer group.
+
+With ``model.reload_interval_s`` > 0 the worker looks at its model file that
+often (its content hash: the version results carry). When the content changed,
+the new version is loaded beside the serving one, bound to the same settings,
+checked and run once, and only then swapped in between batches
+(``InferenceStage.swap``): batches already running finish on the old version,
+every later answer carries the new one. No rebalance happens: the consumer,
+its partitions and its offsets are untouched. A version that fails to load,
+binds differently (other request inputs: requests already accepted would not
+fit it) or drops an output the serving version returns, or fails its self-test
+run, is refused (``model_swap_refused``, ``infer_model_swaps_total{outcome}``)
+and the old one keeps serving; the worker tries again only when the file
+changes again. A rollback is the same operation: put the old file back.
+
+An operator replaces the file atomically (write a temporary file beside it and
+rename it over the path; Kubernetes ConfigMap and Secret volumes do so). CPU
+path only: the GPU stage's engines are compiled and captured per slot at start
+(start-up refuses the setting there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+import numpy as np
+import structlog
+
+from worker.compute.cpu import InferenceStage
+from worker.compute.engines import Engine, load_engine
+from worker.config import Settings
+from worker.flow.errors import WorkerError
+from worker.model.files import content_version, resolve_model_path
+from worker.model.inputs import Binding, bind_model
+from worker.model.inputs.binding import summary
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+async def watch_model(
+    s: Settings, stage: InferenceStage, serving: str, labels: dict[str, str]
+) -> None:
+    """Until cancelled: swap in each new version of the model file that passes
+    its checks. ``serving``: the version the worker started with; ``labels``:
+    its ``infer_build_info`` labels but the model version."""
+    path = resolve_model_path(s.model.path)
+    refused: str | None = None
+    while True:
+        await asyncio.sleep(s.model.reload_interval_s)
+        try:
+            version = await asyncio.to_thread(content_version, path)
+        except OSError as exc:  # mid-replace, or gone: look again next time
+            log.warning("model_file_unreadable", path=str(path), error=repr(exc))
+            continue
+        if version in (serving, refused):
+            continue
+        problem = await _swap(s, stage, version)
+        if problem is None:
+            metrics.BUILD_INFO.labels(**labels, model_version=serving).set(0)
+            metrics.BUILD_INFO.labels(**labels, model_version=version).set(1)
+            log.info("model_swapped", old=serving, new=version)
+            metrics.MODEL_SWAPS.labels(outcome="swapped").inc()
+            serving, refused = version, None
+        else:
+            log.error("model_swap_refused", version=version, reason=problem, serving=serving)
+            metrics.MODEL_SWAPS.labels(outcome="refused").inc()
+            refused = version
+
+
+async def _swap(s: Settings, stage: InferenceStage, version: str) -> str | None:
+    """Load, bind, check and run the new version, then swap it in; why not, if not."""
+    try:
+        # The CPU path's engine: RunPlan refuses reloading with a GPU backend.
+        engine = cast(Engine, await asyncio.to_thread(load_engine, s.model))
+    except (WorkerError, OSError, RuntimeError, ValueError) as exc:
+        return f"cannot load: {exc}"
+    if engine.info.version != version:
+        engine.close()
+        return "the file changed again while it was loaded"
+    try:
+        binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
+        problem = compatible(stage.binding, binding) or await asyncio.to_thread(self_test, engine)
+    except WorkerError as exc:
+        problem = f"does not bind: {exc}"
+    if problem is not None:
+        engine.close()
+        return problem
+    old = await stage.swap(engine, binding, version)
+    old.close()
+    return None
+
+
+def compatible(serving: Binding, new: Binding) -> str | None:
+    """Why requests accepted for ``serving`` could not run on ``new``, or None."""
+    if summary(serving.inputs) != summary(new.inputs):
+        return (
+            f"its request inputs differ: {dict(summary(new.inputs))} against the serving "
+            f"{dict(summary(serving.inputs))}"
+        )
+    dropped = set(serving.outputs.used) - set(new.outputs.used)
+    if dropped:
+        return f"it lacks outputs the serving version returns: {sorted(dropped)}"
+    return None
+
+
+def self_test(engine: Engine) -> str | None:
+    """One run on a batch of one row of zeros (free dimensions of length 1): an
+    engine that cannot run, or returns other outputs than it declares, fails."""
+    feeds = {}
+    for desc in engine.info.io.inputs:
+        row = tuple(d if isinstance(d, int) else 1 for d in desc.shape)
+        shape = row if desc.batch_axis is None else (*row[: desc.batch_axis], 1,
+                                                     *row[desc.batch_axis :])  # fmt: skip
+        feeds[desc.name] = np.zeros(shape, desc.dtype)
+    try:
+        outputs = engine.run(feeds)
+    except Exception as exc:  # boundary: whatever the runtime raises on a bad model
+        return f"its self-test run failed: {exc!r}"[:500]
+    missing = set(engine.info.output_names) - set(outputs)
+    return f"its self-test run returned no {sorted(missing)}" if missing else None
