@@ -17,6 +17,7 @@ from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results
 from worker.ops.compare.report import Thresholds, failures
 from worker.ops.compare.results import Side
+from worker.ops.verify.cli import add_reading_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,29 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checks.add_argument("--max-error-diff", type=int, metavar="N",
                         help="most requests whose status or error code may differ")  # fmt: skip
     parser.add_argument(
-        "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
-    )
-    parser.add_argument(
         "--plot", metavar="PATH", help="also draw the report as a PNG (needs matplotlib)"
     )
-    parser.add_argument(
-        "--read-committed",
-        action="store_true",
-        help="read only committed transactions (workers running exactly-once; implied "
-        'when --config sets kafka.processing_guarantee = "exactly-once")',
-    )
-    parser.add_argument(
-        "--idle-timeout", type=float, default=2.0, metavar="SECONDS",
-        help="stop reading once no record arrived for this long (default 2)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--timeout", type=float, default=60.0, metavar="SECONDS",
-        help="give up if the topics are not quiet after this long (default 60)",
-    )  # fmt: skip
+    add_reading_arguments(parser)
 
 
 def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
-    base = load_settings(args.config).kafka if args.config else KafkaConfig()
+    base = load_settings(args.config).kafka  # INFER_WORKER_KAFKA__* too: security
     if args.bootstrap_servers is not None:
         base = dataclasses.replace(base, bootstrap_servers=args.bootstrap_servers)
     return base

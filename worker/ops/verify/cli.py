@@ -33,31 +33,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-topic", help="result topic")
     parser.add_argument("--dlq-topic", help="dead-letter topic")
     parser.add_argument(
-        "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
-    )
-    parser.add_argument(
         "--strict", action="store_true", help="duplicates fail the check too (exactly-once)"
+    )
+    add_reading_arguments(parser)
+
+
+def add_reading_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``verify`` and ``compare`` read topics with, and where they report."""
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
     )
     parser.add_argument(
         "--read-committed",
         action="store_true",
-        help="read only committed transactions (a worker running exactly-once; "
+        help="read only committed transactions (workers running exactly-once; "
         'implied when --config sets kafka.processing_guarantee = "exactly-once")',
     )
     parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=2.0,
-        metavar="SECONDS",
+        "--idle-timeout", type=float, default=2.0, metavar="SECONDS",
         help="stop reading once no record arrived for this long (default 2)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
+        "--timeout", type=float, default=60.0, metavar="SECONDS",
         help="give up if the topics are not quiet after this long (default 60)",
-    )
+    )  # fmt: skip
 
 
 def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
