@@ -8,16 +8,15 @@ from chunk to chunk, across the kill."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests import real_models
 from tests.integration.test_stateful import (
     CHUNKS,
     STATEFUL,
+    assert_as_alone,
     audio,
     chunk_request,
-    sequential_reference,
 )
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess
@@ -87,9 +86,4 @@ async def test_states_restored_after_a_sigkill_answer_as_the_stream_alone(
     report = check(inputs, list(seen.answers), unparseable=seen.unparseable, strict=True)
     assert report.totals.requests == len(records) and report.ok, report.format()
     answers = {r.result().id: r.result() for r in results.records[names["results"]]}
-    for s, chunks in streams.items():
-        for i, want in enumerate(sequential_reference(chunks)):
-            got = answers[f"s{s}-c{i}"]
-            assert got.status == "ok", got.error
-            np.testing.assert_allclose(got.outputs["output"].to_numpy(), want, rtol=1e-4,
-                                       atol=1e-5, err_msg=f"stream {s} chunk {i}")  # fmt: skip
+    assert_as_alone(answers, streams)
