@@ -133,6 +133,10 @@ MODEL_SWAPS = Counter(
     "infer_model_swaps_total", "New model versions swapped in, or refused", ["outcome"]
 )
 STATE_RECORDS = Counter("infer_state_records_total", "States written to the state changelog")
+STATE_PENDING = Gauge(
+    "infer_state_changelog_pending",
+    "Answered requests whose state the changelog has not acknowledged yet (its lag)",
+)
 STATE_RESTORES = Counter("infer_state_restores_total", "Partitions whose states were restored")
 STATE_RESTORE_SECONDS = Histogram(
     "infer_state_restore_seconds", "Time to restore one assignment's states from the changelog"

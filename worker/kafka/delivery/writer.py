@@ -216,6 +216,7 @@ class Writer:
         if len(self._pending) >= _PENDING_SWEEP:  # jobs of revoked partitions: never acked
             self._pending = {k: n for k, n in self._pending.items() if self._tracker.owns(*k)}
         self._pending[key] = self._pending.get(key, 1) + 1
+        metrics.STATE_PENDING.set(len(self._pending))
         return state_record(job, change, self._kafka.state_topic, self._seq)
 
     def _next_attempts(
@@ -315,6 +316,8 @@ class Writer:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
                 metrics.RECORD_AGE_SECONDS.observe(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
             kinds[out.kind] = kinds.get(out.kind, 0) + 1
+        if self._kafka.state_topic:
+            metrics.STATE_PENDING.set(len(self._pending))
         for kind, count in kinds.items():  # counters per batch, not per record
             if kind == "dlq":
                 metrics.DLQ_PRODUCED.inc(count)
