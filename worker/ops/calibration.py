@@ -249,12 +249,11 @@ def from_topic(
     """The first ``source.count`` requests of the topic the model takes."""
     factory = JobFactory(inputs, limits, 0, content_type)
     try:
-        jobs, seen, first_refusal = asyncio.run(_read(source, factory))
+        jobs, seen, refused, first_refusal = asyncio.run(_read(source, factory))
     except ConfigError:
         raise
     except Exception as exc:  # boundary: aiokafka's own hierarchy (unreachable, refused)
         raise ConfigError(f"{TOPIC_FLAG} {source.topic}: cannot read it: {exc!r}") from exc
-    skipped = seen - len(jobs)
     if not jobs:
         if seen == 0:
             raise ConfigError(
@@ -267,19 +266,20 @@ def from_topic(
         )
     runs = engine_runs(inputs, jobs, batch_size)
     return CalibrationSet(
-        tuple(runs), len(jobs), {"topic": source.topic, "records_read": seen, "skipped": skipped}
+        tuple(runs), len(jobs), {"topic": source.topic, "records_read": seen, "refused": refused}
     )
 
 
-async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], int, str]:
-    """Requests the intake accepts (up to ``count``), records read, the first refusal."""
+async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], int, int, str]:
+    """Requests the intake accepts (up to ``count``), records read, records the
+    intake refused among those looked at, the first refusal."""
     jobs: list[Job] = []
-    seen = 0
+    seen = refused = 0
     refusal = ""
     last_new: float | None = None
 
     def take(c: Collector) -> None:
-        nonlocal seen, refusal, last_new
+        nonlocal seen, refused, refusal, last_new
         bucket = c.records[source.topic]
         if bucket or last_new is None:
             last_new = time.monotonic()
@@ -291,8 +291,10 @@ async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], in
                           None, list(rec.headers.items()))  # fmt: skip
             if job.failure is None:
                 jobs.append(job)
-            elif not refusal:
-                refusal = f"offset {rec.partition}@{rec.offset}: {job.failure}"
+                continue
+            refused += 1
+            if not refusal:
+                refusal = f"partition {rec.partition} offset {rec.offset}: {job.failure}"
         bucket.clear()
 
     def done(_: Collector) -> bool:
@@ -309,4 +311,4 @@ async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], in
     finally:
         await collector.stop()
     take(collector)
-    return jobs, seen, refusal
+    return jobs, seen, refused, refusal

@@ -1,9 +1,14 @@
 """``build-engine --backend onnxruntime``: an ONNX model at INT8 or FP16 for the CPU path, cached.
 
 - ``int8``: ONNX Runtime static quantization (``quantize_static``), QDQ format,
-  weights int8 per output channel, activations uint8 (U8S8: what ONNX Runtime's
-  x86 kernels are fastest at), ranges from MinMax calibration on samples turned
-  into engine feeds exactly as the worker serves them (``worker.ops.calibration``).
+  of the ops that carry weights (Conv, ConvTranspose, Gemm, MatMul; ``--quantize-ops``),
+  weights int8 per output channel, activations uint8, ranges from MinMax
+  calibration on samples turned into engine feeds exactly as the worker serves
+  them (``worker.ops.calibration``). Weights written as ``Constant`` nodes are
+  made initializers first (else they stay float), and a model below opset 13 is
+  converted to it (per-channel scales need it). Quantizing every op the
+  quantizer handles was faster but broke models (BENCHMARKS.md: magika agreed
+  on 3% of files), and one scale per tensor broke an OCR recogniser entirely.
 - ``fp16``: ``onnxruntime.transformers.float16.convert_float_to_float16`` with
   ``keep_io_types``: the model's inputs and outputs stay float32, so requests
   and results do not change; ONNX Runtime's default block list keeps the ops it
@@ -33,32 +38,32 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import numpy as np
 import structlog
 
 from worker.config import Settings
-from worker.flow.errors import ConfigError, WorkerError
+from worker.flow.errors import ConfigError
 from worker.model.files import content_version, resolve_model_path
 from worker.ops.calibration import CalibrationSet, TopicSource, from_files, from_topic
 from worker.ops.files import atomic_write, file_sha256
+from worker.ops.onnx_convert import (
+    WEIGHTED_OPS,
+    check_agreement,
+    check_weights,
+    import_onnx,
+    quantize,
+    to_float16,
+    weights_as_initializers,
+)
 
 log = structlog.get_logger(__name__)
 
 CpuPrecision = Literal["fp16", "int8"]
 CPU_PRECISIONS: Final[tuple[CpuPrecision, ...]] = ("fp16", "int8")
-# The ops whose weights int8 quantizes (what makes a model worth quantizing).
-WEIGHTED_OPS: Final = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-FLOAT: Final = 1  # onnx.TensorProto.FLOAT
-
-
-class BuildFailed(WorkerError):
-    """The quantizer or converter failed, or ONNX Runtime cannot run its output."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class PrecisionBuild:
     calibration_topic: str | None = None
     calibration_count: int = 256
     per_channel: bool = True
+    # The op types int8 quantizes: WEIGHTED_OPS by default; () = every op type
+    # ONNX Runtime's quantizer handles (elementwise, pooling, ... too).
+    quantize_ops: tuple[str, ...] | None = None
     batch_size: int = 32  # rows per calibration run (a model's fixed batch wins)
     force: bool = False
 
@@ -104,20 +112,6 @@ def record_path(out: Path) -> Path:
     return out.with_name(out.name + ".build.json")
 
 
-def import_onnx() -> Any:
-    """``onnx``, once ONNX Runtime's quantization tools are known to import."""
-    try:
-        import onnx
-        import onnxruntime.quantization  # noqa: F401 (needs onnx and ml_dtypes)
-    except ImportError as exc:
-        raise ConfigError(
-            f"build-engine --backend onnxruntime needs {exc.name or 'onnx'} (ONNX Runtime's "
-            "quantizer and float16 converter read models with onnx): "
-            "pip install -e '.[quantize]'"
-        ) from None
-    return onnx
-
-
 def build_precision(req: PrecisionBuild) -> Built:
     """Build (or reuse) ``req``'s model; returns its path and build record."""
     import onnxruntime as ort
@@ -128,7 +122,7 @@ def build_precision(req: PrecisionBuild) -> Built:
     model_cfg = dataclasses.replace(req.settings.model, backend="onnxruntime")
     source = resolve_model_path(model_cfg.path)
     proto = onnx.load(str(source))
-    _check_weights(proto, req.precision, source)
+    check_weights(proto, req.precision, source)
     calibration = _calibration(req, source)
     options = _options(req)
     key = PrecisionKey(
@@ -151,10 +145,15 @@ def build_precision(req: PrecisionBuild) -> Built:
     try:
         if req.precision == "int8":
             assert calibration is not None
-            _quantize(source, tmp, calibration, req.per_channel)
+            prepared = tmp.with_name(tmp.name + ".prepared.onnx")
+            try:
+                onnx.save(weights_as_initializers(onnx, proto, req.per_channel), str(prepared))
+                quantize(prepared, tmp, calibration, req.per_channel, _quantized_ops(req))
+            finally:
+                prepared.unlink(missing_ok=True)
         else:
-            _to_float16(onnx, proto, tmp)
-        agreement = _agreement(source, tmp, calibration)
+            to_float16(onnx, proto, tmp)
+        agreement = check_agreement(source, tmp, calibration)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -205,35 +204,6 @@ def _check_request(req: PrecisionBuild) -> None:
         )
 
 
-def _check_weights(proto: Any, precision: CpuPrecision, source: Path) -> None:
-    """A model with nothing to convert is refused rather than copied: a "reduced
-    precision" build that changed nothing would be a rollout of nothing."""
-    floats = {t.name for t in proto.graph.initializer if t.data_type == FLOAT and _size(t) > 1}
-    floats |= {
-        n.output[0]
-        for n in proto.graph.node
-        if n.op_type == "Constant"
-        and any(a.name == "value" and a.t.data_type == FLOAT and _size(a.t) > 1
-                for a in n.attribute)
-    }  # fmt: skip
-    if precision == "fp16" and not floats:
-        raise ConfigError(
-            f"{source}: the model has no float32 weights to convert to float16 (already "
-            "float16, or integer only)"
-        )
-    weighted = [n for n in proto.graph.node if n.op_type in WEIGHTED_OPS
-                and len(n.input) > 1 and n.input[1] in floats]  # fmt: skip
-    if precision == "int8" and not weighted:
-        raise ConfigError(
-            f"{source}: the model has no float32 weights of {', '.join(sorted(WEIGHTED_OPS))} "
-            "to quantize to int8"
-        )
-
-
-def _size(tensor: Any) -> int:
-    return int(np.prod(tensor.dims)) if len(tensor.dims) else 1
-
-
 def _calibration(req: PrecisionBuild, source: Path) -> CalibrationSet | None:
     """The calibration feeds through the worker's binding of this model (or None)."""
     if not req.calibration_files and req.calibration_topic is None:
@@ -270,7 +240,12 @@ def _options(req: PrecisionBuild) -> dict[str, Any]:
         "activation_type": "QUInt8",
         "per_channel": req.per_channel,
         "calibrate_method": "MinMax",
+        "op_types": sorted(_quantized_ops(req)) or "all",
     }
+
+
+def _quantized_ops(req: PrecisionBuild) -> frozenset[str]:
+    return WEIGHTED_OPS if req.quantize_ops is None else frozenset(req.quantize_ops)
 
 
 def _cached(out: Path, digest: str) -> dict[str, Any] | None:
@@ -287,88 +262,3 @@ def _cached(out: Path, digest: str) -> dict[str, Any] | None:
     if meta.get("output", {}).get("sha256") != file_sha256(out):
         return None  # the file was replaced since: build again
     return meta
-
-
-def _quantize(source: Path, out: Path, calibration: CalibrationSet, per_channel: bool) -> None:
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def __init__(self, runs: Sequence[dict[str, np.ndarray]]) -> None:
-            self._runs = iter(runs)
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self._runs, None)
-
-    try:
-        quantize_static(
-            str(source), str(out), Reader(calibration.runs),
-            quant_format=QuantFormat.QDQ, per_channel=per_channel,
-            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-        )  # fmt: skip
-    except Exception as exc:  # boundary: the quantizer raises whatever it meets
-        raise BuildFailed(f"onnxruntime quantize_static failed on {source}: {exc}") from exc
-
-
-def _to_float16(onnx: Any, proto: Any, out: Path) -> None:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    try:
-        converted = convert_float_to_float16(proto, keep_io_types=True)
-        onnx.save(converted, str(out))
-    except Exception as exc:  # boundary: the converter raises whatever it meets
-        raise BuildFailed(f"onnxruntime convert_float_to_float16 failed: {exc}") from exc
-
-
-def _agreement(
-    source: Path, built: Path, calibration: CalibrationSet | None
-) -> dict[str, Any] | None:
-    """The built model against the float32 one on the calibration runs: per
-    output, the largest absolute difference and, for a float output ranking
-    classes on its last axis, the share of rows (or positions) whose top-1
-    agrees. Also proves ONNX Runtime's CPU provider loads and runs the output."""
-    import onnxruntime as ort
-
-    try:
-        candidate = ort.InferenceSession(str(built), providers=["CPUExecutionProvider"])
-    except Exception as exc:  # boundary: ORT's untyped errors
-        raise BuildFailed(f"onnxruntime cannot load the built model: {exc}") from exc
-    if calibration is None:
-        return None
-    reference = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
-    names = [o.name for o in reference.get_outputs()]
-    diffs: dict[str, float] = dict.fromkeys(names, 0.0)
-    agree: dict[str, list[int]] = {}
-    for feeds in calibration.runs:
-        want = reference.run(names, feeds)
-        try:
-            got = candidate.run(names, feeds)
-        except Exception as exc:  # boundary
-            raise BuildFailed(f"onnxruntime cannot run the built model: {exc}") from exc
-        for name, w_out, g_out in zip(names, want, got, strict=True):
-            w, g = np.asarray(w_out), np.asarray(g_out)
-            if w.dtype.kind != "f" or w.shape != g.shape:
-                continue
-            diffs[name] = max(diffs[name], float(np.max(np.abs(w - g), initial=0.0)))
-            if w.ndim >= 2 and w.shape[-1] > 1:
-                same = w.argmax(axis=-1) == g.argmax(axis=-1)
-                counts = agree.setdefault(name, [0, 0])
-                counts[0] += int(same.sum())
-                counts[1] += int(same.size)
-    return {
-        "on": "the calibration samples",
-        "samples": calibration.samples,
-        "outputs": {
-            name: {
-                "max_abs_diff": diffs[name],
-                **({"top1_agreement": agree[name][0] / agree[name][1]} if name in agree else {}),
-            }
-            for name in names
-        },
-    }

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per-tensor", action="store_true",
         help="int8: one scale per weight tensor instead of one per output channel",
     )  # fmt: skip
+    group.add_argument(
+        "--quantize-ops", default=None, metavar="OPS",
+        help="int8: the op types to quantize, comma-separated, or 'all' (every op the "
+        "quantizer handles); default: Conv, ConvTranspose, Gemm, MatMul",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             calibration_topic=args.calibration_topic,
             calibration_count=args.calibration_count,
             per_channel=not args.per_tensor, force=args.force,
+            quantize_ops=_ops(args.quantize_ops),
         )  # fmt: skip
         built = build_precision(request)
     except ConfigError as exc:
@@ -79,3 +85,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(built.path)
     return 0
+
+
+def _ops(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    if text.strip() == "all":
+        return ()
+    ops = tuple(o.strip() for o in text.split(",") if o.strip())
+    if not ops:
+        raise ConfigError("--quantize-ops: name op types (Conv,MatMul) or 'all'")
+    return ops

@@ -202,3 +202,42 @@ def test_two_inputs_from_an_npz_and_a_fixed_batch(tmp_path: Path) -> None:
 def _digits_input() -> TensorDesc:
     model = ModelConfig()
     return OnnxRuntimeEngine(resolve_model_path(model.path), model).info.io.inputs[0]
+
+
+def test_weights_in_constant_nodes_below_opset_13_are_quantized_per_channel(
+    tmp_path: Path,
+) -> None:
+    """As paddle2onnx writes models (every weight a Constant node, opset 11): the
+    weights become int8 initializers with one scale per output channel."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    scales = np.array([1.0, 0.1, 3.0, 0.01], np.float32)[:, None, None, None]
+    weight = (rng.normal(size=(4, 3, 3, 3)) * scales).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(weight)),
+            helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+        ],
+        "paddle_like",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    proto.ir_version = 7
+    source = tmp_path / "paddle_like.onnx"
+    onnx.save(proto, str(source))
+    rows = tmp_path / "rows.npy"
+    np.save(rows, rng.normal(size=(64, 3, 8, 8)).astype(np.float32))
+    settings = dataclasses.replace(Settings(), model=ModelConfig(path=str(source)))
+    built = build_precision(
+        PrecisionBuild(settings, "int8", out_dir=tmp_path, calibration_files=(rows,))
+    )
+    model = onnx.load(str(built.path))
+    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 13
+    assert not [n for n in model.graph.node if n.op_type == "Constant"]
+    init = {t.name: t for t in model.graph.initializer}
+    assert init["w_quantized"].data_type == onnx.TensorProto.INT8
+    assert list(init["w_scale"].dims) == [4]  # one scale per output channel
+    y = built.record["agreement_with_float32"]["outputs"]["y"]
+    assert y["max_abs_diff"] < 0.1 * np.abs(weight).sum(axis=(1, 2, 3)).max()
