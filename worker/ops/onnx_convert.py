@@ -6,6 +6,7 @@ the worker does not need them (``pip install -e '.[quantize]'``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -120,6 +121,8 @@ def quantize(
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self._runs, None)
 
+    root = logging.getLogger()
+    root.addFilter(_no_preprocessing_hint)
     try:
         quantize_static(
             str(source), str(out), Reader(calibration.runs),
@@ -130,6 +133,17 @@ def quantize(
         )  # fmt: skip
     except Exception as exc:  # boundary: the quantizer raises whatever it meets
         raise BuildFailed(f"onnxruntime quantize_static failed on {source}: {exc}") from exc
+    finally:
+        root.removeFilter(_no_preprocessing_hint)
+
+
+def _no_preprocessing_hint(record: logging.LogRecord) -> bool:
+    """The quantizer's advice to run its pre-processing (symbolic shape inference,
+    which needs sympy, and graph optimisation) is not passed on: this build
+    prepares the model its own way (``weights_as_initializers``) and is measured
+    as it is (BENCHMARKS.md). Warned twice per build to the root logger, the
+    advice would read as a problem with the user's model."""
+    return "pre-processing before quantization" not in record.getMessage()
 
 
 def to_float16(onnx: Any, proto: Any, out: Path) -> None:

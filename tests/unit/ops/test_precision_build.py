@@ -166,6 +166,15 @@ def test_calibration_flags_usage_exit_2(tmp_path: Path, capsys: pytest.CaptureFi
     assert "builds fp16 or int8" in capsys.readouterr().err
     assert main(build(tmp_path, "int8", "--calibration-files", str(tmp_path / "none"))) == 2
     assert "no such file or directory" in capsys.readouterr().err
+    assert (
+        main(build(tmp_path, "int8", "--calibration-files", str(DIGITS), "--quantize-ops", ","))
+        == 2
+    )
+    assert "--quantize-ops: name op types" in capsys.readouterr().err
+    out = tmp_path / "all.onnx"
+    args = ("--calibration-files", str(DIGITS), "--quantize-ops", "all", "--out", str(out))
+    assert main(build(tmp_path, "int8", *args)) == 0
+    assert json.loads(record_path(out).read_text())["options"]["op_types"] == "all"
 
 
 def test_two_inputs_from_an_npz_and_a_fixed_batch(tmp_path: Path) -> None:
