@@ -82,8 +82,9 @@ def test_identical_sides_agree_completely_and_meet_every_threshold() -> None:
     rows = [result(i, {**topk(i, 10 + i, 20 + i), "topk_scores": scores}) for i in range(5)]
     report = compare(rows, rows)
     out = report.outputs["topk_indices"]
-    assert (out.rows, out.ranked, out.top1, out.topk, out.k) == (5, 5, 1.0, 1.0, 3)
-    assert out.max_abs_diff == 0.0 and out.mean_cosine == 1.0
+    assert (out.rows, out.ranked, out.top1, out.topk, out.k) == (0, 5, 1.0, 1.0, 3)
+    assert out.max_abs_diff is None and out.mean_cosine is None  # class numbers: agreement only
+    assert report.outputs["topk_scores"].max_abs_diff == 0.0
     assert report.outputs["topk_scores"].ranked == 0  # sorted scores rank no class
     assert report.coverage.ratio == 1.0 and report.status["differs"] == 0
     assert failures(report, ALL) == []
@@ -121,7 +122,7 @@ def test_top1_and_topk_agreement_of_class_indices() -> None:
     out = compare(baseline, candidate).outputs["topk_indices"]
     assert out.top1 == pytest.approx(2 / 3)
     assert out.topk == pytest.approx((2 / 3 + 1 + 2 / 3) / 3)
-    assert out.max_abs_diff == 9.0  # indices compared as a tensor too: 9 vs 0 in row 2
+    assert out.max_abs_diff is None  # class numbers are not compared as a tensor
     report = compare(baseline, candidate)
     reasons = failures(report, Thresholds(min_top1=0.99, min_topk=0.5))
     assert reasons == ["--min-top1 0.99: topk_indices agrees on 0.6667"]
@@ -180,7 +181,7 @@ def test_outcomes_that_differ_in_status_or_error_code() -> None:
             "ok -> error:inference_failed": 1,
         },
     }
-    assert report.outputs["topk_indices"].rows == 1  # only pairs both answered ok
+    assert report.outputs["topk_indices"].ranked == 1  # only pairs both answered ok
     assert failures(report, Thresholds(max_error_diff=2)) == []
     assert failures(report, Thresholds(max_error_diff=0)) == [
         "--max-error-diff 0: the outcome differs in 2 rows"
@@ -307,3 +308,13 @@ def test_a_plot_without_matplotlib_is_refused_before_reading(
     monkeypatch.setattr(compare_plot, "available", lambda: False)  # as where it is missing
     assert run(cli("--baseline", "a", "--candidate", "b", "--plot", "x.png")) == 2
     assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+
+
+def test_class_numbers_are_compared_by_agreement_only() -> None:
+    """topk_indices holds class numbers: a difference between 3 and 8 means
+    nothing, so a --max-abs-diff or --min-cosine gate never reads it."""
+    from worker.ops.compare.stats import OutputAgreement
+
+    s = OutputAgreement(top_k=3)
+    s.add("topk_indices", np.array([3, 1, 2]), np.array([8, 1, 2]))
+    assert s.rows == 0 and s.top1_agree == 0 and s.ranked == 1

@@ -23,6 +23,11 @@ STAGES: Final = ("queue", "decode", "preprocess", "infer", "d2h", "total")
 PERCENTILES: Final = (50, 95, 99)
 
 
+# Outputs whose values are class numbers (the worker's top-k): compared by
+# agreement only, never by difference or cosine.
+INDEX_OUTPUTS = frozenset({"topk_indices"})
+
+
 @dataclass(frozen=True)
 class OutputSummary:
     """How one output agreed over the pairs both sides answered ``ok``.
@@ -91,6 +96,8 @@ class OutputAgreement:
                 self.only_candidate += 1
             return
         self._rank(name, a, b)
+        if name in INDEX_OUTPUTS:
+            return  # class numbers: their agreement is counted above; a difference means nothing
         if a.shape != b.shape:
             self.shape_mismatch += 1
             return
