@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import sys
 from typing import Any
 
@@ -17,7 +16,7 @@ from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results
 from worker.ops.compare.report import Thresholds, failures
 from worker.ops.compare.results import Side
-from worker.ops.verify.cli import add_reading_arguments
+from worker.ops.verify.cli import add_reading_arguments, emit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,14 +171,7 @@ def run(args: argparse.Namespace) -> int:
         "failures": missed,
         "bootstrap_servers": kafka.bootstrap_servers,
     }
-    if args.json == "-":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(report.format())
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=2)
-                fh.write("\n")
+    emit(report.format(), doc, args.json)
     if args.plot:
         plot.write_plot(report, args.plot)
     for reason in missed:

@@ -38,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_reading_arguments(parser)
 
 
+def emit(text: str, doc: dict[str, Any], json_path: str | None) -> None:
+    """The report as text on stdout, and as JSON to ``--json`` (``-``: stdout
+    instead of the text)."""
+    if json_path == "-":
+        print(json.dumps(doc, indent=2))
+        return
+    print(text)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+
+
 def add_reading_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``verify`` and ``compare`` read topics with, and where they report."""
     parser.add_argument(
@@ -119,14 +132,7 @@ def run(args: argparse.Namespace) -> int:
             "dlq": kafka.dlq_topic,
         },
     }
-    if args.json == "-":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(report.format())
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=2)
-                fh.write("\n")
+    emit(report.format(), doc, args.json)
     if not observed.complete:
         print(
             f"infer-worker verify: topics still busy after {args.timeout}s; "
