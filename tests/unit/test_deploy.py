@@ -497,3 +497,15 @@ def test_the_secured_override_merges_into_a_valid_secured_worker() -> None:
     mounted = {f"/run/secrets/{name}" for name in override["services"]["worker"]["secrets"]}
     assert {settings.kafka.sasl_plain_password_file, settings.kafka.ssl_cafile} == mounted
     assert set(override["secrets"]) == set(override["services"]["worker"]["secrets"])
+
+
+def test_the_shadow_override_is_a_shadow_of_the_worker_service() -> None:
+    override = yaml.safe_load((ROOT / "deploy" / "compose" / "shadow.yml").read_text())
+    svc = override["services"]["worker-shadow"]
+    assert svc["extends"]["service"] == "worker"
+    worker = services()["worker"]
+    merged = {**worker, "environment": {**environment(worker), **svc["environment"]}}
+    shadow, prod = settings_of(merged), settings_of(worker)
+    assert shadow.kafka.shadow and shadow.kafka.input_topics == prod.kafka.input_topics
+    assert shadow.kafka.group_id != prod.kafka.group_id
+    assert shadow.kafka.output_topic != prod.kafka.output_topic

@@ -169,3 +169,25 @@ def test_the_secured_deployment_takes_its_secrets_from_mounted_files() -> None:
         assert path is not None and any(path.startswith(m + "/") for m in mounts), path
     volumes = {v["name"] for v in pod["volumes"]}
     assert {m["name"] for m in container["volumeMounts"]} == volumes
+
+
+def test_the_shadow_deployment_is_a_shadow_of_its_own() -> None:
+    """deploy/kubernetes/worker-shadow.yaml: a valid configuration with
+    kafka.shadow, a group and a result topic of its own, the candidate model
+    from a mounted volume."""
+    base = yaml.safe_load((DEPLOY / "kubernetes" / "worker.yaml").read_text())
+    shadow = yaml.safe_load((DEPLOY / "kubernetes" / "worker-shadow.yaml").read_text())
+
+    def settings(doc: dict[str, Any]) -> Any:
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        return load_settings(env={e["name"]: e.get("value", "pod-0") for e in container["env"]})
+
+    prod, cand = settings(base), settings(shadow)
+    assert cand.kafka.shadow and not prod.kafka.shadow
+    assert cand.kafka.input_topics == prod.kafka.input_topics
+    assert cand.kafka.group_id != prod.kafka.group_id
+    assert cand.kafka.output_topic != prod.kafka.output_topic
+    (container,) = shadow["spec"]["template"]["spec"]["containers"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert any(cand.model.path.startswith(m + "/") for m in mounts)
+    assert shadow["metadata"]["name"] != base["metadata"]["name"]
