@@ -13,7 +13,7 @@ from aiokafka.errors import BrokerResponseError
 
 from worker.config import KafkaConfig
 from worker.flow.errors import ConfigError
-from worker.kafka.credentials import security_kwargs
+from worker.kafka.credentials import connection
 from worker.kafka.permissions import refused
 
 log = structlog.get_logger(__name__)
@@ -192,14 +192,9 @@ def with_options(
 
 
 def client_kwargs(k: KafkaConfig) -> dict[str, Any]:
-    """aiokafka keyword arguments for bootstrap, identity and security."""
-    return {
-        "bootstrap_servers": k.bootstrap_servers,
-        "client_id": k.client_id,
-        "metadata_max_age_ms": k.metadata_max_age_ms,
-        "request_timeout_ms": k.request_timeout_ms,
-        **security_kwargs(k),
-    }
+    """aiokafka keyword arguments for bootstrap, identity, security, and how old
+    the worker's clients let their metadata grow."""
+    return {**connection(k), "metadata_max_age_ms": k.metadata_max_age_ms}
 
 
 async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:

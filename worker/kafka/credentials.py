@@ -152,7 +152,9 @@ class FileToken(AbstractTokenProvider):  # type: ignore[misc]
         self._path = path
 
     async def token(self) -> str:
-        token = read_secret(self._path, "kafka.sasl_oauth_token_file").strip()
+        # Off the event loop: the file may sit on a slow network volume.
+        token = await asyncio.to_thread(read_secret, self._path, "kafka.sasl_oauth_token_file")
+        token = token.strip()
         exp = token_expiry(token)
         if exp is not None and exp <= time.time():
             log.warning("oauth_token_expired", file=self._path, expired_s_ago=time.time() - exp)
@@ -231,7 +233,3 @@ def connection(k: KafkaConfig) -> dict[str, Any]:
 def connect_kwargs(c: Connection) -> dict[str, Any]:
     """aiokafka keyword arguments for ``c``."""
     return {"bootstrap_servers": c} if isinstance(c, str) else dict(c)
-
-
-def bootstrap_of(c: Connection) -> str:
-    return c if isinstance(c, str) else str(c["bootstrap_servers"])

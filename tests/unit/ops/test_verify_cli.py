@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.kafka.credentials import bootstrap_of
+from worker.kafka.credentials import Connection
 from worker.ops.verify import InputRecord, Reply, add_arguments, run
+
+
+def bootstrap_of(c: Connection) -> str:
+    """The bootstrap servers a reader was given (a string, or connection arguments)."""
+    return c if isinstance(c, str) else str(c["bootstrap_servers"])
 
 
 def parse(*argv: str) -> argparse.Namespace:
