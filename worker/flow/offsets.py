@@ -6,7 +6,7 @@ finish out of order, so the committable position of a partition is a contiguous
 watermark: offset k+1 is committed only when every tracked offset <= k is done.
 ``worker.kafka.commit`` turns the watermarks into commits.
 
-Callers, by method: ``track`` (consume); ``owns`` and ``done`` (produce);
+Callers, by method: ``redelivered`` and ``track`` (consume); ``owns`` and ``done`` (produce);
 ``committable``, ``mark_committed`` (commit); ``watermarks_with`` (the
 exactly-once sink, ``worker.kafka.delivery.exactly_once``); ``forget`` and ``in_flight``
 (the worker's revoke handling and backpressure).
@@ -55,9 +55,32 @@ class OffsetTracker:
         self._epochs += 1
         return _PartitionState(epoch=self._epochs)
 
+    def redelivered(self, tp: TopicPartition, offset: int, highwater: int | None) -> bool:
+        """True when ``offset`` was already read in the partition's current epoch
+        (this assignment) and the broker's log still reaches past what was read
+        (``highwater``, the end offset the fetch that delivered it reported):
+        a second delivery of a record already answered or in flight, which the
+        consumer drops. Answering it again would be a duplicate, committed as
+        such under exactly-once, and run a stateful model on a state that
+        already includes it.
+
+        False when the offset is new, and when the log ends below what was read
+        (the broker lost its log: the embedded broker after a restart): that
+        backwards offset is a reset, which ``track`` turns into a new epoch. An
+        unknown ``highwater`` is taken as a reset (answered again, never lost).
+        The order of deliveries alone cannot tell the two apart (issue 35)."""
+        state = self._parts.get(tp)
+        if state is None:
+            return False
+        read_to = state.pending[-1] + 1 if state.pending else state.watermark
+        if read_to is None or offset >= read_to:
+            return False
+        return highwater is not None and highwater >= read_to
+
     def track(self, tp: TopicPartition, offset: int, nbytes: int = 0) -> int:
         """Register an offset as read; returns its epoch. Offsets of one partition
-        arrive ascending; one that does not means the partition was reset."""
+        arrive ascending; one that does not means the partition was reset (the
+        consumer has dropped redeliveries first: see ``redelivered``)."""
         state = self._parts.get(tp)
         if state is None:
             state = self._parts[tp] = self._new_state()

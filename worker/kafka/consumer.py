@@ -104,8 +104,12 @@ class Consumer:
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
-        # Counts revocations: records fetched before one are not tracked after it.
-        self._revocations = 0
+        # A stamp taken when each fetch returns, and when a revocation began or a
+        # partition was positioned: records fetched before either are dropped.
+        self._stamp = 0
+        self._revoked_at = 0
+        self._positioned_at: dict[TopicPartition, int] = {}
+        self._positioning: set[KafkaTP] = set()  # paused until positioned
         # Crash-loop protection (set by the worker when the guard topic exists).
         self.guard: CrashGuard | None = None
         self._max_crashes = 0
@@ -113,7 +117,6 @@ class Consumer:
         self._settled: Callable[[TopicPartition], Awaitable[None]] | None = None
         self._cautious: dict[TopicPartition, int] = {}
         self._quarantine: dict[TopicPartition, int] = {}
-        self._deciding: dict[TopicPartition, asyncio.Event] = {}
         self.client: AIOKafkaConsumer | None = None
         # A stateful model's restore from its state changelog, per assignment.
         self._restore: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
@@ -133,24 +136,34 @@ class Consumer:
 
     async def start_at_committed(self, tps: list[KafkaTP]) -> None:
         """Position newly assigned partitions at the group's committed offset (or
-        the beginning when there is none), explicitly. The consumer can otherwise
-        keep a fetch position from before a rebalance, which skips records when
-        the broker lost its log (the embedded broker after a restart)."""
+        the beginning when there is none), explicitly, and only then fetch them.
+        The consumer can otherwise keep a fetch position from before a
+        rebalance, which skips records when the broker lost its log (the
+        embedded broker after a restart).
+
+        The partitions are paused before the first await: while the restore of a
+        stateful model's states, the committed-offset lookup or the crash guard
+        is awaited, aiokafka would fetch them from a position it chose itself,
+        and the seek below would have the same records fetched again: answered
+        twice, and committed twice under exactly-once (issue 35). Records of a
+        fetch made before a partition was positioned are dropped (``_enqueue``);
+        they are read again from the decided position once it resumes."""
         assert self.client is not None
-        deciding = {TopicPartition(t.topic, t.partition): asyncio.Event() for t in tps}
-        if self.guard is not None or self._restore is not None:
-            # Set before the first await: the fetcher may hand out records of these
-            # partitions while this listener still runs, and none may be queued
-            # before the crash guard has decided how to treat the partition, or
-            # before its sequences' states are restored.
-            self._deciding.update(deciding)
+        consumer = self.client
+        consumer.pause(*tps)
+        self._positioning.update(tps)
         try:
             if self._restore is not None and tps:
-                await self._restore(list(deciding))
+                await self._restore([TopicPartition(t.topic, t.partition) for t in tps])
             await self._position_and_guard(tps)
         finally:
-            for event in deciding.values():
-                event.set()
+            self._stamp += 1
+            for t in tps:
+                self._positioned_at[TopicPartition(t.topic, t.partition)] = self._stamp
+            self._positioning.difference_update(tps)
+            if not self._backpressure.paused:  # else the backpressure's resume does it
+                owned = consumer.assignment()
+                consumer.resume(*(t for t in tps if t in owned))
 
     async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
         assert self.client is not None
@@ -209,7 +222,8 @@ class Consumer:
     def revoking(self) -> None:
         """Called when a revocation begins: the rest of any fetch made before it is
         dropped, not tracked (see ``_enqueue``)."""
-        self._revocations += 1
+        self._stamp += 1
+        self._revoked_at = self._stamp
 
     async def run(self) -> None:
         assert self.client is not None, "start() first"
@@ -231,7 +245,7 @@ class Consumer:
                     fetch.cancel()
                     break
                 try:
-                    generation, fetched = fetch.result()
+                    stamp, fetched = fetch.result()
                 except KafkaError as exc:
                     # The consumer reconnects by itself; back off and poll again.
                     failures += 1
@@ -245,19 +259,19 @@ class Consumer:
                     metrics.set_condition("fetch", True)
                 failures = 0
                 backoff.reset()
-                for records in fetched.values():
-                    await self._enqueue(records, generation)
+                for tp, records in fetched.items():
+                    await self._enqueue(tp, records, stamp)
                     self._apply_backpressure()
 
     async def _fetch(
         self, consumer: AIOKafkaConsumer, timeout_ms: int
     ) -> tuple[int, dict[KafkaTP, list[ConsumerRecord[Any, Any]]]]:
-        """``getmany()`` and the revocation count at the moment it returned. Taken
-        in the same step, so it belongs to the records: a fetch issued before a
-        revocation waits through the rebalance and returns records of the new
-        assignment, which must be tracked (the consumer's position is past them)."""
+        """``getmany()`` and the stamp at the moment it returned. Taken in the same
+        step, so it belongs to the records: a fetch issued before a revocation
+        waits through the rebalance and returns records of the new assignment,
+        which must be tracked (the consumer's position is past them)."""
         fetched = await consumer.getmany(timeout_ms=timeout_ms)
-        return self._revocations, fetched
+        return self._stamp, fetched
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake at once when stopping."""
@@ -273,21 +287,34 @@ class Consumer:
         if action == "pause":
             metrics.PAUSES.inc()
             log.info("fetch_paused", inflight_records=records, inflight_bytes=nbytes)
-        elif action == "resume":
-            self.client.resume(*self.client.paused())
+        elif action == "resume":  # not partitions still being positioned
+            self.client.resume(*(self.client.paused() - self._positioning))
             metrics.RESUMES.inc()
             log.info("fetch_resumed", inflight_records=records, inflight_bytes=nbytes)
         if self._backpressure.paused:
             # Also covers partitions assigned by a rebalance while paused.
             self.client.pause(*self.client.assignment())
 
-    async def _enqueue(self, records: list[ConsumerRecord[Any, Any]], generation: int) -> None:
-        queued = 0
+    async def _enqueue(
+        self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int
+    ) -> None:
+        """Queue one partition's records of a fetch, in order. Dropped, not tracked:
+        the rest of the fetch once a revocation began since it returned (it waited
+        on the full queue); records fetched before their partition was positioned;
+        second deliveries of offsets already read (``OffsetTracker.redelivered``)."""
+        assert self.client is not None
+        tp = TopicPartition(ktp.topic, ktp.partition)
+        if ktp in self._positioning or stamp < self._positioned_at.get(tp, 0):
+            # Fetched from a position the worker did not decide: the partition is
+            # read again from the decided one (start_at_committed).
+            return
+        highwater = self.client.highwater(ktp)
+        queued = redelivered = first = 0
         try:
             for record in records:
                 if self._stopping.is_set():
                     return
-                if self._revocations != generation:
+                if stamp < self._revoked_at:
                     # A revocation began since these records were fetched, while
                     # this loop waited on the full queue. Tracking the rest now
                     # would give offsets of a revoked, forgotten partition a fresh
@@ -298,10 +325,10 @@ class Consumer:
                     # (start_at_committed), so whoever owns these offsets next
                     # reads them again.
                     return
-                tp = TopicPartition(record.topic, record.partition)
-                deciding = self._deciding.get(tp)
-                if deciding is not None and not deciding.is_set():
-                    await deciding.wait()
+                if self._tracker.redelivered(tp, record.offset, highwater):
+                    first = record.offset if not redelivered else first
+                    redelivered += 1
+                    continue
                 if tp in self._cautious and self._settled is not None:
                     await self._settled(tp)  # everything before it answered and committed
                     self._cautious[tp] -= 1
@@ -318,6 +345,12 @@ class Consumer:
             # the per-record cost on the consume path.
             metrics.RECORDS_CONSUMED.inc(queued)
             metrics.QUEUE_DEPTH.set(self._jobs_out.qsize())
+            if redelivered:
+                metrics.REDELIVERIES_DROPPED.inc(redelivered)
+                log.warning(
+                    "redelivery_dropped", partition=f"{tp.topic}:{tp.partition}",
+                    records=redelivered, first=first, highwater=highwater,
+                )  # fmt: skip
 
     def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
         """Track the record's offset (before it is queued), then make its Job."""

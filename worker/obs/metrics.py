@@ -176,7 +176,14 @@ ISOLATION_RUNS = Counter(
     _MODEL,
 )
 PARTITION_RESETS = Counter(
-    "infer_partition_resets_total", "Partitions whose offsets moved backwards (log reset)"
+    "infer_partition_resets_total",
+    "Partitions whose offsets moved backwards because the broker's log ends below what "
+    "was read (the broker lost its log): answered again in a new epoch",
+)
+REDELIVERIES_DROPPED = Counter(
+    "infer_redeliveries_dropped_total",
+    "Records delivered again after this member had read them in the same assignment "
+    "(the broker still holds them): dropped, never answered twice",
 )
 
 GPU_SLOTS = Gauge("infer_gpu_slots", "GPU: slots (streams with preallocated buffers)", _MODEL)

@@ -144,3 +144,19 @@ def test_watermarks_with_previews_without_marking_and_reports_gaps() -> None:
     stale = t.track(A, 0)  # offsets went backwards: a reset, a new epoch
     assert t.watermarks_with(later) == ({}, True)  # the old epoch's answers count for nothing
     assert t.watermarks_with([(A, 0, stale)]) == ({A: 1}, True)
+
+
+def test_an_offset_read_again_while_the_log_reaches_past_it_is_a_redelivery() -> None:
+    """Issue 35: a second delivery of offsets already read in this epoch is told
+    apart from a reset by the broker's log, not by the order of deliveries."""
+    t = OffsetTracker()
+    assert not t.redelivered(A, 7, highwater=100)  # nothing read yet
+    epoch = t.track(A, 7)
+    t.track(A, 8)
+    assert t.redelivered(A, 7, highwater=100) and t.redelivered(A, 8, highwater=9)
+    assert not t.redelivered(A, 9, highwater=100)  # the next one
+    assert not t.redelivered(A, 0, highwater=3)  # the log ends below 9: a reset
+    assert not t.redelivered(A, 7, highwater=None)  # unknown: answered again, not lost
+    t.done(A, 7, epoch)
+    t.done(A, 8, epoch)  # answered: nothing pending, the watermark remembers
+    assert t.redelivered(A, 8, highwater=9) and not t.redelivered(A, 9, highwater=9)

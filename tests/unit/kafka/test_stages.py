@@ -192,6 +192,9 @@ class FakeConsumer:
     def resume(self, *tps: KafkaTP) -> None:
         pass
 
+    def highwater(self, tp: KafkaTP) -> int:
+        return 1 << 40  # the log reaches past anything read
+
 
 def record(offset: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord(A.topic, A.partition, offset, 0, 0, None, b"x", None, 0, 1, ())
