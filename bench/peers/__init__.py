@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-NAMES = ("tight_loop", "faust_take", "quix_apply")
+NAMES = ("tight_loop", "faust_take", "quix_apply", "librdkafka_loop")
 
 # Faust apps are started through their own command line.
 _ARGS = {"faust_take": ("worker", "--loglevel", "warn")}
