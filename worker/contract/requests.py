@@ -8,19 +8,31 @@ answered (there is no id), so it becomes ``UndecodableRecord`` and goes to the
 DLQ with its bytes intact; a map that breaks the contract becomes
 ``InvalidRequest`` carrying whatever id and meta could be recovered, so the
 client gets an error result it can correlate; every message names the field.
+
+Two steps, one set of rules. A typed msgspec decode reads the common request
+(the wire types checked in C, no intermediate dicts), then the value rules run
+on its fields (``_accept``): what it accepts is exactly what the field-by-field
+reading accepts, the same ``Request`` (a property test holds the two equal).
+Anything it does not accept is read again field by field (``_explain``), which
+refuses it with the message naming the first field at fault, or, for the rare
+valid request the typed decode declines (a non-canonical encoding), accepts it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgpack
+import msgspec
+
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.tensors import decode_tensor
+from worker.contract.tensors import decode_tensor, tensor_from_fields
 from worker.contract.wire import (
     MISSING,
     REQUEST_FIELDS,
     kind,
     pack,
+    reject_ext,
     short_name,
     unpack_map,
     versions_text,
@@ -49,11 +61,103 @@ def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Requ
         raise RecordTooLarge(
             f"record is {len(value)} bytes; the limit is {limits.max_record_bytes}"
         )
+    accepted = _accept(value, limits)
+    return accepted if accepted is not None else _explain(value, limits)
+
+
+class _WireTensor(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class _WireRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The request's wire types. Optional fields are UNSET when absent, so an
+    explicit nil is not taken for "absent" (it is refused, as by ``_explain``);
+    ``meta`` stays raw, to be read with the contract's msgpack defences."""
+
+    v: int
+    id: str
+    # msgspec unions hold one str-like type: a bin (an image file) declines the
+    # typed decode and is read field by field (its decoding costs far more).
+    inputs: dict[str, _WireTensor | str]
+    deadline_ms: int | msgspec.UnsetType = msgspec.UNSET
+    meta: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    sequence_start: bool = False
+    sequence_end: bool = False
+
+
+_TYPED = msgspec.msgpack.Decoder(_WireRequest, ext_hook=reject_ext)
+_DECLINED = (msgspec.MsgspecError, ValueError, TypeError, RecursionError, OverflowError)
+
+
+def _string_limit(limits: Limits) -> int:
+    # Text inputs may be longer than the other strings a request holds.
+    return max(limits.max_str_len, limits.max_text_bytes)
+
+
+def _accept(value: bytes, limits: Limits) -> Request | None:
+    """The request when it satisfies every rule, else None (``_explain`` says why)."""
+    try:
+        wire = _TYPED.decode(value)
+    except _DECLINED:
+        return None
+    if wire.v not in SUPPORTED_VERSIONS or _id_problem(wire.id, limits) is not None:
+        return None
+    deadline = None if wire.deadline_ms is msgspec.UNSET else wire.deadline_ms
+    if deadline is not None and deadline < 0:
+        return None
+    meta: dict[str, Any] | None = None
+    if wire.meta is not msgspec.UNSET:
+        try:
+            meta = msgpack.unpackb(
+                wire.meta, raw=False, strict_map_key=True, max_ext_len=0, ext_hook=reject_ext,
+                max_bin_len=limits.max_record_bytes, max_str_len=_string_limit(limits),
+                max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
+            )  # fmt: skip
+        except (ValueError, TypeError, RecursionError, msgpack.UnpackException):
+            return None
+        if _meta_problem(meta, limits) is not None:
+            return None
+    if not 1 <= len(wire.inputs) <= limits.max_inputs:
+        return None
+    if len(value) > _string_limit(limits) and not _strings_within(wire, _string_limit(limits)):
+        return None  # a string longer than msgpack's limit: undecodable, as read field by field
+    inputs: dict[str, InputValue] = {}
+    try:
+        for name, raw in wire.inputs.items():
+            path = f"inputs.{short_name(name)}"
+            if isinstance(raw, _WireTensor):
+                inputs[name] = tensor_from_fields(raw.dtype, raw.shape, raw.data, path, limits)
+            else:
+                inputs[name] = decode_text(raw, path, limits)
+    except (InvalidRequest, TensorTooLarge):
+        return None
+    return Request(
+        v=wire.v, id=wire.id, inputs=inputs, deadline_ms=deadline, meta=meta,
+        sequence_start=wire.sequence_start, sequence_end=wire.sequence_end,
+    )  # fmt: skip
+
+
+def _strings_within(wire: _WireRequest, limit: int) -> bool:
+    """Every string of the request within ``limit`` UTF-8 bytes (msgpack's
+    ``max_str_len``, which the field-by-field reading unpacks under)."""
+    strings = [wire.id, *wire.inputs]
+    for raw in wire.inputs.values():
+        if isinstance(raw, str):
+            strings.append(raw)
+        elif isinstance(raw, _WireTensor):
+            strings.append(raw.dtype)
+    return all(len(s.encode("utf-8", "surrogatepass")) <= limit for s in strings)
+
+
+def _explain(value: bytes, limits: Limits) -> Request:
+    """Read the request field by field, in the contract's order, and raise the
+    error naming the first field at fault (or return the request)."""
     obj = unpack_map(
         value,
         max_bin_len=limits.max_record_bytes,
-        # Text inputs may be longer than the other strings a request holds.
-        max_str_len=max(limits.max_str_len, limits.max_text_bytes),
+        max_str_len=_string_limit(limits),
         max_array_len=limits.max_array_len,
         max_map_len=limits.max_map_len,
     )

@@ -30,8 +30,15 @@ def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
         raise InvalidRequest(
             f"{path}.{short_name(unknown[0])}: unknown field; a tensor has dtype, shape, data"
         )
+    return tensor_from_fields(raw["dtype"], raw["shape"], raw["data"], path, limits)
 
-    dtype = raw["dtype"]
+
+def tensor_from_fields(
+    dtype: object, shape: object, data: object, path: str, limits: Limits
+) -> Tensor:
+    """A tensor's three fields checked, in the contract's order: the one set of
+    tensor rules, for a map ``decode_tensor`` unpacked and for the typed
+    decoder's fields (``worker.contract.typed``)."""
     if not isinstance(dtype, str):
         raise InvalidRequest(f"{path}.dtype: expected str, got {kind(dtype)}")
     if dtype not in DTYPES:
@@ -39,7 +46,6 @@ def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
             f"{path}.dtype: unsupported {short_name(dtype)!r}; supported: {DTYPE_LIST}"
         )
 
-    shape = raw["shape"]
     if not isinstance(shape, list):
         raise InvalidRequest(f"{path}.shape: expected a list of ints, got {kind(shape)}")
     if not 1 <= len(shape) <= limits.max_rank:
@@ -58,7 +64,6 @@ def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
             f"{path}: {dtype} {shape} is {nbytes} bytes; the limit is {limits.max_tensor_bytes}"
         )
 
-    data = raw["data"]
     if not isinstance(data, bytes):
         raise InvalidRequest(f"{path}.data: expected msgpack bin, got {kind(data)}")
     if len(data) != nbytes:

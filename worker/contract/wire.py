@@ -31,7 +31,7 @@ class Missing:
 MISSING: Final = Missing()
 
 
-def reject_ext(code: int, data: bytes) -> object:
+def reject_ext(code: int, data: bytes | memoryview) -> object:
     """msgpack's ext_hook: zero-length ext values slip past ``max_ext_len=0``,
     and ext types are outside the contract whatever their length."""
     raise ValueError(f"msgpack ext type {code} is not allowed")
