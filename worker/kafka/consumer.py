@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -371,7 +371,7 @@ class Consumer:
         )
         if self._quarantine.get(tp) == record.offset:
             del self._quarantine[tp]
-            job = dataclasses.replace(
+            job = msgspec.structs.replace(
                 job, request=None, inputs={}, raw_value=record.value,
                 failure=CrashLoop(
                     f"worker processes died {self._max_crashes} times with this record at "

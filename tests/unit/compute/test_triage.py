@@ -3,9 +3,9 @@ the failing request is alone; everything else in it is answered normally."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
@@ -142,8 +142,8 @@ async def test_engine_dead_is_not_isolated() -> None:
 def test_triage_answers_failed_and_expired_jobs_without_the_engine() -> None:
     now = time.monotonic()
     ok, expired, failed = jobs(3, set())
-    expired = dataclasses.replace(expired, deadline=now - 1.0)
-    failed = dataclasses.replace(failed, failure=InvalidRequest("inputs.image: missing"))
+    expired = msgspec.structs.replace(expired, deadline=now - 1.0)
+    failed = msgspec.structs.replace(failed, failure=InvalidRequest("inputs.image: missing"))
     labels = {"model": "triage-test", "version": "1"}
     batch = Batch([ok, expired, failed], now, "delay", seq=3)
     rows, runnable = triage(batch, now, ModelMetrics(*labels.values()))

@@ -10,6 +10,7 @@ from typing import Any
 
 import jsonschema
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -201,7 +202,10 @@ def test_required_fields_match_the_dataclasses(schema: dict[str, Any], cls: type
     """A field whose default is None is left off the wire when None, a flag whose
     default is false when false (optional); every other field is always written
     (required)."""
-    fields = dataclasses.fields(cls)
+    # Request is a msgspec Struct (made per record), Result a dataclass.
+    fields = (
+        msgspec.structs.fields(cls) if issubclass(cls, msgspec.Struct) else dataclasses.fields(cls)
+    )
     optional = {f.name for f in fields if f.default is None or f.default is False}
     always = {f.name for f in fields} - optional
     assert set(schema["required"]) == always
