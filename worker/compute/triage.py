@@ -47,11 +47,11 @@ def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list
     deadline are answered ``deadline_exceeded`` without spending engine time."""
     answers = [Row.of(job) for job in batch.items]
     runnable: list[Row] = []
-    for answer in answers:
+    queued_s = [batch.formed_at - answer.job.arrived for answer in answers]
+    metrics.observe_all(m.queue_seconds, queued_s)
+    for answer, queued in zip(answers, queued_s, strict=True):
         job = answer.job
-        queued = batch.formed_at - job.arrived
         answer.timing_us["queue"] = micros(queued)
-        m.queue_seconds.observe(queued)
         if job.failure is not None:
             continue
         if job.deadline is not None and now >= job.deadline:

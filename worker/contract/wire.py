@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Final, TypeVar
 
 import msgpack
+import msgspec
 
 from worker.flow.errors import UndecodableRecord
 from worker.flow.values import SUPPORTED_VERSIONS
@@ -63,9 +64,23 @@ def unpack_map(value: bytes, **limits: int) -> dict[str, Any]:
     return obj
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+
+
 def pack(obj: object) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return packed
+    """msgpack bytes of ``obj``, byte for byte what ``msgpack.packb(obj,
+    use_bin_type=True)`` writes (the smallest form of every int, float64
+    floats, str and bin types; a property test holds the two equal), written by
+    msgspec's encoder: a result's map in a third of the time (issue 36). What
+    msgspec will not encode (a bytes map key in an echoed ``meta``, nesting
+    deeper than Python's recursion limit, which msgpack's C encoder takes to
+    1024 levels as its decoder does) goes to msgpack, which also raises the
+    errors callers expect."""
+    try:
+        return _ENCODER.encode(obj)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
+        return packed
 
 
 _T = TypeVar("_T")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from bisect import bisect_left
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
@@ -238,6 +240,25 @@ class ModelMetrics:
         if (found := self._results.get(status)) is None:
             found = self._results[status] = RESULTS_PRODUCED.labels(*self._labels, status)
         return found
+
+
+def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe(a)`` for every amount, per batch: one bisect per
+    amount and one locked increment per bucket touched, where ``observe`` scans
+    the buckets in Python and locks twice per amount (three histograms per
+    record were about 5% of the event loop, issue 36). It reaches into the
+    histogram's buckets (prometheus_client 0.20-0.26 keep them so); a unit test
+    holds its exposition equal to ``observe``'s for the same amounts."""
+    if not amounts:
+        return
+    bounds = histogram._upper_bounds
+    counts: dict[int, int] = {}
+    for amount in amounts:
+        i = bisect_left(bounds, amount)  # the first bound >= amount: observe's bucket
+        counts[i] = counts.get(i, 0) + 1
+    histogram._sum.inc(sum(amounts))
+    for i, n in counts.items():
+        histogram._buckets[i].inc(n)
 
 
 _ready = threading.Event()

@@ -300,6 +300,8 @@ class Writer:
         """Mark offsets done and count what was delivered, per batch."""
         now, wall_ms = time.monotonic(), time.time() * 1000.0
         kinds: dict[str, int] = {}
+        latencies: list[float] = []
+        ages: list[float] = []
         for out in acked:
             job = out.job
             key = (job.tp, job.offset, job.epoch)
@@ -311,11 +313,13 @@ class Writer:
             if out.kind == "state":
                 metrics.STATE_RECORDS.inc()
                 continue
-            self._metrics.request_seconds.observe(now - job.arrived)
+            latencies.append(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
-                metrics.RECORD_AGE_SECONDS.observe(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
+                ages.append(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
             kinds[out.kind] = kinds.get(out.kind, 0) + 1
+        metrics.observe_all(self._metrics.request_seconds, latencies)
+        metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
         if self._kafka.state_topic:
             metrics.STATE_PENDING.set(len(self._pending))
         for kind, count in kinds.items():  # counters per batch, not per record

@@ -1,0 +1,44 @@
+"""``observe_all`` (per batch) exposes exactly what ``observe`` per amount does."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
+
+from worker.obs.metrics import observe_all
+
+BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0)
+amounts = st.lists(
+    st.one_of(
+        st.sampled_from([*BUCKETS, 0.0, -1.0, 1e9]),  # bounds themselves, and outside them
+        st.floats(min_value=-1.0, max_value=100.0, allow_nan=False),
+    ),
+    max_size=50,
+)
+
+
+def exposition(values: list[float], batched: bool) -> dict[tuple[str, str], float]:
+    registry = CollectorRegistry()
+    h = Histogram("t_seconds", "test", ["model"], buckets=BUCKETS, registry=registry)
+    child = h.labels("m")
+    if batched:
+        observe_all(child, values)
+    else:
+        for v in values:
+            child.observe(v)
+    return {
+        (s.name, s.labels.get("le", "")): s.value
+        for metric in registry.collect()
+        for s in metric.samples
+        if not s.name.endswith("_created")
+    }
+
+
+@given(amounts, st.integers(1, 3))
+def test_batched_observations_expose_what_one_by_one_does(values: list[float], rounds: int) -> None:
+    one_by_one = exposition(values * rounds, batched=False)
+    batched = exposition(values * rounds, batched=True)
+    assert batched.keys() == one_by_one.keys()
+    for key, want in one_by_one.items():
+        assert abs(batched[key] - want) <= 1e-9 * max(1.0, abs(want)), key
