@@ -185,6 +185,23 @@ def fixed_batch(path: Path, batch: int = 2, seed: int = 0) -> Path:
     return _save(graph, path)
 
 
+def lying_output(path: Path) -> Path:
+    """``x`` float32 [1, n, 2] -> ``y`` declared [1, seq], returned [n, 2]: a
+    fixed-batch-1 model whose output declaration does not hold (Squeeze drops
+    the batch axis; shape inference cannot tell the rank, so onnxruntime keeps
+    the declaration and only warns at run time, ``VerifyOutputSizes``), like the
+    PyPI OCR model of issue 37 that declares [1, seqlen] and returns [seqlen, 1, C]."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Squeeze", ["x"], ["y"])],
+        "lying_output",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seq"])],
+    )
+    return _save(graph, path)
+
+
 def recurrent(path: Path, seed: int = 0) -> Path:
     """A voice-activity detector's shape: ``input`` float32 [batch, samples],
     ``state`` float32 [2, batch, 3] (batch on axis 1), ``sr`` int64 [] (one sample

@@ -213,7 +213,7 @@ class InferenceStage(Stage):
                 c0 = time.monotonic()
                 collated = self._inputs.collate(filled, buffers=buffers)
                 collating += time.monotonic() - c0
-                raw = self._outputs.first_rows(self._engine.run(collated.feeds), len(part))
+                raw = self._outputs.first_rows(self._engine.run(collated.feeds), len(part), fixed)
                 self._outputs.scatter(raw, part)
             t1 = t0 + collating
         t2 = time.monotonic()

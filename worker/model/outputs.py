@@ -113,18 +113,62 @@ class OutputPlan:
             if desc.batch_axis:
                 self.axes[desc.name] = desc.batch_axis
         # What each run must return a row of: the returned outputs, and model.output
-        # when postprocessing reads it.
+        # when postprocessing reads it; each held to what the model declares.
         self.used = selection.returned
+        self.declared = {d.name: d for d in io.outputs if d.name in self.used}
+        self.fixed_batch = io.batch
 
-    def first_rows(self, raw: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    def first_rows(
+        self, raw: Mapping[str, np.ndarray], n: int, run_rows: int
+    ) -> dict[str, np.ndarray]:
         """The first ``n`` rows of each output a result needs, at its batch axis (a
-        run of a fixed-batch model filled up past the requests it answers)."""
+        run of ``run_rows`` of a fixed-batch model, filled up past the requests it
+        answers); each output first held to its declaration (``check``)."""
         out = dict(raw)
         for name in self.used:
             arr = raw.get(name)
-            if arr is not None and arr.ndim > (axis := self.axes.get(name, 0)):
-                out[name] = arr[(slice(None),) * axis + (slice(0, n),)]
+            if arr is None:
+                raise InferenceFailed(f"the engine returned no output {name!r}")
+            self.check(name, arr, run_rows)
+            axis = self.axes.get(name, 0)
+            out[name] = arr[(slice(None),) * axis + (slice(0, n),)]
         return out
+
+    def check(self, name: str, arr: np.ndarray, rows: int) -> None:
+        """``arr`` is output ``name`` as the model declares it for a run of ``rows``:
+        its rank, ``rows`` on its batch axis, every fixed dimension. Otherwise
+        ``InferenceFailed`` (each request of the run is answered
+        ``inference_failed``) naming the output and both shapes. A declaration
+        that does not hold would have the rows taken from the wrong axis: a
+        fixed-batch OCR model from PyPI declares ``[1, seqlen]`` and returns
+        ``[seqlen, 1, C]``, and "the first row" was its first time step, answered
+        ``ok`` (issue 37)."""
+        desc = self.declared.get(name)
+        axis = self.axes.get(name, 0)
+        if desc is None:  # nothing declared to hold it to: the rows at least
+            if arr.ndim <= axis or arr.shape[axis] != rows:
+                raise InferenceFailed(f"output {name} has shape {list(arr.shape)}: not "
+                                      f"{rows} rows on axis {axis}")  # fmt: skip
+            return
+        want = desc.full_shape(rows)
+        problem = None
+        if arr.ndim != len(want):
+            problem = f"rank {arr.ndim}, not {len(want)}"
+        else:
+            for i, (dim, got) in enumerate(zip(want, arr.shape, strict=True)):
+                if isinstance(dim, int) and dim != got:
+                    what = "the run's rows" if i == desc.batch_axis else "declared"
+                    problem = f"axis {i} is {got}, not {dim} ({what})"
+                    break
+        if problem is not None:
+            batch = "batch" if self.fixed_batch is None else self.fixed_batch
+            declared = ", ".join("?" if d is None else str(d) for d in desc.full_shape(batch))
+            raise InferenceFailed(
+                f"output {name!r}: the model declares [{declared}], the engine returned "
+                f"{list(arr.shape)} for a run of {rows} ({problem}): the model file's "
+                "declaration does not hold, so no request's row can be told; fix the "
+                "export, or leave the output out (model.outputs)"
+            )
 
     def scatter(
         self,
@@ -141,10 +185,8 @@ class OutputPlan:
             arr = raw.get(name)
             if arr is None:
                 raise InferenceFailed(f"the engine returned no output {name!r}")
+            self.check(name, arr, n)  # a row for each request, as declared
             axis = self.axes.get(name, 0)
-            if arr.ndim <= axis or arr.shape[axis] != n:  # not a row for each request
-                raise InferenceFailed(f"output {name} has shape {list(arr.shape)}: not "
-                                      f"{n} rows on axis {axis}")  # fmt: skip
             if axis:
                 raw[name] = np.moveaxis(arr, axis, 0)
         batch: dict[str, np.ndarray] = {}  # whole-batch arrays, one row per request

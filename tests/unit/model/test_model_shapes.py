@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.models import model_inputs, run_stage
-from tests.onnx_models import fixed_batch, ranker, recurrent, run_alone, strided
+from tests.onnx_models import fixed_batch, lying_output, ranker, recurrent, run_alone, strided
 from worker.config import ModelConfig, load_settings
 from worker.config.model import ConstantInput, TensorInput
 from worker.contract import Request, Tensor
@@ -134,3 +134,19 @@ async def test_a_size_the_model_refuses_fails_alone_not_its_batch() -> None:
         assert answer.error is None and answer.outputs is not None
         for name, want in real_models.reference("ppocr-det", request).items():
             real_models.close_enough("ppocr-det", answer.outputs[name], want)
+
+
+async def test_an_output_that_breaks_its_declaration_is_an_error_not_a_row(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: the model declares y [1, seq] and returns [n, 2]. The row at axis
+    0 of a run of one was the first of n rows, answered ok; now every request
+    of the run is answered inference_failed naming the output and both shapes."""
+    path = lying_output(tmp_path / "lying.onnx")
+    rows = [RNG.normal(size=(3, 2)).astype(np.float32) for _ in range(2)]
+    done = await run_stage(ModelConfig(path=str(path)), [tensors({"x": r}) for r in rows])
+    for answer in done.answers:
+        assert answer.outputs is None and answer.error is not None
+        assert answer.error.code == "inference_failed"
+        assert "output 'y'" in answer.error.message
+        assert "[1, seq]" in answer.error.message and "[3, 2]" in answer.error.message
