@@ -7,9 +7,11 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.onnx_models import lying_output
 from worker.ops.broker import Broker, create_topics
 
 pytestmark = pytest.mark.integration
@@ -141,3 +143,19 @@ async def test_exactly_once_exits_2_where_the_broker_has_no_transactions(
     assert proc.returncode == 2, proc.stderr
     assert "kafka.processing_guarantee" in proc.stderr and "transactions" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_model_whose_output_breaks_its_declaration_exits_2_naming_it(tmp_path: Path) -> None:
+    """Issue 37: the file declares y [1, seq] and returns [n, 2]; a run on zeros at
+    start-up shows it before the worker joins its group (Kafka is never contacted)."""
+    path = lying_output(tmp_path / "lying.onnx")
+    proc = run_worker(
+        {
+            "INFER_WORKER_MODEL__PATH": str(path),
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "model.path" in proc.stderr and "output 'y'" in proc.stderr
+    assert "[1, seq]" in proc.stderr and "Traceback" not in proc.stderr

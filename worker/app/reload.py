@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-import numpy as np
 import structlog
 
+from worker.app.probe import self_test
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import Engine, load_engine
 from worker.config import Settings
@@ -103,20 +103,3 @@ def compatible(serving: Binding, new: Binding) -> str | None:
     if dropped:
         return f"it lacks outputs the serving version returns: {sorted(dropped)}"
     return None
-
-
-def self_test(engine: Engine) -> str | None:
-    """One run on a batch of one row of zeros (free dimensions of length 1): an
-    engine that cannot run, or returns other outputs than it declares, fails."""
-    feeds = {}
-    for desc in engine.info.io.inputs:
-        row = tuple(d if isinstance(d, int) else 1 for d in desc.shape)
-        shape = row if desc.batch_axis is None else (*row[: desc.batch_axis], 1,
-                                                     *row[desc.batch_axis :])  # fmt: skip
-        feeds[desc.name] = np.zeros(shape, desc.dtype)
-    try:
-        outputs = engine.run(feeds)
-    except Exception as exc:  # boundary: whatever the runtime raises on a bad model
-        return f"its self-test run failed: {exc!r}"[:500]
-    missing = set(engine.info.output_names) - set(outputs)
-    return f"its self-test run returned no {sorted(missing)}" if missing else None

@@ -18,6 +18,7 @@ from typing import cast
 import structlog
 
 from worker.app.plan import RunPlan
+from worker.app.probe import check_declarations
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.compute.stage import Stage
@@ -69,6 +70,8 @@ async def build_stages(
     Kafka is contacted), shared by the intake and the inference stage."""
     b = s.batching
     binding = bind_model(s.model, engine.info.io, s.limits, b)
+    if plan.device == "cpu":  # the GPU stage's engines run per slot, after start-up
+        await asyncio.to_thread(check_declarations, engine, binding.outputs)
     log.info("model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names))
     limits = fit_limits(s.limits, binding.inputs)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
