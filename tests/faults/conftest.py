@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 
 from worker.contract import Request, Tensor, encode_request
-from worker.ops.broker import Broker
+from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
 from worker.ops.topics import Collector, end_offsets
 from worker.ops.verify import InputRecord, Reply, Report, check, read_topics
@@ -206,3 +206,37 @@ def no_crash_in_log(w: WorkerProcess) -> None:
 
 
 Pred = Callable[[dict[str, float]], bool]
+
+
+def consumed(w: WorkerProcess) -> float:
+    return w.metrics().get("infer_records_consumed_total", 0.0)
+
+
+async def reads_more(w: WorkerProcess, records: float, within: float) -> None:
+    """Until ``w`` has read ``records`` more (or ``within`` seconds passed: this
+    only picks the moment of a fault, it is no condition of the test)."""
+    deadline = time.monotonic() + within
+    start = await asyncio.to_thread(consumed, w)
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(consumed, w) >= start + records:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def silero_with_changelog(
+    broker: Broker, names: Mapping[str, str], parts: int
+) -> dict[str, str]:
+    """Topics for silero-vad served statefully with a state changelog (input,
+    results and changelog of ``parts`` partitions), and the worker settings
+    that serve it on them."""
+    from tests import real_models
+    from tests.integration.test_stateful import STATEFUL
+
+    states = f"{names['requests']}.states"
+    await create_topics(broker.bootstrap, {names["requests"]: parts, names["results"]: parts,
+                                           names["dlq"]: 1, states: parts})  # fmt: skip
+    return {
+        **STATEFUL,
+        "INFER_WORKER_MODEL__PATH": str(real_models.model_path("silero-vad")),
+        "INFER_WORKER_KAFKA__STATE_TOPIC": states,
+    }

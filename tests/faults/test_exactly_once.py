@@ -21,7 +21,14 @@ from worker.ops.processes import WorkerProcess
 from worker.ops.topics import Collector, OffsetGaps, produce_all
 from worker.ops.verify import check, read_topics
 
-from .conftest import no_crash_in_log, record_scenario, request, start, wait_assigned
+from .conftest import (
+    no_crash_in_log,
+    reads_more,
+    record_scenario,
+    request,
+    start,
+    wait_assigned,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -51,21 +58,6 @@ async def results_written(broker: Broker, topic: str) -> int:
         return count
     finally:
         await c.stop()
-
-
-def consumed(w: WorkerProcess) -> float:
-    return w.metrics().get("infer_records_consumed_total", 0.0)
-
-
-async def reads_more(w: WorkerProcess, records: float, within: float) -> None:
-    """Until ``w`` has read ``records`` more (or ``within`` seconds passed: this
-    only picks the moment of a fault, it is no condition of the test)."""
-    deadline = time.monotonic() + within
-    start = await asyncio.to_thread(consumed, w)
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(consumed, w) >= start + records:
-            return
-        await asyncio.sleep(0.01)
 
 
 async def until(cond: Callable[[], bool], timeout: float, what: str) -> None:

@@ -18,7 +18,6 @@ the state, and a replay on the wrong state would pass unseen)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import wave
 from collections.abc import Callable
 from pathlib import Path
@@ -26,20 +25,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import real_models
 from tests.integration.test_stateful import (
-    STATEFUL,
     assert_as_alone,
+    chunk_request,
     fresh_state_answers,
     sequential_reference,
 )
-from worker.contract import Request, Tensor, encode_request
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess
 from worker.ops.topics import Collector, produce_all
 from worker.ops.verify import check, read_topics
 
-from .conftest import no_crash_in_log, record_scenario, request, start, wait_assigned
+from .conftest import (
+    no_crash_in_log,
+    reads_more,
+    record_scenario,
+    request,
+    silero_with_changelog,
+    start,
+    wait_assigned,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -71,28 +76,6 @@ def speech_streams() -> dict[int, list[np.ndarray]]:
         signal = np.concatenate([np.zeros(CONTEXT, np.float32), signal])
         streams[s] = [signal[i * CHUNK : (i + 1) * CHUNK + CONTEXT] for i in range(STEPS)]
     return streams
-
-
-def speech_request(stream: int, i: int, chunk: np.ndarray) -> bytes:
-    return encode_request(Request(
-        v=1, id=f"s{stream}-c{i}", inputs={"input": Tensor.from_numpy(chunk)},
-        sequence_start=i == 0, sequence_end=i == STEPS - 1,
-    ))  # fmt: skip
-
-
-def consumed(w: WorkerProcess) -> float:
-    return w.metrics().get("infer_records_consumed_total", 0.0)
-
-
-async def reads_more(w: WorkerProcess, records: float, within: float) -> None:
-    """Until ``w`` has read ``records`` more, or ``within`` seconds passed (this
-    only picks the moment of the kill)."""
-    deadline = time.monotonic() + within
-    begin = await asyncio.to_thread(consumed, w)
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(consumed, w) >= begin + records:
-            return
-        await asyncio.sleep(0.02)
 
 
 async def restart_one_member(
@@ -173,16 +156,9 @@ async def test_stateful_member_restarted_five_times_answers_each_chunk_once_as_a
     reference, fresh = sequential_reference(streams[0]), fresh_state_answers(streams[0])
     differs = np.mean(np.abs(np.ravel(reference) - np.ravel(fresh)) > 0.05)
     assert differs > 0.5, f"only {differs:.0%} of chunks depend on the state"
-    states = f"{names['requests']}.states"
-    await create_topics(broker.bootstrap, {names["requests"]: PARTS, names["results"]: PARTS,
-                                           names["dlq"]: 1, states: PARTS})  # fmt: skip
-    env = {
-        **STATEFUL, **STATIC,
-        "INFER_WORKER_MODEL__PATH": str(real_models.model_path("silero-vad")),
-        "INFER_WORKER_KAFKA__STATE_TOPIC": states,
-    }  # fmt: skip
+    env = {**await silero_with_changelog(broker, names, PARTS), **STATIC}
     records: list[tuple[bytes | None, bytes]] = [
-        (f"stream-{s}".encode(), speech_request(s, i, streams[s][i]))
+        (f"stream-{s}".encode(), chunk_request(s, i, streams[s][i], STEPS))
         for i in range(STEPS) for s in range(STREAMS)
     ]  # fmt: skip
     results, restarted = await restart_one_member(

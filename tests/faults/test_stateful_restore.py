@@ -17,21 +17,25 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests import real_models
 from tests.integration.test_stateful import (
     CHUNKS,
-    STATEFUL,
     assert_as_alone,
     audio,
     chunk_request,
     sequential_reference,
 )
-from worker.ops.broker import Broker, create_topics
+from worker.ops.broker import Broker
 from worker.ops.processes import WorkerProcess
 from worker.ops.topics import Collector, produce_all
 from worker.ops.verify import check, read_topics
 
-from .conftest import no_crash_in_log, record_scenario, start, wait_assigned
+from .conftest import (
+    no_crash_in_log,
+    record_scenario,
+    silero_with_changelog,
+    start,
+    wait_assigned,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -44,13 +48,8 @@ async def test_states_restored_after_a_sigkill(
     broker: Broker, names: dict[str, str], guarantee: str
 ) -> None:
     eos = guarantee == "exactly-once"
-    states = f"{names['requests']}.states"
-    await create_topics(broker.bootstrap, {names["requests"]: PARTS, names["results"]: PARTS,
-                                           names["dlq"]: 1, states: PARTS})  # fmt: skip
     env = {
-        **STATEFUL,
-        "INFER_WORKER_MODEL__PATH": str(real_models.model_path("silero-vad")),
-        "INFER_WORKER_KAFKA__STATE_TOPIC": states,
+        **await silero_with_changelog(broker, names, PARTS),
         "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": guarantee,
         # The killed member's open transaction is aborted this soon, so that
         # read_committed readers of its partitions are not held up for long.

@@ -74,10 +74,12 @@ def assert_as_alone(results: dict[str, Result], streams: dict[int, list[np.ndarr
             )  # fmt: skip
 
 
-def chunk_request(stream: int, i: int, chunk: np.ndarray) -> bytes:
+def chunk_request(stream: int, i: int, chunk: np.ndarray, chunks: int = CHUNKS) -> bytes:
+    """Chunk ``i`` of a stream of ``chunks``: the first starts its sequence, the
+    last ends it."""
     return encode_request(Request(
         v=1, id=f"s{stream}-c{i}", inputs={"input": Tensor.from_numpy(chunk)},
-        sequence_start=i == 0, sequence_end=i == CHUNKS - 1,
+        sequence_start=i == 0, sequence_end=i == chunks - 1,
     ))  # fmt: skip
 
 
