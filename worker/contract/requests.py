@@ -110,11 +110,16 @@ def _accept(value: bytes, limits: Limits) -> Request | None:
     meta: dict[str, Any] | None = None
     if wire.meta is not msgspec.UNSET:
         try:
+            # Inside a one-element array: msgpack bounds nesting from the top of
+            # what it unpacks, and in the request the meta sits one level down
+            # (read alone, a meta one level too deep passed; its result then
+            # could not be decoded).
             meta = msgpack.unpackb(
-                wire.meta, raw=False, strict_map_key=True, max_ext_len=0, ext_hook=reject_ext,
-                max_bin_len=limits.max_record_bytes, max_str_len=_string_limit(limits),
-                max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
-            )  # fmt: skip
+                b"\x91" + bytes(wire.meta), raw=False, strict_map_key=True, max_ext_len=0,
+                ext_hook=reject_ext, max_bin_len=limits.max_record_bytes,
+                max_str_len=_string_limit(limits), max_array_len=limits.max_array_len,
+                max_map_len=limits.max_map_len,
+            )[0]  # fmt: skip
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException):
             return None
         if _meta_problem(meta, limits) is not None:

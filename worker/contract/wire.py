@@ -68,14 +68,15 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def pack(obj: object) -> bytes:
-    """msgpack bytes of ``obj``, byte for byte what ``msgpack.packb(obj,
-    use_bin_type=True)`` writes (the smallest form of every int, float64
-    floats, str and bin types; a property test holds the two equal), written by
-    msgspec's encoder: a result's map in a third of the time (issue 36). What
-    msgspec will not encode (a bytes map key in an echoed ``meta``, nesting
-    deeper than Python's recursion limit, which msgpack's C encoder takes to
-    1024 levels as its decoder does) goes to msgpack, which also raises the
-    errors callers expect."""
+    """msgpack bytes of ``obj``, written by msgspec's encoder (a result's map in
+    a third of the time, issue 36), byte for byte what ``msgpack.packb(obj,
+    use_bin_type=True)`` writes: the smallest form of every int, float64
+    floats, str and bin types (a property test holds the two equal). What
+    msgspec will not encode goes to msgpack, which also raises the errors
+    callers expect: a bytes map key in an echoed ``meta``, or nesting deeper
+    than Python's recursion limit allows msgspec. msgpack refuses nesting past
+    1024 levels, which msgspec does not; nothing the worker encodes nests that
+    deep, since a request's meta is read under msgpack's bound."""
     try:
         return _ENCODER.encode(obj)
     except (TypeError, ValueError, OverflowError, RecursionError):

@@ -6,6 +6,7 @@ and under tight ones."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgpack
@@ -139,3 +140,22 @@ def test_the_common_requests_take_the_typed_path() -> None:
     ):
         value = encode_request(request)
         assert _accept(value, DEFAULT_LIMITS) == request == decode_request(value)
+
+
+def test_a_meta_nested_to_msgpacks_limit_is_judged_as_the_field_reading_does() -> None:
+    """msgpack bounds nesting from the top of what it unpacks; the typed path
+    reads ``meta`` on its own, one level nearer the top than in the request.
+    Found by CI: a meta one level too deep was accepted, and its result could
+    not be decoded. With room on Python's stack (msgspec then reads deep
+    values instead of declining them), both paths agree at every depth."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for depth in range(1015, 1030):
+            value = msgpack.packb({"v": 1, "id": "x", "inputs": {"t": "text"}}, use_bin_type=True)
+            value = b"\x84" + value[1:] + b"\xa4meta\x81\xa1k" + b"\x91" * depth + b"\xc0"
+            fast = _accept(value, DEFAULT_LIMITS)
+            slow = explained(value, DEFAULT_LIMITS)
+            assert (fast is not None) == isinstance(slow, Request), depth
+    finally:
+        sys.setrecursionlimit(limit)
