@@ -11,7 +11,6 @@ stream (``None``) flows down the same queues, so shutdown drains stage by stage.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,7 +25,7 @@ from worker.config import Settings
 from worker.flow.backpressure import Backpressure
 from worker.flow.batching import BatchPolicy, MicroBatcher
 from worker.flow.budget import FailureBudget
-from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
 from worker.flow.values import ModelInfo
 from worker.kafka.clients import client_kwargs
@@ -38,13 +37,12 @@ from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import WriterParts
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
+from worker.kafka.listener import RevokeHook
 from worker.model.inputs import Binding, bind_model
 from worker.model.inputs.binding import fit_limits, summary
 from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
-
-RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Consumer: the group consumer, its rebalance listener, and the bounded queue.
+"""Consumer: the group consumer and the bounded queue it fills (its rebalance
+listener is ``worker.kafka.listener``).
 
 Every record read is registered with the offset tracker *before* it is queued, so
 the commit watermark can never pass a record that has not been answered. Each
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
@@ -30,57 +31,17 @@ from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, decide
 from worker.kafka.intake import JobFactory
+from worker.kafka.listener import RebalanceListener, RevokeHook
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
 
-RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
-
-
 def fetch_backoff() -> Backoff:
     """Waits between failed fetches: 0.2 s doubling to 5 s, no jitter (one
     member's own fetch loop; the broker sees its reconnects, not these)."""
     return Backoff(0.2, cap=5.0, jitter=(1.0, 1.0))
-
-
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
-    we count them (``infer_rebalance_listener_errors_total``) and log them as errors."""
-
-    def __init__(self, source: Consumer, on_revoke: RevokeHook) -> None:
-        self._source = source
-        self._on_revoke = on_revoke
-
-    async def on_partitions_revoked(self, revoked: Iterable[KafkaTP]) -> None:
-        tps = {TopicPartition(tp.topic, tp.partition) for tp in revoked}
-        metrics.REBALANCES.labels(kind="revoked").inc()
-        metrics.ASSIGNED_PARTITIONS.set(0)
-        for tp in tps:  # their series would otherwise report a stale lag for ever
-            with contextlib.suppress(KeyError):
-                metrics.PARTITION_LAG.remove(tp.topic, str(tp.partition))
-                metrics.PARTITION_COMMIT_AGE.remove(tp.topic, str(tp.partition))
-        if not tps:
-            return
-        self._source.revoking()
-        try:
-            await self._on_revoke(tps)
-        except Exception as exc:  # recorded and surfaced, never swallowed silently
-            metrics.LISTENER_ERRORS.inc()
-            log.error("rebalance_revoke_failed", error=repr(exc))
-
-    async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
-        tps = list(assigned)
-        names = sorted(f"{t.topic}:{t.partition}" for t in tps)
-        try:
-            await self._source.start_at_committed(tps)
-        except Exception as exc:  # recorded; the consumer's own reset policy applies
-            metrics.LISTENER_ERRORS.inc()
-            log.error("rebalance_assign_failed", error=repr(exc))
-        metrics.ASSIGNED_PARTITIONS.set(len(names))
-        metrics.REBALANCES.labels(kind="assigned").inc()
-        log.info("partitions_assigned", partitions=names)
 
 
 class Consumer:
@@ -124,7 +85,7 @@ class Consumer:
     async def start(self) -> None:
         k = self._kafka
         consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
-        consumer.subscribe(list(k.input_topics), listener=_Listener(self, self._on_revoke))
+        consumer.subscribe(list(k.input_topics), listener=RebalanceListener(self, self._on_revoke))
         # Set before start(): the first assignment's listener call may come during it.
         self.client = consumer
         try:
@@ -308,10 +269,22 @@ class Consumer:
             # Fetched from a position the worker did not decide: the partition is
             # read again from the decided one (start_at_committed).
             return
+        # A fetch's offsets ascend: second deliveries can only be its first records.
         highwater = self.client.highwater(ktp)
-        queued = redelivered = first = 0
+        redelivered = 0
+        while redelivered < len(records) and self._tracker.redelivered(
+            tp, records[redelivered].offset, highwater
+        ):
+            redelivered += 1
+        if redelivered:
+            metrics.REDELIVERIES_DROPPED.inc(redelivered)
+            log.warning(
+                "redelivery_dropped", partition=f"{tp.topic}:{tp.partition}",
+                records=redelivered, first=records[0].offset, highwater=highwater,
+            )  # fmt: skip
+        queued = 0
         try:
-            for record in records:
+            for record in records[redelivered:]:
                 if self._stopping.is_set():
                     return
                 if stamp < self._revoked_at:
@@ -325,10 +298,6 @@ class Consumer:
                     # (start_at_committed), so whoever owns these offsets next
                     # reads them again.
                     return
-                if self._tracker.redelivered(tp, record.offset, highwater):
-                    first = record.offset if not redelivered else first
-                    redelivered += 1
-                    continue
                 if tp in self._cautious and self._settled is not None:
                     await self._settled(tp)  # everything before it answered and committed
                     self._cautious[tp] -= 1
@@ -345,12 +314,6 @@ class Consumer:
             # the per-record cost on the consume path.
             metrics.RECORDS_CONSUMED.inc(queued)
             metrics.QUEUE_DEPTH.set(self._jobs_out.qsize())
-            if redelivered:
-                metrics.REDELIVERIES_DROPPED.inc(redelivered)
-                log.warning(
-                    "redelivery_dropped", partition=f"{tp.topic}:{tp.partition}",
-                    records=redelivered, first=first, highwater=highwater,
-                )  # fmt: skip
 
     def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
         """Track the record's offset (before it is queued), then make its Job."""

@@ -19,8 +19,9 @@ from worker.config import KafkaConfig, LimitsConfig
 from worker.flow.backpressure import Backpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
-from worker.kafka.consumer import Consumer, _Listener
+from worker.kafka.consumer import Consumer
 from worker.kafka.intake import JobFactory
+from worker.kafka.listener import RebalanceListener
 from worker.obs import metrics
 
 A = TopicPartition("in", 0)
@@ -123,7 +124,7 @@ async def test_a_partition_is_not_fetched_while_its_states_are_restored() -> Non
 
     source.restore_with(restore)
     task = asyncio.create_task(source.run())
-    listener = _Listener(source, source._on_revoke)
+    listener = RebalanceListener(source, source._on_revoke)
     assigning = asyncio.create_task(listener.on_partitions_assigned([KA]))
     try:
         for _ in range(200):  # the fetch loop polls while the restore is awaited
@@ -151,7 +152,7 @@ async def test_records_fetched_before_the_partition_was_positioned_are_dropped()
     source = source_on(consumer, jobs)
     stamp, early = await source._fetch(consumer, 0)  # type: ignore[arg-type]
     assert [r.offset for r in early[KA]] == [5, 6, 7]
-    await _Listener(source, source._on_revoke).on_partitions_assigned([KA])
+    await RebalanceListener(source, source._on_revoke).on_partitions_assigned([KA])
     await source._enqueue(KA, early[KA], stamp)
     assert jobs.empty()
     task = asyncio.create_task(source.run())
@@ -164,7 +165,7 @@ async def test_a_second_delivery_is_dropped_and_counted_a_shorter_log_is_a_reset
     consumer = LogConsumer(length=6, committed=0, position=0)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue()
     source = source_on(consumer, jobs)
-    await _Listener(source, source._on_revoke).on_partitions_assigned([KA])
+    await RebalanceListener(source, source._on_revoke).on_partitions_assigned([KA])
     stamp, first = await source._fetch(consumer, 0)  # type: ignore[arg-type]
     await source._enqueue(KA, first[KA], stamp)
     before = metrics.REDELIVERIES_DROPPED._value.get()

@@ -24,10 +24,11 @@ from worker.flow.backpressure import Backpressure
 from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
-from worker.kafka.consumer import Consumer, _Listener
+from worker.kafka.consumer import Consumer
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.writer import WriterParts
 from worker.kafka.intake import JobFactory
+from worker.kafka.listener import RebalanceListener
 
 A = TopicPartition("in", 0)
 
@@ -233,7 +234,7 @@ async def test_records_fetched_before_a_revocation_are_not_tracked_after_it() ->
             break
         await asyncio.sleep(0)
     assert tracker.in_flight(A) == 2  # offset 0 queued, offset 1 waiting to be
-    listener = _Listener(source, source._on_revoke)
+    listener = RebalanceListener(source, source._on_revoke)
     await listener.on_partitions_revoked([KafkaTP(A.topic, A.partition)])
     received: list[int] = []
 
@@ -275,7 +276,7 @@ async def test_records_of_the_new_assignment_are_tracked_after_a_revocation() ->
     source = make_source(jobs, tracker, consumer)
     task = asyncio.create_task(source.run())
     await asyncio.wait_for(consumer.fetching.wait(), 5)
-    listener = _Listener(source, source._on_revoke)
+    listener = RebalanceListener(source, source._on_revoke)
     await listener.on_partitions_revoked([KafkaTP(A.topic, A.partition)])
     consumer.assigned.set()
     await asyncio.wait_for(consumer.idle.wait(), 5)
