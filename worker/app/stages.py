@@ -89,7 +89,11 @@ async def build_stages(
         Backpressure(b.max_inflight_records, b.max_inflight_bytes),
     )
     committer = Committer(
-        tracker, consumer, timeout=plan.request_timeout_s, transactional=plan.exactly_once
+        tracker,
+        consumer,
+        timeout=plan.request_timeout_s,
+        transactional=plan.exactly_once,
+        interval=s.kafka.commit_interval_ms / 1000.0,
     )
     infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
     model = ModelInfo(name=engine.info.name, version=engine.info.version)

@@ -66,6 +66,13 @@ class KafkaConfig:
     max_request_size: int = 16777216
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
     linger_ms: int = 2
+    # At-least-once: the most often acknowledged offsets are committed (a commit
+    # carries every partition's watermark that moved since the last). Each
+    # commit is a broker round trip; one per acknowledged batch cost about 6% of
+    # a core in a backlog drain. A crash re-answers at most this much more of
+    # the stream. Revocation, shutdown and the crash guard commit at once.
+    # 0 = after every acknowledgement. Exactly-once commits in its transactions.
+    commit_interval_ms: int = 100
     request_timeout_ms: int = 30000
     # Producer: how long to wait between redelivery attempts of unacknowledged
     # results (doubling up to 10 s) while the broker is unreachable.
@@ -129,6 +136,7 @@ class KafkaConfig:
         check(self.max_poll_records >= 1, "kafka.max_poll_records", "must be >= 1")
         check(self.max_request_size >= 1024, "kafka.max_request_size", "must be >= 1024")
         check(self.request_timeout_ms > 0, "kafka.request_timeout_ms", "must be > 0")
+        check(self.commit_interval_ms >= 0, "kafka.commit_interval_ms", "must be >= 0")
         check(
             isinstance(self.enable_idempotence, bool) or self.enable_idempotence == "auto",
             "kafka.enable_idempotence",

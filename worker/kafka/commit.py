@@ -39,10 +39,13 @@ class CommitTarget(Protocol):
 
 
 class Committer:
-    """Commits tracker watermarks whenever results are acknowledged.
+    """Commits tracker watermarks after results are acknowledged.
 
-    Calls coalesce: while one commit is on the wire, further acks only set a flag,
-    and the next commit carries every watermark that moved meanwhile.
+    Calls coalesce: while one commit is on the wire, or until ``interval``
+    seconds have passed since the last one began, further acks only set a flag,
+    and the next commit carries every watermark that moved meanwhile. Commits
+    asked for by name (``commit_now``: revocation, shutdown, the crash guard)
+    never wait for the interval.
     """
 
     def __init__(
@@ -51,8 +54,11 @@ class Committer:
         consumer: CommitTarget,
         timeout: float = 30.0,
         transactional: bool = False,
+        interval: float = 0.0,
     ) -> None:
         self._tracker = tracker
+        self._interval = interval
+        self._began = float("-inf")  # when the loop's last commit began (monotonic)
         self._consumer = consumer
         self._transactional = transactional
         # aiokafka's commit() retries the coordinator lookup and retriable errors
@@ -88,7 +94,11 @@ class Committer:
                 # Woken by stop(), which follows the owner's final commit: one more
                 # attempt would only add a commit timeout when the broker is down.
                 return
+            wait = self._began + self._interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # acks meanwhile join this commit
             self._wanted.clear()
+            self._began = time.monotonic()
             await self.commit_now()
 
     def stop(self) -> None:

@@ -368,6 +368,77 @@ async def test_stopped_committer_makes_no_further_commit() -> None:
     assert group.commits == []
 
 
+async def test_commits_within_the_interval_join_one_commit() -> None:
+    """kafka.commit_interval_ms: acknowledgements that arrive within the interval
+    after a commit are carried by one more commit at its end, never one each; an
+    explicit commit_now (revocation, shutdown) does not wait for it."""
+    tracker = OffsetTracker()
+    group = FakeGroup()
+    committer = Committer(tracker, group, interval=0.3)
+    task = asyncio.create_task(committer.run())
+    try:
+        for offset in range(6):
+            tracker.done(A, offset, tracker.track(A, offset))
+            committer.notify()
+            await asyncio.sleep(0.02)
+        assert [c[KafkaTP(A.topic, A.partition)] for c in group.commits] == [1]
+        await asyncio.sleep(0.4)
+        assert [c[KafkaTP(A.topic, A.partition)] for c in group.commits] == [1, 6]
+        tracker.done(A, 6, tracker.track(A, 6))
+        assert await committer.commit_now()
+        assert [c[KafkaTP(A.topic, A.partition)] for c in group.commits] == [1, 6, 7]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class CountingProducer(FakeProducer):
+    """Counts record batches handed over (one per output partition per send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
+        self.batches.append(len(batch.records))
+        return await super().send_batch(batch, topic, partition=partition)
+
+
+async def test_batches_completed_together_are_sent_together_in_order() -> None:
+    """Completed batches already waiting behind the one awaited go out with it,
+    in one record batch (one produce request), never waiting for one that has
+    not completed; records keep their order and every offset is settled."""
+    tracker = OffsetTracker()
+    epoch = tracker.track(A, 0, 10)
+    for offset in range(1, 8):
+        tracker.track(A, offset, 10)
+
+    def answer(offset: int) -> Answer:
+        job = Job(A, offset, f"k{offset}".encode(), time.monotonic(), None, epoch=epoch)
+        return Answer(job, error=ErrorInfo("deadline_exceeded", "late"))
+
+    producer = CountingProducer()
+    sink, source, committer = make_sink(tracker, producer)  # coalesces 2 batches at most
+    for first in (0, 2, 4):
+        source.put_nowait(completed(answer(first), answer(first + 1)))
+    pending: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
+    source.put_nowait(pending)
+    task = asyncio.create_task(sink.run())
+    try:
+        while len(producer.acked) < 6:
+            await asyncio.wait_for(committer.progress(), 5)  # notified after each ack
+        assert producer.batches == [4, 2]  # [0-3] together, then [4, 5]: not waiting
+        pending.set_result(completed(answer(6), answer(7)).result())
+        await until_done(tracker, committer, A)
+    finally:
+        source.put_nowait(None)
+        await asyncio.wait_for(task, 5)
+    assert producer.batches == [4, 2, 2]
+    assert [int(key.decode()[1:]) for _, key, _ in producer.acked if key] == list(range(8))
+    assert tracker.committable() == {A: 8}
+
+
 class SlowlyFailingProducer(FakeProducer):
     """The first batch's delivery fails only after a while (as a request timeout
     does, with the broker unreachable for that partition), while later batches
@@ -405,7 +476,12 @@ async def test_redelivery_after_a_late_failure_can_reorder_and_verify_reports_it
     producer = SlowlyFailingProducer()
     sink, source, committer = make_sink(tracker, producer)
     source.put_nowait(completed(answer(0), answer(1)))
-    source.put_nowait(completed(answer(2), answer(3)))
+    # The second batch completes after the first was sent (completed batches
+    # waiting together would be sent together, in order).
+    later: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.01, later.set_result,
+                                          completed(answer(2), answer(3)).result())  # fmt: skip
+    source.put_nowait(later)
     task = asyncio.create_task(sink.run())
     try:
         await until_done(tracker, committer, A)

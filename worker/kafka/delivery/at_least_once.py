@@ -1,10 +1,13 @@
 """AtLeastOnceWriter: encode answers, produce results / DLQ records, await acks.
 
 Completed batches arrive in dispatch order and are sent in that order, so results
-of one input partition are produced in request order. Acks are awaited in a
-background task per batch (bounded), so the next batch's sends overlap the
-previous batch's acknowledgement; only acknowledged offsets are marked done in
-the tracker, which is what lets the committer move the watermark.
+of one input partition are produced in request order. Batches that completed
+behind the one awaited are sent with it (one record batch per output partition
+for all of them, so one produce request): under a backlog the broker then takes
+fewer, fuller requests, and nothing ever waits for a batch to complete. Acks
+are awaited in a background task per send (bounded), so the next sends overlap
+the previous acknowledgement; only acknowledged offsets are marked done in the
+tracker, which is what lets the committer move the watermark.
 """
 
 from __future__ import annotations
@@ -49,13 +52,31 @@ class AtLeastOnceWriter(Writer):
         # batch of their own: decide() says what is sent next.
         self._undelivered: list[tuple[OutRecord, BaseException | None, bool]] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
+        # Taken from the queue behind a send's batches but not completed yet (or
+        # the end of the stream): the next send's first.
+        self._held: list[asyncio.Future[Completed] | None] = []
+        self._coalesce = max_pending_acks  # completed batches sent together at most
 
     async def run(self) -> None:
         while (fut := await self._next()) is not None:
-            await self._send_batch(await self._completed(fut))
+            batches = [await self._completed(fut)]
+            while len(batches) < self._coalesce and (behind := self._done_behind()):
+                batches.append(await self._completed(behind))
+            await self._send_batch(batches)
         await self._settle()
         if self._undelivered:
             await self._redeliver()
+
+    def _done_behind(self) -> asyncio.Future[Completed] | None:
+        """The next queued batch if it already completed, else None (it is held
+        for the next send, as is the end of the stream)."""
+        if self._held or self._completed_in.empty():
+            return None
+        item = self._completed_in.get_nowait()
+        if item is None or not item.done():
+            self._held.append(item)
+            return None
+        return item
 
     async def _next(self) -> asyncio.Future[Completed] | None:
         """The next completed batch; records whose acks fail meanwhile are re-sent
@@ -66,12 +87,14 @@ class AtLeastOnceWriter(Writer):
         while True:
             if self._undelivered:
                 await self._redeliver()
+            if self._held:
+                return self._held.pop()
             item = await self._next_or_woken(self._delivery_failed)
             if item is not Woken.WOKEN:
                 return item
 
-    async def _send_batch(self, completed: Completed) -> None:
-        outs = self._records(completed)
+    async def _send_batch(self, batches: list[Completed]) -> None:
+        outs = [out for completed in batches for out in self._records(completed)]
         if not outs:
             return
         sent = await self._send_grouped(outs)
