@@ -44,15 +44,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
+from bench.backlogs import otlp_sink, payload
+from bench.cpu import CpuWindow
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
-from worker.bench.demo import encode_samples, labelled_samples
-from worker.contract import Request, Tensor, decode_request, encode_request
+from worker.contract import decode_request
 from worker.contract.oip import encode_oip_request
 from worker.ops.broker import EmbeddedBroker, create_topics
 from worker.ops.children import children_die_with_this_process
@@ -97,9 +96,15 @@ async def drain_worker(
         ),
         command=("run", "--procs", str(procs)),
     )
+    cpu = CpuWindow(worker.proc.pid)
+
+    def done(c: Collector) -> bool:
+        cpu.sample(c.count(), final=c.count() >= n)
+        return c.count() >= n or worker.proc.poll() is not None
+
     try:
         # Stop waiting as soon as the process is gone: its log says why.
-        await collector.collect(lambda c: c.count() >= n or worker.proc.poll() is not None, 600.0)
+        await collector.collect(done, 600.0)
         if collector.count() < n:
             raise RuntimeError(f"worker answered {collector.count()} of {n}:\n{worker.log_tail()}")
         m = {} if peer else summed(worker.member_metrics(procs))
@@ -117,67 +122,22 @@ async def drain_worker(
     first, last = times[0], times[-1]
     data = m.get('infer_padded_elements_total{kind="data"}', 0.0)
     padding = m.get('infer_padded_elements_total{kind="padding"}', 0.0) / data if data else 0.0
-    return Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding)
+    drain = Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding)
+    drain.cpu_us_per_record = round(cpu.us_per_record(), 1)
+    return drain
 
 
-def otlp_sink() -> str:
-    """A local HTTP server that takes OTLP trace exports and discards them: the
-    exporter's cost is measured, not a collector's. Returns its traces URL."""
-    import http.server
-    import threading
-
-    class Sink(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-
-
-def payload(
-    kind: str, n: int, tmp: Path, lengths: tuple[int, ...] = ()
-) -> tuple[list[tuple[bytes | None, bytes]], dict[str, str]]:
-    """The backlog's records and the worker settings that serve them; ``lengths``:
-    the tensor payload's id lengths to draw from (default: every one of 1..128)."""
-    if kind == "digits":
-        samples = labelled_samples(max(1, -(-n // 360)))[:n]
-        return encode_samples(samples), {}
-    if kind == "text":
-        from worker.ops.samples import sentiment_samples
-
-        texts = sentiment_samples(max(1, -(-n // 400)))[:n]
-        records: list[tuple[bytes | None, bytes]] = [
-            (t.id.encode(), encode_request(Request(v=1, id=t.id, inputs={"text": t.text})))
-            for t in texts
-        ]
-        return records, {"INFER_WORKER_MODEL__PATH": "builtin:sentiment"}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.onnx_models import ranker
-
-    path = ranker(tmp / "ranker.onnx")
-    rng = np.random.default_rng(0)
-
-    def length(rng: np.random.Generator) -> int:
-        return int(rng.choice(lengths)) if lengths else int(rng.integers(1, 129))
-
-    records = []
-    for i in range(n):
-        inputs = {
-            "features": Tensor.from_numpy(rng.normal(size=4).astype(np.float32)),
-            "ids": Tensor.from_numpy(rng.integers(1, 50, length(rng)).astype(np.int64)),
-        }
-        records.append((str(i).encode(), encode_request(Request(v=1, id=str(i), inputs=inputs))))
-    env = {
-        "INFER_WORKER_MODEL__PATH": str(path),
-        "INFER_WORKER_MODEL__INPUTS__IDS__MAX_LENGTH": "128",
-    }
-    return records, env
+def cpu_ratios(runs: dict[str, list[Drain]]) -> dict[str, float]:
+    """Each processor's CPU per record over the worker's, the median of the rounds
+    (above 1: it spends more per record than the worker)."""
+    out = {}
+    for name, drains in runs.items():
+        pairs = [(d.cpu_us_per_record, w.cpu_us_per_record)
+                 for d, w in zip(drains, runs["worker"], strict=True)]  # fmt: skip
+        ratios = [d / w for d, w in pairs if d and w]
+        if name not in ("ceiling", "worker") and ratios:
+            out[name] = round(statistics.median(ratios), 2)
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -264,7 +224,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     d.name = name
                 runs[name].append(d)
                 print(f"  {name:8s} {d.rate:10,.0f} rec/s  ({d.records} in {d.seconds:.2f} s"
-                      + (f", mean batch {d.mean_batch:.1f})" if name != "ceiling" else ")"),
+                      + (f", mean batch {d.mean_batch:.1f}, {d.cpu_us_per_record:.0f} us CPU "
+                         "per record)" if name != "ceiling" else ")"),
                       file=sys.stderr, flush=True)  # fmt: skip
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
     others = [*variants, *(["worker-oip"] if args.oip else [])]
@@ -320,6 +281,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if args.baseline_path
             else {}
         ),
+        # The processors' own cost, apart from the machine they share (bench/cpu.py),
+        # and how many times that of the worker each one's is (median of rounds).
+        "cpu_us_per_record": {
+            k: [d.cpu_us_per_record for d in v] for k, v in runs.items() if k != "ceiling"
+        },
+        "cpu_ratio_to_worker_median": cpu_ratios(runs),
         "runs": {k: [asdict(d) for d in v] for k, v in runs.items()},
     }
     return summary

@@ -32,6 +32,9 @@ class Drain:
     seconds: float
     mean_batch: float = 0.0
     padding: float = 0.0  # padding / data elements of inputs with free dimensions
+    # CPU the processor's processes spent per record while results arrived (0 =
+    # not measured): its cost per core, apart from what else shares the machine.
+    cpu_us_per_record: float = 0.0
 
     @property
     def rate(self) -> float:
