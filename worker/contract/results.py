@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 
 from worker.contract.wire import (
@@ -43,16 +45,49 @@ RESULT_FIELDS: Final = (
 )
 
 
+class _TensorWire(msgspec.Struct):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class _ErrorWire(msgspec.Struct):
+    code: str
+    message: str
+
+
+class _SourceWire(msgspec.Struct):
+    topic: str
+    partition: int
+    offset: int
+
+
+class _ResultWire(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The one place the result map's fields and their order are written:
+    msgspec writes a Struct as a map of its fields in this order, leaving out
+    ``error`` and ``meta`` when they are None (the contract: only when set)."""
+
+    v: int
+    id: str
+    status: str
+    outputs: dict[str, _TensorWire]
+    error: _ErrorWire | None = None
+    model: msgspec.Raw  # the model's map, encoded once per model (``_model_map``)
+    source: _SourceWire
+    timing_us: dict[str, int]
+    meta: Any = None
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
 def encode_result(res: Result) -> bytes:
     """Encode a result with exactly the contract's fields (``error`` and
     ``meta`` only when set)."""
-    outputs = {name: t.to_wire() for name, t in res.outputs.items()}
-    return pack(
-        _result_wire(
-            res.v, res.id, res.status, outputs, res.error, res.model, res.source, res.timing_us,
-            res.meta,
-        )
-    )  # fmt: skip
+    outputs = {name: _TensorWire(t.dtype, list(t.shape), t.data) for name, t in res.outputs.items()}
+    error = None if res.error is None else _ErrorWire(res.error.code, res.error.message)
+    return _pack(res.v, res.id, res.status, outputs, error, res.model, res.source,
+                 res.timing_us, res.meta)  # fmt: skip
 
 
 def encode_ok_result(
@@ -68,9 +103,7 @@ def encode_ok_result(
     building and validating a ``Result`` and a ``Tensor`` per output (the
     worker's own arrays need no validation)."""
     wire_outputs = {name: _row_wire(arr) for name, arr in outputs.items()}
-    return pack(
-        _result_wire(1, request_id, "ok", wire_outputs, None, model, source, timing_us, meta)
-    )
+    return _pack(1, request_id, "ok", wire_outputs, None, model, source, timing_us, meta)
 
 
 # Native dtypes whose bytes are already wire bytes (little-endian hosts), by
@@ -80,40 +113,51 @@ _NATIVE_WIRE_NAMES: Final[dict[np.dtype[Any], str]] = (
 )
 
 
-def _row_wire(arr: np.ndarray) -> dict[str, Any]:
+def _row_wire(arr: np.ndarray) -> _TensorWire:
     name = _NATIVE_WIRE_NAMES.get(arr.dtype)
-    if name is not None:
-        return {"dtype": name, "shape": list(arr.shape), "data": arr.tobytes()}
-    return Tensor.from_numpy(arr).to_wire()  # converts the byte order, or refuses the dtype
+    if name is None:  # converts the byte order, or refuses the dtype
+        t = Tensor.from_numpy(arr)
+        return _TensorWire(t.dtype, list(t.shape), t.data)
+    return _TensorWire(name, list(arr.shape), arr.tobytes())
 
 
-def _result_wire(
+@functools.lru_cache(maxsize=64)
+def _model_map(name: str, version: str) -> msgspec.Raw:
+    """The model's map as msgpack, once per model (every result carries it)."""
+    return msgspec.Raw(_ENCODER.encode({"name": name, "version": version}))
+
+
+def _pack(
     v: int,
     request_id: str,
     status: str,
-    outputs: dict[str, Any],
-    error: ErrorInfo | None,
+    outputs: dict[str, _TensorWire],
+    error: _ErrorWire | None,
     model: ModelInfo,
     source: Source,
     timing_us: Mapping[str, int],
     meta: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """The one place the result map's fields and their order are written.
-    Integers are coerced with ``int()`` so numpy scalars from timing or offsets
-    cannot make msgpack fail on the hot path."""
-    wire: dict[str, Any] = {"v": v, "id": request_id, "status": status, "outputs": outputs}
-    if error is not None:
-        wire["error"] = {"code": error.code, "message": error.message}
-    wire["model"] = {"name": model.name, "version": model.version}
-    wire["source"] = {
-        "topic": source.topic,
-        "partition": int(source.partition),
-        "offset": int(source.offset),
-    }
-    wire["timing_us"] = {k: int(t) for k, t in timing_us.items()}
-    if meta is not None:
-        wire["meta"] = dict(meta)
-    return wire
+) -> bytes:
+    """The result's msgpack bytes, byte for byte what ``msgpack.packb(map,
+    use_bin_type=True)`` writes for the contract's map (a property test holds
+    them equal). Integers are coerced with ``int()`` so numpy scalars from timing
+    or offsets cannot make encoding fail on the hot path. An echoed ``meta``
+    msgspec will not write (a bytes map key) is written by msgpack, whose errors
+    the caller gets (``pack``)."""
+    wire = _ResultWire(
+        v=v, id=request_id, status=status, outputs=outputs, error=error,
+        model=_model_map(model.name, model.version),
+        source=_SourceWire(source.topic, int(source.partition), int(source.offset)),
+        timing_us={k: int(t) for k, t in timing_us.items()},
+        meta=meta if meta is None or isinstance(meta, dict) else dict(meta),
+    )  # fmt: skip
+    try:
+        return _ENCODER.encode(wire)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        if meta is None:
+            raise
+        wire.meta = msgspec.Raw(pack(dict(meta)))
+        return _ENCODER.encode(wire)
 
 
 def decode_result(value: bytes) -> Result:

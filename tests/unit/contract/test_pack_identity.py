@@ -1,6 +1,8 @@
 """The wire's encoder (msgspec, issue 36) writes byte for byte what the reference
 encoder, ``msgpack.packb(obj, use_bin_type=True)``, writes: for any value a
-message can hold, and for results made from a corpus of engine outputs."""
+message can hold, and for results made from a corpus of engine outputs, ok and
+error, with and without meta (the reference is the contract's map, spelled out
+here)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.contract.results import _result_wire, _row_wire, encode_ok_result
+from worker.contract.results import encode_ok_result, encode_result
 from worker.contract.wire import pack
-from worker.flow.values import ModelInfo, Source
+from worker.flow.values import ErrorInfo, ModelInfo, Result, Source, Tensor
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
@@ -61,7 +63,45 @@ def test_results_are_the_reference_encoders_bytes(
         for name, (dtype, shape, seed) in outs.items()
     }
     model, source = ModelInfo("m", "v1"), Source("in", 3, 2**40)
-    wire = _result_wire(1, request_id, "ok", {n: _row_wire(a) for n, a in arrays.items()},
-                        None, model, source, timing, meta)  # fmt: skip
+    wire: dict[str, Any] = {
+        "v": 1, "id": request_id, "status": "ok",
+        "outputs": {n: {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.tobytes()}
+                    for n, a in arrays.items()},
+        "model": {"name": "m", "version": "v1"},
+        "source": {"topic": "in", "partition": 3, "offset": 2**40},
+        "timing_us": timing,
+    }  # fmt: skip
+    if meta is not None:
+        wire["meta"] = meta
     want = msgpack.packb(wire, use_bin_type=True)
     assert encode_ok_result(request_id, arrays, model, source, timing, meta) == want
+    tensors = {n: Tensor.from_numpy(a) for n, a in arrays.items()}
+    result = Result(id=request_id, status="ok", source=source, model=model,
+                    outputs=tensors, meta=meta, timing_us=timing)  # fmt: skip
+    assert encode_result(result) == want
+
+
+@settings(max_examples=200)
+@given(
+    st.text(max_size=64),
+    st.text(max_size=300),
+    st.one_of(st.none(), values.filter(lambda v: isinstance(v, dict))),
+)
+def test_error_results_are_the_reference_encoders_bytes(
+    request_id: str, message: str, meta: dict[Any, Any] | None
+) -> None:
+    """Error results, and metas only msgpack writes (bytes keys: the fallback)."""
+    error = ErrorInfo("invalid_request", message)
+    result = Result(id=request_id, status="error", source=Source("in", 0, 7),
+                    model=ModelInfo("m", "v1"), error=error, meta=meta,
+                    timing_us={"total": 5})  # fmt: skip
+    wire: dict[str, Any] = {
+        "v": 1, "id": request_id, "status": "error", "outputs": {},
+        "error": {"code": "invalid_request", "message": message},
+        "model": {"name": "m", "version": "v1"},
+        "source": {"topic": "in", "partition": 0, "offset": 7},
+        "timing_us": {"total": 5},
+    }  # fmt: skip
+    if meta is not None:
+        wire["meta"] = meta
+    assert encode_result(result) == msgpack.packb(wire, use_bin_type=True)
