@@ -95,6 +95,7 @@ class RunStats:
     p95_ms: float = 0.0
     p99_ms: float = 0.0
     max_ms: float = 0.0
+    min_ms: float = 0.0  # below 0: a result matched to the wrong request (fails the demo)
     mean_batch_size: float = 0.0
     batches: int = 0
     committed: int = 0
@@ -213,7 +214,9 @@ def _score(
     results = collector.records[topics["results"]]
     stats.dlq = collector.count(topics["dlq"])
     stats.received = len(results) + stats.dlq
-    sent_at = {p.key: p.sent_at for p in produced}
+    # By the request's partition and offset, which its result names: keys repeat
+    # (a stateful model's records are keyed by sequence), offsets do not.
+    sent_at = {(p.partition, p.offset): p.sent_at for p in produced}
     latencies = []
     labels = samples.labels
     for rec in results:
@@ -224,20 +227,22 @@ def _score(
             stats.error_codes[code] = stats.error_codes.get(code, 0) + 1
             continue
         stats.correct += int(samples.predicted(res) == labels.get(res.id, -1))
-        if rec.record_key in sent_at:
-            latencies.append(rec.received_at - sent_at[rec.record_key])
+        sent = sent_at.get((res.source.partition, res.source.offset))
+        if sent is not None:
+            latencies.append(rec.received_at - sent)
     if results:
         first = min(p.sent_at for p in produced)
         last = max(r.received_at for r in results)
         stats.seconds = last - first
         stats.throughput = len(results) / stats.seconds if stats.seconds > 0 else 0.0
     if latencies:
+        stats.min_ms = float(min(latencies) * 1000)
         p50, p95, p99 = np.percentile(np.array(latencies) * 1000, [50, 95, 99])
         stats.p50_ms, stats.p95_ms, stats.p99_ms = float(p50), float(p95), float(p99)
         stats.max_ms = float(max(latencies) * 1000)
 
 
-def _print_stats(s: RunStats, offline: int) -> None:
+def _print_stats(s: RunStats, offline: int, means: str) -> None:
     pct = 100.0 * s.received / s.sent if s.sent else 0.0
     acc = 100.0 * s.correct / s.sent if s.sent else 0.0
     print(f"  [{s.mode}]")
@@ -250,6 +255,7 @@ def _print_stats(s: RunStats, offline: int) -> None:
         f"{100.0 * offline / s.sent:.2f}% ({offline}/{s.sent}) "
         f"{'equal' if s.correct == offline else 'MISMATCH'}"
     )
+    print(f"                       ({means})")
     print(
         f"    throughput         {s.throughput:,.0f} requests/s "
         f"({s.seconds:.2f} s from first send to last result)"
@@ -263,13 +269,20 @@ def _print_stats(s: RunStats, offline: int) -> None:
     print(f"    committed offsets  {s.committed} / {s.sent}   process exit {s.worker_exit}")
 
 
-def _ok(s: RunStats, offline: int) -> bool:
-    return (
-        s.received == s.sent
-        and s.correct == offline
-        and s.committed == s.sent
-        and s.worker_exit == 0
-    )
+def _problems(s: RunStats, offline: int) -> list[str]:
+    """Why a run does not pass: what is missing, wrong, or impossible."""
+    problems = []
+    if s.received != s.sent:
+        problems.append(f"{s.received} of {s.sent} answered")
+    if s.correct != offline:
+        problems.append(f"accuracy {s.correct} correct, offline {offline}")
+    if s.committed != s.sent:
+        problems.append(f"{s.committed} of {s.sent} offsets committed")
+    if s.worker_exit != 0:
+        problems.append(f"process exit {s.worker_exit}")
+    if s.min_ms < 0 or s.seconds < 0 or s.throughput < 0:
+        problems.append("a negative time (results matched to the wrong requests)")
+    return problems
 
 
 async def _demo(opts: DemoOptions) -> int:
@@ -297,7 +310,7 @@ async def _demo(opts: DemoOptions) -> int:
                 file=sys.stderr,
             )
     for s in runs:
-        _print_stats(s, offline)
+        _print_stats(s, offline, samples.accuracy_means)
     summary: dict[str, Any] = {
         "offline_correct": offline,
         "runs": [asdict(s) for s in runs],
@@ -309,14 +322,9 @@ async def _demo(opts: DemoOptions) -> int:
         print(f"  worker / naive throughput: {ratio:.1f}x")
     if opts.json_out:
         await asyncio.to_thread(Path(opts.json_out).write_text, json.dumps(summary, indent=2))
-    ok = all(_ok(s, offline) for s in runs)
-    print(
-        "demo: OK"
-        if ok
-        else "demo: FAILED (missing results, accuracy mismatch, "
-        "uncommitted offsets or a failed worker)"
-    )
-    return 0 if ok else 1
+    problems = [f"{s.mode}: {p}" for s in runs for p in _problems(s, offline)]
+    print("demo: OK" if not problems else f"demo: FAILED ({'; '.join(problems)})")
+    return 0 if not problems else 1
 
 
 def run_demo(opts: DemoOptions) -> int:

@@ -76,20 +76,27 @@ def completed(
 
 
 async def run_isolating(
-    answers: list[Row], run: RowRunner, max_attempts: int, m: metrics.ModelMetrics
+    answers: list[Row],
+    run: RowRunner,
+    max_attempts: int,
+    m: metrics.ModelMetrics,
+    failed: InferenceFailed | None = None,
 ) -> None:
     """Run ``answers``; when the engine fails on them, split them in halves and run
     each, until the failing requests are alone. A request that fails alone is
     retried until it took part in ``max_attempts`` failed runs, then answered
     ``inference_failed``; everything else in the batch succeeds. At most
-    2n - 1 + attempts runs. ``EngineDead`` propagates: nothing can run any more."""
-    try:
-        await run(answers)
-        return
-    except InferenceFailed as exc:
-        m.batch_failures.inc()
-        log.warning("batch_failed", size=len(answers), error=str(exc))
-        failure = exc
+    2n - 1 + attempts runs. ``EngineDead`` propagates: nothing can run any more.
+    ``failed``: the first run already happened, and failed so."""
+    if failed is None:
+        try:
+            await run(answers)
+            return
+        except InferenceFailed as exc:
+            failed = exc
+    m.batch_failures.inc()
+    log.warning("batch_failed", size=len(answers), error=str(failed))
+    failure = failed
     if len(answers) > 1:
         half = len(answers) // 2
         for part in (answers[:half], answers[half:]):

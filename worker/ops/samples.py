@@ -147,6 +147,8 @@ class LabelledSet:
     predicted: Callable[[Result], int]
     offline_correct: int
     keyed: bool = False  # a stateful model's: a key's records stay on one partition
+    # What "accuracy" counts for this model, printed beside the figure.
+    accuracy_means: str = "top-1 answer equals the label"
 
 
 def _top1(result: Result) -> int:
@@ -230,8 +232,11 @@ def sensor_set(repeat: int) -> LabelledSet:
                 truth[rid] = int(labels[s, t])
     return LabelledSet(
         "sensor",
-        f"readings of {sensors} sensors, a stateful sequence per sensor ({count} each)",
+        f"readings of {sensors} sensors, a stateful sequence per sensor "
+        f"({count} readings a sequence, {repeat} sequence{'s' * (repeat != 1)} per sensor)",
         records, truth, _anomaly, correct, keyed=True,
+        accuracy_means=f"readings flagged anomalous (score > {SENSOR_THRESHOLD}) or not "
+        "as labelled",
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ the failing request is alone; everything else in it is answered normally."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -155,3 +156,65 @@ def test_triage_answers_failed_and_expired_jobs_without_the_engine() -> None:
     assert completed.answers[1].error is not None
     assert completed.answers[1].error.code == "deadline_exceeded"
     assert completed.answers[2].error is None  # answered from its failure downstream
+
+
+async def test_a_batch_of_many_lengths_runs_in_one_hand_over_and_isolates_its_poison(
+    tmp_path: Path,
+) -> None:
+    """A batch whose rows have many lengths runs one engine run per length, all
+    in one hand-over to the engine's thread; a run that fails is then isolated
+    as before: only its poison request fails, every other answer is the model's."""
+    from tests.models import jobs_for
+    from tests.onnx_models import ranker
+    from worker.contract import Tensor
+
+    cfg = ModelConfig(path=str(ranker(tmp_path / "ranker.onnx")))
+    inner = load_engine(cfg)
+    shapes: list[tuple[int, ...]] = []
+
+    class FailsOnId:
+        info = inner.info
+
+        def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            shapes.append(feeds["ids"].shape)
+            if (feeds["ids"] == 49).any():
+                raise InferenceFailed("poison id")
+            return inner.run(feeds)
+
+        def close(self) -> None:
+            inner.close()
+
+    stage = cpu_stage(cfg, FailsOnId(), max_attempts=1)
+    handovers = 0
+    run_each = stage._run_each
+
+    def counted(*args: object) -> object:
+        nonlocal handovers
+        handovers += 1
+        return run_each(*args)  # type: ignore[arg-type]
+
+    stage._run_each = counted  # type: ignore[method-assign]
+    rng = np.random.default_rng(3)
+    requests = []
+    for i in range(24):  # lengths 1..6, four rows each; row 9 (length 4) poisoned
+        ids = rng.integers(1, 49, i % 6 + 1).astype(np.int64)
+        if i == 9:
+            ids[0] = 49
+        features = rng.normal(size=4).astype(np.float32)
+        requests.append({"features": Tensor.from_numpy(features), "ids": Tensor.from_numpy(ids)})
+    try:
+        done = await stage.run_batch(Batch(jobs_for(stage.binding.inputs, requests),
+                                           time.monotonic(), "full"))  # fmt: skip
+    finally:
+        stage.close()
+    assert handovers == 1  # six runs, one hand-over; isolation runs go one by one
+    assert [a.job.offset for a in done.answers if a.error is not None] == [9]
+    assert sorted(s[1] for s in shapes[:6]) == [1, 2, 3, 4, 5, 6]  # one run per length
+    for answer, given in zip(done.answers, requests, strict=True):
+        if answer.job.offset == 9:
+            assert answer.error is not None and answer.error.code == "inference_failed"
+            continue
+        assert answer.outputs is not None
+        ids = given["ids"].to_numpy()
+        alone = inner.run({"features": given["features"].to_numpy()[None], "ids": ids[None]})
+        np.testing.assert_allclose(answer.outputs["score"], alone["score"][0], rtol=1e-6)
