@@ -48,6 +48,7 @@ from bench.backlogs import otlp_sink, payload
 from bench.cpu import CpuWindow
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
+from bench.peers import package_argv
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
@@ -59,10 +60,6 @@ from worker.ops.processes import mean_batch_size, spawn_worker, summed
 from worker.ops.topics import Collector, produce_all
 
 _BENCH_PASSWORD = "bench-only-password"
-_RUN_FROM = (
-    "import sys; sys.path.insert(0, {!r}); "
-    "from worker.__main__ import main; sys.exit(main(['run']))"
-)
 
 
 async def drain_worker(
@@ -85,14 +82,8 @@ async def drain_worker(
         dlq_topic=topics["dlq"],
         group_id=group,
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **extra_env},
-        # ``python -m`` puts the working directory first on sys.path: another
-        # version of the package must be put in front of it explicitly.
         argv=(
-            peer_argv(peer)
-            if peer
-            else None
-            if package_dir is None
-            else [sys.executable, "-c", _RUN_FROM.format(package_dir)]
+            peer_argv(peer) if peer else None if package_dir is None else package_argv(package_dir)
         ),
         command=("run", "--procs", str(procs)),
     )

@@ -2,8 +2,11 @@
 
     .venv/bin/python -m bench.latency --rate 500 --records 5000 \\
         --peers tight_loop faust_take quix_apply [--json out.json]
+    .venv/bin/python -m bench.latency --broker kafka --rate 1000 --records 10000 \\
+        --peers --baseline-path ../base --repeat 3     # two versions, same broker
 
-One embedded broker; each contender gets fresh topics and a fresh group, is
+One broker (embedded, or a single-node Apache Kafka with ``--broker kafka``);
+each contender gets fresh topics and a fresh group, is
 warmed up (a few requests answered before the clock starts: start-up, model
 loading and the first group join are not latency), then is sent ``--records``
 requests as an open-loop Poisson process of mean rate ``--rate``, seeded, the
@@ -12,7 +15,13 @@ sender would slow down with the system and hide its queueing). Latency is a
 result's arrival at the collecting client minus its request's send time, both
 on this host's monotonic clock. A contender *sustains* the rate when it answers
 every request ``ok`` and its throughput is at least 95% of the rate actually
-sent (Poisson gaps move that a few percent off ``--rate``).
+sent (Poisson gaps move that a few percent off ``--rate``). Beside it, the
+worker-side latency: the result record's Kafka timestamp minus its request's
+(both written by producers on this host: the time from the request's send to
+the result's hand-over, without the collecting client's fetch wait).
+``--baseline-path DIR`` adds the worker package found in DIR (a ``git worktree``
+of another commit) as contender ``baseline``; ``--repeat`` runs every
+contender that many times, alternating the order, and reports each run.
 
 Benchmark code: not part of the installed package.
 """
@@ -30,6 +39,8 @@ import numpy as np
 
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
+from bench.peers import package_argv
+from devkit.apache_kafka import KafkaCluster
 from worker.bench.demo import encode_samples, labelled_samples
 from worker.ops.broker import EmbeddedBroker
 from worker.ops.children import children_die_with_this_process
@@ -51,6 +62,10 @@ class Latency:
     p95_ms: float
     p99_ms: float
     max_ms: float
+    # Result record timestamp minus request record timestamp (0 where the
+    # broker gives no timestamps).
+    worker_p50_ms: float = 0.0
+    worker_p99_ms: float = 0.0
 
     @property
     def sustained(self) -> bool:
@@ -64,14 +79,16 @@ async def measure(
     rate: float,
     parts: int,
     env: dict[str, str],
+    argv: list[str] | None,
+    run: int = 0,
 ) -> Latency:
     topics, proc = await spawn_on_fresh_topics(
         bootstrap,
-        f"lat.{name}",
+        f"lat.{name}.{run}",
         parts,
-        group_id=f"lat-{name}",
+        group_id=f"lat-{name}-{run}",
         extra_env={"INFER_WORKER_LOGGING__LEVEL": "warning", **env},
-        argv=None if name == "worker" else peer_argv(name),
+        argv=argv,
     )
     collector = Collector(bootstrap, [topics["results"]])
     await collector.start()
@@ -106,6 +123,16 @@ async def measure(
     if bad:
         raise RuntimeError(f"{name}: {len(bad)} results not ok")
     latencies = np.array([r.received_at - sent_at[r.record_key] for r in got]) * 1000.0
+    stamped = {p.key: p.timestamp_ms for p in produced}
+    worker_side = np.array(
+        [
+            r.timestamp_ms - stamped[r.record_key]
+            for r in got
+            if r.timestamp_ms > 0 < stamped[r.record_key]
+        ],
+        float,
+    )
+    w50, w99 = np.percentile(worker_side, [50, 99]) if len(worker_side) else (0.0, 0.0)
     first = min(p.sent_at for p in produced)
     sending = max(p.sent_at for p in produced) - first
     span = max(r.received_at for r in got) - first if got else 0.0
@@ -121,25 +148,38 @@ async def measure(
         p95_ms=round(float(p95), 2),
         p99_ms=round(float(p99), 2),
         max_ms=round(float(latencies.max()), 2) if got else 0.0,
+        worker_p50_ms=round(float(w50), 2),
+        worker_p99_ms=round(float(w99), 2),
     )
 
 
 async def run(args: argparse.Namespace) -> list[Latency]:
     samples = labelled_samples(max(1, -(-args.records // 360)))[: args.records]
     records = encode_samples(samples)  # unique keys: latency is matched by key
+    names = ["worker", *(["baseline"] if args.baseline_path else []), *args.peers]
     out = []
-    with EmbeddedBroker() as broker:
-        for name in ["worker", *args.peers]:
-            env = dict(item.split("=", 1) for item in args.env) if name == "worker" else {}
-            lat = await measure(broker.bootstrap, name, records, args.rate, args.partitions, env)
-            out.append(lat)
-            print(
-                f"  {name:10s} {lat.throughput:8,.0f} rec/s of {args.rate:,.0f} offered, "
-                f"p50 {lat.p50_ms:.1f} p95 {lat.p95_ms:.1f} p99 {lat.p99_ms:.1f} "
-                f"max {lat.max_ms:.1f} ms{'' if lat.sustained else '  (NOT sustained)'}",
-                file=sys.stderr,
-                flush=True,
-            )
+    with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
+        for i in range(args.repeat):
+            for name in names if i % 2 == 0 else names[::-1]:
+                worker = name in ("worker", "baseline")
+                env = dict(item.split("=", 1) for item in args.env) if worker else {}
+                argv = (
+                    None if name == "worker"
+                    else package_argv(args.baseline_path)
+                    if name == "baseline" else peer_argv(name)
+                )  # fmt: skip
+                lat = await measure(broker.bootstrap, name, records, args.rate,
+                                    args.partitions, env, argv, i)  # fmt: skip
+                out.append(lat)
+                print(
+                    f"  {name:10s} {lat.throughput:8,.0f} rec/s of {args.rate:,.0f} offered, "
+                    f"p50 {lat.p50_ms:.1f} p95 {lat.p95_ms:.1f} p99 {lat.p99_ms:.1f} "
+                    f"max {lat.max_ms:.1f} ms; worker-side p50 {lat.worker_p50_ms:.1f} "
+                    f"p99 {lat.worker_p99_ms:.1f} ms"
+                    f"{'' if lat.sustained else '  (NOT sustained)'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return out
 
 
@@ -156,13 +196,19 @@ def main() -> int:
         metavar="INFER_WORKER_X=V",
         help="extra worker environment, e.g. INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS=0",
     )
+    parser.add_argument("--broker", choices=("embedded", "kafka"), default="embedded")
+    parser.add_argument("--baseline-path", help="also run the worker package in this dir")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each, alternating")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.baseline_path:
+        args.baseline_path = str(Path(args.baseline_path).resolve())
     with children_die_with_this_process("bench.latency"):
         results = asyncio.run(run(args))
     summary = {
         "rate": args.rate,
         "records": args.records,
+        "broker": args.broker,
         "worker_env": args.env,
         "results": [{**asdict(r), "sustained": r.sustained} for r in results],
     }

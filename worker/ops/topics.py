@@ -30,6 +30,7 @@ class Produced:
     sent_at: float  # monotonic
     partition: int
     offset: int
+    timestamp_ms: int = 0  # the record's Kafka timestamp (the producer's clock)
 
 
 async def produce_all(
@@ -69,7 +70,7 @@ async def produce_all(
         out = []
         for key, value, sent_at, fut in pending:
             meta = await fut
-            out.append(Produced(key, value, sent_at, meta.partition, meta.offset))
+            out.append(Produced(key, value, sent_at, meta.partition, meta.offset, meta.timestamp))
         return out
     finally:
         await producer.stop()
@@ -83,6 +84,7 @@ class Collected:
     partition: int
     offset: int
     received_at: float  # monotonic
+    timestamp_ms: int = 0  # the record's Kafka timestamp (its producer's clock)
 
     def result(self) -> Result:
         """The result, read in its format (an Open Inference Protocol JSON answer
@@ -210,7 +212,8 @@ class Collector:
                         self._consumer.seek(tp, self._gaps.expected(tp))
                         break
                     headers = {k: bytes(v) for k, v in (m.headers or ())}
-                    bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset, now))
+                    bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset,
+                                            now, m.timestamp))  # fmt: skip
             if progress is not None:
                 progress(self)
         return True
