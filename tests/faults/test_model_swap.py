@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
-from collections import defaultdict
+import urllib.request
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import onnx
@@ -79,7 +81,9 @@ async def test_a_new_version_is_swapped_in_under_load_and_a_broken_one_refused(
         await asyncio.to_thread(w.wait_until, lambda m: swaps(m, "refused") >= 1, 30.0, "refusal")
         await producing
         assert await results.collect(lambda c: c.count() >= N, 60.0), w.log_tail()
-        m = await asyncio.to_thread(w.metrics)
+        answered = lambda m: m.get("infer_request_seconds_count", 0) >= N  # noqa: E731
+        m = await asyncio.to_thread(w.wait_until, answered, 30.0, "every answer's latency")
+        latencies = await asyncio.to_thread(request_counts_by_version, w.metrics_port)
         assert w.terminate() == 0, w.log_tail()
         no_crash_in_log(w)
     finally:
@@ -104,3 +108,15 @@ async def test_a_new_version_is_swapped_in_under_load_and_a_broken_one_refused(
         assert ordered[switch:] == [v2] * (len(ordered) - switch), f"partition {partition}"
     assert any(v2 in [v for _, v in a] for a in versions.values()), "nothing answered by v2"
     assert any(v1 in [v for _, v in a] for a in versions.values()), "nothing answered by v1"
+    # Each version's latencies are its own (issue 37: "p99 by model version").
+    by_version = Counter(v for answered in versions.values() for _, v in answered)
+    assert latencies == dict(by_version), (latencies, by_version)
+
+
+def request_counts_by_version(port: int) -> dict[str, int]:
+    """``infer_request_seconds_count`` per ``version`` label, from the raw exposition."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.findall(r'^infer_request_seconds_count\{[^}]*version="([^"]+)"[^}]*\} (\S+)$',
+                       text, re.MULTILINE)  # fmt: skip
+    return {version: int(float(count)) for version, count in found}

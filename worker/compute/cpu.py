@@ -104,6 +104,7 @@ class InferenceStage(Stage):
         old, self._engine = self._engine, engine
         self.binding, self._inputs, self._outputs = binding, binding.inputs, binding.outputs
         self.version = version
+        self._metrics = metrics.model_metrics(self._metrics.model, version)
         for buffers in held:
             self._buffers.put_nowait(buffers)
         return old

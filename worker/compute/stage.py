@@ -44,7 +44,7 @@ class Stage(ABC):
         self._outputs = binding.outputs
         self._max_attempts = max_attempts
         self._report = report_service_time(on_service_time)
-        self._metrics = metrics.ModelMetrics(info.name, info.version)
+        self._metrics = metrics.model_metrics(info.name, info.version)
 
     async def run(self) -> None:
         """Dispatch batches in order until end of stream; each batch's future goes

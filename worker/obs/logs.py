@@ -49,9 +49,63 @@ def configure(cfg: LoggingConfig) -> None:
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
+    handler.addFilter(LibraryLogFilter(shown=level))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+
+
+# Library messages that say the group is still forming (a fresh cluster, a new
+# group, a coordinator moving): retried by the client, nothing to act on.
+_FORMING = ("CoordinatorNotAvailable", "NotCoordinator", "CoordinatorLoadInProgress")
+
+
+class LibraryLogFilter(logging.Filter):
+    """What libraries (aiokafka) log, held to what an operator can act on:
+
+    - a coordinator lookup that failed because the group is still forming is
+      logged at info, not error (it is retried; every fresh cluster showed it);
+    - a message repeated (same logger, level and text before its arguments) is
+      let through at most ``burst`` times per ``interval`` seconds; the first
+      let through after a spell says how many were held back. A revoked ACL
+      made aiokafka log 302 lines for 20 requests.
+    """
+
+    def __init__(
+        self,
+        shown: int = logging.INFO,
+        burst: int = 5,
+        interval: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._shown = shown
+        self._limits: dict[tuple[str, int, str], RateLimited] = {}
+        self._burst, self._interval, self._clock = burst, interval, clock
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("aiokafka") and record.levelno > logging.INFO:
+            text = record.getMessage()
+            if any(marker in text for marker in _FORMING):
+                record.levelno, record.levelname = logging.INFO, "INFO"
+        if record.levelno < self._shown:
+            return False
+        key = (record.name, record.levelno, str(record.msg))
+        limit = self._limits.get(key)
+        if limit is None:
+            if len(self._limits) >= 1024:  # bounded: forget the oldest spells
+                self._limits.clear()
+            limit = self._limits[key] = RateLimited(self._burst, self._interval, self._clock)
+        held: dict[str, Any] = {}
+
+        def let_through(_: str, **fields: Any) -> None:
+            held.update(fields)
+
+        if not limit(let_through, record.name):
+            return False
+        if "suppressed_since_last" in held:
+            record.msg = f"{record.msg} ({held['suppressed_since_last']} more like it held back)"
+        return True
 
 
 class RateLimited:

@@ -231,6 +231,27 @@ class ModelMetrics:
         self._batches: dict[str, Counter] = {}
         self._results: dict[str, Counter] = {}
 
+    @property
+    def model(self) -> str:
+        return self._labels[0]
+
+    @property
+    def version(self) -> str:
+        return self._labels[1]
+
+    def remove(self) -> None:
+        """Drop this version's series from the exposition (``model_metrics``)."""
+        plain = (QUEUE_SECONDS, PREPROCESS_SECONDS, INFER_SECONDS, D2H_SECONDS, REQUEST_SECONDS,
+                 BATCH_SIZE, BATCH_FAILURES, ISOLATION_RUNS, GPU_SLOTS, GPU_SLOTS_BUSY)  # fmt: skip
+        for metric in plain:
+            metric.remove(*self._labels)
+        for kind in ("data", "padding"):
+            PADDED_ELEMENTS.remove(*self._labels, kind)
+        for reason in self._batches:
+            BATCHES.remove(*self._labels, reason)
+        for status in self._results:
+            RESULTS_PRODUCED.remove(*self._labels, status)
+
     def batches(self, reason: str) -> Counter:
         if (found := self._batches.get(reason)) is None:
             found = self._batches[reason] = BATCHES.labels(*self._labels, reason)
@@ -240,6 +261,26 @@ class ModelMetrics:
         if (found := self._results.get(status)) is None:
             found = self._results[status] = RESULTS_PRODUCED.labels(*self._labels, status)
         return found
+
+
+# Per model name, the metrics of the versions it was served at, oldest first.
+_SERVED: dict[str, list[ModelMetrics]] = {}
+
+
+def model_metrics(model: str, version: str) -> ModelMetrics:
+    """The inference metrics of ``model`` at ``version``: every stage asks here,
+    so a swapped-in version's latencies are its own (``model_version`` on every
+    series, the articles' "p99 by model version"). Bounded: the serving version
+    and the one before it (whose last batches finish after a swap) are kept;
+    an older version's series leave the exposition."""
+    served = _SERVED.setdefault(model, [])
+    for found in served:
+        if found.version == version:
+            return found
+    served.append(ModelMetrics(model, version))
+    while len(served) > 2:
+        served.pop(0).remove()
+    return served[-1]
 
 
 def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 
 def test_rate_limited_lets_a_burst_through_then_reports_what_it_held_back() -> None:
     from worker.obs.logs import RateLimited
@@ -66,3 +68,45 @@ def test_liveness_fails_once_the_loop_stops_ticking() -> None:
         assert metrics._loop_stale() is None
     finally:
         metrics.set_liveness_timeout(10.0)
+
+
+def _record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+
+def test_a_repeated_library_message_is_held_to_a_few_lines_with_a_count() -> None:
+    """A revoked ACL made aiokafka log one line per failed request (302 for 20
+    requests): the same message is let through a few times per interval, and the
+    next one through says how many were held back."""
+    from worker.obs.logs import LibraryLogFilter
+
+    now = [0.0]
+    f = LibraryLogFilter(shown=logging.INFO, burst=3, interval=30.0, clock=lambda: now[0])
+    msg = "Got error produce response: %s"
+    passed = [f.filter(_record("aiokafka.producer.sender", logging.WARNING, msg, i))
+              for i in range(300)]  # fmt: skip
+    assert passed.count(True) == 3 and passed[:3] == [True] * 3
+    other = _record("aiokafka.conn", logging.WARNING, "another message")
+    assert f.filter(other)  # another message has its own allowance
+    now[0] = 31.0
+    later = _record("aiokafka.producer.sender", logging.WARNING, msg, "x")
+    assert f.filter(later)
+    assert later.getMessage() == "Got error produce response: x (297 more like it held back)"
+
+
+def test_a_coordinator_still_forming_is_info_not_error() -> None:
+    from worker.obs.logs import LibraryLogFilter
+
+    forming = _record("aiokafka.consumer.group_coordinator", logging.ERROR,
+                      "Group Coordinator Request failed: %s",
+                      "[Error 15] CoordinatorNotAvailableError")  # fmt: skip
+    assert not LibraryLogFilter(shown=logging.WARNING).filter(forming)
+    assert forming.levelname == "INFO"
+    forming.levelno, forming.levelname = logging.ERROR, "ERROR"
+    assert LibraryLogFilter(shown=logging.INFO).filter(forming)
+    assert forming.levelname == "INFO"
+    refused = _record("aiokafka.consumer.group_coordinator", logging.ERROR,
+                      "Group Coordinator Request failed: %s",
+                      "[Error 30] GroupAuthorizationFailedError")  # fmt: skip
+    assert LibraryLogFilter(shown=logging.WARNING).filter(refused)
+    assert refused.levelname == "ERROR"

@@ -42,3 +42,34 @@ def test_batched_observations_expose_what_one_by_one_does(values: list[float], r
     assert batched.keys() == one_by_one.keys()
     for key, want in one_by_one.items():
         assert abs(batched[key] - want) <= 1e-9 * max(1.0, abs(want)), key
+
+
+def test_model_metrics_keep_the_serving_version_and_the_one_before() -> None:
+    """A swapped-in version's latencies are its own series; the exposition keeps
+    the serving version and the one before it (its last batches finish after
+    the swap), never every version a long-running worker served."""
+    from prometheus_client import REGISTRY
+
+    from worker.obs.metrics import model_metrics
+
+    def versions() -> set[str]:
+        return {
+            s.labels["version"]
+            for family in REGISTRY.collect() if family.name == "infer_request_seconds"
+            for s in family.samples if s.labels.get("model") == "swapped"
+        }  # fmt: skip
+
+    first = model_metrics("swapped", "v1")
+    first.request_seconds.observe(0.01)
+    first.results("ok").inc()
+    assert model_metrics("swapped", "v1") is first
+    model_metrics("swapped", "v2").request_seconds.observe(0.02)
+    assert versions() == {"v1", "v2"}
+    model_metrics("swapped", "v3")
+    assert versions() == {"v2", "v3"}
+    assert (
+        REGISTRY.get_sample_value(
+            "infer_results_produced_total", {"model": "swapped", "version": "v1", "status": "ok"}
+        )
+        is None
+    )

@@ -23,6 +23,7 @@ from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.sending import Sent
 from worker.kafka.delivery.writer import ProducerFactory, Woken, Writer, WriterParts
 from worker.obs import metrics
+from worker.obs.logs import RateLimited
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +53,7 @@ class AtLeastOnceWriter(Writer):
         # batch of their own: decide() says what is sent next.
         self._undelivered: list[tuple[OutRecord, BaseException | None, bool]] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
+        self._failure_lines = RateLimited(burst=10, interval=10.0)
         # Taken from the queue behind a send's batches but not completed yet (or
         # the end of the stream): the next send's first.
         self._held: list[asyncio.Future[Completed] | None] = []
@@ -124,7 +126,10 @@ class AtLeastOnceWriter(Writer):
                 # _redeliver decides what is sent instead.
                 self._undelivered.append((out, failure, False))
                 self._delivery_failed.set()
-                log.warning("delivery_failed", source=str(out.job.source), error=repr(failure))
+                # Per record, but held to a few lines per interval: one broker
+                # refusal fails every record in flight.
+                self._failure_lines(log.warning, "delivery_failed",
+                                    source=str(out.job.source), error=repr(failure))  # fmt: skip
             self._acknowledged(acked)
             self._committer.notify()
         finally:

@@ -50,6 +50,7 @@ class OutRecord:
     fallback: bool = False  # already the small replacement of a refused record
     error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
     partition: int | None = None  # set: this partition (a state record's); else by key
+    model_version: str = ""  # the version that answered ("": the one the worker started with)
 
     @property
     def size(self) -> int:

@@ -94,7 +94,6 @@ class Writer:
         self._kafka = kafka
         self._tracer = parts.tracer or Tracer()
         self._model = model
-        self._metrics = metrics.ModelMetrics(model.name, model.version)
         self._tracker = parts.tracker
         self._budget = parts.budget
         self._seq = 0
@@ -178,6 +177,8 @@ class Writer:
             out = record_for(
                 answer, model, self._topics, self._seq, now, self._kafka.max_request_size, trace
             )
+            if model is not self._model:
+                out.model_version = model.version  # its latency is that version's
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
                     answer.error is not None and answer.error.code == "inference_failed"
@@ -299,8 +300,9 @@ class Writer:
     def _acknowledged(self, acked: list[OutRecord]) -> None:
         """Mark offsets done and count what was delivered, per batch."""
         now, wall_ms = time.monotonic(), time.time() * 1000.0
-        kinds: dict[str, int] = {}
-        latencies: list[float] = []
+        # Per answering model version (one, but for the batches around a swap).
+        kinds: dict[tuple[str, str], int] = {}
+        latencies: dict[str, list[float]] = {}
         ages: list[float] = []
         for out in acked:
             job = out.job
@@ -313,20 +315,25 @@ class Writer:
             if out.kind == "state":
                 metrics.STATE_RECORDS.inc()
                 continue
-            latencies.append(now - job.arrived)
+            version = out.model_version or self._model.version
+            if (seen := latencies.get(version)) is None:
+                seen = latencies[version] = []
+            seen.append(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
                 ages.append(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
-            kinds[out.kind] = kinds.get(out.kind, 0) + 1
-        metrics.observe_all(self._metrics.request_seconds, latencies)
+            kinds[version, out.kind] = kinds.get((version, out.kind), 0) + 1
+        for version, seconds in latencies.items():
+            m = metrics.model_metrics(self._model.name, version)
+            metrics.observe_all(m.request_seconds, seconds)
         metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
         if self._kafka.state_topic:
             metrics.STATE_PENDING.set(len(self._pending))
-        for kind, count in kinds.items():  # counters per batch, not per record
+        for (version, kind), count in kinds.items():  # counters per batch, not per record
             if kind == "dlq":
                 metrics.DLQ_PRODUCED.inc(count)
             else:
-                self._metrics.results(kind).inc(count)
+                metrics.model_metrics(self._model.name, version).results(kind).inc(count)
 
     async def _replace_producer(self, reason: str) -> None:
         """Replace the producer (called with no send of this sink in flight): an
