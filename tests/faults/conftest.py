@@ -5,15 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pytest
 
+from devkit.apache_kafka import KafkaCluster
+from devkit.kafka_pki import Pki, make_pki
+from devkit.kafka_security import Security
+from tests.conftest import require_kafka
 from worker.contract import Request, Tensor, encode_request
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
@@ -240,3 +247,20 @@ async def silero_with_changelog(
         "INFER_WORKER_MODEL__PATH": str(real_models.model_path("silero-vad")),
         "INFER_WORKER_KAFKA__STATE_TOPIC": states,
     }
+
+
+# A secured Apache Kafka (tests/faults/secured.py), once per session.
+@pytest.fixture(scope="session")
+def pki() -> Iterator[Pki]:
+    with tempfile.TemporaryDirectory(prefix="pki-") as d:
+        yield make_pki(Path(d), ("worker", "client"))
+
+
+@pytest.fixture(scope="session")
+def secured(pki: Pki) -> Iterator[KafkaCluster]:
+    require_kafka()
+    from .secured import CLIENT_PASSWORD, PASSWORD
+
+    users = {"worker": PASSWORD, "client": CLIENT_PASSWORD}
+    with KafkaCluster(security=Security(pki, users)) as cluster:
+        yield cluster

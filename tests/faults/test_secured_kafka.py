@@ -14,119 +14,38 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from devkit.apache_kafka import KafkaCluster
-from devkit.kafka_pki import Pki, make_pki
+from devkit.kafka_pki import Pki
 from devkit.kafka_security import (
     Acl,
-    Security,
     client_settings,
     grant,
     revoke,
-    unsecured_token,
-    worker_acls,
 )
-from tests.conftest import require_kafka
 from worker.config import KafkaConfig
 from worker.kafka.credentials import security_kwargs
-from worker.ops.broker import create_topics
-from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.processes import WorkerProcess
 from worker.ops.topics import Collector, committed_offsets, produce_all
 from worker.ops.verify import check, read_topics
 
-from .conftest import FAST_GROUP, no_crash_in_log, request, wait_assigned, wait_ready
+from .conftest import no_crash_in_log, request, wait_assigned, wait_ready
+from .secured import (
+    CLIENT_PASSWORD,
+    PASSWORD,
+    WORKER,
+    acls_for,
+    assert_no_secret,
+    run_until_exit,
+    spawn,
+    topics,
+    worker_security,
+)
 
 pytestmark = pytest.mark.faults
-
-PASSWORD = "s3cret-w0rker-pass"  # grepped for in logs: it must never appear
-CLIENT_PASSWORD = "s3cret-cl1ent-pass"
-WORKER = "User:worker"
-
-
-@pytest.fixture(scope="module")
-def pki() -> Iterator[Pki]:
-    with tempfile.TemporaryDirectory(prefix="pki-") as d:
-        yield make_pki(Path(d), ("worker", "client"))
-
-
-@pytest.fixture(scope="module")
-def secured(pki: Pki) -> Iterator[KafkaCluster]:
-    require_kafka()
-    users = {"worker": PASSWORD, "client": CLIENT_PASSWORD}
-    with KafkaCluster(security=Security(pki, users)) as cluster:
-        yield cluster
-
-
-def acls_for(names: dict[str, str], transactional_id: str | None = None) -> list[Acl]:
-    return worker_acls(
-        WORKER,
-        inputs=[names["requests"]],
-        output=names["results"],
-        dlq=names["dlq"],
-        group=names["group"],
-        crash_guard=names["guard"],
-        transactional_id=transactional_id,
-    )
-
-
-async def topics(cluster: KafkaCluster, names: dict[str, str], partitions: int = 2) -> None:
-    await create_topics(
-        cluster.bootstrap,
-        {names["requests"]: partitions, names["results"]: partitions, names["dlq"]: 1,
-         names["guard"]: 1},
-    )  # fmt: skip
-
-
-def secrets_dir() -> Path:
-    d = Path(tempfile.mkdtemp(prefix="secrets-"))
-    d.chmod(0o700)
-    return d
-
-
-def worker_security(
-    cluster: KafkaCluster, pki: Pki, listener: str, mechanism: str = "SCRAM-SHA-512"
-) -> dict[str, str]:
-    """A worker's settings for ``listener``, secrets from files as an operator
-    mounts them (a password file, a token file)."""
-    secrets = secrets_dir()
-    if listener == "OAUTH":
-        token = secrets / "token"
-        token.write_text(unsecured_token("worker") + "\n")
-        env = client_settings("OAUTH", cluster.listener("OAUTH"), pki, mechanism="OAUTHBEARER")
-        return {**env, "INFER_WORKER_KAFKA__SASL_OAUTH_TOKEN_FILE": str(token)}
-    env = client_settings(listener, cluster.listener(listener), pki, user="worker",
-                          password=PASSWORD, mechanism=mechanism)  # fmt: skip
-    if listener == "SASL_SSL":
-        password = secrets / "password"
-        password.write_text(PASSWORD + "\n")
-        del env["INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD"]
-        env["INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD_FILE"] = str(password)
-    return env
-
-
-def spawn(
-    cluster: KafkaCluster, names: dict[str, str], security: dict[str, str], **env: str
-) -> WorkerProcess:
-    bootstrap = security["INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS"]
-    return spawn_worker(
-        bootstrap,
-        input_topics=[names["requests"]],
-        output_topic=names["results"],
-        dlq_topic=names["dlq"],
-        group_id=names["group"],
-        extra_env={**FAST_GROUP, **security, "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC":
-                   names["guard"], **env},
-    )  # fmt: skip
-
-
-def assert_no_secret(text: str) -> None:
-    assert PASSWORD not in text and CLIENT_PASSWORD not in text
-    assert unsecured_token("worker").split(".")[0] + "." not in text  # no token either
 
 
 @pytest.mark.parametrize(
@@ -231,15 +150,6 @@ async def test_exactly_once_across_a_sigkill_with_only_its_acls(
         assert_no_secret(proc.log_tail(10**6))
 
 
-def run_until_exit(env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "worker", "run"],
-        env={**base, **FAST_GROUP, "INFER_WORKER_METRICS__PORT": "0", **env},
-        capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
 REFUSALS = {
     "wrong-password": ("SASL_SSL", {"INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": "not-it"},
                        None, "kafka.sasl_plain_username / sasl_plain_password"),
@@ -266,6 +176,22 @@ REFUSALS = {
                      "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "m1"},
         Acl(WORKER, "Write", "transactional_id", "{group}.m1"),
         "not allowed Write on its transactional id"),
+    # Protocol mismatches (issue 37): named as such, not "cannot reach Kafka".
+    "SASL_PLAINTEXT-on-a-TLS-listener": (
+        "SASL_SSL", {"INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT"}, None,
+        "speaks TLS: set security_protocol = SASL_SSL"),
+    "SSL-on-a-plaintext-listener": (
+        "SSL", {"INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "{plaintext}"}, None,
+        "does not speak TLS (it answered plaintext Kafka): set security_protocol = PLAINTEXT"),
+    "SSL-on-a-SASL-listener": (
+        "SASL_SSL", {"INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "SSL"}, None,
+        "asks for SASL authentication: set security_protocol = SASL_SSL"),
+    "SASL_SSL-on-a-mutual-TLS-listener": (
+        "SSL", {"INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+                "INFER_WORKER_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+                "INFER_WORKER_KAFKA__SASL_PLAIN_USERNAME": "worker",
+                "INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": PASSWORD}, None,
+        "takes no SASL (it refused the SASL handshake): set security_protocol = SSL"),
 }  # fmt: skip
 
 
@@ -275,7 +201,7 @@ async def test_a_refused_credential_or_missing_acl_exits_2_naming_it(
 ) -> None:
     listener, overrides, withheld, expected = REFUSALS[case]
     fill = {"stranger_ca": pki.stranger_ca, "expired": pki.expired, "stranger": pki.stranger,
-            **names}  # fmt: skip
+            "plaintext": secured.bootstrap, **names}  # fmt: skip
     await topics(secured, names)
     acls = acls_for(names, transactional_id=f"{names['group']}.m1")
     if withheld is not None:

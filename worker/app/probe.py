@@ -50,10 +50,9 @@ def self_test(engine: Engine) -> str | None:
     return f"its self-test run returned no {sorted(missing)}" if missing else None
 
 
-def check_declarations(engine: Engine, plan: OutputPlan) -> None:
+def check_declarations(engine: Engine, io: ModelIO, plan: OutputPlan) -> None:
     """Start-up: refuse (``ConfigError``, exit 2) a model whose run on zeros
-    returns an output that breaks its declaration."""
-    io = engine.info.io
+    returns an output that breaks its declaration (``io``: as bound)."""
     try:
         outputs: dict[str, Any] = dict(engine.run(zero_feeds(io)))
     except Exception as exc:  # boundary: zeros of length 1 may not be a valid input

@@ -69,7 +69,7 @@ async def build_stages(
     b = s.batching
     binding = bind_model(s.model, engine.info.io, s.limits, b)
     if plan.device == "cpu":  # the GPU stage's engines run per slot, after start-up
-        await asyncio.to_thread(check_declarations, engine, binding.outputs)
+        await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
     log.info("model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names))
     limits = fit_limits(s.limits, binding.inputs)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)

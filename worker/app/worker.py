@@ -31,9 +31,9 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
-from worker.kafka.diagnose import diagnose
+from worker.kafka.diagnose import explain
 from worker.kafka.monitors import report_partitions, watch_broker
-from worker.kafka.permissions import check_topics, refused
+from worker.kafka.permissions import check_topics
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -107,7 +107,7 @@ class Worker:
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
             # A refused password, certificate or ACL is a configuration error: exit 2.
-            problem = refused(exc, s.kafka) or await diagnose(s.kafka)
+            problem = await explain(exc, s.kafka)
             if problem is not None:
                 raise problem from exc
             raise BrokerUnavailable(

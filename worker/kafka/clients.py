@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -113,10 +113,10 @@ async def start_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
     at all fails both attempts, with the connection error, as before."""
     mode = idempotence(k)
     if mode != "auto":
-        return await _started(AIOKafkaProducer(**producer_kwargs(k, mode))), mode
+        return await started(AIOKafkaProducer(**producer_kwargs(k, mode))), mode
     try:
         producer = await asyncio.wait_for(
-            _started(AIOKafkaProducer(**producer_kwargs(k, True))), k.request_timeout_ms / 1000
+            started(AIOKafkaProducer(**producer_kwargs(k, True))), k.request_timeout_ms / 1000
         )
     except (BrokerResponseError, TimeoutError) as exc:
         log.warning(
@@ -126,7 +126,7 @@ async def start_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
             "retries may write a result twice (same source)",
             silence="kafka.enable_idempotence = false",
         )
-        return await _started(AIOKafkaProducer(**producer_kwargs(k, False))), False
+        return await started(AIOKafkaProducer(**producer_kwargs(k, False))), False
     return producer, True
 
 
@@ -147,7 +147,7 @@ async def start_transactional_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer
     }
     try:
         producer = await asyncio.wait_for(
-            _started(AIOKafkaProducer(**kwargs)), k.request_timeout_ms / 1000
+            started(AIOKafkaProducer(**kwargs)), k.request_timeout_ms / 1000
         )
     except (BrokerResponseError, TimeoutError) as exc:
         if (not_allowed := refused(exc, k)) is not None:
@@ -163,14 +163,18 @@ async def start_transactional_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer
     return producer, True
 
 
-async def _started(producer: AIOKafkaProducer) -> AIOKafkaProducer:
-    """``producer`` started; closed again if its start fails or is cancelled."""
+_Client = TypeVar("_Client", AIOKafkaProducer, AIOKafkaConsumer)
+
+
+async def started(client: _Client) -> _Client:
+    """``client`` (an aiokafka producer or consumer) started; closed again if its
+    start fails or is cancelled (left open, aiokafka warns "Unclosed" at exit)."""
     try:
-        await producer.start()
+        await client.start()
     except BaseException:
-        await producer.stop()
+        await client.stop()
         raise
-    return producer
+    return client
 
 
 def with_options(

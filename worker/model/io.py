@@ -142,6 +142,34 @@ class ModelIO:
     def output_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.outputs)
 
+    def rebatched(self, axes: Mapping[str, tuple[int, str]]) -> ModelIO:
+        """This description with the batch of each named tensor at the axis the
+        configuration gives (``axes``: name -> (axis, the setting that says so)).
+        The file cannot be read for it where it leaves that dimension unnamed
+        (silero-vad's ``state [2, ?, 128]``); a configured axis is honoured where
+        the dimension is free, and refused, naming the setting, where the file
+        fixes it."""
+
+        def moved(desc: TensorDesc) -> TensorDesc:
+            if desc.name not in axes:
+                return desc
+            axis, setting = axes[desc.name]
+            if axis == desc.batch_axis:
+                return desc
+            full = desc.full_shape(None)
+            if axis >= len(full) or isinstance(full[axis], int):
+                what = "has no such axis" if axis >= len(full) else f"fixes it at {full[axis]}"
+                dims = ", ".join("?" if d is None else str(d) for d in full)
+                raise ConfigError(
+                    f"{setting}: {axis}, but the model file's {desc.name!r} "
+                    f"({desc.dtype.name} [{dims}]) {what}: the batch dimension must be a free one"
+                )
+            return TensorDesc(desc.name, desc.dtype, full[:axis] + full[axis + 1 :], axis)
+
+        return ModelIO(
+            tuple(moved(d) for d in self.inputs), tuple(moved(d) for d in self.outputs), self.batch
+        )
+
 
 # ONNX tensor element types as onnxruntime names them ("tensor(float)").
 _ONNX_TYPES: Final = {

@@ -29,7 +29,6 @@ Two sources:
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
@@ -39,11 +38,12 @@ from typing import Any, Final
 
 import numpy as np
 
-from worker.config import LimitsConfig
+from worker.config import KafkaConfig, LimitsConfig
 from worker.contract import EncodedImage, Request, Tensor, sniff_format
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job, TopicPartition
-from worker.kafka.credentials import Connection
+from worker.kafka.credentials import connection
+from worker.kafka.diagnose import run_tool
 from worker.kafka.intake import JobFactory
 from worker.model.inputs import ModelInputs
 from worker.model.inputs.image import BoundImage
@@ -235,7 +235,7 @@ def _takes(inputs: ModelInputs) -> str:
 
 @dataclass(frozen=True)
 class TopicSource:
-    connection: Connection
+    kafka: KafkaConfig  # the cluster and its security (``connection``), and for diagnosis
     topic: str
     count: int
     idle_timeout: float = 2.0  # the topic is read to its end once quiet this long
@@ -249,11 +249,11 @@ def from_topic(
     """The first ``source.count`` requests of the topic the model takes."""
     factory = JobFactory(inputs, limits, 0, content_type)
     try:
-        jobs, seen, refused, first_refusal = asyncio.run(_read(source, factory))
-    except ConfigError:
-        raise
-    except Exception as exc:  # boundary: aiokafka's own hierarchy (unreachable, refused)
-        raise ConfigError(f"{TOPIC_FLAG} {source.topic}: cannot read it: {exc!r}") from exc
+        # A Kafka failure is diagnosed as the worker's is (``run_tool``): the
+        # setting or permission to fix.
+        jobs, seen, refused, first_refusal = run_tool(source.kafka, _read(source, factory))
+    except RuntimeError as exc:  # the reader's "topic has no partitions"
+        raise ConfigError(f"{TOPIC_FLAG} {source.topic}: cannot read it: {exc}") from exc
     if not jobs:
         if seen == 0:
             raise ConfigError(
@@ -301,7 +301,7 @@ async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], in
         quiet = last_new is not None and time.monotonic() - last_new >= source.idle_timeout
         return len(jobs) >= source.count or quiet
 
-    collector = Collector(source.connection, [source.topic])
+    collector = Collector(connection(source.kafka), [source.topic])
     try:
         await collector.start()
     except RuntimeError as exc:  # Collector's "topic has no partitions"

@@ -209,7 +209,6 @@ def _calibration(req: PrecisionBuild, source: Path) -> CalibrationSet | None:
     if not req.calibration_files and req.calibration_topic is None:
         return None
     from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
-    from worker.kafka.credentials import connection
     from worker.model.inputs import bind_model
     from worker.model.inputs.binding import fit_limits
 
@@ -226,7 +225,7 @@ def _calibration(req: PrecisionBuild, source: Path) -> CalibrationSet | None:
             req.calibration_files, binding.inputs, req.calibration_count, req.batch_size
         )
     assert req.calibration_topic is not None
-    topic = TopicSource(connection(s.kafka), req.calibration_topic, req.calibration_count)
+    topic = TopicSource(s.kafka, req.calibration_topic, req.calibration_count)
     return from_topic(topic, binding.inputs, limits, s.kafka.content_type, req.batch_size)
 
 

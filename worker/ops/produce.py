@@ -14,7 +14,6 @@ group is disturbed, and no answer produced before the reader started is missed
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -40,7 +39,9 @@ from worker.contract import (
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.flow.errors import ConfigError
+from worker.kafka.clients import started
 from worker.kafka.credentials import connection
+from worker.kafka.diagnose import run_tool
 from worker.ops.topics import Collected, Collector
 
 # Room for the request envelope around the largest image the worker accepts.
@@ -121,7 +122,7 @@ async def send(
     """Send ``requests``; with ``oip``, as Open Inference Protocol JSON (header
     ``content-type: application/json``) instead of msgpack."""
     producer = AIOKafkaProducer(**connection(kafka), acks="all", max_request_size=max_bytes)
-    await producer.start()
+    await started(producer)
     try:
         for r in requests:
             value = encode_oip_request(decode_request(r.value)) if oip else r.value
@@ -269,14 +270,14 @@ def run_produce(
         )
         return 1 if missing else 0
 
-    return asyncio.run(go())
+    return run_tool(kafka, go())
 
 
 def run_consume(
     kafka: KafkaConfig, ids: Sequence[str], timeout: float | None, json_lines: bool
 ) -> int:
-    missing = asyncio.run(
-        watch(kafka, ids=set(ids) or None, timeout=timeout, json_lines=json_lines)
+    missing = run_tool(
+        kafka, watch(kafka, ids=set(ids) or None, timeout=timeout, json_lines=json_lines)
     )
     return 1 if missing else 0
 

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
-from worker.kafka.clients import topic_partitions
+from worker.kafka.clients import started, topic_partitions
 from worker.kafka.credentials import Connection, connect_kwargs
 
 
@@ -52,7 +52,7 @@ async def produce_all(
     producer = AIOKafkaProducer(
         **connect_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
     )
-    await producer.start()
+    await started(producer)
     try:
         pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
         gaps = random.Random(seed)
@@ -161,24 +161,30 @@ class Collector:
             fetch_max_wait_ms=5,
             isolation_level=self.isolation_level,
         )
-        await consumer.start()
-        tps = []
-        for topic in self.topics:
-            parts = await topic_partitions(consumer, topic)
-            for _ in range(100):
-                if parts:
-                    break
-                await asyncio.sleep(0.05)
+        await started(consumer)
+        try:
+            tps = []
+            for topic in self.topics:
                 parts = await topic_partitions(consumer, topic)
-            if not parts:
-                await consumer.stop()
-                raise RuntimeError(f"topic {topic} has no partitions")
-            tps += [TopicPartition(topic, p) for p in sorted(parts)]
-            self.records.setdefault(topic, [])
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        for tp in tps:
-            self._gaps.start(tp, await consumer.position(tp))
+                for _ in range(100):
+                    if parts:
+                        break
+                    await asyncio.sleep(0.05)
+                    parts = await topic_partitions(consumer, topic)
+                if not parts:
+                    raise RuntimeError(
+                        f"topic {topic} has no partitions (it does not exist, or this "
+                        "principal is not allowed to Describe it)"
+                    )
+                tps += [TopicPartition(topic, p) for p in sorted(parts)]
+                self.records.setdefault(topic, [])
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            for tp in tps:
+                self._gaps.start(tp, await consumer.position(tp))
+        except BaseException:
+            await consumer.stop()  # a half-started reader closes what it opened
+            raise
         self._consumer = consumer
 
     @property
@@ -231,7 +237,7 @@ async def committed_offsets(
     consumer = AIOKafkaConsumer(
         **connect_kwargs(bootstrap), group_id=group_id, enable_auto_commit=False
     )
-    await consumer.start()
+    await started(consumer)
     try:
         out = {}
         for p in range(partitions):
@@ -248,7 +254,7 @@ async def end_offsets(bootstrap: Connection, topics: Sequence[str]) -> dict[tupl
     ``end_offsets`` wrongly (DESIGN.md), which is why the readers here stop on
     idleness rather than at these offsets."""
     consumer = AIOKafkaConsumer(**connect_kwargs(bootstrap), enable_auto_commit=False)
-    await consumer.start()
+    await started(consumer)
     try:
         tps = []
         for topic in topics:

@@ -238,6 +238,9 @@ class Binding:
 
     inputs: ModelInputs
     outputs: OutputPlan
+    # The model's inputs and outputs as bound: the file's, with the batch axes
+    # the configuration gives where the file leaves them unnamed.
+    io: ModelIO
     # A stateful model's bounds (model.state_ttl_s, model.max_sequences).
     state_ttl_s: float = 3600.0
     max_sequences: int = 100_000
@@ -249,11 +252,19 @@ def bind_model(
     limits: LimitsConfig,
     batching: BatchingConfig | None = None,
 ) -> Binding:
-    """``bind`` and the output plan that goes with it (the one place both are made)."""
+    """``bind`` and the output plan that goes with it (the one place both are made),
+    over ``io`` with each state's configured batch axis (``ModelIO.rebatched``)
+    on the state and on the output that carries its next value."""
+    axes: dict[str, tuple[int, str]] = {}
+    for name, state in model.state.items():
+        if state.batch_axis is not None:
+            setting = f"model.state.{name}.batch_axis"
+            axes[name] = axes[state.output] = (state.batch_axis, setting)
+    io = io.rebatched(axes)
     inputs = bind(model, io, limits, batching)
     post = model.postprocess.resolved(is_classifier(inputs))
     plan = OutputPlan(io, model, post, inputs.padded_symbols)
-    return Binding(inputs, plan, model.state_ttl_s, model.max_sequences)
+    return Binding(inputs, plan, io, model.state_ttl_s, model.max_sequences)
 
 
 def _padded(inputs: ModelInputs, returned: list[TensorDesc]) -> frozenset[str]:

@@ -72,8 +72,9 @@ def _output(cfg: StateConfig, io: ModelIO, state: TensorDesc, at: str) -> Tensor
         )
     if state.batch_axis is None:
         raise ConfigError(
-            f"{at}: the model input {state.name!r} ({state.shown()}) has no batch dimension, "
-            "so the states of several sequences cannot share a run"
+            f"{at}: the model input {state.name!r} ({state.shown()}) has no batch dimension "
+            "the file names, so the states of several sequences cannot share a run; where "
+            f"one of its dimensions is the batch, unnamed in the file, set {at}.batch_axis"
         )
     if cfg.batch_axis is not None and cfg.batch_axis != state.batch_axis:
         raise ConfigError(

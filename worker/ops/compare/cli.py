@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import sys
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from worker.config import KafkaConfig, load_settings
 from worker.flow.errors import ConfigError
 from worker.kafka.credentials import connection
+from worker.kafka.diagnose import run_tool
 from worker.ops.compare import plot
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results
@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     topics: dict[Side, str] = {"baseline": args.baseline, "candidate": args.candidate}
     comparison = Comparison(top_k=args.top_k, label_key=args.label_key)
     try:
-        complete = asyncio.run(
+        complete = run_tool(
+            kafka,
             read_results(
                 conn, topics, comparison,
                 input_topic=args.input_topic, label_key=args.label_key,
@@ -159,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
                 ),
             )
         )  # fmt: skip
-    except Exception as exc:  # aiokafka raises its own hierarchy, Collector RuntimeError
-        print(f"infer-worker compare: cannot read topics: {exc!r}", file=sys.stderr)
+    except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``)
+        print(f"infer-worker compare: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # the reader's "topic has no partitions"
+        print(f"infer-worker compare: cannot read topics: {exc}", file=sys.stderr)
         return 2
     report = comparison.report(topics)
     missed = failures(report, thresholds)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import sys
@@ -12,6 +11,7 @@ from typing import Any
 from worker.config import KafkaConfig, load_settings
 from worker.flow.errors import ConfigError
 from worker.kafka.credentials import connection
+from worker.kafka.diagnose import run_tool
 from worker.ops.verify.check import check
 from worker.ops.verify.read import read_topics
 
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"infer-worker verify: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
-        inputs, observed = asyncio.run(
+        inputs, observed = run_tool(
+            kafka,
             read_topics(
                 connection(kafka),
                 kafka.input_topics,
@@ -116,10 +117,13 @@ def run(args: argparse.Namespace) -> int:
                     if args.read_committed or kafka.processing_guarantee == "exactly-once"
                     else "read_uncommitted"
                 ),
-            )
+            ),
         )
-    except Exception as exc:  # aiokafka raises its own hierarchy, Collector RuntimeError
-        print(f"infer-worker verify: cannot read topics: {exc!r}", file=sys.stderr)
+    except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``)
+        print(f"infer-worker verify: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # the reader's "topic has no partitions"
+        print(f"infer-worker verify: cannot read topics: {exc}", file=sys.stderr)
         return 2
     report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=args.strict)
     doc = {

@@ -1,0 +1,101 @@
+"""The operator's tools diagnose a connection as the worker does (issue 37):
+``produce``, ``consume``, ``verify`` and ``compare`` against the secured Apache
+Kafka (tests/faults/secured.py) with a wrong password, an untrusted CA, a
+missing ACL, a protocol mismatch or no broker at all exit 2 with one line
+naming the setting or permission to fix: no traceback, no aiokafka "Unclosed"
+warnings, no secret."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from devkit.apache_kafka import KafkaCluster
+from devkit.kafka_pki import Pki
+from devkit.kafka_security import Acl, client_settings, grant
+
+from .secured import CLIENT_PASSWORD, assert_no_secret, topics
+
+pytestmark = pytest.mark.faults
+
+CLIENT = "User:client"
+
+# Each tool's command line, reading or writing the test's topics.
+TOOLS = {
+    "produce": ["produce", "--samples", "1", "--no-wait"],
+    "consume": ["consume", "--timeout", "3"],
+    "verify": ["verify", "--idle-timeout", "1", "--timeout", "20"],
+    "compare": ["compare", "--baseline", "{results}", "--candidate", "{dlq}",
+                "--idle-timeout", "1", "--timeout", "20"],
+}  # fmt: skip
+
+# cause -> (settings over the client's SASL_SSL ones, the line's expected words)
+CAUSES = {
+    "wrong-password": ({"INFER_WORKER_KAFKA__SASL_PLAIN_PASSWORD": "not-it"},
+                       "kafka.sasl_plain_username / sasl_plain_password: the broker at"),
+    "untrusted-CA": ({"INFER_WORKER_KAFKA__SSL_CAFILE": "{stranger_ca}"},
+                     "kafka.ssl_cafile: the broker's certificate at"),
+    "missing-ACL": ({}, "is not allowed to use topic(s)"),
+    "protocol-mismatch": ({"INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT"},
+                          "speaks TLS: set security_protocol = SASL_SSL"),
+    "no-broker": ({"INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:{closed}",
+                   "INFER_WORKER_KAFKA__SECURITY_PROTOCOL": "PLAINTEXT"},
+                  "kafka.bootstrap_servers: no Kafka broker answers at 127.0.0.1:{closed}"),
+}  # fmt: skip
+
+# Every cause for produce and verify (a writer and a reader); the others the
+# causes their own code paths could treat differently.
+CASES = [
+    *((tool, cause) for tool in ("produce", "verify") for cause in CAUSES),
+    ("consume", "wrong-password"), ("consume", "missing-ACL"), ("consume", "no-broker"),
+    ("compare", "untrusted-CA"), ("compare", "missing-ACL"), ("compare", "protocol-mismatch"),
+]  # fmt: skip
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("tool", "cause"), CASES, ids=[f"{t}-{c}" for t, c in CASES])
+async def test_a_tool_names_what_to_fix_and_exits_2(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], tool: str, cause: str
+) -> None:
+    await topics(secured, names)
+    if cause != "missing-ACL":  # Describe only: the topics are seen, never read or written
+        await grant(secured.bootstrap, [
+            Acl(CLIENT, "Write", "topic", names["requests"]),
+            *(Acl(CLIENT, "Read", "topic", names[t]) for t in ("requests", "results", "dlq")),
+        ])  # fmt: skip
+    else:
+        await grant(secured.bootstrap, [
+            Acl(CLIENT, "Describe", "topic", names[t]) for t in ("requests", "results", "dlq")
+        ])  # fmt: skip
+    fill = {"stranger_ca": pki.stranger_ca, "closed": closed_port(), **names}
+    overrides, expected = CAUSES[cause]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= client_settings("SASL_SSL", secured.listener("SASL_SSL"), pki, user="client",
+                           password=CLIENT_PASSWORD)  # fmt: skip
+    env |= {
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+        "INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS": "5000",
+        **{k: str(v).format(**fill) for k, v in overrides.items()},
+    }
+    argv = [a.format(**fill) for a in TOOLS[tool]]
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "worker", *argv], env=env, capture_output=True,
+        text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert expected.format(**fill) in proc.stderr, out[-3000:]
+    assert "Traceback" not in out and "Unclosed" not in out, out[-3000:]
+    assert_no_secret(out)
