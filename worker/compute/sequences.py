@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker.flow.codes import ErrorCode
 from worker.flow.messages import Job, StateChange, TopicPartition
 from worker.flow.values import ErrorInfo
 from worker.model.inputs.state import BoundState
@@ -77,11 +78,11 @@ class SequenceStates:
         error set) where it cannot run: no key, or no room for a new sequence."""
         key = row.job.key
         if not self.owns(row.job):
-            row.error = ErrorInfo("internal", "partition revoked: its new owner answers it")
+            row.error = ErrorInfo(ErrorCode.INTERNAL, "partition revoked: its new owner answers it")
             return False
         if key is None:
             row.error = ErrorInfo(
-                "invalid_request",
+                ErrorCode.INVALID_REQUEST,
                 "a stateful model needs a record key: the key names the sequence whose "
                 "state this request continues",
             )
@@ -93,7 +94,7 @@ class SequenceStates:
                 self.expire(now)
                 if len(self._live) >= self._max:
                     row.error = ErrorInfo(
-                        "too_many_sequences",
+                        ErrorCode.TOO_MANY_SEQUENCES,
                         f"{self._max} sequences are live (model.max_sequences); end some with "
                         "sequence_end, or wait for idle ones to expire (model.state_ttl_s)",
                     )

@@ -15,6 +15,7 @@ from typing import Final
 import structlog
 
 from worker.contract import ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, ExpiryRule, Job
 from worker.model.rows import Row
@@ -55,8 +56,8 @@ def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list
         if job.failure is not None:
             continue
         if job.deadline is not None and now >= job.deadline:
-            answer.error = ErrorInfo("deadline_exceeded", _EXPIRED[job.expiry or "deadline_ms"])
-            metrics.REQUESTS_REJECTED.labels(code="deadline_exceeded").inc()
+            expiry = job.expiry or "deadline_ms"
+            answer.error = ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, _EXPIRED[expiry])
             metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
             continue
         runnable.append(answer)

@@ -109,6 +109,11 @@ class KafkaConfig:
     consumer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
     producer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
 
+    @property
+    def exactly_once(self) -> bool:
+        """The guarantee, decided here once: every other layer asks this."""
+        return self.processing_guarantee == "exactly-once"
+
     def __post_init__(self) -> None:
         check(bool(self.bootstrap_servers.strip()), "kafka.bootstrap_servers", "must not be empty")
         check(len(self.input_topics) > 0, "kafka.input_topics", "needs at least one topic")

@@ -12,6 +12,7 @@ from worker.contract.images import check_image, check_image_value
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.requests import decode_request, encode_request
 from worker.contract.results import decode_result, encode_ok_result, encode_result
+from worker.flow.codes import ErrorCode
 from worker.flow.values import (
     DTYPES,
     ERROR_CODES,
@@ -33,6 +34,7 @@ __all__ = [
     "ERROR_CODES",
     "SUPPORTED_VERSIONS",
     "EncodedImage",
+    "ErrorCode",
     "ErrorInfo",
     "InputValue",
     "Limits",

@@ -37,6 +37,7 @@ import numpy as np
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.requests import decode_encoded, decode_text
 from worker.contract.wire import kind, short_name
+from worker.flow.codes import ErrorCode
 from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 from worker.flow.values import (
     EncodedImage,
@@ -353,7 +354,7 @@ def decode_oip_result(value: bytes) -> Result:
         model = ModelInfo(obj.get("model_name", ""), obj.get("model_version", ""))
         timing = {str(k): int(v) for k, v in params.get("timing_us", {}).items()}
         if "error" in obj:
-            error = ErrorInfo(params.get("code", "internal"), str(obj["error"]))
+            error = ErrorInfo(params.get("code", ErrorCode.INTERNAL), str(obj["error"]))
             return Result(obj.get("id", ""), "error", source, model, error=error,
                           meta=params.get("meta"), timing_us=timing)  # fmt: skip
         outputs = {}

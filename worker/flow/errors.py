@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from worker.flow.codes import ErrorCode
+
 
 class WorkerError(Exception):
     """Root of every error the worker raises on purpose."""
 
-    code: str = "internal"
+    # A contract code (``ErrorCode``) for errors a request is answered with; the
+    # process-level ones below (a configuration, a dead engine) name why it stops.
+    code: str = ErrorCode.INTERNAL
     retriable: bool = False
 
 
@@ -33,27 +37,27 @@ class UndecodableRecord(RecordError):
     """The record is not a msgpack map we can read at all: it goes to the DLQ
     with its original bytes, because there is no request id to answer to."""
 
-    code = "undecodable"
+    code = ErrorCode.UNDECODABLE
 
 
 class RecordTooLarge(UndecodableRecord):
     """The record's bytes exceed the configured limit; rejected before decoding."""
 
-    code = "too_large"
+    code = ErrorCode.TOO_LARGE
 
 
 class CrashLoop(UndecodableRecord):
     """Whole worker processes died, again and again, with this record at the head
     of its partition: it is sent to the DLQ unrun (see pipeline/crashguard.py)."""
 
-    code = "crash_loop"
+    code = ErrorCode.CRASH_LOOP
 
 
 class InvalidRequest(RecordError):
     """The record decoded but breaks the contract. The client gets an error
     result, echoing whatever id/meta could be recovered."""
 
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
     def __init__(
         self,
@@ -72,7 +76,7 @@ class InvalidRequest(RecordError):
 class TensorTooLarge(InvalidRequest):
     """A tensor is larger than the configured limit (e.g. image pixels)."""
 
-    code = "too_large"
+    code = ErrorCode.TOO_LARGE
 
 
 class InferenceFailed(WorkerError):
@@ -80,7 +84,7 @@ class InferenceFailed(WorkerError):
     from the reliability work on, split to isolate the poison request); the
     engine itself stays usable."""
 
-    code = "inference_failed"
+    code = ErrorCode.INFERENCE_FAILED
 
 
 class EngineDead(WorkerError):

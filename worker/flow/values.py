@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
 from worker.flow.errors import WorkerError
 
 SUPPORTED_VERSIONS: Final = (1,)
@@ -42,19 +43,7 @@ DTYPES: Final = frozenset(
 
 #: Every code a result's ``error.code`` or a DLQ record's ``error.code`` header may
 #: carry. One vocabulary for both, so clients and operators read the same words.
-ERROR_CODES: Final = frozenset(
-    {
-        "invalid_request",
-        "deadline_exceeded",
-        "inference_failed",
-        "too_large",
-        "undecodable",
-        "crash_loop",
-        "internal",
-        # A stateful model holds model.max_sequences sequences: a new one waits.
-        "too_many_sequences",
-    }
-)
+ERROR_CODES: Final = frozenset(ErrorCode)
 
 # The wire is little-endian whatever the host is; pinning the byte order here
 # means to_numpy/from_numpy are correct on big-endian hosts too.
@@ -63,10 +52,6 @@ WIRE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
 }
 FLOAT_DTYPES: Final = frozenset({"float16", "float32", "float64"})
 DTYPE_LIST: Final = ", ".join(sorted(DTYPES))
-
-# Error messages end up in results and Kafka headers; a client-chosen name or
-# an exception's text must not make them unbounded.
-MAX_ERROR_MESSAGE_CHARS: Final = 1024
 
 
 def is_int(x: object) -> bool:
@@ -182,7 +167,9 @@ class Request(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class ErrorInfo:
-    """The ``error`` field of a result; ``code`` is one of ``ERROR_CODES``."""
+    """The ``error`` field of a result; ``code`` is one of ``ERROR_CODES``; the
+    message is capped at ``MAX_ERROR_MESSAGE_CHARS`` here, the one place (a
+    client-chosen name or an exception's text must not make it unbounded)."""
 
     code: str
     message: str
@@ -193,6 +180,8 @@ class ErrorInfo:
                 f"error.code: {self.code!r} is not in the contract; "
                 f"expected one of {', '.join(sorted(ERROR_CODES))}"
             )
+        if len(self.message) > MAX_ERROR_MESSAGE_CHARS:
+            object.__setattr__(self, "message", self.message[:MAX_ERROR_MESSAGE_CHARS])
 
     @classmethod
     def from_error(cls, err: BaseException) -> ErrorInfo:
@@ -203,9 +192,8 @@ class ErrorInfo:
         so internal details (paths, device state) do not leak to clients.
         """
         if isinstance(err, WorkerError) and err.code in ERROR_CODES:
-            message = str(err) or type(err).__name__
-            return cls(err.code, message[:MAX_ERROR_MESSAGE_CHARS])
-        return cls("internal", f"internal error ({type(err).__name__})")
+            return cls(err.code, str(err) or type(err).__name__)
+        return cls(ErrorCode.INTERNAL, f"internal error ({type(err).__name__})")
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def group_consumer_kwargs(k: KafkaConfig) -> dict[str, Any]:
 
 
 def exactly_once(k: KafkaConfig) -> bool:
-    return k.processing_guarantee == "exactly-once"
+    return k.exactly_once
 
 
 def transactional_id(k: KafkaConfig) -> str:

@@ -19,7 +19,6 @@ from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request
 from worker.model.inputs import ModelInputs
-from worker.obs import metrics
 from worker.obs.tracing import parse as parse_trace
 
 Headers = Sequence[tuple[str, bytes]]
@@ -87,8 +86,7 @@ class JobFactory:
             # event loop, per batch, in the inference stage.
             inputs, lengths = self._inputs.check(request, batched=wire == "oip")
         except RecordError as exc:
-            failure = exc
-            metrics.REQUESTS_REJECTED.labels(code=exc.code).inc()
+            failure = exc  # counted once answered (``Writer._records``)
         return Job(
             TopicPartition(topic, partition), offset, key, arrived=now, deadline=deadline,
             request=request, inputs=inputs, lengths=lengths, failure=failure,

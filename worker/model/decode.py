@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from worker.contract import EncodedImage, ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.model.rows import Row
 from worker.obs import metrics
 
@@ -62,7 +63,7 @@ def decode_pending(answers: list[Row], channels: int, input_name: str) -> list[R
         try:
             answer.values[input_name] = decode_image(encoded, channels)
         except DecodeFailed as exc:
-            answer.error = ErrorInfo("invalid_request", f"inputs.{input_name}: {exc}"[:1024])
+            answer.error = ErrorInfo(ErrorCode.INVALID_REQUEST, f"inputs.{input_name}: {exc}")
             invalid += 1
             continue
         finally:
@@ -74,5 +75,4 @@ def decode_pending(answers: list[Row], channels: int, input_name: str) -> list[R
         metrics.IMAGES_DECODED.labels(decoder="host", outcome="ok").inc(decoded)
     if invalid:
         metrics.IMAGES_DECODED.labels(decoder="host", outcome="invalid").inc(invalid)
-        metrics.REQUESTS_REJECTED.labels(code="invalid_request").inc(invalid)
     return runnable

@@ -15,11 +15,11 @@ import numpy as np
 from worker.compute.gpu import nvjpeg
 from worker.compute.gpu.slots import DeviceImage
 from worker.contract import EncodedImage, ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.model.decode import decode_pending
 from worker.model.inputs.base import BoundInput
 from worker.model.inputs.image import BoundImage
 from worker.model.rows import Row
-from worker.obs import metrics
 
 OnDevice = Mapping[int, DeviceImage]
 """The answers (by ``id``) whose JPEG nvJPEG decodes, with its image."""
@@ -52,9 +52,9 @@ def reject_oversized(
         nbytes = size(answer)
         if nbytes > limit:
             answer.error = ErrorInfo(
-                "too_large", f"image of {nbytes} bytes exceeds gpu.max_input_bytes {limit}"
+                ErrorCode.TOO_LARGE,
+                f"image of {nbytes} bytes exceeds gpu.max_input_bytes {limit}",
             )
-            metrics.REQUESTS_REJECTED.labels(code="too_large").inc()
         else:
             kept.append(answer)
     return kept

@@ -17,6 +17,7 @@ from aiokafka.errors import (
     UnknownProducerId,
 )
 
+from worker.flow.codes import ErrorCode
 from worker.kafka.delivery.outgoing import FallbackCode, OutRecord
 from worker.kafka.permissions import NOT_AUTHORISED
 
@@ -50,7 +51,7 @@ def retriable(exc: BaseException) -> bool:
 
 def refusal_code(exc: BaseException) -> FallbackCode:
     """Translate a permanent delivery failure into the fallback's error code."""
-    return "too_large" if isinstance(exc, _TOO_LARGE) else "internal"
+    return ErrorCode.TOO_LARGE if isinstance(exc, _TOO_LARGE) else ErrorCode.INTERNAL
 
 
 class Action(enum.Enum):

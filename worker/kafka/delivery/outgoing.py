@@ -22,6 +22,7 @@ from worker.contract import (
 )
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
+from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
 from worker.flow.messages import Answer, Job, StateChange, TraceContext
 from worker.kafka.changelog import encode_state
@@ -31,7 +32,8 @@ from worker.kafka.changelog import encode_state
 RECORD_OVERHEAD: Final = 1024
 
 Kind = Literal["ok", "error", "dlq", "state"]
-FallbackCode = Literal["too_large", "internal"]
+# The codes a record refused by the producer or the broker is answered with.
+FallbackCode = Literal[ErrorCode.TOO_LARGE, ErrorCode.INTERNAL]
 
 
 @dataclass(slots=True)
@@ -68,7 +70,8 @@ class Topics:
 def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
     return [
         ("error.code", code.encode()),
-        ("error.message", message.encode()[:1024]),
+        # Capped as a result's message is (in characters: a byte cut could split one).
+        ("error.message", message[:MAX_ERROR_MESSAGE_CHARS].encode()),
         ("source.topic", job.tp.topic.encode()),
         ("source.partition", str(job.tp.partition).encode()),
         ("source.offset", str(job.offset).encode()),
@@ -137,7 +140,7 @@ def record_for(
         out.headers.extend(trace.headers())
     if out.size <= max_bytes:
         return out
-    return fallback(out, "too_large", "record exceeds kafka.max_request_size", model)
+    return fallback(out, ErrorCode.TOO_LARGE, "record exceeds kafka.max_request_size", model)
 
 
 def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
@@ -145,7 +148,8 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
     if job.wire == "oip" and not isinstance(job.failure, UndecodableRecord):
         return _oip(answer, model, topics, seq, now)
     if isinstance(job.failure, UndecodableRecord):
-        stage = "crash_loop" if isinstance(job.failure, CrashLoop) else "decode"
+        # The stage that set it aside: decoding, or the crash guard (named as its code).
+        stage = ErrorCode.CRASH_LOOP if isinstance(job.failure, CrashLoop) else "decode"
         headers = dlq_headers(job, job.failure.code, str(job.failure), stage)
         value = job.raw_value
         if value is None and job.key is None:
@@ -190,7 +194,7 @@ def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float)
         missing = [name for name in wanted if name not in outputs]
         if missing:
             error = ErrorInfo(
-                "invalid_request",
+                ErrorCode.INVALID_REQUEST,
                 f"outputs: {', '.join(missing)[:200]} not among the answer's outputs "
                 f"({', '.join(outputs)[:400]})",
             )
@@ -222,7 +226,7 @@ def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) 
         # b"" rather than None: a record needs a key or a value.
         return OutRecord(
             job, out.topic, out.key, b"", headers, "dlq", out.seq,
-            request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason[:1024]),
+            request_id=out.request_id, fallback=True, error=ErrorInfo(code, reason),
         )  # fmt: skip
     error = ErrorInfo(code, f"{reason} (stage produce)")
     if job.wire == "oip":

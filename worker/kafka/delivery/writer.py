@@ -31,8 +31,9 @@ from worker.config import KafkaConfig
 from worker.contract import ModelInfo
 from worker.flow.backoff import Backoff
 from worker.flow.budget import FailureBudget
+from worker.flow.codes import ErrorCode
 from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
-from worker.flow.messages import Completed, Job, StateChange, TopicPartition
+from worker.flow.messages import Answer, Completed, Job, StateChange, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.decide import (
@@ -82,6 +83,18 @@ class WriterParts:
     committer: Committer
     budget: FailureBudget | None = None
     tracer: Tracer | None = None
+
+
+def _rejection(answer: Answer) -> str | None:
+    """The code an answer was refused with without running the model (counted in
+    ``infer_requests_rejected_total``), or None: answered by the model, or its
+    run failed (``inference_failed``, counted as batch failures)."""
+    job = answer.job
+    if job.failure is not None:
+        return job.failure.code
+    if answer.error is not None and answer.error.code != ErrorCode.INFERENCE_FAILED:
+        return answer.error.code
+    return None
 
 
 class Writer:
@@ -165,10 +178,14 @@ class Writer:
         now = time.monotonic()
         outs: list[OutRecord] = []
         model = self._model_of(completed)
+        rejected: Counter[str] = Counter()
         for answer in completed.answers:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
                 continue  # partition revoked or reset meanwhile: its new owner answers it
+            code = _rejection(answer)
+            if code is not None:
+                rejected[code] += 1
             self._seq += 1
             trace = None
             if job.trace is not None or self._tracer.exporting:
@@ -181,7 +198,7 @@ class Writer:
                 out.model_version = model.version  # its latency is that version's
             if self._budget is not None:
                 failed = out.kind == "dlq" or (
-                    answer.error is not None and answer.error.code == "inference_failed"
+                    answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
                 )
                 reason = self._budget.record(failed)
                 if reason is not None:
@@ -199,6 +216,8 @@ class Writer:
             outs.append(out)
             if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
                 outs.append(self._state_record(answer.job, answer.state))
+        for code, count in rejected.items():  # the one place rejections are counted
+            metrics.REQUESTS_REJECTED.labels(code=code).inc(count)
         return outs
 
     def _model_of(self, completed: Completed) -> ModelInfo:

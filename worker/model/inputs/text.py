@@ -18,13 +18,13 @@ import numpy as np
 
 from worker.config.model import TextInput
 from worker.contract import ErrorInfo, InputValue
+from worker.flow.codes import ErrorCode
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.model.files import resolve_tokenizer_path
 from worker.model.inputs.base import BoundInput, value_kind
 from worker.model.io import ModelIO, TensorDesc
 from worker.model.rows import Row
 from worker.model.shapes import dense
-from worker.obs import metrics
 
 
 def load_tokenizer(cfg: TextInput, setting: str) -> tuple[Any, int]:
@@ -110,8 +110,9 @@ class BoundText(BoundInput):
         try:
             return self.tokenizer.encode(text)
         except Exception as exc:  # boundary
-            answer.error = ErrorInfo("invalid_request", f"{self.field}: cannot tokenize: {exc}")
-            metrics.REQUESTS_REJECTED.labels(code="invalid_request").inc()
+            answer.error = ErrorInfo(
+                ErrorCode.INVALID_REQUEST, f"{self.field}: cannot tokenize: {exc}"
+            )
             return None
 
     def collate(

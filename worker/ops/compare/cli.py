@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 idle_timeout=args.idle_timeout, timeout=args.timeout,
                 isolation_level=(
                     "read_committed"
-                    if args.read_committed or kafka.processing_guarantee == "exactly-once"
+                    if args.read_committed or kafka.exactly_once
                     else "read_uncommitted"
                 ),
             )

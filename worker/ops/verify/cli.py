@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 isolation_level=(
                     "read_committed"
-                    if args.read_committed or kafka.processing_guarantee == "exactly-once"
+                    if args.read_committed or kafka.exactly_once
                     else "read_uncommitted"
                 ),
             ),
