@@ -208,7 +208,7 @@ class Writer:
             if out.kind != "ok":
                 self._log_rejection(out)
             if out.kind == "dlq" and self._shadow:
-                # Logged above, counted at intake (infer_requests_rejected_total):
+                # Logged and counted above (infer_requests_rejected_total):
                 # answered, as far as its offset goes, without a record.
                 self._tracker.done(job.tp, job.offset, job.epoch)
                 self._committer.notify()
