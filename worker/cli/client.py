@@ -9,7 +9,7 @@ from worker.cli.common import Subparsers, add_command, client_settings, kafka_fl
 
 
 def produce_command(args: argparse.Namespace) -> int:
-    from worker.ops.produce import run_produce
+    from worker.ops.produce import parse_meta, run_produce
 
     s = client_settings(args)
     topic = args.topic or s.kafka.input_topics[0]
@@ -17,6 +17,7 @@ def produce_command(args: argparse.Namespace) -> int:
     return run_produce(
         kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
         texts=args.text, input_name=args.input, sample_model=args.model, oip=args.oip,
+        meta=parse_meta(args.meta),
     )  # fmt: skip
 
 
@@ -35,7 +36,8 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         produce_command,
         epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg\n"
         '  infer-worker produce --text "The battery was great"\n'
-        "  infer-worker produce --samples 3 --model sentiment",
+        "  infer-worker produce --samples 3 --model sentiment\n"
+        "  infer-worker produce cat.jpg --meta label=281",
     )  # fmt: skip
     p.add_argument("files", nargs="*", metavar="IMAGE", help="image files or .npy arrays")
     p.add_argument(
@@ -53,6 +55,11 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--model", choices=("digits", "sentiment"), default="digits",
         help="whose samples --samples sends (default digits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--meta", action="append", default=[], metavar="KEY=VALUE",
+        help="add to every request's meta (repeatable; JSON values as such: label=7 is "
+        "the number 7); samples carry their true class as meta.label already",
     )  # fmt: skip
     p.add_argument("--topic", help="input topic (default: the config's first input topic)")
     p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")

@@ -18,10 +18,12 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import numpy as np
 from aiokafka import AIOKafkaProducer
 
@@ -53,6 +55,37 @@ class LabelledRequest:
     id: str
     label: str  # what the person asked for: a file name or "sample 3 (a 7)"
     value: bytes
+
+
+def with_meta(
+    requests: Sequence[LabelledRequest], meta: Mapping[str, Any]
+) -> list[LabelledRequest]:
+    """``requests`` with ``meta`` added to each one's (``produce --meta``: a label
+    ``compare --label-key`` reads, a trace id, anything the results should echo)."""
+    if not meta:
+        return list(requests)
+    out = []
+    for r in requests:
+        request = decode_request(r.value)
+        merged = {**(request.meta or {}), **meta}
+        value = encode_request(msgspec.structs.replace(request, meta=merged))
+        out.append(LabelledRequest(r.id, r.label, value))
+    return out
+
+
+def parse_meta(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` pairs; a value that reads as JSON (a number, true, a list)
+    is sent as that, anything else as a string (``label=7`` is the int 7)."""
+    meta: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--meta {item!r}: expected key=value")
+        try:
+            meta[key.strip()] = json.loads(text)
+        except ValueError:
+            meta[key.strip()] = text
+    return meta
 
 
 def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> LabelledRequest:
@@ -99,7 +132,7 @@ def from_samples(n: int, model: str = "digits") -> list[LabelledRequest]:
 
         for i, text in enumerate(sentiment_samples(1)[:n]):
             rid = f"sample-{i}-{run}"
-            request = Request(v=1, id=rid, inputs={"text": text.text})
+            request = Request(v=1, id=rid, inputs={"text": text.text}, meta={"label": text.label})
             label = f"sample {i} ({'positive' if text.label else 'negative'})"
             out.append(LabelledRequest(rid, label, encode_request(request)))
         return out
@@ -107,7 +140,8 @@ def from_samples(n: int, model: str = "digits") -> list[LabelledRequest]:
 
     for i, sample in enumerate(labelled_samples(1)[:n]):
         rid = f"sample-{i}-{run}"
-        request = Request(v=1, id=rid, inputs={"image": Tensor.from_numpy(sample.image)})
+        request = Request(v=1, id=rid, inputs={"image": Tensor.from_numpy(sample.image)},
+                          meta={"label": sample.label})  # fmt: skip
         out.append(LabelledRequest(rid, f"sample {i} (a {sample.label})", encode_request(request)))
     return out
 
@@ -253,10 +287,12 @@ def run_produce(
     input_name: str | None = None,
     sample_model: str = "digits",
     oip: bool = False,
+    meta: Mapping[str, Any] | None = None,
 ) -> int:
     requests = [from_file(Path(f), limits, input_name or "image") for f in files]
     requests += [from_text(t, input_name or "text") for t in texts]
     requests += from_samples(samples, sample_model)
+    requests = with_meta(requests, meta or {})
     if not requests:
         raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
 

@@ -318,3 +318,15 @@ def test_class_numbers_are_compared_by_agreement_only() -> None:
     s = OutputAgreement(top_k=3)
     s.add("topk_indices", np.array([3, 1, 2]), np.array([8, 1, 2]))
     assert s.rows == 0 and s.top1_agree == 0 and s.ranked == 1
+
+
+def test_accuracy_asked_for_without_a_single_label_fails_the_gate() -> None:
+    """``--label-key label`` where no request carries one reported "- (0/0)" and
+    passed (issue 37): the gate now fails, saying how to send labels."""
+    rows = [result(i, topk(i, 1)) for i in range(3)]
+    report = compare(rows, rows, label_key="label")
+    missed = failures(report, Thresholds())
+    assert len(missed) == 1 and "--label-key label: no joined request carries" in missed[0]
+    assert "produce --meta label=N" in missed[0]
+    labelled = [result(i, topk(i, 1), meta={"label": i}) for i in range(3)]
+    assert failures(compare(labelled, labelled, label_key="label"), Thresholds()) == []

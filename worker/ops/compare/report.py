@@ -195,6 +195,15 @@ def failures(report: Report, t: Thresholds) -> list[str]:
         if ratio is None or ratio < t.min_coverage:
             shown = "nothing to join" if ratio is None else f"{ratio:.4f}"
             out.append(f"--min-coverage {t.min_coverage:g}: {shown}")
+    labelled = any(a.labelled for sides in report.accuracy.values() for a in sides.values())
+    if report.label_key is not None and not labelled:
+        # Accuracy asked for and none measured: "- (0/0)" would decide nothing.
+        out.append(
+            f"--label-key {report.label_key}: no joined request carries a class index as "
+            f"meta.{report.label_key} (read from {report.label_source or 'nowhere'}; "
+            f"{report.unusable_labels} unusable); send labels with produce --meta "
+            f"{report.label_key}=N (its --samples carry theirs)"
+        )
     if t.max_error_diff is not None and report.status["differs"] > t.max_error_diff:
         out.append(f"--max-error-diff {t.max_error_diff}: the outcome differs in "
                    f"{report.status['differs']} rows")  # fmt: skip
