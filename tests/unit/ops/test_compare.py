@@ -167,17 +167,22 @@ def test_non_finite_values_never_pass_for_agreement() -> None:
 
 
 def test_outcomes_that_differ_in_status_or_error_code() -> None:
-    baseline = [result(0, topk(1)), result(1, code="deadline_exceeded"), result(2, topk(1))]
+    """Differences are the models'; a request one side alone read past its
+    deadline (a shadow started on a backlog) is counted apart (issue 37)."""
+    baseline = [result(0, topk(1)), result(1, code="too_large"), result(2, topk(1)),
+                result(3, code="deadline_exceeded")]  # fmt: skip
     candidate = [result(0, code="inference_failed"), result(1, code="invalid_request"),
-                 result(2, topk(1))]  # fmt: skip
+                 result(2, topk(1)), result(3, topk(1))]  # fmt: skip
     report = compare(baseline, candidate)
     assert report.status == {
-        "joined": 3,
+        "joined": 4,
         "differs": 2,
         "status_differs": 1,
         "error_code_differs": 1,
+        "expired_on_one_side": 1,
         "changes": {
-            "error:deadline_exceeded -> error:invalid_request": 1,
+            "error:deadline_exceeded -> ok": 1,
+            "error:too_large -> error:invalid_request": 1,
             "ok -> error:inference_failed": 1,
         },
     }
@@ -186,6 +191,7 @@ def test_outcomes_that_differ_in_status_or_error_code() -> None:
     assert failures(report, Thresholds(max_error_diff=0)) == [
         "--max-error-diff 0: the outcome differs in 2 rows"
     ]
+    assert "past its deadline on one side only: 1" in report.format()
 
 
 def test_latency_percentiles_per_side_model_version_and_stage_over_ok_results() -> None:
@@ -330,3 +336,20 @@ def test_accuracy_asked_for_without_a_single_label_fails_the_gate() -> None:
     assert "produce --meta label=N" in missed[0]
     labelled = [result(i, topk(i, 1), meta={"label": i}) for i in range(3)]
     assert failures(compare(labelled, labelled, label_key="label"), Thresholds()) == []
+
+
+def test_a_window_leaves_out_the_requests_before_it() -> None:
+    """``--since`` (issue 37): a shadow started on a backlog answers old requests
+    late, often past their deadline; only requests written since its start are
+    compared, and what was left out is reported."""
+    c = Comparison(since={("in", 0): 5})  # partition 0 of "in" from offset 5
+    for side in ("baseline", "candidate"):
+        for i in range(8):
+            late = side == "candidate" and i < 5
+            row = result(i, code="deadline_exceeded") if late else result(i, topk(i % 3))
+            c.add(side, ResultRow.of(row, None))  # type: ignore[arg-type]
+    report = c.report(TOPICS)
+    assert report.coverage.joined == 3 and report.status["differs"] == 0
+    assert report.coverage.outside_window == {"baseline": 5, "candidate": 5}
+    assert failures(report, Thresholds(max_error_diff=0, min_coverage=1.0)) == []
+    assert "before --since: 5/5 left out" in report.format()

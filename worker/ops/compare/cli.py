@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import sys
 from typing import Any
 
@@ -13,7 +14,7 @@ from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 from worker.ops.compare import plot
 from worker.ops.compare.join import Comparison
-from worker.ops.compare.read import read_results
+from worker.ops.compare.read import read_results, window_starts
 from worker.ops.compare.report import Thresholds, failures
 from worker.ops.compare.results import Side
 from worker.ops.verify.cli import add_reading_arguments, emit
@@ -44,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--label-key", metavar="KEY",
         help="report each side's top-1 accuracy against meta[KEY], a class index (from "
         "--input-topic's requests, else from the meta the results echo)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--since", metavar="TIME", type=since_ms,
+        help="compare only requests written at or after TIME (ISO 8601, e.g. "
+        "2026-11-26T13:00:00Z, or seconds since the epoch): the shadow's start, so a "
+        "backlog it read late is left out; the requests are --input-topic's, else the "
+        "config's kafka.input_topics",
     )  # fmt: skip
     parser.add_argument(
         "--top-k", type=int, default=3, metavar="K",
@@ -87,6 +95,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="PATH", help="also draw the report as a PNG (needs matplotlib)"
     )
     add_reading_arguments(parser)
+
+
+def since_ms(text: str) -> int:
+    """``--since``: an ISO 8601 time (no zone: UTC) or seconds since the epoch,
+    as Kafka timestamps (milliseconds)."""
+    try:
+        return round(float(text) * 1000)
+    except ValueError:
+        pass
+    try:
+        at = datetime.datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected an ISO 8601 time (2026-11-26T13:00:00Z) or epoch seconds"
+        ) from exc
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=datetime.UTC)
+    return round(at.timestamp() * 1000)
 
 
 def _kafka_config(args: argparse.Namespace) -> KafkaConfig:
@@ -145,8 +171,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"infer-worker compare: configuration error: {exc}", file=sys.stderr)
         return 2
     topics: dict[Side, str] = {"baseline": args.baseline, "candidate": args.candidate}
-    comparison = Comparison(top_k=args.top_k, label_key=args.label_key)
     try:
+        since = None
+        if args.since is not None:
+            requests = [args.input_topic] if args.input_topic else list(kafka.input_topics)
+            since = run_tool(kafka, window_starts(conn, requests, args.since))
+        comparison = Comparison(top_k=args.top_k, label_key=args.label_key, since=since)
         complete = run_tool(
             kafka,
             read_results(

@@ -10,6 +10,7 @@ only counted.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from worker.ops.compare.report import Accuracy, Coverage, Report
@@ -31,11 +32,21 @@ class Comparison:
     """Feed it results (``add``) and, optionally, the requests' labels
     (``label``); ``report`` says how the candidate compares."""
 
-    def __init__(self, top_k: int = 3, label_key: str | None = None) -> None:
+    def __init__(
+        self,
+        top_k: int = 3,
+        label_key: str | None = None,
+        since: Mapping[tuple[str, int], int] | None = None,
+    ) -> None:
+        """``since``: a window, the first offset of each input partition it
+        holds (``compare --since``); results and requests of other offsets, or of
+        partitions it does not name, are left out (counted as outside it)."""
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
         self._top_k = top_k
         self._label_key = label_key
+        self._since = since
+        self._outside: dict[Side, int] = dict.fromkeys(SIDES, 0)
         self._waiting: dict[Side, dict[Key, ResultRow]] = {side: {} for side in SIDES}
         self._seen: dict[Side, set[Key]] = {side: set() for side in SIDES}
         self._duplicates: dict[Side, int] = dict.fromkeys(SIDES, 0)
@@ -48,7 +59,16 @@ class Comparison:
         self._labels: dict[Key, object] | None = None  # from the requests, when read
         self._requests = 0
 
+    def _in_window(self, key: Key) -> bool:
+        if self._since is None:
+            return True
+        start = self._since.get((key[0], key[1]))
+        return start is not None and key[2] >= start
+
     def add(self, side: Side, row: ResultRow) -> None:
+        if not self._in_window(row.key):
+            self._outside[side] += 1
+            return
         if row.key in self._seen[side]:
             self._duplicates[side] += 1
             return
@@ -73,6 +93,8 @@ class Comparison:
         once any is given, labels come from the requests, not the results."""
         if self._labels is None:
             self._labels = {}
+        if not self._in_window(key):
+            return
         self._requests += 1
         if label is not None:
             self._labels[key] = label
@@ -103,6 +125,7 @@ class Comparison:
                 duplicates=dict(self._duplicates),
                 unreadable=dict(self._unreadable),
                 requests=None if self._labels is None else self._requests,
+                outside_window=None if self._since is None else dict(self._outside),
             ),
             status=self._status.to_dict(),
             outputs={name: acc.summary() for name, acc in self._outputs.items()},

@@ -25,6 +25,7 @@ class Coverage:
     duplicates: Mapping[Side, int]
     unreadable: Mapping[Side, int]
     requests: int | None = None
+    outside_window: Mapping[Side, int] | None = None  # results before --since, per side
 
     @property
     def ratio(self) -> float | None:
@@ -42,6 +43,7 @@ class Coverage:
             "duplicates": dict(self.duplicates),
             "unreadable": dict(self.unreadable),
             "requests": self.requests,
+            "outside_window": None if self.outside_window is None else dict(self.outside_window),
         }
 
 
@@ -107,9 +109,16 @@ class Report:
             f"results ({ratio}); duplicates {c.duplicates['baseline']}/"
             f"{c.duplicates['candidate']}, unreadable {c.unreadable['baseline']}/"
             f"{c.unreadable['candidate']}"
-            + ("" if c.requests is None else f"; {c.requests} requests on the input topic"),
+            + ("" if c.requests is None else f"; {c.requests} requests on the input topic")
+            + (
+                ""
+                if c.outside_window is None
+                else f"; before --since: {c.outside_window['baseline']}/"
+                f"{c.outside_window['candidate']} left out"
+            ),
             f"outcome differs: {self.status['differs']} (status {self.status['status_differs']}, "
-            f"error code {self.status['error_code_differs']})",
+            f"error code {self.status['error_code_differs']}); past its deadline on one side "
+            f"only: {self.status['expired_on_one_side']} (not the model's difference)",
         ]
         lines += [f"  {change}: {n}" for change, n in self.status["changes"].items()]
         lines.append(f"{'output':<24}{'rows':>8}{'top-1':>8}{'top-k':>8}{'k':>4}"

@@ -15,6 +15,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from worker.flow.codes import ErrorCode
 from worker.ops.compare.results import ResultRow, Side, ranking
 
 #: The stages a result's ``timing_us`` names (README "Wire contract"), in
@@ -154,22 +155,29 @@ def cosine(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
 class StatusAgreement:
     """Pairs whose outcome differs: one side ``ok`` and the other an error
     (``status_differs``), or both errors with different codes
-    (``code_differs``); ``changes`` counts each "baseline -> candidate" kind."""
+    (``code_differs``); ``changes`` counts each "baseline -> candidate" kind.
+    A pair where one side alone answered ``deadline_exceeded`` is counted apart
+    (``expired``): that side read the request past its deadline (a shadow
+    started on a backlog), which says nothing about its model."""
 
     joined: int = 0
     status_differs: int = 0
     code_differs: int = 0
+    expired: int = 0
     changes: Counter[str] = field(default_factory=Counter)
 
     def add(self, a: ResultRow, b: ResultRow) -> None:
         self.joined += 1
         if a.outcome == b.outcome:
             return
+        self.changes[f"{a.outcome} -> {b.outcome}"] += 1
+        if ErrorCode.DEADLINE_EXCEEDED in (a.code, b.code):
+            self.expired += 1
+            return
         if a.status != b.status:
             self.status_differs += 1
         else:
             self.code_differs += 1
-        self.changes[f"{a.outcome} -> {b.outcome}"] += 1
 
     @property
     def differs(self) -> int:
@@ -181,6 +189,7 @@ class StatusAgreement:
             "differs": self.differs,
             "status_differs": self.status_differs,
             "error_code_differs": self.code_differs,
+            "expired_on_one_side": self.expired,
             "changes": dict(sorted(self.changes.items())),
         }
 
