@@ -159,3 +159,47 @@ def test_a_model_whose_output_breaks_its_declaration_exits_2_naming_it(tmp_path:
     assert proc.returncode == 2, proc.stderr
     assert "model.path" in proc.stderr and "output 'y'" in proc.stderr
     assert "[1, seq]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_with_the_output_s_rows_configured_the_same_model_answers_as_alone(
+    tmp_path: Path, broker: Broker, names: dict[str, str]
+) -> None:
+    """The model the test above refuses, with ``model.output_axes.y = "none"``
+    (its output has no batch axis): the start-up probe passes and every request
+    is answered exactly what the model returns for it alone (issue 37)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from worker.contract import Request, Tensor, encode_request
+    from worker.ops.processes import spawn_worker
+    from worker.ops.topics import Collector, produce_all
+
+    path = lying_output(tmp_path / "lying.onnx")
+    await create_topics(broker.bootstrap, {names["requests"]: 1, names["results"]: 1,
+                                           names["dlq"]: 1})  # fmt: skip
+    rows = {f"r{n}": np.random.default_rng(n).normal(size=(n, 2)).astype(np.float32)
+            for n in (2, 4, 7)}  # fmt: skip
+    w = spawn_worker(
+        broker.bootstrap, input_topics=[names["requests"]], output_topic=names["results"],
+        dlq_topic=names["dlq"], group_id=names["group"],
+        extra_env={"INFER_WORKER_MODEL__PATH": str(path),
+                   "INFER_WORKER_MODEL__OUTPUT_AXES__Y": "none"},
+    )  # fmt: skip
+    c = Collector(broker.bootstrap, [names["results"]])
+    try:
+        await produce_all(broker.bootstrap, names["requests"], [
+            (k.encode(), encode_request(Request(v=1, id=k, inputs={"x": Tensor.from_numpy(x)})))
+            for k, x in rows.items()
+        ])  # fmt: skip
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= len(rows), 60.0), w.log_tail()
+    finally:
+        w.kill()
+        await c.stop()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for rec in c.records[names["results"]]:
+        result = rec.result()
+        assert result.status == "ok", result.error
+        (alone,) = session.run(["y"], {"x": rows[result.id][None]})
+        np.testing.assert_array_equal(result.outputs["y"].to_numpy(), alone)

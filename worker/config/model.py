@@ -243,6 +243,12 @@ class ModelConfig:
     # replace model.output when softmax / top_k are on, and then only they come
     # back unless this names others).
     outputs: tuple[str, ...] = ()
+    # Where an output's rows are when the model file's declaration of it does not
+    # hold (the start-up probe or a run says so): NAME = the axis holding one row
+    # per request, or "none" (a model of fixed batch 1 whose output has no batch
+    # axis: the whole output is the row). The file's shape for it is then not
+    # held against what the engine returns; the rows on that axis still are.
+    output_axes: dict[str, str | int | float | bool] = field(default_factory=dict)
     intra_op_threads: int = 1
     # Request inputs by name, each with its kind (tensor, image, text).
     inputs: dict[str, InputConfig] = field(default_factory=dict)
@@ -275,6 +281,12 @@ class ModelConfig:
                 "'gpu' needs backend tensorrt or torch (onnxruntime preprocesses on the CPU)",
             )
         check(len(set(self.outputs)) == len(self.outputs), "model.outputs", "names repeat")
+        for name, axis in self.output_axes.items():
+            check(
+                axis == "none" or (isinstance(axis, int) and not isinstance(axis, bool)
+                                   and axis >= 0),
+                f"model.output_axes.{name}", f'{axis!r}: an axis (0, 1, ...) or "none"',
+            )  # fmt: skip
         check(self.intra_op_threads >= 0, "model.intra_op_threads", "must be >= 0")
         clash = sorted(set(self.state) & set(self.inputs))
         check(not clash, "model.state", f"{clash} also in [model.inputs]: a state is fed by the "

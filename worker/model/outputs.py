@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 
@@ -83,6 +84,10 @@ def select_outputs(
     return selection
 
 
+# ``model.output_axes.NAME = "none"``: the output has no batch axis.
+NO_BATCH_AXIS: Final = -1
+
+
 class OutputPlan:
     def __init__(
         self,
@@ -117,6 +122,30 @@ class OutputPlan:
         self.used = selection.returned
         self.declared = {d.name: d for d in io.outputs if d.name in self.used}
         self.fixed_batch = io.batch
+        for name, axis in model.output_axes.items():
+            self._rows_at(io, name, axis)
+
+    def _rows_at(self, io: ModelIO, name: str, axis: object) -> None:
+        """``model.output_axes``: the output's rows are at ``axis`` ("none": it has
+        no batch axis, a batch-1 model's whole output is its row), whatever the
+        file declares; its declaration is not held against it, its rows are."""
+        setting = f"model.output_axes.{name}"
+        if name not in io.output_names:
+            raise ConfigError(f"{setting}: the model has no output {name!r} "
+                              f"(its outputs: {', '.join(io.output_names)})")  # fmt: skip
+        if axis == "none":
+            if io.batch != 1:
+                raise ConfigError(
+                    f'{setting} = "none": only a model of fixed batch 1 can have an output '
+                    "without a batch axis (one request per run); this one's batch is "
+                    f"{'free' if io.batch is None else io.batch}"
+                )
+            self.axes[name] = NO_BATCH_AXIS
+        else:
+            assert isinstance(axis, int)
+            self.axes[name] = axis
+        self.declared.pop(name, None)
+        self.cuts.pop(name, None)  # cut back by a declaration that does not hold: no
 
     def first_rows(
         self, raw: Mapping[str, np.ndarray], n: int, run_rows: int
@@ -131,6 +160,8 @@ class OutputPlan:
                 raise InferenceFailed(f"the engine returned no output {name!r}")
             self.check(name, arr, run_rows)
             axis = self.axes.get(name, 0)
+            if axis == NO_BATCH_AXIS:
+                continue  # the whole output is the run's one row (scatter gives it an axis)
             out[name] = arr[(slice(None),) * axis + (slice(0, n),)]
         return out
 
@@ -145,6 +176,11 @@ class OutputPlan:
         ``ok`` (issue 37)."""
         desc = self.declared.get(name)
         axis = self.axes.get(name, 0)
+        if axis == NO_BATCH_AXIS:  # the whole output is the row of a run of one
+            if rows != 1:
+                raise InferenceFailed(f"output {name}: a run of {rows} rows, but "
+                                      f"model.output_axes.{name} = \"none\"")  # fmt: skip
+            return
         if desc is None:  # nothing declared to hold it to: the rows at least
             if arr.ndim <= axis or arr.shape[axis] != rows:
                 raise InferenceFailed(f"output {name} has shape {list(arr.shape)}: not "
@@ -187,7 +223,9 @@ class OutputPlan:
                 raise InferenceFailed(f"the engine returned no output {name!r}")
             self.check(name, arr, n)  # a row for each request, as declared
             axis = self.axes.get(name, 0)
-            if axis:
+            if axis == NO_BATCH_AXIS:
+                raw[name] = arr[None]
+            elif axis:
                 raw[name] = np.moveaxis(arr, axis, 0)
         batch: dict[str, np.ndarray] = {}  # whole-batch arrays, one row per request
         rows: dict[str, list[np.ndarray]] = {}  # per-request rows (cut back)

@@ -18,7 +18,7 @@ from tests.onnx_models import fixed_batch, lying_output, ranker, recurrent, run_
 from worker.config import ModelConfig, load_settings
 from worker.config.model import ConstantInput, TensorInput
 from worker.contract import Request, Tensor
-from worker.flow.errors import InvalidRequest
+from worker.flow.errors import ConfigError, InvalidRequest
 
 RNG = np.random.default_rng(26)
 
@@ -150,3 +150,26 @@ async def test_an_output_that_breaks_its_declaration_is_an_error_not_a_row(
         assert answer.error.code == "inference_failed"
         assert "output 'y'" in answer.error.message
         assert "[1, seq]" in answer.error.message and "[3, 2]" in answer.error.message
+
+
+async def test_an_output_s_rows_declared_in_the_configuration_answer_as_the_model_alone(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: with ``model.output_axes.y = "none"`` (the batch-1 model's output
+    has no batch axis: the whole output is the row) every request is answered
+    exactly what the model returns for it alone; a batch that is not one is
+    refused at binding, naming the setting."""
+    path = lying_output(tmp_path / "lying.onnx")
+    rows = [RNG.normal(size=(n, 2)).astype(np.float32) for n in (3, 5, 1)]
+    cfg = ModelConfig(path=str(path), output_axes={"y": "none"})
+    done = await run_stage(cfg, [tensors({"x": r}) for r in rows])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for answer, row in zip(done.answers, rows, strict=True):
+        assert answer.error is None and answer.outputs is not None, answer.error
+        (alone,) = session.run(["y"], {"x": row[None]})  # the whole output: [n, 2]
+        np.testing.assert_array_equal(answer.outputs["y"], alone)
+    with pytest.raises(ConfigError, match=r'output_axes\.score = "none": only a model of fixed'):
+        await run_stage(ModelConfig(path=str(ranker(tmp_path / "r.onnx")),
+                                    output_axes={"score": "none"}), [])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"output_axes\.z: the model has no output"):
+        await run_stage(ModelConfig(path=str(path), output_axes={"z": 0}), [])
