@@ -353,3 +353,22 @@ def test_a_window_leaves_out_the_requests_before_it() -> None:
     assert report.coverage.outside_window == {"baseline": 5, "candidate": 5}
     assert failures(report, Thresholds(max_error_diff=0, min_coverage=1.0)) == []
     assert "before --since: 5/5 left out" in report.format()
+
+
+def test_the_decision_page_draws_every_gate_and_the_verdict(tmp_path: Any) -> None:
+    """``--plot`` (issue 37): a PNG with the verdict, each gate and its value.
+    Drawn from the same gates the exit status is decided on."""
+    pytest.importorskip("matplotlib")
+    from worker.ops.compare import gates
+
+    baseline = [result(i, topk(i % 3, 1), meta={"label": i % 3}) for i in range(200)]
+    candidate = [result(i, topk(i % 3 if i else 2, 1), meta={"label": i % 3}) for i in range(200)]
+    candidate[5] = result(5, code="deadline_exceeded", meta={"label": 2})
+    report = compare(baseline, candidate, label_key="label")
+    decided = gates(report, Thresholds(min_top1=0.999, min_coverage=0.99, max_error_diff=0))
+    assert [g.passed for g in decided] == [False, True, True, True]
+    assert decided[0].measured == report.outputs["topk_indices"].top1
+    path = tmp_path / "gate.png"
+    compare_plot.write_plot(report, decided, str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000

@@ -18,9 +18,10 @@ of each side the join covered; thresholds make it a rollout gate.
 """
 
 from worker.ops.compare.cli import add_arguments, run
+from worker.ops.compare.gates import Gate, Thresholds, failures, gates
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results
-from worker.ops.compare.report import Accuracy, Coverage, Report, Thresholds, failures
+from worker.ops.compare.report import Accuracy, Coverage, Report
 from worker.ops.compare.results import SIDES, Key, ResultRow, Side, class_of, ranking
 from worker.ops.compare.stats import OutputAgreement, OutputSummary, StatusAgreement
 
@@ -29,6 +30,7 @@ __all__ = [
     "Accuracy",
     "Comparison",
     "Coverage",
+    "Gate",
     "Key",
     "OutputAgreement",
     "OutputSummary",
@@ -40,6 +42,7 @@ __all__ = [
     "add_arguments",
     "class_of",
     "failures",
+    "gates",
     "ranking",
     "read_results",
     "run",

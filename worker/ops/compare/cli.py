@@ -13,9 +13,9 @@ from worker.flow.errors import ConfigError
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 from worker.ops.compare import plot
+from worker.ops.compare.gates import Thresholds, gates
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results, window_starts
-from worker.ops.compare.report import Thresholds, failures
 from worker.ops.compare.results import Side
 from worker.ops.verify.cli import add_reading_arguments, emit
 
@@ -153,8 +153,8 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise ConfigError("--idle-timeout and --timeout must be > 0")
     if args.plot and not plot.available():
         raise ConfigError(
-            "--plot needs matplotlib, which is not installed: `pip install matplotlib` "
-            "(or the project's bench extra), or leave --plot out"
+            "--plot needs matplotlib, which is not installed: `pip install "
+            "'infer-worker[plot]'` (or matplotlib), or leave --plot out"
         )
 
 
@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"infer-worker compare: cannot read topics: {exc}", file=sys.stderr)
         return 2
     report = comparison.report(topics)
-    missed = failures(report, thresholds)
+    decided = gates(report, thresholds)
+    missed = [problem for gate in decided for problem in gate.problems]
     doc: dict[str, Any] = {
         **report.to_dict(),
         "complete": complete,
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     }
     emit(report.format(), doc, args.json)
     if args.plot:
-        plot.write_plot(report, args.plot)
+        plot.write_plot(report, decided, args.plot)
     for reason in missed:
         print(f"infer-worker compare: threshold not met: {reason}", file=sys.stderr)
     if not complete:

@@ -3,7 +3,6 @@ held to. No I/O."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,70 +149,3 @@ class Report:
 
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """What the operator requires (None: not checked)."""
-
-    min_top1: float | None = None
-    min_topk: float | None = None
-    max_abs_diff: float | None = None
-    min_cosine: float | None = None
-    min_coverage: float | None = None
-    max_error_diff: int | None = None
-
-
-def failures(report: Report, t: Thresholds) -> list[str]:
-    """Why ``report`` misses ``t`` (empty: it meets every threshold). A
-    threshold with nothing to measure it on fails too: a rollout check that
-    compared nothing must not pass."""
-    out: list[str] = []
-    ranked = {name: s for name, s in report.outputs.items() if s.ranked}
-    compared = {name: s for name, s in report.outputs.items() if s.rows or s.shape_mismatch}
-    for flag, bound, attr in (
-        ("--min-top1", t.min_top1, "top1"),
-        ("--min-topk", t.min_topk, "topk"),
-    ):
-        if bound is None:
-            continue
-        if not ranked:
-            out.append(f"{flag}: no classifier-like output was compared")
-        for name, s in sorted(ranked.items()):
-            value = getattr(s, attr)
-            if value < bound:
-                out.append(f"{flag} {bound}: {name} agrees on {value:.4f}")
-    if t.max_abs_diff is not None or t.min_cosine is not None:
-        if not compared:
-            out.append("--max-abs-diff/--min-cosine: no output was compared")
-        for name, s in sorted(compared.items()):
-            if s.shape_mismatch:
-                out.append(f"{name}: shapes differ in {s.shape_mismatch} rows")
-            if (
-                t.max_abs_diff is not None
-                and s.max_abs_diff is not None
-                and (s.max_abs_diff > t.max_abs_diff or math.isnan(s.max_abs_diff))
-            ):
-                out.append(f"--max-abs-diff {t.max_abs_diff:g}: {name} differs by "
-                           f"{s.max_abs_diff:.3g}")  # fmt: skip
-            if t.min_cosine is not None and (s.mean_cosine is None or s.mean_cosine < t.min_cosine):
-                cos = "-" if s.mean_cosine is None else f"{s.mean_cosine:.6f}"
-                out.append(f"--min-cosine {t.min_cosine:g}: {name} has {cos}")
-    if t.min_coverage is not None:
-        ratio = report.coverage.ratio
-        if ratio is None or ratio < t.min_coverage:
-            shown = "nothing to join" if ratio is None else f"{ratio:.4f}"
-            out.append(f"--min-coverage {t.min_coverage:g}: {shown}")
-    labelled = any(a.labelled for sides in report.accuracy.values() for a in sides.values())
-    if report.label_key is not None and not labelled:
-        # Accuracy asked for and none measured: "- (0/0)" would decide nothing.
-        out.append(
-            f"--label-key {report.label_key}: no joined request carries a class index as "
-            f"meta.{report.label_key} (read from {report.label_source or 'nowhere'}; "
-            f"{report.unusable_labels} unusable); send labels with produce --meta "
-            f"{report.label_key}=N (its --samples carry theirs)"
-        )
-    if t.max_error_diff is not None and report.status["differs"] > t.max_error_diff:
-        out.append(f"--max-error-diff {t.max_error_diff}: the outcome differs in "
-                   f"{report.status['differs']} rows")  # fmt: skip
-    return out
