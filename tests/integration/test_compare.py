@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,69 @@ async def test_shadows_beside_production_and_compare_gates_the_candidate(
     assert f"threshold not met: --min-top1 0.99: topk_indices agrees on {top1:.4f}" in skew_text
     accuracy = skew_doc["accuracy"]["outputs"]["topk_indices"]
     assert accuracy["candidate"]["accuracy"] < accuracy["baseline"]["accuracy"]
+
+
+@pytest.mark.parametrize("broker_kind", ["kafka"])
+async def test_a_shadow_started_on_a_backlog_passes_the_gate_within_its_window(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 37: a shadow started beside production on a topic with a backlog of
+    deadline-carrying requests answers them after their deadlines
+    (``deadline_exceeded``), differences that are not its model's. ``compare
+    --since <its start>`` compares the requests written since (found by
+    timestamp on Apache Kafka) and passes a strict gate; the backlog is reported
+    as left out."""
+    backlog, fresh = 1500, 200
+    shadow_out = f"{names['results']}.shadow"
+    await create_topics(broker.bootstrap, {names["requests"]: 2, names["results"]: 1,
+                                           shadow_out: 1, names["dlq"]: 1})  # fmt: skip
+    samples = np.load(bundled_file("digits_samples.npz"))
+
+    def batch(first: int, n: int, deadline_s: float) -> list[tuple[bytes | None, bytes]]:
+        deadline_ms = int((time.time() + deadline_s) * 1000)
+        return [(None, encode_request(Request(
+            1, f"d{i}", {"image": Tensor.from_numpy(samples["images"][i % 300])},
+            deadline_ms=deadline_ms, meta={"label": int(samples["labels"][i % 300])})))
+            for i in range(first, first + n)]  # fmt: skip
+
+    def worker(group: str, output: str, **env: str) -> WorkerProcess:
+        return spawn_worker(broker.bootstrap, input_topics=[names["requests"]],
+                            output_topic=output, dlq_topic=names["dlq"], group_id=group,
+                            extra_env=env)  # fmt: skip
+
+    def assigned(w: WorkerProcess) -> None:
+        w.wait_until(lambda m: m.get("infer_assigned_partitions", 0) >= 2, 60.0, "assignment")
+
+    production = worker(names["group"], names["results"])
+    shadow: WorkerProcess | None = None
+    c = Collector(broker.bootstrap, [names["results"], shadow_out])
+    try:
+        await asyncio.to_thread(assigned, production)
+        await produce_all(broker.bootstrap, names["requests"], batch(0, backlog, 4.0),
+                          partition_of=lambda i: i % 2)  # fmt: skip
+        await c.start()
+        assert await c.collect(lambda c: c.count(names["results"]) >= backlog, 60)
+        await asyncio.sleep(4.5)  # every backlog deadline has passed
+        since = time.time()
+        shadow = worker(f"{names['group']}.shadow", shadow_out, INFER_WORKER_KAFKA__SHADOW="true")
+        await asyncio.to_thread(assigned, shadow)
+        await produce_all(broker.bootstrap, names["requests"], batch(backlog, fresh, 60.0),
+                          partition_of=lambda i: i % 2)  # fmt: skip
+        want = {names["results"]: backlog + fresh, shadow_out: backlog + fresh}
+        assert await c.collect(lambda c: all(c.count(t) >= n for t, n in want.items()), 90)
+    finally:
+        production.kill()
+        if shadow is not None:
+            shadow.kill()
+        await c.stop()
+    late = [r for r in c.records[shadow_out] if r.result().status != "ok"]
+    assert len(late) >= backlog * 0.9, "the shadow answered the backlog in time: no test"
+    assert all(r.result().error.code == "deadline_exceeded" for r in late)  # type: ignore[union-attr]
+
+    gate = ("--min-top1", "1.0", "--min-coverage", "0.99", "--max-error-diff", "0",
+            "--since", f"{since:.3f}")  # fmt: skip
+    rc, doc, text = await compare(broker, names, shadow_out, tmp_path / "since.json", *gate)
+    assert rc == 0, text
+    assert doc["coverage"]["joined"] == fresh and doc["status"]["differs"] == 0
+    assert doc["coverage"]["outside_window"] == {"baseline": backlog, "candidate": backlog}
+    assert doc["outputs"]["topk_indices"]["top1_agreement"] == 1.0
