@@ -37,3 +37,15 @@ def test_the_guarantee_is_compared_only_in_the_configuration() -> None:
         for i, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line)
     ]  # fmt: skip
     assert not found, "ask KafkaConfig.exactly_once:\n" + "\n".join(found)
+
+
+def test_time_budgets_are_computed_only_by_the_deadline_module() -> None:
+    """``time.monotonic() + x`` is a budget decided on the spot; ``Deadline``
+    (worker/flow/deadline.py) is the one place (issue 38)."""
+    budget = re.compile(r"monotonic\(\)\s*\+")
+    found = [
+        f"{path.relative_to(WORKER.parent)}:{i}"
+        for path in _sources() if path != WORKER / "flow" / "deadline.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1) if budget.search(line)
+    ]  # fmt: skip
+    assert not found, "use worker.flow.deadline.Deadline:\n" + "\n".join(found)

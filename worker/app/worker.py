@@ -24,7 +24,7 @@ from worker.app.states import wire_states
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
-from worker.flow.backoff import Deadline
+from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable, ConfigError
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker

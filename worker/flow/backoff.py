@@ -12,7 +12,6 @@ Pure: they say how long; the caller sleeps.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 
 
@@ -49,24 +48,3 @@ class Backoff:
     def reset(self) -> None:
         """After a success: the next failure waits ``first`` again."""
         self._current = self._first
-
-
-class Deadline:
-    """A time budget: what is left of ``seconds`` from now."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.started = clock()
-        self._end = self.started + seconds
-
-    def left(self, floor: float = 0.0) -> float:
-        """Seconds left, but at least ``floor`` (for a step that must still be
-        tried, a commit or closing a socket, however late)."""
-        return max(floor, self._end - self._clock())
-
-    @property
-    def expired(self) -> bool:
-        return self._clock() >= self._end
-
-    def elapsed(self) -> float:
-        return self._clock() - self.started

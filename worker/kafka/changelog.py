@@ -32,6 +32,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from worker.config import KafkaConfig
 from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.tensors import decode_tensor
+from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable, WorkerError
 from worker.flow.messages import Job, StateChange
 from worker.flow.values import Tensor
@@ -90,7 +91,7 @@ async def restore(
         await consumer.seek_to_beginning(*tps)
         pending = set(tps)
         limit_s = max(60.0, k.request_timeout_ms / 1000)
-        deadline = time.monotonic() + limit_s
+        budget = Deadline(limit_s)
         while pending:
             batch = await consumer.getmany(*pending, timeout_ms=200)
             for tp, records in batch.items():
@@ -103,7 +104,7 @@ async def restore(
                 end = consumer.highwater(tp) if end is None or end < 0 else end
                 if end is not None and await consumer.position(tp) >= end:
                     pending.discard(tp)
-            if pending and not batch and time.monotonic() > deadline:
+            if pending and not batch and budget.expired:
                 raise BrokerUnavailable(
                     f"kafka.state_topic: {topic} could not be read to its end within "
                     f"{limit_s:.0f} s (partitions {sorted(tp.partition for tp in pending)})"

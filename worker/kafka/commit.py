@@ -23,6 +23,7 @@ import structlog
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.flow.deadline import Deadline
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.obs import metrics
@@ -155,13 +156,12 @@ class Committer:
         before they are forgotten: no answer of theirs may stay in an open
         transaction past the hand-over. Returns how many offsets were fenced
         (left uncommitted for the next owner)."""
-        deadline = time.monotonic() + bound
+        budget = Deadline(bound)
         while any(self._tracker.in_flight(tp) for tp in revoked):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or failed():
+            if budget.expired or failed():
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.progress(), remaining)
+                await asyncio.wait_for(self.progress(), budget.left())
         await self.commit_now(only=revoked)
         fenced = sum(self._tracker.in_flight(tp) for tp in revoked)
         metrics.REVOKE_FENCED.inc(fenced)

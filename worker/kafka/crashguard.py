@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +38,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.flow.deadline import Deadline
 from worker.flow.messages import TopicPartition
 from worker.kafka.clients import topic_partitions
 
@@ -118,8 +118,8 @@ class CrashGuard:
             ktps = [KafkaTP(self._topic, p) for p in parts]
             consumer.assign(ktps)
             await consumer.seek_to_beginning(*ktps)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
+            budget = Deadline(timeout)
+            while not budget.expired:
                 fetched = await consumer.getmany(timeout_ms=200)
                 for records in fetched.values():
                     for record in records:

@@ -36,6 +36,7 @@ from aiokafka.errors import KafkaError, RebalanceInProgressError, for_code
 from aiokafka.protocol.group import HeartbeatRequest
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.flow.deadline import Deadline
 from worker.flow.messages import TopicPartition
 
 log = structlog.get_logger(__name__)
@@ -97,7 +98,7 @@ class GroupLease:
         consumer = self._consumer()
         if consumer is None or not offsets:
             return
-        deadline = time.monotonic() + self._timeout
+        budget = Deadline(self._timeout)
         while True:
             behind = {}
             for tp, wanted in offsets.items():
@@ -111,7 +112,7 @@ class GroupLease:
                     behind[tp] = (seen, wanted)
             if not behind:
                 return
-            if time.monotonic() >= deadline:
+            if budget.expired:
                 log.warning("committed_offsets_not_visible", partitions=len(behind))
                 return
             offsets = {tp: wanted for tp, (_, wanted) in behind.items()}

@@ -26,6 +26,7 @@ from typing import Literal, Protocol
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from worker.flow.deadline import Deadline
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection, connect_kwargs
 
@@ -162,8 +163,8 @@ class EmbeddedBroker:
             stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
         )
-        deadline = time.monotonic() + self._startup_timeout
-        while time.monotonic() < deadline:
+        budget = Deadline(self._startup_timeout)
+        while not budget.expired:
             if self._proc.poll() is not None:
                 self._keep_log = True
                 raise BrokerError(

@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import FrameType
 
+from worker.flow.deadline import Deadline
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -116,8 +118,8 @@ def kill_tree(root: int, *, include_root: bool = True, timeout: float = 5.0) -> 
         _signal(new, signal.SIGSTOP)
         frozen += new
     _signal(frozen, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in frozen) and time.monotonic() < deadline:
+    budget = Deadline(timeout)
+    while any(alive(p) for p in frozen) and not budget.expired:
         time.sleep(0.01)
     return frozen
 

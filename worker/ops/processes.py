@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from worker.flow.deadline import Deadline
 from worker.ops.broker import create_topics, free_port
 from worker.ops.children import kill_tree
 
@@ -52,9 +53,9 @@ class WorkerProcess:
     ) -> dict[str, float]:
         """Poll the metrics until ``predicate(metrics)`` holds (a process-external
         condition, so polling is the only way to observe it)."""
-        deadline = time.monotonic() + timeout
+        budget = Deadline(timeout)
         last: dict[str, float] = {}
-        while time.monotonic() < deadline:
+        while not budget.expired:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"worker exited with {self.proc.returncode} while waiting for {what}:\n"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from worker.contract import (
 )
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
+from worker.flow.deadline import Deadline
 from worker.flow.errors import ConfigError
 from worker.kafka.clients import started
 from worker.kafka.credentials import connection
@@ -255,10 +255,9 @@ async def watch(
         return bool(wanted) and wanted <= seen
 
     try:
-        limit = timeout if timeout is not None else float("inf")
-        deadline = time.monotonic() + limit
-        while not done(collector) and time.monotonic() < deadline:
-            step = min(1.0, max(0.0, deadline - time.monotonic()))
+        budget = Deadline(timeout if timeout is not None else float("inf"))
+        while not done(collector) and not budget.expired:
+            step = min(1.0, budget.left())
             await collector.collect(done, step, progress=show)
             show(collector)
     finally:

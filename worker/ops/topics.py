@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
+from worker.flow.deadline import Deadline
 from worker.kafka.clients import started, topic_partitions
 from worker.kafka.credentials import Connection, connect_kwargs
 
@@ -200,12 +201,11 @@ class Collector:
     async def collect(self, until: Any, timeout: float, progress: Any = None) -> bool:
         """Fetch until ``until(self)`` is true or the timeout passes."""
         assert self._consumer is not None, "start() first"
-        deadline = time.monotonic() + timeout
+        budget = Deadline(timeout)
         while not until(self):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if budget.expired:
                 return False
-            batch = await self._consumer.getmany(timeout_ms=int(min(remaining, 0.2) * 1000))
+            batch = await self._consumer.getmany(timeout_ms=int(min(budget.left(), 0.2) * 1000))
             now = time.monotonic()
             for tp, msgs in batch.items():
                 bucket = self.records[tp.topic]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.flow.backoff import Backoff, Deadline
+from worker.flow.backoff import Backoff
+from worker.flow.deadline import Deadline
 
 
 def test_backoff_doubles_to_its_cap_with_jitter_and_resets() -> None:

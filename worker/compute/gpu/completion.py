@@ -18,13 +18,13 @@ while its work was in flight keeps the slot until that work has finished.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import structlog
 
 from worker.compute.engines.cuda import event_completed, translate_gpu_error
 from worker.compute.gpu.slots import Slot, SlotRing
+from worker.flow.deadline import Deadline
 from worker.flow.errors import EngineDead, WorkerError
 
 log = structlog.get_logger(__name__)
@@ -73,7 +73,7 @@ class SlotWatch:
         """Until the slot's ``finished`` event has completed, without blocking the
         loop: normally the completion callback resolves ``woken``; the event is
         queried every poll interval in case it never does (see module doc)."""
-        deadline = time.monotonic() + self._batch_timeout_s
+        budget = Deadline(self._batch_timeout_s)
         while not woken.done():
             await asyncio.wait((woken,), timeout=self._poll_interval_s)
             if woken.done():
@@ -89,7 +89,7 @@ class SlotWatch:
                 raise self.die(exc) from None
             except Exception as exc:  # boundary: CuPy raises CUDARuntimeError
                 raise self.die(translate_gpu_error(exc, f"slot {slot.index}")) from exc
-            if time.monotonic() > deadline:
+            if budget.expired:
                 raise self.die(
                     EngineDead(
                         f"slot {slot.index}: batch still running after {self._batch_timeout_s}s"
