@@ -98,3 +98,16 @@ def run_until_exit(env: dict[str, str], timeout: float = 60.0) -> subprocess.Com
         env={**base, **FAST_GROUP, "INFER_WORKER_METRICS__PORT": "0", **env},
         capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL,
     )  # fmt: skip
+
+
+def client_env(cluster: KafkaCluster, pki: Pki, names: dict[str, str]) -> dict[str, str]:
+    """The environment a client's tools run with: principal ``client`` over
+    SASL_SSL, the test's topics, nothing of this process's ``INFER_WORKER_*``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= client_settings("SASL_SSL", cluster.listener("SASL_SSL"), pki, user="client",
+                           password=CLIENT_PASSWORD)  # fmt: skip
+    return env | {
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+    }

@@ -22,7 +22,6 @@ from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_pki import Pki
 from devkit.kafka_security import (
     Acl,
-    client_settings,
     grant,
     revoke,
 )
@@ -39,6 +38,7 @@ from .secured import (
     WORKER,
     acls_for,
     assert_no_secret,
+    client_env,
     run_until_exit,
     spawn,
     topics,
@@ -305,14 +305,7 @@ async def test_produce_consume_and_verify_speak_security(
         *(Acl(client, "Read", "topic", names[t]) for t in ("requests", "results", "dlq")),
     ])  # fmt: skip
     w = spawn(secured, names, worker_security(secured, pki, "SASL_SSL"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
-    env |= client_settings("SASL_SSL", secured.listener("SASL_SSL"), pki, user="client",
-                           password=CLIENT_PASSWORD)  # fmt: skip
-    env |= {
-        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
-        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
-        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
-    }
+    env = client_env(secured, pki, names)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "worker", *args], env=env,

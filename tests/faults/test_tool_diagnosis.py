@@ -8,7 +8,6 @@ warnings, no secret."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import pytest
 
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_pki import Pki
-from devkit.kafka_security import Acl, client_settings, grant
+from devkit.kafka_security import Acl, grant
 
-from .secured import CLIENT_PASSWORD, assert_no_secret, topics
+from .secured import assert_no_secret, client_env, topics
 
 pytestmark = pytest.mark.faults
 
@@ -79,13 +78,7 @@ async def test_a_tool_names_what_to_fix_and_exits_2(
         ])  # fmt: skip
     fill = {"stranger_ca": pki.stranger_ca, "closed": closed_port(), **names}
     overrides, expected = CAUSES[cause]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
-    env |= client_settings("SASL_SSL", secured.listener("SASL_SSL"), pki, user="client",
-                           password=CLIENT_PASSWORD)  # fmt: skip
-    env |= {
-        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
-        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
-        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+    env = client_env(secured, pki, names) | {
         "INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS": "5000",
         **{k: str(v).format(**fill) for k, v in overrides.items()},
     }
