@@ -202,6 +202,40 @@ def lying_output(path: Path) -> Path:
     return _save(graph, path)
 
 
+def unbatched_recurrent(path: Path, seed: int = 0) -> Path:
+    """A recurrent model without a batch axis (issue 37's ``[seq_len, 576]`` input
+    and ``[1, 1, 128]`` state): ``x`` float32 [seq, 4], ``h`` float32 [1, 1, 3]
+    -> ``y`` float32 [seq, 3] = tanh(x @ w + h), ``hN`` float32 [1, 1, 3], the
+    mean of ``y`` over the sequence: each chunk depends on the state before it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).normal(size=(4, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["xw"]),  # [seq, 3]
+            helper.make_node("Squeeze", ["h", "axis0"], ["h2"]),  # [1, 3]
+            helper.make_node("Add", ["xw", "h2"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["y"]),
+            helper.make_node("ReduceMean", ["y"], ["m"], axes=[0], keepdims=1),  # [1, 3]
+            helper.make_node("Unsqueeze", ["m", "axis0"], ["hN"]),  # [1, 1, 3]
+        ],
+        "unbatched_recurrent",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["seq", 4]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 1, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["seq", 3]),
+            helper.make_tensor_value_info("hN", TensorProto.FLOAT, [1, 1, 3]),
+        ],
+        [
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        ],
+    )
+    return _save(graph, path)
+
+
 def recurrent(path: Path, seed: int = 0) -> Path:
     """A voice-activity detector's shape: ``input`` float32 [batch, samples],
     ``state`` float32 [2, batch, 3] (batch on axis 1), ``sr`` int64 [] (one sample

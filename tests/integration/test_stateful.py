@@ -10,6 +10,7 @@ brokers."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +222,50 @@ async def test_a_restarted_worker_continues_each_stream_from_the_state_changelog
     assert restored == STREAMS, f"{restored} of {STREAMS} streams restored"
     results = {r.result().id: r.result() for r in c.records[names["results"]]}
     assert_as_alone(results, streams)
+
+
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_a_model_without_a_batch_axis_keeps_each_stream_s_state_one_run_each(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """``model.unbatched`` with a state (issue 37): a recurrent model of input
+    ``[seq, 4]`` and state ``[1, 1, 3]``, no batch axis, served per key; one
+    sequence per engine run, every answer equal to the stream run alone."""
+    from tests.onnx_models import unbatched_recurrent
+
+    path = unbatched_recurrent(tmp_path / "ur.onnx")
+    streams = {s: [np.random.default_rng(10 * s + i).normal(size=(3 + i, 4)).astype(np.float32)
+                   for i in range(4)] for s in range(5)}  # fmt: skip
+    await create_topics(broker.bootstrap, {names["requests"]: 2, names["results"]: 1,
+                                           names["dlq"]: 1})  # fmt: skip
+    records = [
+        (f"stream-{s}".encode(), encode_request(Request(
+            v=1, id=f"s{s}-c{i}", inputs={"x": Tensor.from_numpy(chunks[i])},
+            sequence_start=i == 0, sequence_end=i == len(chunks) - 1)))
+        for i in range(4) for s, chunks in streams.items()
+    ]  # fmt: skip
+    w = spawn_worker(
+        broker.bootstrap, input_topics=[names["requests"]], output_topic=names["results"],
+        dlq_topic=names["dlq"], group_id=names["group"],
+        extra_env={"INFER_WORKER_MODEL__PATH": str(path), "INFER_WORKER_MODEL__UNBATCHED": "true",
+                   "INFER_WORKER_MODEL__STATE__H__OUTPUT": "hN"},
+    )  # fmt: skip
+    c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+    try:
+        await produce_all(broker.bootstrap, names["requests"], records,
+                          partition_of=lambda i: int(records[i][0][7:]) % 2)  # type: ignore[index]  # fmt: skip
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= len(records), 60.0), w.log_tail()
+    finally:
+        w.kill()
+        await c.stop()
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    session = real_models._session(str(path))
+    for s, chunks in streams.items():
+        state = np.zeros((1, 1, 3), np.float32)
+        for i, chunk in enumerate(chunks):
+            y, state = session.run(["y", "hN"], {"x": chunk, "h": state})
+            got = results[f"s{s}-c{i}"]
+            assert got.status == "ok", got.error
+            np.testing.assert_allclose(got.outputs["y"].to_numpy(), y, rtol=1e-6,
+                                       err_msg=f"stream {s} chunk {i}")  # fmt: skip

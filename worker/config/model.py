@@ -250,6 +250,10 @@ class ModelConfig:
     # held against what the engine returns; the rows on that axis still are.
     output_axes: dict[str, str | int | float | bool] = field(default_factory=dict)
     intra_op_threads: int = 1
+    # The model file has no batch axis at all (a recurrent model of input
+    # [seq_len, 576] and state [1, 1, 128]): each engine run is one request,
+    # whose inputs are the model's inputs whole. onnxruntime only.
+    unbatched: bool = False
     # Request inputs by name, each with its kind (tensor, image, text).
     inputs: dict[str, InputConfig] = field(default_factory=dict)
     # Stateful models: the inputs that carry a sequence's state (README "Stateful
@@ -288,6 +292,8 @@ class ModelConfig:
                 f"model.output_axes.{name}", f'{axis!r}: an axis (0, 1, ...) or "none"',
             )  # fmt: skip
         check(self.intra_op_threads >= 0, "model.intra_op_threads", "must be >= 0")
+        check(not self.unbatched or self.backend == "onnxruntime", "model.unbatched",
+              "onnxruntime only (the GPU engines batch on the first axis)")  # fmt: skip
         clash = sorted(set(self.state) & set(self.inputs))
         check(not clash, "model.state", f"{clash} also in [model.inputs]: a state is fed by the "
               "worker, never by requests")  # fmt: skip

@@ -263,6 +263,22 @@ def batched_io(inputs: Sequence[RawTensor], outputs: Sequence[RawTensor]) -> Mod
     )
 
 
+def unbatched_io(inputs: Sequence[RawTensor], outputs: Sequence[RawTensor]) -> ModelIO:
+    """``model.unbatched``: a model file with no batch axis at all (a recurrent
+    model of input ``[seq_len, 576]`` and state ``[1, 1, 128]``): one request per
+    run, each input and output whole. The worker sees a batch of one on a
+    virtual first axis (the engine drops it before the run and adds it after),
+    so every row is the file's tensor as it is; a scalar stays shared."""
+
+    def described(raw: RawTensor) -> TensorDesc:
+        name, dtype, shape = raw
+        return TensorDesc(name, dtype, shape, 0 if shape else None)
+
+    return ModelIO(
+        tuple(described(t) for t in inputs), tuple(described(t) for t in outputs), batch=1
+    )
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     backend: str

@@ -14,7 +14,15 @@ import onnxruntime as ort
 import pytest
 
 from tests.models import model_inputs, run_stage
-from tests.onnx_models import fixed_batch, lying_output, ranker, recurrent, run_alone, strided
+from tests.onnx_models import (
+    fixed_batch,
+    lying_output,
+    ranker,
+    recurrent,
+    run_alone,
+    strided,
+    unbatched_recurrent,
+)
 from worker.config import ModelConfig, load_settings
 from worker.config.model import ConstantInput, TensorInput
 from worker.contract import Request, Tensor
@@ -173,3 +181,29 @@ async def test_an_output_s_rows_declared_in_the_configuration_answer_as_the_mode
                                     output_axes={"score": "none"}), [])  # fmt: skip
     with pytest.raises(ConfigError, match=r"output_axes\.z: the model has no output"):
         await run_stage(ModelConfig(path=str(path), output_axes={"z": 0}), [])
+
+
+async def test_a_model_without_a_batch_axis_runs_one_request_whole_per_run(
+    tmp_path: Path,
+) -> None:
+    """``model.unbatched`` (issue 37): input ``[seq, 4]``, state-shaped ``[1, 1, 3]``,
+    no batch axis anywhere. Each request is the model's inputs whole, one per
+    run, answered as the model alone (sequences of different lengths together)."""
+    path = unbatched_recurrent(tmp_path / "ur.onnx")
+    requests = [
+        {"x": RNG.normal(size=(n, 4)).astype(np.float32),
+         "h": RNG.normal(size=(1, 1, 3)).astype(np.float32)}
+        for n in (3, 7, 1, 7)
+    ]  # fmt: skip
+    runs: list[dict[str, tuple[int, ...]]] = []
+    done = await run_stage(ModelConfig(path=str(path), unbatched=True),
+                           [tensors(r) for r in requests], runs=runs)  # fmt: skip
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for answer, request in zip(done.answers, requests, strict=True):
+        assert answer.error is None and answer.outputs is not None, answer.error
+        y, h = session.run(["y", "hN"], request)
+        np.testing.assert_array_equal(answer.outputs["y"], y)
+        np.testing.assert_array_equal(answer.outputs["hN"], h)
+    assert len(runs) == len(requests)  # one request per run
+    with pytest.raises(ConfigError, match=r"model\.unbatched"):
+        ModelConfig(path=str(path), unbatched=True, backend="torch")

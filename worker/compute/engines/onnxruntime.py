@@ -18,7 +18,7 @@ from worker.compute.engines.base import Feeds
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
 from worker.model.files import content_version
-from worker.model.io import EngineInfo, RawTensor, batched_io, dim, onnx_dtype
+from worker.model.io import EngineInfo, RawTensor, batched_io, dim, onnx_dtype, unbatched_io
 
 
 class OnnxRuntimeEngine:
@@ -33,9 +33,17 @@ class OnnxRuntimeEngine:
             )
         except Exception as exc:  # boundary: ORT raises its own untyped errors
             raise ConfigError(f"model.path: cannot load {path}: {exc}") from exc
-        io = batched_io(
+        describe = unbatched_io if cfg.unbatched else batched_io
+        io = describe(
             [_raw(arg, "input") for arg in self._session.get_inputs()],
             [_raw(arg, "output") for arg in self._session.get_outputs()],
+        )
+        # model.unbatched: the batch axis the worker sees is virtual (one request
+        # per run): dropped from each feed before the run, added to each output.
+        self._virtual = (
+            frozenset(d.name for d in (*io.inputs, *io.outputs) if d.batched)
+            if cfg.unbatched
+            else frozenset()
         )
         if cfg.output is not None and cfg.output not in io.output_names:
             raise ConfigError(
@@ -53,11 +61,17 @@ class OnnxRuntimeEngine:
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
         if self._closed:
             raise EngineDead("onnxruntime session is closed")
+        given = dict(feeds)
+        for name in self._virtual & given.keys():
+            given[name] = given[name][0]  # a run of one request: its tensor whole
         try:
-            values = self._session.run(None, dict(feeds))
+            values = self._session.run(None, given)
         except Exception as exc:  # boundary: translate once into our vocabulary
             raise InferenceFailed(f"onnxruntime: {exc}") from exc
-        return dict(zip(self.info.output_names, values, strict=True))
+        out = dict(zip(self.info.output_names, values, strict=True))
+        for name in self._virtual & out.keys():
+            out[name] = np.asarray(out[name])[None]
+        return out
 
     def close(self) -> None:
         self._closed = True
