@@ -9,12 +9,11 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import DefaultPartitioner
 
 from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.partitioning import partitions_for
 
 Sent = list[tuple[OutRecord, "asyncio.Future[object]"]]
-_PARTITIONER = DefaultPartitioner()
 
 
 async def send_grouped(producer: AIOKafkaProducer, outs: list[OutRecord]) -> Sent:
@@ -22,21 +21,23 @@ async def send_grouped(producer: AIOKafkaProducer, outs: list[OutRecord]) -> Sen
     per output partition, instead of one ``send()`` per record: the per-record
     cost of the producer's send path was the largest single share of the
     produce stage. Partitions are chosen exactly as ``send()`` would (the
-    default partitioner: murmur2 of the key), and each record's future is its
-    batch's, so acknowledgement and redelivery work per record as before."""
-    by_partition: dict[tuple[str, int], list[OutRecord]] = {}
-    partitions: dict[str, list[int]] = {}
+    default partitioner: murmur2 of the key; ``partitioning`` hashes a batch's
+    keys at once), and each record's future is its batch's, so acknowledgement
+    and redelivery work per record as before."""
+    by_topic: dict[str, list[OutRecord]] = {}
     for out in outs:
-        parts = partitions.get(out.topic)
-        if parts is None:
-            try:
-                parts = partitions[out.topic] = sorted(await producer.partitions_for(out.topic))
-            except KafkaError:
-                return [(o, await send_one(producer, o)) for o in outs]  # send() reports it
-        partition = (
-            out.partition if out.partition is not None else _PARTITIONER(out.key, parts, parts)
-        )
-        by_partition.setdefault((out.topic, partition), []).append(out)
+        by_topic.setdefault(out.topic, []).append(out)
+    by_partition: dict[tuple[str, int], list[OutRecord]] = {}
+    for topic, records in by_topic.items():
+        try:
+            parts = sorted(await producer.partitions_for(topic))
+        except KafkaError:
+            return [(o, await send_one(producer, o)) for o in outs]  # send() reports it
+        # The keyed records' partitions, hashed together, taken in their order.
+        chosen = iter(partitions_for([o.key for o in records if o.partition is None], parts))
+        for out in records:  # in order: a partition's records keep theirs
+            partition = out.partition if out.partition is not None else next(chosen)
+            by_partition.setdefault((topic, partition), []).append(out)
     sent: Sent = []
     for (topic, partition), group in by_partition.items():
         batch, members = producer.create_batch(), []
