@@ -52,7 +52,7 @@ class RunPlan:
                 "path (backend onnxruntime); the GPU stage compiles and captures its engines "
                 "per slot at start"
             )
-        request_timeout = k.request_timeout_ms / 1000.0
+        request_timeout = k.request_timeout_s
         return cls(
             device="gpu" if gpu else "cpu",
             device_name=f"cuda:{s.gpu.device}" if gpu else "cpu",

@@ -114,6 +114,17 @@ class KafkaConfig:
         """The guarantee, decided here once: every other layer asks this."""
         return self.processing_guarantee == "exactly-once"
 
+    @property
+    def request_timeout_s(self) -> float:
+        """``request_timeout_ms`` in seconds, for every wait it bounds."""
+        return self.request_timeout_ms / 1000.0
+
+    @property
+    def member_transactional_id(self) -> str:
+        """Exactly-once: this member's transactional id (the setting, else
+        ``<group_id>.<group_instance_id>``), decided here once."""
+        return self.transactional_id or f"{self.group_id}.{self.group_instance_id}"
+
     def __post_init__(self) -> None:
         check(bool(self.bootstrap_servers.strip()), "kafka.bootstrap_servers", "must not be empty")
         check(len(self.input_topics) > 0, "kafka.input_topics", "needs at least one topic")

@@ -90,7 +90,7 @@ async def restore(
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         pending = set(tps)
-        limit_s = max(60.0, k.request_timeout_ms / 1000)
+        limit_s = max(60.0, k.request_timeout_s)
         budget = Deadline(limit_s)
         while pending:
             batch = await consumer.getmany(*pending, timeout_ms=200)

@@ -60,7 +60,7 @@ def transactional_id(k: KafkaConfig) -> str:
     """This member's transactional id: as configured, or the group id and the
     static member id, both stable across the member's restarts (so a restarted
     member's InitProducerId fences the process it replaces)."""
-    return k.transactional_id or f"{k.group_id}.{k.group_instance_id}"
+    return k.member_transactional_id
 
 
 def producer_kwargs(k: KafkaConfig, idempotent: bool | None = None) -> dict[str, Any]:
@@ -116,7 +116,7 @@ async def start_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
         return await started(AIOKafkaProducer(**producer_kwargs(k, mode))), mode
     try:
         producer = await asyncio.wait_for(
-            started(AIOKafkaProducer(**producer_kwargs(k, True))), k.request_timeout_ms / 1000
+            started(AIOKafkaProducer(**producer_kwargs(k, True))), k.request_timeout_s
         )
     except (BrokerResponseError, TimeoutError) as exc:
         log.warning(
@@ -146,9 +146,7 @@ async def start_transactional_producer(k: KafkaConfig) -> tuple[AIOKafkaProducer
         "transaction_timeout_ms": k.transaction_timeout_ms,
     }
     try:
-        producer = await asyncio.wait_for(
-            started(AIOKafkaProducer(**kwargs)), k.request_timeout_ms / 1000
-        )
+        producer = await asyncio.wait_for(started(AIOKafkaProducer(**kwargs)), k.request_timeout_s)
     except (BrokerResponseError, TimeoutError) as exc:
         if (not_allowed := refused(exc, k)) is not None:
             raise not_allowed from exc

@@ -103,7 +103,7 @@ def oauth_provider(k: KafkaConfig) -> Any:
     if k.sasl_oauth_token_file:
         return _file_token(k.sasl_oauth_token_file)
     if k.sasl_oauth_token_command:
-        return _command_token(k.sasl_oauth_token_command, k.request_timeout_ms / 1000)
+        return _command_token(k.sasl_oauth_token_command, k.request_timeout_s)
     return token_provider(k.sasl_oauth_token_provider)
 
 

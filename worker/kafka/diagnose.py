@@ -87,7 +87,7 @@ async def diagnose(k: KafkaConfig) -> ConfigError | None:
     try:
         conn = await asyncio.wait_for(
             create_conn(host, port, request_timeout_ms=k.request_timeout_ms, **kwargs),
-            k.request_timeout_ms / 1000,
+            k.request_timeout_s,
         )
     except SaslAuthenticationFailed as exc:
         return ConfigError(

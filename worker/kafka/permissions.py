@@ -176,7 +176,7 @@ def refused(exc: BaseException, k: KafkaConfig) -> ConfigError | None:
         return ConfigError(
             f'kafka.processing_guarantee = "exactly-once": the principal ({who}) is not '
             "allowed Write on its transactional id; grant Write on transactional id "
-            f"{k.transactional_id or f'{k.group_id}.{k.group_instance_id}'} ({ACL_HINT})"
+            f"{k.member_transactional_id} ({ACL_HINT})"
         )
     if isinstance(exc, TopicAuthorizationFailedError):
         return ConfigError(

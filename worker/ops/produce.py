@@ -37,6 +37,7 @@ from worker.contract import (
     encode_request,
     sniff_format,
 )
+from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.flow.deadline import Deadline
@@ -205,10 +206,11 @@ def as_json(result: Result) -> str:
 
 def _dlq_line(rec: Collected) -> str:
     h = rec.headers
-    code = h.get("error.code", b"?").decode(errors="replace")
-    message = h.get("error.message", b"").decode(errors="replace")
-    where = "/".join(h.get(k, b"?").decode() for k in ("source.topic", "source.partition"))
-    offset = h.get("source.offset", b"?").decode()
+    code = h.get(DlqHeader.ERROR_CODE, b"?").decode(errors="replace")
+    message = h.get(DlqHeader.ERROR_MESSAGE, b"").decode(errors="replace")
+    where = "/".join(h.get(k, b"?").decode()
+                     for k in (DlqHeader.SOURCE_TOPIC, DlqHeader.SOURCE_PARTITION))  # fmt: skip
+    offset = h.get(DlqHeader.SOURCE_OFFSET, b"?").decode()
     return f"(dlq) {where}@{offset}  {code}: {message}"
 
 

@@ -20,6 +20,7 @@ from worker.contract import (
     encode_ok_result,
     encode_result,
 )
+from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
 from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
@@ -69,14 +70,14 @@ class Topics:
 
 def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
     return [
-        ("error.code", code.encode()),
+        (DlqHeader.ERROR_CODE, code.encode()),
         # Capped as a result's message is (in characters: a byte cut could split one).
-        ("error.message", message[:MAX_ERROR_MESSAGE_CHARS].encode()),
-        ("source.topic", job.tp.topic.encode()),
-        ("source.partition", str(job.tp.partition).encode()),
-        ("source.offset", str(job.offset).encode()),
-        ("stage", stage.encode()),
-        ("worker.version", __version__.encode()),
+        (DlqHeader.ERROR_MESSAGE, message[:MAX_ERROR_MESSAGE_CHARS].encode()),
+        (DlqHeader.SOURCE_TOPIC, job.tp.topic.encode()),
+        (DlqHeader.SOURCE_PARTITION, str(job.tp.partition).encode()),
+        (DlqHeader.SOURCE_OFFSET, str(job.offset).encode()),
+        (DlqHeader.STAGE, stage.encode()),
+        (DlqHeader.WORKER_VERSION, __version__.encode()),
     ]
 
 
@@ -221,7 +222,7 @@ def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) 
     trace = [h for h in out.headers if h[0] in ("traceparent", "tracestate")]
     if out.kind == "dlq":
         headers = dlq_headers(job, code, f"{reason}; original value omitted", "produce")
-        headers.append(("value.omitted_bytes", str(len(out.value or b"")).encode()))
+        headers.append((DlqHeader.VALUE_OMITTED_BYTES, str(len(out.value or b"")).encode()))
         headers += trace
         # b"" rather than None: a record needs a key or a value.
         return OutRecord(

@@ -114,7 +114,7 @@ class Writer:
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
         self._shadow = kafka.shadow  # a shadow writes no DLQ records
         self._producer_factory = producer_factory
-        self._overdue = kafka.request_timeout_ms / 1000.0
+        self._overdue = kafka.request_timeout_s
         self._overdue_waits = 0
         # Records still unacknowledged of jobs that have more than one (an answer
         # and its state record), by (partition, offset, epoch).

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from worker.contract import decode_result
+from worker.contract.dlq import DlqHeader
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
 from worker.ops.topics import Collected, Collector, Draining
@@ -28,7 +29,8 @@ class Observed:
 
 
 _DECIMAL: Final = re.compile(rb"[0-9]+")
-_SOURCE_HEADERS: Final = ("source.topic", "source.partition", "source.offset")
+_SOURCE_HEADERS: Final = (DlqHeader.SOURCE_TOPIC, DlqHeader.SOURCE_PARTITION,
+                          DlqHeader.SOURCE_OFFSET)  # fmt: skip
 
 
 def _dlq_source(headers: Mapping[str, bytes]) -> InputRecord | str:
@@ -41,11 +43,11 @@ def _dlq_source(headers: Mapping[str, bytes]) -> InputRecord | str:
     if missing:
         return f"DLQ record without header(s) {', '.join(missing)}"
     try:
-        topic = headers["source.topic"].decode("ascii")
+        topic = headers[DlqHeader.SOURCE_TOPIC].decode("ascii")
     except UnicodeDecodeError:
         return "DLQ header source.topic is not ASCII"
     numbers = []
-    for name in ("source.partition", "source.offset"):
+    for name in (DlqHeader.SOURCE_PARTITION, DlqHeader.SOURCE_OFFSET):
         raw = headers[name]
         if not _DECIMAL.fullmatch(raw):
             return f"DLQ header {name} is not a decimal number: {raw[:32]!r}"
