@@ -30,7 +30,6 @@ from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
-from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.diagnose import explain
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
@@ -291,12 +290,11 @@ class Worker:
         """Settle revoked partitions: bounded wait for their in-flight work, commit."""
         if self._stages is None:
             return
-        writer = self._stages.writer
+        # One budget for the whole hand-over: settling, commit, and the crash
+        # guard's release each spend what the steps before them left.
+        budget = Deadline(self.plan.revoke_timeout_s)
         fenced = await self._stages.committer.settle_revoked(
-            revoked,
-            self.plan.revoke_timeout_s,
-            lambda: self._failure is not None,
-            fence=writer.fence if isinstance(writer, ExactlyOnceWriter) else None,
+            revoked, budget, lambda: self._failure is not None, fence=self._stages.writer.fence
         )
         # After their in-flight batches settled: the next owner starts their
         # sequences afresh (this version keeps states in memory only).
@@ -304,7 +302,7 @@ class Worker:
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer
             heads = {tp: committer.last_offsets.get(tp) for tp in revoked}
-            await self._guard.release(heads, timeout=2.0)
+            await self._guard.release(heads, timeout=budget.left(floor=0.5))
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
 
 

@@ -31,6 +31,10 @@ from worker.obs import metrics
 log = structlog.get_logger(__name__)
 
 
+# The least a revocation's commit is given, however the settling spent the budget.
+_COMMIT_FLOOR_S = 5.0
+
+
 class CommitTarget(Protocol):
     """The part of aiokafka's consumer the committer needs."""
 
@@ -146,23 +150,25 @@ class Committer:
     async def settle_revoked(
         self,
         revoked: set[TopicPartition],
-        bound: float,
+        budget: Deadline,
         failed: Callable[[], bool],
         fence: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
     ) -> int:
-        """On revocation: let in-flight work of ``revoked`` finish (up to ``bound``
-        seconds, or until ``failed()``), commit it, and forget the partitions so
-        late results are recognised as stale. ``fence`` (exactly-once) runs just
-        before they are forgotten: no answer of theirs may stay in an open
-        transaction past the hand-over. Returns how many offsets were fenced
-        (left uncommitted for the next owner)."""
-        budget = Deadline(bound)
+        """On revocation: let in-flight work of ``revoked`` finish (while
+        ``budget`` lasts, or until ``failed()``), commit it, and forget the
+        partitions so late results are recognised as stale. ``fence``
+        (exactly-once) runs just before they are forgotten: no answer of theirs
+        may stay in an open transaction past the hand-over. One budget for the
+        whole hand-over: the commit gets what the settling left, but at least a
+        few seconds (it must still be tried: what it fails to commit the next
+        owner answers again). Returns how many offsets were fenced (left
+        uncommitted for the next owner)."""
         while any(self._tracker.in_flight(tp) for tp in revoked):
             if budget.expired or failed():
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.progress(), budget.left())
-        await self.commit_now(only=revoked)
+        await self.commit_now(only=revoked, timeout=budget.left(floor=_COMMIT_FLOOR_S))
         fenced = sum(self._tracker.in_flight(tp) for tp in revoked)
         metrics.REVOKE_FENCED.inc(fenced)
         if fence is not None:

@@ -122,6 +122,11 @@ class Writer:
         self.producer: AIOKafkaProducer | None = None
         self.idempotent = False
 
+    async def fence(self, revoked: set[TopicPartition]) -> None:
+        """On revocation, just before the partitions are forgotten: nothing to do
+        under at-least-once (an answer is settled by its acknowledgement);
+        exactly-once aborts an open transaction holding theirs."""
+
     def backoff(self) -> Backoff:
         """Waits between retries, from ``kafka.retry_backoff_ms`` (doubling to 10 s)."""
         return Backoff(self._kafka.retry_backoff_ms / 1000.0)
