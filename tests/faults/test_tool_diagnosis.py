@@ -11,6 +11,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,45 @@ async def test_a_tool_names_what_to_fix_and_exits_2(
     assert expected.format(**fill) in proc.stderr, out[-3000:]
     assert "Traceback" not in out and "Unclosed" not in out, out[-3000:]
     assert_no_secret(out)
+
+
+# README "Secured Kafka", the other principals: each tool with exactly its row.
+SUFFICIENT = {
+    "produce": (["produce", "--samples", "1", "--no-wait"], [("Write", "requests")]),
+    "consume": (["consume", "--timeout", "2"], [("Read", "results"), ("Read", "dlq")]),
+    "verify": (["verify", "--idle-timeout", "1", "--timeout", "20"],
+               [("Read", "requests"), ("Read", "results"), ("Read", "dlq")]),
+    "compare": (["compare", "--baseline", "{results}", "--candidate", "{dlq}",
+                 "--idle-timeout", "1", "--timeout", "20"], [("Read", "results"), ("Read", "dlq")]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", list(SUFFICIENT))
+async def test_a_tool_runs_with_exactly_the_acls_readme_lists_for_it(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], tool: str
+) -> None:
+    """Issue 37: the README's table of what each principal needs is enough: each
+    tool, given exactly its row and nothing else, runs and exits 0."""
+    await topics(secured, names)
+    argv, grants = SUFFICIENT[tool]
+    await grant(secured.bootstrap, [Acl(CLIENT, op, "topic", names[t]) for op, t in grants])
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "worker", *(a.format(**names) for a in argv)],
+        env=client_env(secured, pki, names), capture_output=True, text=True, timeout=120,
+        check=False, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_readme_lists_what_each_tool_is_run_with_here() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for row in (
+        "| a producing client (`produce --no-wait`, your application) | Write | topic, each "
+        "input topic it sends to |",
+        "| `produce` waiting for answers, `consume`, `InferenceClient` | Read | topic "
+        "`kafka.output_topic` (and `kafka.dlq_topic` for `consume`) |",
+        "| `verify` | Read | every input topic, `kafka.output_topic`, `kafka.dlq_topic` |",
+        "| `compare` | Read | both result topics (and `--input-topic` for labels) |",
+    ):
+        assert row in readme, row
