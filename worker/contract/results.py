@@ -84,7 +84,7 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 def encode_result(res: Result) -> bytes:
     """Encode a result with exactly the contract's fields (``error`` and
     ``meta`` only when set)."""
-    outputs = {name: _TensorWire(t.dtype, list(t.shape), t.data) for name, t in res.outputs.items()}
+    outputs = {name: _tensor_wire(t) for name, t in res.outputs.items()}
     error = None if res.error is None else _ErrorWire(res.error.code, res.error.message)
     return _pack(res.v, res.id, res.status, outputs, error, res.model, res.source,
                  res.timing_us, res.meta)  # fmt: skip
@@ -116,9 +116,12 @@ _NATIVE_WIRE_NAMES: Final[dict[np.dtype[Any], str]] = (
 def _row_wire(arr: np.ndarray) -> _TensorWire:
     name = _NATIVE_WIRE_NAMES.get(arr.dtype)
     if name is None:  # converts the byte order, or refuses the dtype
-        t = Tensor.from_numpy(arr)
-        return _TensorWire(t.dtype, list(t.shape), t.data)
+        return _tensor_wire(Tensor.from_numpy(arr))
     return _TensorWire(name, list(arr.shape), arr.tobytes())
+
+
+def _tensor_wire(t: Tensor) -> _TensorWire:
+    return _TensorWire(t.dtype, list(t.shape), t.data)
 
 
 @functools.lru_cache(maxsize=64)

@@ -248,6 +248,14 @@ async def committed_offsets(
         await consumer.stop()
 
 
+async def _partitions(consumer: AIOKafkaConsumer, topics: Sequence[str]) -> list[TopicPartition]:
+    """Every partition of ``topics``, from the metadata (none for a missing topic)."""
+    tps = []
+    for topic in topics:
+        tps += [TopicPartition(topic, p) for p in sorted(await topic_partitions(consumer, topic))]
+    return tps
+
+
 async def end_offsets(bootstrap: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:
     """Every partition's end offset (the next offset to be written), as the
     broker reports it. Apache Kafka only: the embedded broker answers
@@ -256,12 +264,30 @@ async def end_offsets(bootstrap: Connection, topics: Sequence[str]) -> dict[tupl
     consumer = AIOKafkaConsumer(**connect_kwargs(bootstrap), enable_auto_commit=False)
     await started(consumer)
     try:
-        tps = []
-        for topic in topics:
-            parts = sorted(await topic_partitions(consumer, topic))
-            tps += [TopicPartition(topic, p) for p in parts]
-        ends = await consumer.end_offsets(tps)
+        ends = await consumer.end_offsets(await _partitions(consumer, topics))
         return {(tp.topic, tp.partition): int(end) for tp, end in ends.items()}
+    finally:
+        await consumer.stop()
+
+
+async def offsets_since(
+    bootstrap: Connection, topics: Sequence[str], since_ms: int
+) -> dict[tuple[str, int], int]:
+    """The first offset of each partition of ``topics`` whose record was written
+    at or after ``since_ms`` (Kafka's timestamp index: ``offsets_for_times``); a
+    partition with none, its end (nothing of it is that recent)."""
+    consumer = AIOKafkaConsumer(**connect_kwargs(bootstrap), enable_auto_commit=False)
+    await started(consumer)
+    try:
+        tps = await _partitions(consumer, topics)
+        if not tps:
+            raise RuntimeError(f"no partition of {', '.join(topics)} to read offsets of")
+        found = await consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
+        ends = await consumer.end_offsets(tps)
+        return {
+            (tp.topic, tp.partition): (at.offset if at is not None else int(ends[tp]))
+            for tp, at in found.items()
+        }
     finally:
         await consumer.stop()
 

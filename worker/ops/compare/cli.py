@@ -15,8 +15,9 @@ from worker.kafka.diagnose import run_tool
 from worker.ops.compare import plot
 from worker.ops.compare.gates import Thresholds, gates
 from worker.ops.compare.join import Comparison
-from worker.ops.compare.read import read_results, window_starts
+from worker.ops.compare.read import read_results
 from worker.ops.compare.results import Side
+from worker.ops.topics import offsets_since
 from worker.ops.verify.cli import add_reading_arguments, emit
 
 
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         since = None
         if args.since is not None:
             requests = [args.input_topic] if args.input_topic else list(kafka.input_topics)
-            since = run_tool(kafka, window_starts(conn, requests, args.since))
+            since = run_tool(kafka, offsets_since(conn, requests, args.since))
         comparison = Comparison(top_k=args.top_k, label_key=args.label_key, since=since)
         complete = run_tool(
             kafka,

@@ -105,10 +105,10 @@ def _coverage(ax: Any, report: Report) -> None:
         ("past deadline on one side", status["expired_on_one_side"]),
     ]
     if c.outside_window is not None:
-        rows.append(("before --since (b/c)", c.outside_window["baseline"]))
+        rows += [(f"before --since, {side}", c.outside_window[side]) for side in SIDES]
     labels = [r[0] for r in rows]
     values = [r[1] for r in rows]
-    colours = [_PASS, _GREY, _GREY, _FAIL, _GREY, _GREY][: len(rows)]
+    colours = [_PASS, _GREY, _GREY, _FAIL, _GREY, _GREY, _GREY][: len(rows)]
     bars = ax.barh(labels, values, color=colours)
     for bar, v in zip(bars, values, strict=True):
         ax.annotate(str(v), (bar.get_width(), bar.get_y() + bar.get_height() / 2),

@@ -3,16 +3,10 @@ beginning without a consumer group, into a ``Comparison`` as records arrive."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
-
 from worker.contract import decode_request
 from worker.contract.oip import decode_oip_request
 from worker.flow.errors import InvalidRequest, WorkerError
-from worker.kafka.clients import started, topic_partitions
-from worker.kafka.credentials import Connection, connect_kwargs
+from worker.kafka.credentials import Connection
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.results import SIDES, ResultRow, Side
 from worker.ops.topics import Collected, Collector, Draining
@@ -101,29 +95,3 @@ class _Feed(Draining):
         except (ValueError, WorkerError):
             return None
         return None if meta is None else meta.get(self._label_key)
-
-
-async def window_starts(
-    bootstrap: Connection, topics: Sequence[str], since_ms: int
-) -> dict[tuple[str, int], int]:
-    """The first offset of each partition of ``topics`` whose record was written
-    at or after ``since_ms`` (Kafka's timestamp index: ``offsets_for_times``); a
-    partition with none starts at its end (nothing of it is in the window)."""
-    consumer = AIOKafkaConsumer(**connect_kwargs(bootstrap), enable_auto_commit=False)
-    await started(consumer)
-    try:
-        tps = [
-            TopicPartition(t, p)
-            for t in topics
-            for p in sorted(await topic_partitions(consumer, t))
-        ]
-        if not tps:
-            raise RuntimeError(f"--since: no partition of {', '.join(topics)} to window")
-        found = await consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
-        ends = await consumer.end_offsets(tps)
-        return {
-            (tp.topic, tp.partition): (at.offset if at is not None else ends[tp])
-            for tp, at in found.items()
-        }
-    finally:
-        await consumer.stop()
