@@ -81,7 +81,7 @@ def test_resnet50_jpeg_bench_end_to_end(tmp_path: Path) -> None:
         capture_output=True,
         check=False,
         text=True,
-        # Inside its step's budget in scripts/gpu_session.sh (tests.e2e), so the test
+        # Under a timeout of its own, so the test
         # fails with the bench's output rather than being stopped without it.
         timeout=E2E_TIMEOUT_S,
         cwd=tmp_path,  # engines/ (the exported program) goes here, not into the checkout
