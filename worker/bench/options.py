@@ -100,7 +100,11 @@ def model_overrides(model: str) -> dict[str, str]:
         "model.preprocess.channels": "3",
         "model.preprocess.mean": _toml_list(IMAGENET_MEAN),
         "model.preprocess.std": _toml_list(IMAGENET_STD),
-        "model.preprocess.dtype": "float16",
+        # The exported program takes float32 (build-engine exports the module as
+        # it is); the engine computes in float16 and casts the preprocessed input
+        # on the device, inside the captured graph.
+        "model.preprocess.dtype": "float32",
+        "model.torch.precision": "float16",
         "model.preprocess.device": "gpu",
         # JPEGs decoded by nvJPEG on the slot's stream (PNG falls back to the host).
         "gpu.decode": "nvjpeg",

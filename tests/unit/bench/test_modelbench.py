@@ -184,7 +184,9 @@ def test_resnet50_settings_parse_as_the_worker_reads_them() -> None:
     s = load_settings(env=env)
     assert s.model.backend == "torch" and s.model.path == "resnet50.pt2"
     p = s.model.preprocess
-    assert (p.size, p.channels, p.dtype, p.device) == ((224, 224), 3, "float16", "gpu")
+    # float32 in, as build-engine exports the program; computed in float16.
+    assert (p.size, p.channels, p.dtype, p.device) == ((224, 224), 3, "float32", "gpu")
+    assert s.model.torch.precision == "float16"
     assert p.mean == (0.485, 0.456, 0.406) and p.std == (0.229, 0.224, 0.225)
     assert s.gpu.decode == "nvjpeg"
 
