@@ -72,6 +72,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
 
 
+@pytest.fixture(scope="session")
+def torch() -> Any:
+    """torch with TF32 off, so a GPU GEMM really is float32 (only requested by
+    tests that were not skipped)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
 @pytest.fixture
 def cp() -> Any:
     """The CuPy module (only requested by tests that were not skipped)."""

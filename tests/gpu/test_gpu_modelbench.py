@@ -46,6 +46,9 @@ def test_gpu_engine_alone_on_one_slot(tiny_torchscript: Path, cuda_graphs: str) 
                 "model.backend": "torch",
                 "model.path": str(tiny_torchscript),
                 "model.preprocess.device": "gpu",
+                # A TorchScript file does not declare its input: the digits' 8x8 grey.
+                "model.preprocess.size": "[8, 8]",
+                "model.preprocess.channels": "1",
                 "model.torch.cuda_graphs": cuda_graphs,
                 "batching.max_batch_size": "16",
             }

@@ -291,7 +291,7 @@ async def test_a_corrupt_jpeg_is_answered_alone_and_the_rest_runs() -> None:
     bad, cut = answers[1].error, answers[3].error
     assert bad is not None and bad.code == "invalid_request" and answers[1].outputs is None
     assert bad.message.startswith("inputs.image: jpeg cannot be decoded: "), bad.message
-    assert cut is not None and cut.code == "invalid_request" and "truncated" in cut.message
+    assert cut is not None and cut.code == "invalid_request" and "truncated" in cut.message.lower()
     host, _ = await run(IMAGENET, [items[0], items[2], items[4]], "host", [3])
     for a, h in zip([answers[0], answers[2], answers[4]], host, strict=True):
         assert level_diff(out(a), out(h), IMAGENET) < MEAN_LEVELS

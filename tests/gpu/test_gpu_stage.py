@@ -23,6 +23,7 @@ from tests.gpu.support import gpu_stage
 from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig
 from worker.flow.errors import EngineDead, InferenceFailed
 from worker.flow.messages import Completed
+from worker.model.inputs.image import resolve_declared
 from worker.model.postprocess import postprocess
 from worker.model.preprocess import preprocess
 
@@ -67,7 +68,7 @@ def _images(n: int, channels: int, seed: int = 1) -> list[np.ndarray]:
 def _reference(
     engine: LinearEngine, model: ModelConfig, images: list[np.ndarray]
 ) -> dict[str, Any]:
-    x = preprocess(images, model.preprocess)
+    x = preprocess(images, resolve_declared(model.preprocess, "the test model"))
     raw = engine.run(x)["logits"]
     return postprocess(raw, model.postprocess, "logits")
 
@@ -166,7 +167,8 @@ async def test_slot_buffers_are_never_reallocated(cp: Any) -> None:
 async def test_two_batches_run_at_once_on_different_streams(cp: Any) -> None:
     spin_s = 0.2
     engine = SpinEngine(spin_s)
-    model = ModelConfig(name="spin", path="unused", output="logits")
+    # input: the classifier shorthand, so "image" is an image (a tensor otherwise).
+    model = ModelConfig(name="spin", path="unused", output="logits", input="image")
     source, sink = queues()
     stage = gpu_stage(source, sink, engine, model, 8, 2, GpuConfig(max_input_bytes=1 << 16))
     try:

@@ -24,9 +24,10 @@ import pytest
 from tests.gpu.support import gpu_stage
 from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
-from worker.config import ModelConfig
+from worker.config import ModelConfig, PreprocessConfig
 from worker.flow.messages import Completed
 from worker.model.files import bundled_file, resolve_model_path
+from worker.model.inputs.image import resolve_declared
 from worker.model.preprocess import preprocess
 
 from .support import batches_of, make_jobs, queues, run_stage
@@ -36,15 +37,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 SCORE_ATOL = 1e-5
 GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}
 SAMPLES = Path(str(bundled_file("digits_samples.npz")))
-
-
-@pytest.fixture(scope="module")
-def torch() -> Any:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +71,16 @@ def digits_torchscript(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> 
     return path
 
 
+# The digits model's 8x8 grey input: a TorchScript file does not declare it.
+DIGITS_PP = PreprocessConfig(size=(8, 8), channels=1)
+
+
 def _torch_model(path: Path) -> ModelConfig:
-    return ModelConfig(name="digits", path=str(path), backend="torch", output="logits")
+    """A TorchScript file's one output is named by model.output; an exported
+    program names its own (``output``)."""
+    output = "logits" if path.suffix == ".pt" else None
+    return ModelConfig(name="digits", path=str(path), backend="torch", output=output,
+                       preprocess=DIGITS_PP)  # fmt: skip
 
 
 def test_torch_engine_run_matches_onnxruntime(
@@ -90,7 +90,7 @@ def test_torch_engine_run_matches_onnxruntime(
 
     images, _ = samples
     cpu_cfg = ModelConfig()
-    x = preprocess(images[:64], cpu_cfg.preprocess)
+    x = preprocess(images[:64], resolve_declared(DIGITS_PP, "the digits model"))
     cpu = OnnxRuntimeEngine(resolve_model_path(cpu_cfg.path), cpu_cfg)
     gpu = TorchEngine(digits_torchscript, _torch_model(digits_torchscript), max_batch_size=64)
     try:
@@ -230,14 +230,18 @@ async def test_compiled_program_with_graphs_equals_cpu_stage(
     sizes = [1, 64, 17, 64, 33, 3]
     model = dataclasses.replace(
         _torch_model(digits_program),
-        preprocess=dataclasses.replace(ModelConfig().preprocess, device="gpu"),
+        preprocess=dataclasses.replace(DIGITS_PP, device="gpu"),
     )
     engine = TorchEngine(digits_program, model, max_batch_size=64)
     source, sink = queues()
     stage = gpu_stage(source, sink, engine, model, 64, 3)
     try:
         for slot in stage.slots:
-            assert sorted(slot.context.graphs) == list(engine.buckets) == [1, 2, 4, 8, 16, 32, 64]
+            assert (
+                sorted(slot.context.graphs)
+                == [(b, ()) for b in engine.shapes.batches]
+                == [(b, ()) for b in (1, 2, 4, 8, 16, 32, 64)]
+            )
         before = _dynamo_counts(torch)
         done = await run_stage(stage, source, sink, batches_of(make_jobs(images), sizes))
         assert _dynamo_counts(torch) == before, "something compiled on the hot path"
@@ -271,7 +275,9 @@ def test_a_model_that_cannot_be_captured_stops_start_up_naming_the_setting(
             super().__init__()
             self.fc = torch.nn.Linear(64, 10)
 
-        def forward(self, x: Any) -> Any:
+        # x unannotated: TorchScript takes it as a Tensor (it parses type comments,
+        # and "Any" from this module's globals would make x an Any).
+        def forward(self, x):
             y = self.fc(x.flatten(1))
             if bool(y.sum() > 1e30):  # reads a device value: not capturable
                 y = y * 0
@@ -285,6 +291,8 @@ def test_a_model_that_cannot_be_captured_stops_start_up_naming_the_setting(
         "INFER_WORKER_MODEL__BACKEND": "torch",
         "INFER_WORKER_MODEL__PATH": str(path),
         "INFER_WORKER_MODEL__PREPROCESS__DEVICE": "gpu",
+        "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[8, 8]",
+        "INFER_WORKER_MODEL__PREPROCESS__CHANNELS": "1",
         "INFER_WORKER_BATCHING__MAX_BATCH_SIZE": "8",
         "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
         "INFER_WORKER_METRICS__PORT": "0",
