@@ -20,6 +20,10 @@
 #               the embedded broker: engine alone, ingest ceiling, one process
 #               draining JPEGs decoded by nvJPEG, then paced at half that rate (p99)
 #   bench.raw   the same with raw uint8 tensors, the compile cache warm
+# and, named only (not in the default run): profile.jpeg, bench.jpeg under
+# py-spy (--subprocesses: the bench, the worker and its threads; raw collapsed
+# stacks in $OUT/profile.txt; its summary JSON stays out of $OUT, which returns
+# 8 files at most).
 # The warm-up is kept small: two batch buckets (16 and 64), compiled once
 # (dynamic in the batch), so the first compilation is the only long wait.
 #
@@ -46,8 +50,10 @@ declare -A BUDGET=(
     [tests.gpu]=110    # 4 pytest processes; torch.compile of small models (85 s on an H100)
     [bench.jpeg]=160   # export + the first compilation (12 s on an H100); 50k JPEGs, 10 s of drain
     [bench.raw]=80     # compile cache warm; 6k raw 256x256x3 records (1.2 GB): 67 s on an H100
+    [profile.jpeg]=160 # bench.jpeg under py-spy (carried in .whl)
 )
 STEPS=(tests.gpu bench.jpeg bench.raw)
+OPTIONAL=(profile.jpeg)
 
 total_of() {  # the worst case of running these steps: set-up and steps, each with its kill grace
     local total=0 key
@@ -67,6 +73,10 @@ check_budgets() {
     [ "$total" -le $((CALL_S - SPARE_S)) ]
 }
 
+fits() {  # fits STEP...: the named steps of a rerun fit one call too
+    [ "$(total_of "$@")" -le $((CALL_S - SPARE_S)) ]
+}
+
 if [ "${1:-}" = budgets ]; then
     check_budgets
     exit $?
@@ -76,10 +86,14 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${STEPS[@]}")
 for s in "${steps[@]}"; do
     [ -n "${BUDGET[$s]:-}" ] && [[ $s != setup.* ]] || {
-        echo "unknown step $s (${STEPS[*]} | budgets)" >&2
+        echo "unknown step $s (${STEPS[*]} ${OPTIONAL[*]} | budgets)" >&2
         exit 2
     }
 done
+fits "${steps[@]}" || {
+    echo "steps ${steps[*]}: $(total_of "${steps[@]}") s do not fit one call" >&2
+    exit 2
+}
 
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
@@ -126,10 +140,11 @@ python3 -c 'import sys, torch, cupy; print(sys.version.split()[0], "torch", torc
 "cuda", torch.version.cuda, "cupy", cupy.__version__)' >>"$OUT/setup.txt" 2>&1
 cat "$OUT/setup.txt"
 
+BENCH=(python3 -m worker bench --model resnet50 --procs 1 --partitions 8 --duration 5
+    --set 'batching.preferred_batch_sizes=[16, 64]')
 bench() {  # bench STEP PAYLOAD RECORDS: one ResNet-50 benchmark run, one process
-    step "$1" "$OUT/bench.txt" python3 -m worker bench --model resnet50 --payload "$2" \
-        --procs 1 --partitions 8 --records "$3" --duration 5 \
-        --set 'batching.preferred_batch_sizes=[16, 64]' --results-dir "$OUT/results"
+    step "$1" "$OUT/bench.txt" "${BENCH[@]}" --payload "$2" --records "$3" \
+        --results-dir "$OUT/results"
     tail -n 30 "$OUT/bench.txt"
 }
 
@@ -148,6 +163,12 @@ for s in "${steps[@]}"; do
         ;;
     bench.jpeg) bench bench.jpeg jpeg 50000 ;;
     bench.raw) bench bench.raw raw 6000 ;;
+    profile.jpeg)
+        step profile.jpeg "$OUT/bench.txt" py-spy record --subprocesses --rate 50 \
+            --format raw -o "$OUT/profile.txt" -- "${BENCH[@]}" --payload jpeg \
+            --records 50000 --results-dir /tmp/profile-results
+        tail -n 30 "$OUT/bench.txt"
+        ;;
     esac
 done
 for f in "$TMPDIR"/worker-*.log; do

@@ -36,7 +36,7 @@ def test_every_step_fits_one_seven_minute_call_with_room_to_spare() -> None:
     found = re.search(r"^all: (\d+) s of (\d+) \(spare (\d+) s", proc.stdout, re.M)
     assert found is not None, proc.stdout
     total, call, spare = map(int, found.groups())
-    budgets = _budgets()
+    budgets = {k: v for k, v in _budgets().items() if k != "profile.jpeg"}  # named only
     assert total == sum(budgets.values()) + KILL_GRACE_S * len(budgets)
     assert call <= 7 * 60 and spare >= 20 and total + spare <= call
 
@@ -63,10 +63,19 @@ def test_every_step_has_a_budget_and_a_branch() -> None:
     assert steps is not None
     names = steps.group(1).split()
     assert names == ["tests.gpu", "bench.jpeg", "bench.raw"]
-    assert set(_budgets()) == {"setup.wheels", "setup.gpu", *names}
-    for name in names:  # each runs under step() with its own name
+    optional = re.search(r"^OPTIONAL=\((.*)\)$", text, re.M)
+    assert optional is not None and optional.group(1).split() == ["profile.jpeg"]
+    assert set(_budgets()) == {"setup.wheels", "setup.gpu", *names, "profile.jpeg"}
+    for name in [*names, "profile.jpeg"]:  # each runs under step() with its own name
         assert re.search(rf"^\s*{re.escape(name)}\)", text, re.M), name
         assert re.search(rf"(step|bench) {re.escape(name)} ", text), name
+
+
+def test_named_steps_over_one_call_stop_the_script_before_anything_runs(tmp_path: Path) -> None:
+    """A rerun names its steps; together they must fit one call as well."""
+    proc = _run(SCRIPT, "tests.gpu", "bench.jpeg", "bench.raw", "profile.jpeg", cwd=tmp_path)
+    assert proc.returncode == 2 and "do not fit one call" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_deselected_end_to_end_test_exists() -> None:
