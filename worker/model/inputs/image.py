@@ -179,6 +179,6 @@ def _check_fits(given: PreprocessConfig, cfg: ImagePreprocess, feed: TensorDesc,
     if np.dtype(cfg.dtype) != feed.dtype:
         raise ConfigError(
             f"{setting}.dtype: the model's input {feed.name!r} is {feed.dtype.name} but "
-            f"{setting} produces {cfg.dtype}: set {setting}.dtype = \"{feed.dtype.name}\" "
+            f'{setting} produces {cfg.dtype}: set {setting}.dtype = "{feed.dtype.name}" '
             f"(the torch backend computes in model.torch.precision, casting on the device)"
         )
