@@ -16,14 +16,14 @@ from typing import cast
 
 import structlog
 
+from worker.app.lanes import backpressure, batch_policy
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import InferenceStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.compute.stage import Stage
 from worker.config import Settings
-from worker.flow.backpressure import Backpressure
-from worker.flow.batching import BatchPolicy, MicroBatcher
+from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
@@ -77,16 +77,14 @@ async def build_stages(
     completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
         b.max_inflight_batches
     )
-    policy: BatchPolicy[Job] = BatchPolicy(
-        b.max_batch_size, b.max_queue_delay_ms / 1000.0, b.preferred_batch_sizes
-    )
+    policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
     consumer = Consumer(
         s.kafka,
         JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
         jobs,
         tracker,
         on_revoke,
-        Backpressure(b.max_inflight_records, b.max_inflight_bytes),
+        backpressure(s),
     )
     committer = Committer(
         tracker,
@@ -116,7 +114,7 @@ async def _inference_stage(
     batches: asyncio.Queue[Batch[Job] | None],
     completed: asyncio.Queue[asyncio.Future[Completed] | None],
     engine: Engine | GpuEngine,
-    policy: BatchPolicy[Job],
+    policy: Policy[Job],
     binding: Binding,
 ) -> Stage:
     """The CPU stage, or the GPU stage with its slot ring (allocated once, off the

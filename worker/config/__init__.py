@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.config.kafka import KafkaConfig
+from worker.config.lanes import LaneConfig
 from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
 from worker.config.model import ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
 from worker.config.runtime import (
@@ -59,6 +60,7 @@ __all__ = [
     "DlqConfig",
     "GpuConfig",
     "KafkaConfig",
+    "LaneConfig",
     "LimitsConfig",
     "LoggingConfig",
     "MetricsConfig",

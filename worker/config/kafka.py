@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from worker.config.checks import check, derive
+from worker.config.lanes import LaneConfig, check_lanes, ranked
 
 
 @dataclass(frozen=True)
 class KafkaConfig:
     bootstrap_servers: str = "localhost:9092"
     input_topics: tuple[str, ...] = ("infer.requests",)
+    # Priority lanes over the input topics ([[kafka.lanes]], README "Priority
+    # lanes"); () = every input topic in one lane.
+    lanes: tuple[LaneConfig, ...] = ()
     output_topic: str = "infer.results"
     dlq_topic: str = "infer.dlq"
     group_id: str = "infer-worker"
@@ -114,6 +119,17 @@ class KafkaConfig:
         """The guarantee, decided here once: every other layer asks this."""
         return self.processing_guarantee == "exactly-once"
 
+    @cached_property
+    def ranked_lanes(self) -> tuple[LaneConfig, ...]:
+        """The priority lanes, most urgent first (rank = index), decided here once:
+        without ``lanes``, one lane holding every input topic."""
+        return ranked(self.input_topics, self.lanes)
+
+    @cached_property
+    def lane_rank(self) -> dict[str, int]:
+        """Each input topic's lane (its rank in ``ranked_lanes``)."""
+        return {t: r for r, lane in enumerate(self.ranked_lanes) for t in lane.topics}
+
     @property
     def request_timeout_s(self) -> float:
         """``request_timeout_ms`` in seconds, for every wait it bounds."""
@@ -140,6 +156,7 @@ class KafkaConfig:
             "kafka.state_topic",
             "must be a topic of its own (compacted; states only)",
         )
+        check_lanes(self.input_topics, self.lanes)
         check(bool(self.group_id), "kafka.group_id", "must not be empty")
         check(self.session_timeout_ms >= 100, "kafka.session_timeout_ms", "must be >= 100")
         if self.heartbeat_interval_ms == 0:

@@ -22,11 +22,29 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic
+from typing import Generic, Protocol
 
 from worker.flow.messages import Batch, FlushReason, T
 
 Clock = Callable[[], float]
+
+
+class Policy(Protocol[T]):
+    """What the batcher asks of a policy: ``BatchPolicy`` (one lane, FIFO) or
+    ``worker.flow.lanes.LanePolicy`` (priority lanes)."""
+
+    @property
+    def has_room(self) -> bool: ...
+
+    def add(self, item: T) -> None: ...
+
+    def next_flush_at(self) -> float | None: ...
+
+    def take(self, now: float, *, queue_drained: bool) -> Batch[T] | None: ...
+
+    def drain(self, now: float) -> Batch[T] | None: ...
+
+    def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None: ...
 
 
 @dataclass
@@ -112,7 +130,7 @@ class MicroBatcher(Generic[T]):
         self,
         items_in: asyncio.Queue[T | None],
         batches_out: asyncio.Queue[Batch[T] | None],
-        policy: BatchPolicy[T],
+        policy: Policy[T],
         clock: Clock = time.monotonic,
     ) -> None:
         self._items_in = items_in

@@ -23,8 +23,8 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
 from worker.flow.backoff import Backoff
-from worker.flow.backpressure import Backpressure
 from worker.flow.errors import CrashLoop
+from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_stream
@@ -55,7 +55,7 @@ class Consumer:
         jobs_out: asyncio.Queue[Job | None],
         tracker: OffsetTracker,
         on_revoke: RevokeHook,
-        backpressure: Backpressure,
+        backpressure: LaneBackpressure,
     ) -> None:
         self._kafka = kafka
         self.missing_topics: list[str] = []  # input topics the last probe did not find
@@ -122,9 +122,9 @@ class Consumer:
             for t in tps:
                 self._positioned_at[TopicPartition(t.topic, t.partition)] = self._stamp
             self._positioning.difference_update(tps)
-            if not self._backpressure.paused:  # else the backpressure's resume does it
-                owned = consumer.assignment()
-                consumer.resume(*(t for t in tps if t in owned))
+            # A lane paused by backpressure is resumed by the backpressure.
+            owned = consumer.assignment()
+            consumer.resume(*(t for t in tps if t in owned and not self._lane_paused(t)))
 
     async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
         assert self.client is not None
@@ -220,7 +220,9 @@ class Consumer:
                     metrics.set_condition("fetch", True)
                 failures = 0
                 backoff.reset()
-                for tp, records in fetched.items():
+                # The urgent lanes' records first: should the queue be full, they
+                # are not the ones waiting behind a lower lane's.
+                for tp, records in sorted(fetched.items(), key=lambda kv: self._rank(kv[0])):
                     await self._enqueue(tp, records, stamp)
                     self._apply_backpressure()
 
@@ -239,22 +241,36 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
+    def _rank(self, tp: KafkaTP) -> int:
+        return self._kafka.lane_rank.get(tp.topic, 0)
+
+    def _lane_paused(self, tp: KafkaTP) -> bool:
+        return self._backpressure.is_paused(self._rank(tp))
+
     def _apply_backpressure(self) -> None:
+        """Pause or resume each lane's partitions (one lane without lanes): the
+        lowest lane pauses first and resumes last (``LaneBackpressure``)."""
         assert self.client is not None
         records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
         metrics.INFLIGHT_RECORDS.set(records)
         metrics.INFLIGHT_BYTES.set(nbytes)
-        action = self._backpressure.update(records, nbytes)
-        if action == "pause":
-            metrics.PAUSES.inc()
-            log.info("fetch_paused", inflight_records=records, inflight_bytes=nbytes)
-        elif action == "resume":  # not partitions still being positioned
-            self.client.resume(*(self.client.paused() - self._positioning))
-            metrics.RESUMES.inc()
-            log.info("fetch_resumed", inflight_records=records, inflight_bytes=nbytes)
+        lanes = self._kafka.ranked_lanes
+        for rank, action in self._backpressure.update(records, nbytes):
+            lane = lanes[rank].label
+            metrics.LANE_PAUSED.labels(lane=lane).set(1 if action == "pause" else 0)
+            if action == "pause":
+                metrics.PAUSES.inc()
+                log.info("fetch_paused", lane=lane, inflight_records=records,
+                         inflight_bytes=nbytes)  # fmt: skip
+            else:  # not partitions still being positioned
+                self.client.resume(*(t for t in self.client.paused() - self._positioning
+                                     if self._rank(t) == rank))  # fmt: skip
+                metrics.RESUMES.inc()
+                log.info("fetch_resumed", lane=lane, inflight_records=records,
+                         inflight_bytes=nbytes)  # fmt: skip
         if self._backpressure.paused:
             # Also covers partitions assigned by a rebalance while paused.
-            self.client.pause(*self.client.assignment())
+            self.client.pause(*(t for t in self.client.assignment() if self._lane_paused(t)))
 
     async def _enqueue(
         self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int

@@ -148,6 +148,17 @@ COMMITS = Counter("infer_commits_total", "Successful offset commits")
 COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
 READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")
 ASSIGNED_PARTITIONS = Gauge("infer_assigned_partitions", "Input partitions owned by this member")
+# Priority lanes ([[kafka.lanes]]; without lanes, one lane named after the first
+# input topic): rows, queue time, pauses and rejections per lane.
+LANE_ROWS = Counter("infer_lane_rows_total", "Requests dispatched in batches, per lane", ["lane"])
+LANE_QUEUE_SECONDS = Histogram(
+    "infer_lane_queue_seconds", "Per request: arrival to batch, per lane", ["lane"],
+    buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+LANE_PAUSED = Gauge("infer_lane_paused", "1 while backpressure pauses the lane", ["lane"])
+LANE_REJECTED = Counter(
+    "infer_lane_rejected_total", "Answered without inference, per lane", ["lane", "code"]
+)
 PAUSES = Counter("infer_partition_pauses_total", "Times fetching was paused by backpressure")
 RESUMES = Counter("infer_partition_resumes_total", "Times fetching was resumed")
 INFLIGHT_RECORDS = Gauge("infer_inflight_records", "Records read but not yet answered")

@@ -16,7 +16,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from tests.models import model_inputs
 from worker.config import KafkaConfig, LimitsConfig
-from worker.flow.backpressure import Backpressure
+from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.consumer import Consumer
@@ -90,7 +90,7 @@ def source_on(consumer: LogConsumer, jobs: asyncio.Queue[Job | None]) -> Consume
 
     source = Consumer(
         KafkaConfig(), JobFactory(model_inputs(), LimitsConfig()), jobs, tracker, forget,
-        Backpressure(max_records=1000, max_bytes=1 << 30),
+        LaneBackpressure(max_records=1000, max_bytes=1 << 30),
     )  # fmt: skip
     source.client = consumer  # type: ignore[assignment]
     return source

@@ -20,7 +20,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from tests.models import cpu_stage, model_inputs
 from worker.config import KafkaConfig, LimitsConfig, ModelConfig
 from worker.contract import ErrorInfo, ModelInfo, decode_result
-from worker.flow.backpressure import Backpressure
+from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
@@ -213,7 +213,7 @@ def make_source(
         jobs,
         tracker,
         forget,
-        Backpressure(max_records=1000, max_bytes=1 << 30),
+        LaneBackpressure(max_records=1000, max_bytes=1 << 30),
     )
     source.client = consumer  # type: ignore[assignment]
     return source

@@ -183,14 +183,14 @@ class Writer:
         now = time.monotonic()
         outs: list[OutRecord] = []
         model = self._model_of(completed)
-        rejected: Counter[str] = Counter()
+        rejected: Counter[tuple[str, str]] = Counter()  # by (topic, code)
         for answer in completed.answers:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
                 continue  # partition revoked or reset meanwhile: its new owner answers it
             code = _rejection(answer)
             if code is not None:
-                rejected[code] += 1
+                rejected[job.tp.topic, code] += 1
             self._seq += 1
             trace = None
             if job.trace is not None or self._tracer.exporting:
@@ -221,8 +221,10 @@ class Writer:
             outs.append(out)
             if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
                 outs.append(self._state_record(answer.job, answer.state))
-        for code, count in rejected.items():  # the one place rejections are counted
+        for (topic, code), count in rejected.items():  # the one place rejections are counted
             metrics.REQUESTS_REJECTED.labels(code=code).inc(count)
+            lane = self._kafka.ranked_lanes[self._kafka.lane_rank.get(topic, 0)].label
+            metrics.LANE_REJECTED.labels(lane=lane, code=code).inc(count)
         return outs
 
     def _model_of(self, completed: Completed) -> ModelInfo:

@@ -1,0 +1,58 @@
+"""The run's priority lanes, built once from the settings (``kafka.ranked_lanes``):
+the batching policy (one FIFO ``BatchPolicy`` without lanes, exactly as before
+lanes existed; ``LanePolicy`` with them, for the CPU and the GPU stage alike),
+the backpressure per lane, and the per-lane metrics of each batch."""
+
+from __future__ import annotations
+
+from worker.config import Settings
+from worker.flow.batching import BatchPolicy, Policy
+from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy
+from worker.flow.messages import Batch, Job
+from worker.obs import metrics
+
+
+def lanes_of(s: Settings) -> tuple[Lane, ...]:
+    delay_ms = s.batching.max_queue_delay_ms
+    return tuple(
+        Lane(
+            rank=r,
+            name=lane.label,
+            delay=(delay_ms if lane.max_queue_delay_ms is None else lane.max_queue_delay_ms)
+            / 1000.0,
+            min_share=lane.min_share,
+        )
+        for r, lane in enumerate(s.kafka.ranked_lanes)
+    )
+
+
+def batch_policy(s: Settings) -> Policy[Job]:
+    b = s.batching
+    lanes = lanes_of(s)
+    if len(lanes) == 1:
+        return BatchPolicy(b.max_batch_size, lanes[0].delay, b.preferred_batch_sizes)
+    rank = s.kafka.lane_rank
+    names = [lane.name for lane in lanes]
+
+    def observe(batch: Batch[Job]) -> None:
+        by_lane: dict[int, list[float]] = {}
+        for job in batch.items:
+            by_lane.setdefault(rank[job.tp.topic], []).append(batch.formed_at - job.arrived)
+        for r, waits in by_lane.items():
+            metrics.LANE_ROWS.labels(lane=names[r]).inc(len(waits))
+            metrics.observe_all(metrics.LANE_QUEUE_SECONDS.labels(lane=names[r]), waits)
+
+    return LanePolicy(
+        lanes,
+        lambda job: rank[job.tp.topic],
+        b.max_batch_size,
+        capacity=b.queue_capacity,
+        observe=observe,
+    )
+
+
+def backpressure(s: Settings) -> LaneBackpressure:
+    b = s.batching
+    return LaneBackpressure(
+        b.max_inflight_records, b.max_inflight_bytes, lanes=len(s.kafka.ranked_lanes)
+    )

@@ -1,0 +1,202 @@
+"""Priority lanes: which requests a batch takes first, and whose partitions pause
+first under backpressure. Pure decisions, no I/O (the flush rules are
+``worker.flow.batching``'s, per lane).
+
+A lane is a set of input topics with a rank (0 = served first). ``LanePolicy``
+keeps one FIFO per lane and cuts a batch from them: first each lane's
+``min_share`` of the rows (while it has requests waiting), then the rest by
+rank. A batch is due when it is full, when some lane's oldest request has
+waited that lane's delay, or when a request's deadline (less the expected
+service time) comes. A partition's records are in one lane and leave it in
+order, so order per partition holds.
+
+``LaneBackpressure`` gives each lane its own pause bound: the lowest lane pauses
+at the in-flight bound and resumes last; each lane above may read further
+(up to ``headroom`` past the bound for the most urgent one) and resumes
+earlier, so the fetch and in-flight budgets go to the urgent lanes first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic
+
+from worker.flow.backpressure import Action, Backpressure
+from worker.flow.messages import Batch, FlushReason, T
+
+
+@dataclass(frozen=True)
+class Lane:
+    rank: int  # 0 = served first
+    name: str
+    delay: float  # seconds a request may wait for its batch to fill
+    min_share: float = 0.0  # of every batch's rows, while it has requests waiting
+
+
+def reserved_rows(min_share: float, rows: int) -> int:
+    """A lane's guaranteed rows of a batch of ``rows``: its share, rounded up."""
+    return math.ceil(min_share * rows - 1e-9) if min_share > 0 else 0
+
+
+@dataclass
+class LanePolicy(Generic[T]):
+    """``BatchPolicy``'s interface over several lanes; ``lane_of`` maps an item to
+    its lane's rank. ``observe`` is called with each batch cut (metrics)."""
+
+    lanes: Sequence[Lane]
+    lane_of: Callable[[T], int]
+    max_batch_size: int
+    capacity: int  # items held across lanes before the batcher stops reading
+    service_time: float = 0.0
+    observe: Callable[[Batch[T]], None] | None = None
+    _queues: list[deque[T]] = field(default_factory=list)
+    _held: int = 0
+    _min_deadline: float | None = None
+    _deadlines_dirty: bool = False
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.lanes = sorted(self.lanes, key=lambda lane: lane.rank)
+        assert [lane.rank for lane in self.lanes] == list(range(len(self.lanes)))
+        self._queues = [deque() for _ in self.lanes]
+
+    def __len__(self) -> int:
+        return self._held
+
+    @property
+    def has_room(self) -> bool:
+        # Read past one batch, unlike BatchPolicy: an urgent request must not wait
+        # in the input queue behind the lower lanes' backlog.
+        return self._held < self.capacity
+
+    def add(self, item: T) -> None:
+        self._queues[self.lane_of(item)].append(item)
+        self._held += 1
+        d = item.deadline
+        if d is not None and not self._deadlines_dirty:
+            self._min_deadline = d if self._min_deadline is None else min(self._min_deadline, d)
+
+    def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
+        self.service_time = (
+            seconds
+            if self.service_time == 0.0
+            else ((1 - alpha) * self.service_time + alpha * seconds)
+        )
+
+    def next_flush_at(self) -> float | None:
+        """When some lane's delay or some request's deadline fires; None when empty."""
+        if not self._held:
+            return None
+        at = min(
+            q[0].arrived + lane.delay for q, lane in zip(self._queues, self.lanes, strict=True) if q
+        )
+        deadline = self._earliest_deadline()
+        if deadline is not None:
+            at = min(at, deadline - self.service_time)
+        return at
+
+    def take(self, now: float, *, queue_drained: bool) -> Batch[T] | None:
+        """A batch when a flush rule fires at ``now`` (full, a lane's delay, a
+        deadline), else None. Preferred sizes are not used with lanes: a batch is
+        formed by rank, not by how many arrived."""
+        if not self._held:
+            return None
+        if self._held >= self.max_batch_size:
+            return self._cut(now, "full")
+        flush_at = self.next_flush_at()
+        assert flush_at is not None
+        if now < flush_at:
+            return None
+        delay_due = any(
+            q and now >= q[0].arrived + lane.delay
+            for q, lane in zip(self._queues, self.lanes, strict=True)
+        )
+        return self._cut(now, "delay" if delay_due else "deadline")
+
+    def _due(self) -> list[float]:
+        """When each lane holding requests is due by its delay (its oldest's)."""
+        pairs = zip(self._queues, self.lanes, strict=True)
+        return [q[0].arrived + lane.delay for q, lane in pairs if q]
+
+    def drain(self, now: float) -> Batch[T] | None:
+        """Everything held as one last batch (shutdown), in rank order."""
+        if not self._held:
+            return None
+        items = [item for q in self._queues for item in q]
+        for q in self._queues:
+            q.clear()
+        self._held = 0
+        self._min_deadline, self._deadlines_dirty = None, False
+        return self._batch(items, now, "drain")
+
+    def _cut(self, now: float, reason: FlushReason) -> Batch[T]:
+        rows = min(self.max_batch_size, self._held)
+        counts = [0] * len(self._queues)
+        left = rows
+        for i, (q, lane) in enumerate(zip(self._queues, self.lanes, strict=True)):
+            if lane.min_share and q:
+                counts[i] = min(len(q), reserved_rows(lane.min_share, rows), left)
+                left -= counts[i]
+        for i, q in enumerate(self._queues):
+            extra = min(len(q) - counts[i], left)
+            counts[i] += extra
+            left -= extra
+        items: list[T] = []
+        for q, n in zip(self._queues, counts, strict=True):
+            items.extend(q.popleft() for _ in range(n))
+        self._held -= rows
+        self._deadlines_dirty = True
+        return self._batch(items, now, reason)
+
+    def _batch(self, items: list[T], now: float, reason: FlushReason) -> Batch[T]:
+        self._seq += 1
+        batch = Batch(items=items, formed_at=now, reason=reason, seq=self._seq)
+        if self.observe is not None:
+            self.observe(batch)
+        return batch
+
+    def _earliest_deadline(self) -> float | None:
+        if self._deadlines_dirty:  # once per cut, not per loop turn
+            found = [i.deadline for q in self._queues for i in q if i.deadline is not None]
+            self._min_deadline = min(found) if found else None
+            self._deadlines_dirty = False
+        return self._min_deadline
+
+
+class LaneBackpressure:
+    """One pause decision per lane over the same in-flight counts: lane ``r`` of
+    ``n`` pauses at ``bound * (1 + headroom * (n - 1 - r) / (n - 1))`` and resumes
+    at ``resume_ratio`` of that. One lane: exactly ``Backpressure``."""
+
+    def __init__(
+        self,
+        max_records: int,
+        max_bytes: int,
+        lanes: int = 1,
+        headroom: float = 0.5,
+        resume_ratio: float = 0.5,
+    ) -> None:
+        def scale(rank: int) -> float:
+            return 1.0 + (headroom * (lanes - 1 - rank) / (lanes - 1) if lanes > 1 else 0.0)
+
+        self.lanes = [
+            Backpressure(int(max_records * scale(r)), int(max_bytes * scale(r)), resume_ratio)
+            for r in range(lanes)
+        ]
+
+    @property
+    def paused(self) -> bool:
+        """Whether any lane is paused (the consumer then polls often)."""
+        return any(b.paused for b in self.lanes)
+
+    def is_paused(self, rank: int) -> bool:
+        return self.lanes[rank].paused
+
+    def update(self, records: int, nbytes: int) -> list[tuple[int, Action]]:
+        """Each lane whose state changes now, lowest lane first (paused first,
+        resumed last)."""
+        changes = [(r, b.update(records, nbytes)) for r, b in enumerate(self.lanes)]
+        return [(r, a) for r, a in reversed(changes) if a is not None]
