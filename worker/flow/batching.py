@@ -154,6 +154,14 @@ class MicroBatcher(Generic[T]):
                 else:
                     policy.add(item)
                     ended = self._drain_ready()
+            while not ended and (
+                batch := policy.take(self._clock(), queue_drained=self._items_in.empty())
+            ) is not None:
+                await self._batches_out.put(batch)
+                # What arrived while the put waited joins before the next cut: with
+                # priority lanes an urgent request must not wait in the queue
+                # behind the backlog the policy already holds.
+                ended = self._drain_ready()
             if ended:
                 while (batch := policy.take(self._clock(), queue_drained=False)) is not None:
                     await self._batches_out.put(batch)
@@ -161,10 +169,6 @@ class MicroBatcher(Generic[T]):
                     await self._batches_out.put(last)
                 await self._batches_out.put(None)
                 return
-            while (
-                batch := policy.take(self._clock(), queue_drained=self._items_in.empty())
-            ) is not None:
-                await self._batches_out.put(batch)
 
     def _drain_ready(self) -> bool:
         """Move already-queued items into the policy without waiting; True on EOS."""
