@@ -1,0 +1,232 @@
+"""Priority lanes under overload: an urgent lane at a fixed rate while a bulk
+lane holds a backlog, with lanes and without (issue 39).
+
+    .venv/bin/python -m bench.lanes --broker kafka --backlog 100000 \\
+        --share 0.2 --seconds 10 [--json out.json]
+
+One broker (a single-node Apache Kafka with ``--broker kafka``), the bundled
+digits model, one worker process per scenario, each on fresh topics and group:
+
+1. ``capacity``: the worker drains ``--backlog`` bulk requests alone; its rate
+   (first to last result) is the capacity C.
+2. ``urgent alone``: urgent requests, open-loop Poisson at ``--share`` x C for
+   ``--seconds``, nothing else: the urgent p50/p99 to hold.
+3. ``lanes``: the same urgent arrivals while the worker drains the bulk backlog,
+   the two topics in two lanes (``[[kafka.lanes]]``, urgent first).
+4. ``no lanes``: the same, both topics in ``kafka.input_topics`` alone.
+
+Latency is worker-side: the result record's Kafka timestamp minus its request's
+(both stamped by producers on this host). Bulk throughput is bulk results per
+second while the urgent requests were being sent, against the capacity the
+urgent lane leaves, C x (1 - share). Benchmark code, not part of the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from devkit.apache_kafka import KafkaCluster
+from worker.ops.broker import EmbeddedBroker, create_topics
+from worker.ops.children import children_die_with_this_process
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.samples import encode_samples, labelled_samples
+from worker.ops.topics import Collector, produce_all
+
+PARTS = 4
+
+
+@dataclass
+class Scenario:
+    name: str
+    urgent_sent: int = 0
+    urgent_answered: int = 0
+    urgent_p50_ms: float = 0.0
+    urgent_p99_ms: float = 0.0
+    urgent_max_ms: float = 0.0
+    # Of it, inside the worker: arrival to batch to result (the result's timing_us).
+    urgent_inside_p50_ms: float = 0.0
+    urgent_inside_p99_ms: float = 0.0
+    bulk_rate: float = 0.0  # bulk results/s while the urgent lane was sent to
+    drain_rate: float = 0.0  # capacity: first to last result
+    # The worker's own: arrival to batch, mean per lane (infer_lane_queue_seconds).
+    queue_ms: dict[str, float] | None = None
+
+
+def _records(prefix: str, n: int) -> list[tuple[bytes | None, bytes]]:
+    samples = labelled_samples(max(1, -(-n // 360)))[:n]
+    encoded = encode_samples(samples)
+    return [(f"{prefix}{i}".encode(), value) for i, (_, value) in enumerate(encoded)]
+
+
+def _lanes_env(urgent: str, bulk: str) -> dict[str, str]:
+    lanes = (
+        f'[{{topics = ["{urgent}"], priority = 0, name = "urgent"}}, '
+        f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.05}}]'
+    )
+    return {"INFER_WORKER_KAFKA__LANES": lanes}
+
+
+async def _topics(bootstrap: str, name: str) -> dict[str, str]:
+    t = {k: f"lanes.{name}.{k}" for k in ("urgent", "bulk", "results", "dlq")}
+    await create_topics(
+        bootstrap, {t["urgent"]: PARTS, t["bulk"]: PARTS, t["results"]: PARTS, t["dlq"]: 1}
+    )
+    return t
+
+
+EXTRA_ENV: dict[str, str] = {}  # --env, for every scenario's worker
+
+
+def _start(bootstrap: str, t: dict[str, str], name: str, lanes: bool) -> WorkerProcess:
+    return spawn_worker(
+        bootstrap,
+        input_topics=[t["urgent"], t["bulk"]],
+        output_topic=t["results"],
+        dlq_topic=t["dlq"],
+        group_id=f"lanes-{name}",
+        extra_env={
+            "INFER_WORKER_LOGGING__LEVEL": "warning",
+            **EXTRA_ENV,
+            **(_lanes_env(t["urgent"], t["bulk"]) if lanes else {}),
+        },
+    )
+
+
+async def _warm(bootstrap: str, t: dict[str, str], w: WorkerProcess, c: Collector) -> None:
+    """A few urgent requests answered before the clock starts (start-up and the
+    group join are not latency)."""
+    warm = [(f"warm{i}".encode(), v) for i, (_, v) in enumerate(_records("w", 16))]
+    await produce_all(bootstrap, t["urgent"], warm, partition_of=lambda i: i % PARTS)
+    gone = lambda: w.proc.poll() is not None  # noqa: E731
+    await c.collect(lambda c: c.count() >= 16 or gone(), 120)
+    if c.count() < 16:
+        raise RuntimeError(f"the worker does not answer:\n{w.log_tail()}")
+
+
+async def run_scenario(
+    bootstrap: str, name: str, backlog: int, rate: float, seconds: float, lanes: bool
+) -> Scenario:
+    t = await _topics(bootstrap, name)
+    if backlog:
+        await produce_all(bootstrap, t["bulk"], _records("b", backlog),
+                          partition_of=lambda i: i % PARTS)  # fmt: skip
+    w = _start(bootstrap, t, name, lanes)
+    c = Collector(bootstrap, [t["results"]])
+    await c.start()
+    out = Scenario(name)
+    try:
+        await _warm(bootstrap, t, w, c)
+        if rate <= 0:  # capacity: drain the backlog alone
+            await c.collect(lambda c: c.count() >= 16 + backlog, 600)
+            stamps = sorted(r.timestamp_ms for r in c.records[t["results"]]
+                            if (r.record_key or b"").startswith(b"b"))  # fmt: skip
+            span = (stamps[-1] - stamps[0]) / 1000.0
+            out.drain_rate = round((len(stamps) - 1) / span, 1) if span > 0 else 0.0
+            return out
+        urgent = _records("u", int(rate * seconds))
+        collecting = asyncio.create_task(
+            c.collect(lambda c: _count(c, t["results"], b"u") >= len(urgent), seconds + 120)
+        )
+        produced = await produce_all(bootstrap, t["urgent"], urgent,
+                                     partition_of=lambda i: i % PARTS, rate=rate)  # fmt: skip
+        await collecting
+        await c.collect(lambda _: False, 2.0)  # bulk results of the window still on their way
+        stamped = {p.key: p.timestamp_ms for p in produced}
+        first, last = min(stamped.values()), max(stamped.values())
+        bulk_during = sum(1 for r in c.records[t["results"]]
+                          if (r.record_key or b"").startswith(b"b")
+                          and first <= r.timestamp_ms <= last)  # fmt: skip
+        sent_s = (last - first) / 1000.0 or 1.0
+        out.queue_ms = _lane_queue_ms(w)
+        lat = np.array([r.timestamp_ms - stamped[r.record_key] for r in c.records[t["results"]]
+                        if r.record_key in stamped], float)  # fmt: skip
+        mine = [r for r in c.records[t["results"]] if r.record_key in stamped]
+        inside = np.array([sum(r.result().timing_us.values()) / 1000.0 for r in mine])
+        if len(inside):
+            i50, i99 = np.percentile(inside, [50, 99])
+            out.urgent_inside_p50_ms, out.urgent_inside_p99_ms = round(i50, 1), round(i99, 1)
+        out.urgent_sent, out.urgent_answered = len(urgent), len(lat)
+        if len(lat):
+            p50, p99 = np.percentile(lat, [50, 99])
+            out.urgent_p50_ms, out.urgent_p99_ms = round(float(p50), 1), round(float(p99), 1)
+            out.urgent_max_ms = round(float(lat.max()), 1)
+        out.bulk_rate = round(bulk_during / sent_s, 1)
+        return out
+    finally:
+        w.kill()
+        await c.stop()
+
+
+def _lane_queue_ms(w: WorkerProcess) -> dict[str, float]:
+    m = w.metrics()
+    out = {}
+    for key, total in m.items():
+        if key.startswith("infer_lane_queue_seconds_sum"):
+            count = m[key.replace("_sum", "_count")]
+            out[key.split('"')[1]] = round(1000 * total / count, 2) if count else 0.0
+    return out
+
+
+def _count(c: Collector, topic: str, prefix: bytes) -> int:
+    return sum(1 for r in c.records[topic] if (r.record_key or b"").startswith(prefix))
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    results: list[Scenario] = []
+    with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
+        bs = broker.bootstrap
+        cap = await run_scenario(bs, "capacity", args.backlog, 0.0, 0.0, lanes=True)
+        results.append(cap)
+        rate = args.share * cap.drain_rate
+        print(f"  capacity {cap.drain_rate:,.0f} rec/s; urgent at {rate:,.0f}/s", file=sys.stderr)
+        for i in range(args.repeat):
+            order = [("urgent-alone", 0, True), ("lanes", args.backlog, True),
+                     ("no-lanes", args.backlog, False)]  # fmt: skip
+            order = [o for o in order if not args.only or o[0] in args.only]
+            for name, backlog, lanes in order if i % 2 == 0 else order[::-1]:
+                s = await run_scenario(bs, f"{name}-{i}", backlog, rate, args.seconds, lanes)
+                s.name = name
+                results.append(s)
+                print(f"  {name:13s} urgent p50 {s.urgent_p50_ms:7.1f} p99 {s.urgent_p99_ms:7.1f} "
+                      f"max {s.urgent_max_ms:7.1f} ms ({s.urgent_answered}/{s.urgent_sent}); "
+                      f"(inside the worker p50 {s.urgent_inside_p50_ms} p99 "
+                      f"{s.urgent_inside_p99_ms}); "
+                      f"bulk {s.bulk_rate:,.0f} rec/s; queue ms {s.queue_ms}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+    return {"broker": args.broker, "backlog": args.backlog, "share": args.share,
+            "worker_env": args.env,
+            "seconds": args.seconds, "capacity_rec_s": cap.drain_rate, "urgent_rate": rate,
+            "bulk_target_rec_s": round(0.85 * cap.drain_rate * (1 - args.share), 1),
+            "results": [asdict(r) for r in results]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--broker", choices=("embedded", "kafka"), default="kafka")
+    parser.add_argument("--backlog", type=int, default=100_000)
+    parser.add_argument("--share", type=float, default=0.2, help="urgent rate / capacity")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="scenarios to run after the capacity one")
+    parser.add_argument("--env", action="append", default=[], metavar="INFER_WORKER_X=V",
+                        help="worker environment for every scenario")  # fmt: skip
+    parser.add_argument("--json", help="write the summary here")
+    args = parser.parse_args()
+    EXTRA_ENV.update(item.split("=", 1) for item in args.env)
+    with children_die_with_this_process("bench.lanes"):
+        summary = asyncio.run(run(args))
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
