@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -199,3 +200,16 @@ def test_a_bad_lane_is_a_config_error_naming_the_setting(lanes: str, message: st
     env = override_env({"kafka.input_topics": '["a", "b"]', "kafka.lanes": lanes})
     with pytest.raises(ConfigError, match=message):
         load_settings(env=env)
+
+
+def test_lanes_in_a_toml_file(tmp_path: Path) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text(
+        '[kafka]\ninput_topics = ["infer.interactive", "infer.bulk"]\n'
+        '[[kafka.lanes]]\ntopics = ["infer.interactive"]\npriority = 0\nmax_queue_delay_ms = 1\n'
+        '[[kafka.lanes]]\ntopics = ["infer.bulk"]\npriority = 1\nmin_share = 0.1\n'
+    )
+    s = load_settings(config, env={})
+    interactive, bulk = s.kafka.ranked_lanes
+    assert interactive.max_queue_delay_ms == 1.0 and bulk.min_share == 0.1
+    assert [lane.label for lane in s.kafka.ranked_lanes] == ["infer.interactive", "infer.bulk"]
