@@ -154,9 +154,11 @@ class MicroBatcher(Generic[T]):
                 else:
                     policy.add(item)
                     ended = self._drain_ready()
-            while not ended and (
-                batch := policy.take(self._clock(), queue_drained=self._items_in.empty())
-            ) is not None:
+            while (
+                not ended
+                and (batch := policy.take(self._clock(), queue_drained=self._items_in.empty()))
+                is not None
+            ):
                 await self._batches_out.put(batch)
                 # What arrived while the put waited joins before the next cut: with
                 # priority lanes an urgent request must not wait in the queue

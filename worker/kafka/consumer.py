@@ -31,6 +31,7 @@ from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, decide
 from worker.kafka.intake import JobFactory
+from worker.kafka.lanefetch import fetch_for_lanes, getmany_by_lane
 from worker.kafka.listener import RebalanceListener, RevokeHook
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
@@ -94,6 +95,8 @@ class Consumer:
             self.client = None
             await consumer.stop()
             raise
+        if len(k.ranked_lanes) > 1 and not fetch_for_lanes(consumer, k):
+            log.warning("lanes_prefetch_unchanged", reason="aiokafka has no _prefetch_backoff")
 
     async def start_at_committed(self, tps: list[KafkaTP]) -> None:
         """Position newly assigned partitions at the group's committed offset (or
@@ -233,7 +236,7 @@ class Consumer:
         step, so it belongs to the records: a fetch issued before a revocation
         waits through the rebalance and returns records of the new assignment,
         which must be tracked (the consumer's position is past them)."""
-        fetched = await consumer.getmany(timeout_ms=timeout_ms)
+        fetched = await getmany_by_lane(consumer, self._kafka, timeout_ms)
         return self._stamp, fetched
 
     async def _sleep(self, seconds: float) -> None:

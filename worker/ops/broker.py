@@ -203,15 +203,27 @@ class EmbeddedBroker:
         self.stop()
 
 
-async def create_topics(bootstrap: Connection, partitions: Mapping[str, int]) -> None:
-    """Create topics with explicit partition counts (existing ones are kept)."""
+async def create_topics(
+    bootstrap: Connection,
+    partitions: Mapping[str, int],
+    configs: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    """Create topics with explicit partition counts (existing ones are kept) and,
+    per topic in ``configs``, topic settings."""
     admin = AIOKafkaAdminClient(**connect_kwargs(bootstrap))
     await admin.start()
     try:
         for name, count in partitions.items():
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(
-                    [NewTopic(name, num_partitions=count, replication_factor=1)]
+                    [
+                        NewTopic(
+                            name,
+                            num_partitions=count,
+                            replication_factor=1,
+                            topic_configs=dict((configs or {}).get(name, {})),
+                        )
+                    ]
                 )
         # Metadata is eventually consistent, and Kafka elects a new partition's
         # leader after CreateTopics has returned (a client that looks meanwhile

@@ -213,3 +213,15 @@ def test_lanes_in_a_toml_file(tmp_path: Path) -> None:
     interactive, bulk = s.kafka.ranked_lanes
     assert interactive.max_queue_delay_ms == 1.0 and bulk.min_share == 0.1
     assert [lane.label for lane in s.kafka.ranked_lanes] == ["infer.interactive", "infer.bulk"]
+
+
+def test_the_aiokafka_fetcher_still_has_the_backoff_lanes_shorten() -> None:
+    """worker.kafka.lanefetch sets the fetcher's private ``_prefetch_backoff``
+    (aiokafka takes no such consumer argument): an aiokafka that renames it
+    must fail here, not silently bring back 100 ms fetch delays."""
+    import inspect
+
+    from aiokafka.consumer.fetcher import Fetcher
+
+    assert "prefetch_backoff" in inspect.signature(Fetcher.__init__).parameters
+    assert "self._prefetch_backoff = prefetch_backoff" in inspect.getsource(Fetcher.__init__)
