@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
+from bench.summary import emit
 from devkit.apache_kafka import KafkaCluster
 from worker.ops.broker import EmbeddedBroker, create_topics
 from worker.ops.children import children_die_with_this_process
@@ -231,9 +230,7 @@ def main() -> int:
         BROKER_STAMPS.add("yes")
     with children_die_with_this_process("bench.lanes"):
         summary = asyncio.run(run(args))
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    emit(summary, args.json)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 from bench.peers import NAMES as PEERS
 from bench.peers import argv as peer_argv
 from bench.peers import package_argv
+from bench.summary import emit
 from devkit.apache_kafka import KafkaCluster
 from worker.bench.demo import encode_samples, labelled_samples
 from worker.ops.broker import EmbeddedBroker
@@ -212,9 +212,7 @@ def main() -> int:
         "worker_env": args.env,
         "results": [{**asdict(r), "sustained": r.sustained} for r in results],
     }
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    emit(summary, args.json)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.summary import emit
 from worker.bench.ceiling import Drain
 from worker.contract import Request, encode_request
 from worker.ops.broker import EmbeddedBroker, create_topics
@@ -237,9 +237,7 @@ def main() -> int:
         parser.error(f"no export in {args.model_dir}: run scripts/export_minilm.py first")
     with children_die_with_this_process("bench.minilm"):
         summary = asyncio.run(run(args))
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    emit(summary, args.json)
     return 0
 
 

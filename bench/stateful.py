@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from bench.drain import drain_worker
+from bench.summary import emit
 from tests import real_models
 from worker.config import KafkaConfig
 from worker.contract import Request, Tensor, encode_request
@@ -139,9 +138,7 @@ def main() -> int:
     args = parser.parse_args()
     with children_die_with_this_process("bench.stateful"):
         summary = asyncio.run(run(args))
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    emit(summary, args.json)
     return 0
 
 

@@ -29,6 +29,11 @@ from worker.flow.messages import Batch, FlushReason, T
 Clock = Callable[[], float]
 
 
+def ewma(current: float, sample: float, alpha: float) -> float:
+    """The service-time estimate after ``sample`` (the first sample as it is)."""
+    return sample if current == 0.0 else (1 - alpha) * current + alpha * sample
+
+
 class Policy(Protocol[T]):
     """What the batcher asks of a policy: ``BatchPolicy`` (one lane, FIFO) or
     ``worker.flow.lanes.LanePolicy`` (priority lanes)."""
@@ -73,11 +78,7 @@ class BatchPolicy(Generic[T]):
         self._pending.append(item)
 
     def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
-        self.service_time = (
-            seconds
-            if self.service_time == 0.0
-            else ((1 - alpha) * self.service_time + alpha * seconds)
-        )
+        self.service_time = ewma(self.service_time, seconds, alpha)
 
     def next_flush_at(self) -> float | None:
         """The monotonic time at which rule 3 or 4 fires, or None when empty."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from worker.flow.backpressure import Action, Backpressure
+from worker.flow.batching import ewma
 from worker.flow.messages import Batch, FlushReason, T
 
 
@@ -80,19 +81,13 @@ class LanePolicy(Generic[T]):
             self._min_deadline = d if self._min_deadline is None else min(self._min_deadline, d)
 
     def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
-        self.service_time = (
-            seconds
-            if self.service_time == 0.0
-            else ((1 - alpha) * self.service_time + alpha * seconds)
-        )
+        self.service_time = ewma(self.service_time, seconds, alpha)
 
     def next_flush_at(self) -> float | None:
         """When some lane's delay or some request's deadline fires; None when empty."""
         if not self._held:
             return None
-        at = min(
-            q[0].arrived + lane.delay for q, lane in zip(self._queues, self.lanes, strict=True) if q
-        )
+        at = min(self._due())
         deadline = self._earliest_deadline()
         if deadline is not None:
             at = min(at, deadline - self.service_time)
@@ -110,10 +105,7 @@ class LanePolicy(Generic[T]):
         assert flush_at is not None
         if now < flush_at:
             return None
-        delay_due = any(
-            q and now >= q[0].arrived + lane.delay
-            for q, lane in zip(self._queues, self.lanes, strict=True)
-        )
+        delay_due = any(now >= due for due in self._due())
         return self._cut(now, "delay" if delay_due else "deadline")
 
     def _due(self) -> list[float]:
