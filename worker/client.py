@@ -13,6 +13,13 @@ other results by header, so no answer produced after a request was sent can be
 missed (a broker that answers ``seek_to_end`` correctly would allow starting at
 the end; the embedded one does not). On a long output topic, give each
 application its own output topic or expect that first read to take a while.
+
+``InferenceClient.from_settings(settings.kafka)`` builds one from the worker's
+own ``[kafka]`` settings (brokers, first input topic, output topic, security);
+its ``start`` then diagnoses a failed connection as the worker and the tools
+do: a ``ConfigError`` naming the setting to fix (a wrong password, an
+untrusted CA, a listener of another protocol, a missing ACL) instead of
+aiokafka's "Unable to bootstrap".
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from typing import Any, Literal
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from worker.config import KafkaConfig
 from worker.contract import (
     EncodedImage,
     Request,
@@ -42,6 +51,8 @@ from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
 from worker.kafka.clients import topic_partitions
+from worker.kafka.credentials import security_kwargs
+from worker.kafka.diagnose import explain
 
 
 def _as_image(image: np.ndarray | bytes | None) -> np.ndarray | bytes:
@@ -92,29 +103,55 @@ class InferenceClient:
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._kafka: KafkaConfig | None = None  # set by from_settings: failures diagnosed
+
+    @classmethod
+    def from_settings(cls, kafka: KafkaConfig, **options: Any) -> InferenceClient:
+        """A client of the worker ``kafka`` configures: its brokers, its first
+        input topic, its output topic and its security settings (``options``:
+        the constructor's other arguments). A failed ``start`` raises the
+        worker's diagnosis (``ConfigError``, naming the setting to fix)."""
+        client = cls(
+            kafka.bootstrap_servers,
+            input_topic=kafka.input_topics[0],
+            output_topic=kafka.output_topic,
+            security=security_kwargs(kafka),
+            **options,
+        )
+        client._kafka = kafka
+        return client
 
     async def start(self) -> None:
         try:
-            self._producer = AIOKafkaProducer(
-                bootstrap_servers=self._bootstrap,
-                max_request_size=self._max_request_size,
-                **self._security,
-            )
-            await self._producer.start()
-            self._consumer = AIOKafkaConsumer(
-                bootstrap_servers=self._bootstrap, enable_auto_commit=False, **self._security
-            )
-            await self._consumer.start()
-            parts = await topic_partitions(self._consumer, self._output_topic)
-            if not parts:
-                raise LookupError(f"output topic {self._output_topic!r} does not exist")
-            tps = [TopicPartition(self._output_topic, p) for p in sorted(parts)]
-            self._consumer.assign(tps)
-            await self._consumer.seek_to_beginning(*tps)
-            self._reader = asyncio.create_task(self._read(), name="infer-client-reader")
-        except BaseException:
+            await self._start()
+        except KafkaError as exc:
             await self.stop()  # a half-started client closes what it opened
+            problem = None if self._kafka is None else await explain(exc, self._kafka)
+            if problem is not None:
+                raise problem from exc
             raise
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self._bootstrap,
+            max_request_size=self._max_request_size,
+            **self._security,
+        )
+        await self._producer.start()
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self._bootstrap, enable_auto_commit=False, **self._security
+        )
+        await self._consumer.start()
+        parts = await topic_partitions(self._consumer, self._output_topic)
+        if not parts:
+            raise LookupError(f"output topic {self._output_topic!r} does not exist")
+        tps = [TopicPartition(self._output_topic, p) for p in sorted(parts)]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        self._reader = asyncio.create_task(self._read(), name="infer-client-reader")
 
     async def stop(self) -> None:
         """Idempotent; calls still waiting get ``asyncio.CancelledError``."""

@@ -135,3 +135,27 @@ def test_the_readme_lists_what_each_tool_is_run_with_here() -> None:
         "| `compare` | Read | both result topics (and `--input-topic` for labels) |",
     ):
         assert row in readme, row
+
+
+@pytest.mark.parametrize("cause", ["wrong-password", "untrusted-CA", "protocol-mismatch"])
+async def test_the_inference_client_names_what_to_fix(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], cause: str
+) -> None:
+    """``InferenceClient.from_settings`` diagnoses its connection as the worker
+    and the tools do: a ConfigError naming the setting, not "Unable to bootstrap"."""
+    from worker.client import InferenceClient
+    from worker.config import load_settings
+    from worker.flow.errors import ConfigError
+
+    await topics(secured, names)
+    overrides, expected = CAUSES[cause]
+    fill = {"stranger_ca": pki.stranger_ca, **names}
+    env = client_env(secured, pki, names) | {
+        "INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS": "5000",
+        **{k: str(v).format(**fill) for k, v in overrides.items()},
+    }
+    client = InferenceClient.from_settings(load_settings(env=env).kafka)
+    with pytest.raises(ConfigError) as raised:
+        await client.start()
+    assert expected.format(**fill) in str(raised.value)
+    assert_no_secret(str(raised.value))
