@@ -41,6 +41,9 @@ class RunPlan:
     probe_timeout_s: float
     # How long a revoked partition's in-flight work may take to settle.
     revoke_timeout_s: float
+    # Whether the model file is watched and swapped while serving (the CPU stage
+    # only: refused on the GPU path above).
+    reloads: bool = False
 
     @classmethod
     def of(cls, s: Settings) -> RunPlan:
@@ -66,4 +69,5 @@ class RunPlan:
             request_timeout_s=request_timeout,
             probe_timeout_s=min(2.0, request_timeout),
             revoke_timeout_s=k.session_timeout_ms / 2000.0,
+            reloads=s.model.reload_interval_s > 0,
         )  # fmt: skip

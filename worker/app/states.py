@@ -11,7 +11,6 @@ import structlog
 
 from worker.app.plan import RunPlan
 from worker.app.stages import Stages
-from worker.compute.cpu import InferenceStage
 from worker.config import Settings
 from worker.flow.errors import ConfigError
 from worker.flow.messages import TopicPartition
@@ -27,8 +26,7 @@ async def wire_states(
 ) -> None:
     """Check the changelog and have the consumer restore from it, for a stateful
     model with ``kafka.state_topic``; say where states live otherwise."""
-    infer = stages.infer
-    sequences = infer.sequences if isinstance(infer, InferenceStage) else None
+    sequences = stages.infer.sequences
     topic = s.kafka.state_topic
     if sequences is not None:
         sequences.owns = lambda job: tracker.owns(job.tp, job.offset, job.epoch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -144,8 +144,8 @@ class Worker:
                 "partitions",
             ),
         ]
-        if s.model.reload_interval_s > 0 and isinstance(stages.infer, InferenceStage):
-            watch = watch_model(s, stages.infer, engine.info.version, labels)
+        if self.plan.reloads:  # the CPU stage: the plan refuses it on the GPU path
+            watch = watch_model(s, cast(InferenceStage, stages.infer), engine.info.version, labels)
             self._support.append(self._spawn(watch, "model-reload"))
         if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu

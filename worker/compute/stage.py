@@ -17,6 +17,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
+from worker.compute.sequences import SequenceStates
 from worker.compute.triage import ServiceTimeHook, report_service_time
 from worker.flow.errors import InferenceFailed, WorkerError
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
@@ -45,6 +46,9 @@ class Stage(ABC):
         self._max_attempts = max_attempts
         self._report = report_service_time(on_service_time)
         self._metrics = metrics.model_metrics(info.name, info.version)
+        # A stateful model's sequence states, where this stage keeps them (the CPU
+        # stage; the GPU path refuses [model.state] when it is planned).
+        self.sequences: SequenceStates | None = None
 
     async def run(self) -> None:
         """Dispatch batches in order until end of stream; each batch's future goes
