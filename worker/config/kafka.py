@@ -66,7 +66,11 @@ class KafkaConfig:
     # How long the broker may hold a fetch waiting for data: an upper bound on the
     # latency an idle partition adds to a new request.
     fetch_max_wait_ms: int = 100
-    max_partition_fetch_bytes: int = 8388608
+    # Per partition and fetch (a larger record still comes whole). 0 = derived:
+    # 8 MiB, or 64 KiB with priority lanes, where a lower lane's large fetch held
+    # the urgent lane's records back (urgent p99 91 ms at 64 KiB against about
+    # 270 at 8 MiB: BENCHMARKS.md, priority lanes).
+    max_partition_fetch_bytes: int = 0
     # Producer side: results can carry tensors, so allow more than Kafka's 1 MB default.
     max_request_size: int = 16777216
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
@@ -157,6 +161,14 @@ class KafkaConfig:
             "must be a topic of its own (compacted; states only)",
         )
         check_lanes(self.input_topics, self.lanes)
+        if self.max_partition_fetch_bytes == 0:
+            lanes = len(self.ranked_lanes) > 1
+            derive(self, "max_partition_fetch_bytes", 65536 if lanes else 8388608)
+        check(
+            self.max_partition_fetch_bytes >= 1,
+            "kafka.max_partition_fetch_bytes",
+            "must be >= 1 (0: derived)",
+        )
         check(bool(self.group_id), "kafka.group_id", "must not be empty")
         check(self.session_timeout_ms >= 100, "kafka.session_timeout_ms", "must be >= 100")
         if self.heartbeat_interval_ms == 0:
