@@ -30,7 +30,7 @@ async def serve(settings: Settings) -> int:
     from worker.app.worker import Worker
 
     if settings.metrics.port:
-        from worker.obs.metrics import serve_http
+        from worker.obs.http import serve_http
 
         serve_http(settings.metrics.port, settings.metrics.host)
     metrics.set_liveness_timeout(settings.metrics.liveness_timeout_ms / 1000.0)

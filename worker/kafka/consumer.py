@@ -31,7 +31,12 @@ from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, decide
 from worker.kafka.intake import JobFactory
-from worker.kafka.lanefetch import fetch_for_lanes, getmany_by_lane
+from worker.kafka.lanefetch import (
+    apply_backpressure,
+    fetch_for_lanes,
+    getmany_by_lane,
+    lane_of,
+)
 from worker.kafka.listener import RebalanceListener, RevokeHook
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
@@ -225,7 +230,9 @@ class Consumer:
                 backoff.reset()
                 # The urgent lanes' records first: should the queue be full, they
                 # are not the ones waiting behind a lower lane's.
-                for tp, records in sorted(fetched.items(), key=lambda kv: self._rank(kv[0])):
+                for tp, records in sorted(
+                    fetched.items(), key=lambda kv: lane_of(self._kafka, kv[0])
+                ):
                     await self._enqueue(tp, records, stamp)
                     self._apply_backpressure()
 
@@ -244,36 +251,17 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
-    def _rank(self, tp: KafkaTP) -> int:
-        return self._kafka.lane_rank.get(tp.topic, 0)
-
     def _lane_paused(self, tp: KafkaTP) -> bool:
-        return self._backpressure.is_paused(self._rank(tp))
+        return self._backpressure.is_paused(lane_of(self._kafka, tp))
 
     def _apply_backpressure(self) -> None:
-        """Pause or resume each lane's partitions (one lane without lanes): the
-        lowest lane pauses first and resumes last (``LaneBackpressure``)."""
         assert self.client is not None
         records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
         metrics.INFLIGHT_RECORDS.set(records)
         metrics.INFLIGHT_BYTES.set(nbytes)
-        lanes = self._kafka.ranked_lanes
-        for rank, action in self._backpressure.update(records, nbytes):
-            lane = lanes[rank].label
-            metrics.LANE_PAUSED.labels(lane=lane).set(1 if action == "pause" else 0)
-            if action == "pause":
-                metrics.PAUSES.inc()
-                log.info("fetch_paused", lane=lane, inflight_records=records,
-                         inflight_bytes=nbytes)  # fmt: skip
-            else:  # not partitions still being positioned
-                self.client.resume(*(t for t in self.client.paused() - self._positioning
-                                     if self._rank(t) == rank))  # fmt: skip
-                metrics.RESUMES.inc()
-                log.info("fetch_resumed", lane=lane, inflight_records=records,
-                         inflight_bytes=nbytes)  # fmt: skip
-        if self._backpressure.paused:
-            # Also covers partitions assigned by a rebalance while paused.
-            self.client.pause(*(t for t in self.client.assignment() if self._lane_paused(t)))
+        apply_backpressure(
+            self.client, self._kafka, self._backpressure, records, nbytes, self._positioning
+        )
 
     async def _enqueue(
         self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int

@@ -1,5 +1,9 @@
-"""Reading the urgent lanes first (``[[kafka.lanes]]``; nothing changes without
-lanes). Two things in aiokafka put an urgent record behind a lower lane's:
+"""Which lanes' partitions are read, and in what order (``[[kafka.lanes]]``;
+without lanes, one lane: everything as before).
+
+``apply_backpressure`` pauses and resumes each lane's partitions as
+``LaneBackpressure`` decides (the lowest lane first, resumed last). Two things
+in aiokafka put an urgent record behind a lower lane's:
 
 - ``getmany()`` fills its ``max_records`` from the partitions' buffered records
   in turn, so a bulk partition holding thousands returns 500 of them while the
@@ -17,15 +21,51 @@ from __future__ import annotations
 
 from typing import Any, Final, cast
 
+import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
+from worker.flow.lanes import LaneBackpressure
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
 
 LANES_PREFETCH_BACKOFF_S: Final = 0.005
 
 Fetched = dict[KafkaTP, list[ConsumerRecord[Any, Any]]]
+
+
+def lane_of(k: KafkaConfig, tp: KafkaTP) -> int:
+    """The rank of the partition's lane (0 = most urgent)."""
+    return k.lane_rank.get(tp.topic, 0)
+
+
+def apply_backpressure(
+    consumer: AIOKafkaConsumer,
+    k: KafkaConfig,
+    bp: LaneBackpressure,
+    records: int,
+    nbytes: int,
+    positioning: set[KafkaTP],
+) -> None:
+    """Pause or resume each lane's partitions for what is in flight; partitions
+    still being positioned stay paused (their positioning resumes them)."""
+    lanes = k.ranked_lanes
+    for rank, action in bp.update(records, nbytes):
+        lane = lanes[rank].label
+        metrics.LANE_PAUSED.labels(lane=lane).set(1 if action == "pause" else 0)
+        if action == "pause":
+            metrics.PAUSES.inc()
+            log.info("fetch_paused", lane=lane, inflight_records=records, inflight_bytes=nbytes)
+        else:
+            consumer.resume(*(t for t in consumer.paused() - positioning if lane_of(k, t) == rank))
+            metrics.RESUMES.inc()
+            log.info("fetch_resumed", lane=lane, inflight_records=records, inflight_bytes=nbytes)
+    if bp.paused:
+        # Also covers partitions assigned by a rebalance while paused.
+        consumer.pause(*(t for t in consumer.assignment() if bp.is_paused(lane_of(k, t))))
 
 
 def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:
@@ -44,11 +84,10 @@ def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:
 async def getmany_by_lane(consumer: AIOKafkaConsumer, k: KafkaConfig, timeout_ms: int) -> Fetched:
     """Records already fetched for the most urgent lane that has some, else a
     wait on every partition (``getmany`` as without lanes)."""
-    rank = k.lane_rank
     if len(k.ranked_lanes) > 1:
         assigned = consumer.assignment()
         for r in range(len(k.ranked_lanes)):
-            tps = [tp for tp in assigned if rank.get(tp.topic, 0) == r]
+            tps = [tp for tp in assigned if lane_of(k, tp) == r]
             if tps and (got := await consumer.getmany(*tps, timeout_ms=0)):
                 return cast(Fetched, got)
     return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))

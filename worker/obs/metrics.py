@@ -1,6 +1,7 @@
 """Every metric is declared once, here; stages import what they update.
 
-Exposed in Prometheus text format on ``metrics.port`` (``/metrics``), which is also
+Exposed in Prometheus text format on ``metrics.port`` (``/metrics``, served by
+``worker.obs.http``), which is also
 how the demo, the benchmarks and the tests read a worker process's counters. The
 same port answers, for Kubernetes probes and load balancers:
 
@@ -16,23 +17,16 @@ same port answers, for Kubernetes probes and load balancers:
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
-
-from worker.flow.errors import ConfigError
 
 # From 100 us: a GPU batch computes in a millisecond or two and must not land in
 # the first bucket.
@@ -345,7 +339,7 @@ def set_liveness_timeout(seconds: float) -> None:
     _live_timeout[0] = seconds
 
 
-def _loop_stale() -> float | None:
+def loop_stale() -> float | None:
     """Seconds since the last tick when past the timeout, else None."""
     age = time.monotonic() - _tick[0]
     return age if age > _live_timeout[0] else None
@@ -356,50 +350,5 @@ def conditions() -> dict[str, bool]:
         return dict(_conditions)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-        elif path in ("/livez", "/healthz"):
-            stale = _loop_stale()
-            if stale is None:
-                self._reply(200, b"ok\n")
-            else:
-                self._reply(503, f"event loop has not ticked for {stale:.1f}s\n".encode())
-        elif path in ("/readyz", "/ready"):
-            ok = _ready.is_set()
-            failing = ", ".join(k for k, v in conditions().items() if not v)
-            body = b"ready\n" if ok else f"not ready: {failing}\n".encode()
-            self._reply(200 if ok else 503, body)
-        else:
-            self._reply(404, b"not found\n")
-
-    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Probes every few seconds would flood the worker's log."""
-
-
-def serve_http(port: int, host: str) -> ThreadingHTTPServer:
-    """Serve /metrics, /healthz and /ready from a daemon thread.
-
-    A port already taken (a second worker on the same host) is a configuration
-    error naming the setting, not a traceback."""
-    try:
-        server = ThreadingHTTPServer((host, port), _Handler)
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        raise ConfigError(
-            f"metrics.port: {host}:{port} is already in use (another worker on this host?); "
-            "set INFER_WORKER_METRICS__PORT to a free port, or 0 to serve no metrics"
-        ) from exc
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return server
+def is_ready() -> bool:
+    return _ready.is_set()

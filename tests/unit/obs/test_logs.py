@@ -60,12 +60,12 @@ def test_liveness_fails_once_the_loop_stops_ticking() -> None:
     metrics.set_liveness_timeout(0.05)
     try:
         metrics.loop_ticked()
-        assert metrics._loop_stale() is None
+        assert metrics.loop_stale() is None
         time.sleep(0.1)
-        stale = metrics._loop_stale()
+        stale = metrics.loop_stale()
         assert stale is not None and stale >= 0.1
         metrics.loop_ticked()
-        assert metrics._loop_stale() is None
+        assert metrics.loop_stale() is None
     finally:
         metrics.set_liveness_timeout(10.0)
 
