@@ -35,7 +35,6 @@ from .support import batches_of, make_jobs, queues, run_stage
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 
 SCORE_ATOL = 1e-5
-GEMM_DEFAULTS = {("axis", 1), ("alpha", 1.0), ("beta", 1.0), ("transA", 0), ("transB", 0)}
 SAMPLES = Path(str(bundled_file("digits_samples.npz")))
 
 
@@ -43,32 +42,6 @@ SAMPLES = Path(str(bundled_file("digits_samples.npz")))
 def samples() -> tuple[list[np.ndarray], np.ndarray]:
     with np.load(SAMPLES) as npz:
         return list(npz["images"]), np.asarray(npz["labels"])
-
-
-@pytest.fixture(scope="module")
-def digits_torchscript(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """digits.onnx as a TorchScript file, weights read with onnx.numpy_helper."""
-    onnx = pytest.importorskip("onnx", reason="onnx is needed to read the bundled weights")
-    from onnx import numpy_helper
-
-    model = onnx.load(str(resolve_model_path("builtin:digits")))
-    ops = [n.op_type for n in model.graph.node]
-    assert ops == ["Flatten", "Gemm", "Relu", "Gemm"], ops
-    for node in model.graph.node:  # the MLP below assumes ONNX Gemm defaults
-        for attr in node.attribute:
-            value = onnx.helper.get_attribute_value(attr)
-            assert (attr.name, value) in GEMM_DEFAULTS, (node.name, attr.name, value)
-    w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    # ONNX Gemm computes x @ W + b; torch.nn.Linear computes x @ weight.T + bias.
-    first, second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
-    with torch.no_grad():
-        for layer, (weight, bias) in ((first, ("W1", "b1")), (second, ("W2", "b2"))):
-            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(w[weight].T)))
-            layer.bias.copy_(torch.from_numpy(w[bias]))
-    mlp = torch.nn.Sequential(torch.nn.Flatten(1), first, torch.nn.ReLU(), second).eval()
-    path = tmp_path_factory.mktemp("torch") / "digits.pt"
-    torch.jit.script(mlp).save(str(path))
-    return path
 
 
 # The digits model's 8x8 grey input: a TorchScript file does not declare it.

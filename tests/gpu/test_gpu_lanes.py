@@ -1,0 +1,83 @@
+"""Priority lanes on the GPU path (issue 39: one batching policy for both paths).
+
+A worker process with the torch engine and GPU preprocessing drains a bulk
+backlog; urgent requests produced behind it are batched long before the bulk
+ones waiting in the worker (the lanes' queue-time metrics, as the CPU test in
+``tests/faults/test_lanes.py`` reads them), and every request of both lanes is
+answered with a result, none lost. The embedded broker only: the device
+machine has no Java for Apache Kafka."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import Answers, no_crash_in_log, request, wait_assigned
+from tests.faults.test_lanes import (
+    BULK,
+    PARTS,
+    URGENT,
+    _backlog,
+    _dispatched,
+    by_topic,
+    start_with_lanes,
+    until,
+)
+from worker.ops.broker import Broker
+from worker.ops.topics import produce_all
+from worker.ops.verify import check, read_topics
+
+pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
+
+
+def gpu_env(model: Path) -> dict[str, str]:
+    """The digits MLP as TorchScript on the GPU, its 8x8 grey input preprocessed there."""
+    return {
+        "INFER_WORKER_MODEL__BACKEND": "torch",
+        "INFER_WORKER_MODEL__PATH": str(model),
+        "INFER_WORKER_MODEL__OUTPUT": "logits",
+        "INFER_WORKER_MODEL__PREPROCESS__DEVICE": "gpu",
+        "INFER_WORKER_MODEL__PREPROCESS__SIZE": "[8, 8]",
+        "INFER_WORKER_MODEL__PREPROCESS__CHANNELS": "1",
+    }
+
+
+@pytest.mark.timeout(120)  # the worker starts (torch, the first capture) inside it
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_urgent_requests_overtake_a_backlog_on_the_gpu(
+    broker: Broker, names: dict[str, str], digits_torchscript: Path
+) -> None:
+    urgent, bulk = await _backlog(broker, names)
+    answers = await Answers.start(broker, names)
+    w = start_with_lanes(broker, names, **gpu_env(digits_torchscript))
+    try:
+        await wait_assigned([w], 2 * PARTS, timeout=90)  # torch, the first CUDA graph capture
+        await until(lambda: _dispatched(w, "bulk") >= 500, 120, "bulk under way")
+        await produce_all(
+            broker.bootstrap,
+            urgent,
+            [(f"u{i}".encode(), request(100_000 + i)) for i in range(URGENT)],
+            partition_of=lambda i: i % PARTS,
+        )
+        await until(lambda: _dispatched(w, "urgent") >= URGENT, 60, "urgent dispatched")
+        m = w.metrics()
+        waits = {
+            lane: m[f'infer_lane_queue_seconds_sum{{lane="{lane}"}}']
+            / m[f'infer_lane_queue_seconds_count{{lane="{lane}"}}']
+            for lane in ("urgent", "bulk")
+        }
+        print(f"mean queue seconds per lane on the GPU path: {waits}")
+        assert waits["urgent"] < waits["bulk"] / 3, waits
+        await until(lambda: by_topic(answers.collector)[bulk] >= BULK, 120, "backlog answered")
+        assert w.terminate() == 0, w.log_tail()
+        no_crash_in_log(w)
+    finally:
+        w.kill()
+        await answers.stop()
+    inputs, observed = await read_topics(
+        broker.bootstrap, [urgent, bulk], names["results"], names["dlq"], idle_timeout=1.5
+    )
+    report = check(inputs, observed.answers, unparseable=observed.unparseable)
+    assert report.totals.lost == 0, report.format()
+    assert all(a.kind == "result" for a in observed.answers)
