@@ -285,22 +285,21 @@ async def test_batches_larger_than_staging_are_split_and_huge_images_rejected(cp
 async def test_nvml_gauges_report_the_device() -> None:
     """The monitor publishes the CUDA device's memory and utilisation (NVML)."""
     pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (gpu extra)")
+    from prometheus_client import REGISTRY
+
     from worker.compute.gpu.monitor import watch_gpu
-    from worker.obs import metrics
 
     task = asyncio.create_task(watch_gpu(0, interval=0.05))
     try:
         for _ in range(100):
             await asyncio.sleep(0.05)
-            total = metrics.REGISTRY.get_sample_value(
-                "infer_gpu_memory_total_bytes", {"device": "0"}
-            )
+            total = REGISTRY.get_sample_value("infer_gpu_memory_total_bytes", {"device": "0"})
             if total:
                 break
     finally:
         task.cancel()
     assert total is not None and total > 2**30
-    used = metrics.REGISTRY.get_sample_value("infer_gpu_memory_used_bytes", {"device": "0"})
-    util = metrics.REGISTRY.get_sample_value("infer_gpu_utilization_ratio", {"device": "0"})
+    used = REGISTRY.get_sample_value("infer_gpu_memory_used_bytes", {"device": "0"})
+    util = REGISTRY.get_sample_value("infer_gpu_utilization_ratio", {"device": "0"})
     assert used is not None and 0 < used <= total
     assert util is not None and 0.0 <= util <= 1.0

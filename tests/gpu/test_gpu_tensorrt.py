@@ -19,6 +19,7 @@ from tests.models import cpu_stage
 from worker.compute.engines.onnxruntime import OnnxRuntimeEngine
 from worker.config import ModelConfig, PreprocessConfig
 from worker.model.files import bundled_file, resolve_model_path
+from worker.model.inputs.image import resolve_declared
 from worker.model.preprocess import preprocess
 from worker.ops import build_engine
 
@@ -73,7 +74,9 @@ def test_engine_shapes_and_parity_with_onnxruntime(plans: dict[str, Path]) -> No
         assert engine.inputs[0].name == "image" and engine.inputs[0].shape == (1, 8, 8)
         assert [(o.name, o.shape) for o in engine.outputs] == [("logits", (10,))]
         with np.load(SAMPLES) as npz:
-            x = preprocess(list(npz["images"][:64]), cfg.preprocess)
+            # The digits file's 8x8 grey input, resolved as the stage resolves it.
+            pp = resolve_declared(PreprocessConfig(size=(8, 8), channels=1), "the digits model")
+            x = preprocess(list(npz["images"][:64]), pp)
         for n in (1, 7, 64):
             np.testing.assert_allclose(
                 engine.run({"image": x[:n]})["logits"],

@@ -5,6 +5,7 @@ readiness conditions and the loop's liveness tick; see its docstring)."""
 from __future__ import annotations
 
 import errno
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -44,13 +45,25 @@ class _Handler(BaseHTTPRequestHandler):
         """Probes every few seconds would flood the worker's log."""
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A prober that hung up before its answer was written (a scrape or a
+        test's poll timing out) is not the worker's error: socketserver would
+        print a traceback to stderr for each one."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 def serve_http(port: int, host: str) -> ThreadingHTTPServer:
     """Serve /metrics, /healthz and /ready from a daemon thread.
 
     A port already taken (a second worker on the same host) is a configuration
     error naming the setting, not a traceback."""
     try:
-        server = ThreadingHTTPServer((host, port), _Handler)
+        server = _Server((host, port), _Handler)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
@@ -58,6 +71,5 @@ def serve_http(port: int, host: str) -> ThreadingHTTPServer:
             f"metrics.port: {host}:{port} is already in use (another worker on this host?); "
             "set INFER_WORKER_METRICS__PORT to a free port, or 0 to serve no metrics"
         ) from exc
-    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

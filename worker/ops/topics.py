@@ -51,7 +51,11 @@ async def produce_all(
     waits for answers would slow down exactly when the worker queues, and hide
     the queueing it is meant to measure."""
     producer = AIOKafkaProducer(
-        **connect_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024
+        **connect_kwargs(bootstrap),
+        acks="all",
+        linger_ms=2,
+        max_request_size=16 * 1024 * 1024,
+        max_batch_size=1024 * 1024,
     )
     await started(producer)
     try:
