@@ -1,6 +1,7 @@
 """The embedded broker's ingest ceiling against the producer's batch size.
 
-    .venv/bin/python benchmarks/results/2026-11-26-embedded-ceiling-batches.py RECORDS VALUE_BYTES BATCH_BYTES
+    .venv/bin/python benchmarks/results/2026-11-26-embedded-ceiling-batches.py \
+        RECORDS VALUE_BYTES BATCH_BYTES
 
 RECORDS values of VALUE_BYTES (a request-shaped msgpack map around random
 bytes) produced to 8 partitions of a fresh Tansu in producer batches of at
