@@ -18,8 +18,12 @@ import pytest
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_pki import Pki
 from devkit.kafka_security import Acl, grant
+from worker.ops.broker import create_topics
+from worker.ops.samples import encode_samples, labelled_samples
+from worker.ops.topics import Collector, produce_all
 
-from .secured import assert_no_secret, client_env, topics
+from .conftest import no_crash_in_log, request
+from .secured import WORKER, assert_no_secret, client_env, spawn, topics, worker_security
 
 pytestmark = pytest.mark.faults
 
@@ -103,20 +107,29 @@ SUFFICIENT = {
                [("Read", "requests"), ("Read", "results"), ("Read", "dlq")]),
     "compare": (["compare", "--baseline", "{results}", "--candidate", "{dlq}",
                  "--idle-timeout", "1", "--timeout", "20"], [("Read", "results"), ("Read", "dlq")]),
+    # An INT8 build calibrated on the requests topic (the bundled samples, put
+    # there first by the cluster's super user).
+    "build-engine": (["build-engine", "builtin:digits", "--backend", "onnxruntime",
+                      "--precision", "int8", "--out", "{out}", "--calibration-topic",
+                      "{requests}", "--calibration-count", "50"], [("Read", "requests")]),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("tool", list(SUFFICIENT))
 async def test_a_tool_runs_with_exactly_the_acls_readme_lists_for_it(
-    secured: KafkaCluster, pki: Pki, names: dict[str, str], tool: str
+    secured: KafkaCluster, pki: Pki, names: dict[str, str], tool: str, tmp_path: Path
 ) -> None:
     """Issue 37: the README's table of what each principal needs is enough: each
     tool, given exactly its row and nothing else, runs and exits 0."""
     await topics(secured, names)
+    if tool == "build-engine":
+        await produce_all(secured.bootstrap, names["requests"],
+                          encode_samples(labelled_samples(1)[:60]))  # fmt: skip
     argv, grants = SUFFICIENT[tool]
     await grant(secured.bootstrap, [Acl(CLIENT, op, "topic", names[t]) for op, t in grants])
+    fill = {**names, "out": str(tmp_path / "digits-int8.onnx")}
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "worker", *(a.format(**names) for a in argv)],
+        subprocess.run, [sys.executable, "-m", "worker", *(a.format(**fill) for a in argv)],
         env=client_env(secured, pki, names), capture_output=True, text=True, timeout=120,
         check=False, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -133,8 +146,44 @@ def test_the_readme_lists_what_each_tool_is_run_with_here() -> None:
         "`kafka.output_topic` (and `kafka.dlq_topic` for `consume`) |",
         "| `verify` | Read | every input topic, `kafka.output_topic`, `kafka.dlq_topic` |",
         "| `compare` | Read | both result topics (and `--input-topic` for labels) |",
+        "| `build-engine --calibration-topic` | Read | that topic |",
+        "| a shadow worker ([Rolling out a model safely](#rolling-out-a-model-safely)) | as "
+        "the worker above, on its own group and output topic | no DLQ and no crash-guard "
+        "topic: a shadow writes neither |",
     ):
         assert row in readme, row
+
+
+async def test_a_shadow_runs_with_exactly_the_rows_readme_lists_for_it(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    """README's shadow row, granted alone: Read on the input topic and on its own
+    group, Write on its own result topic; no DLQ, no crash-guard topic (the
+    production worker's guard topic exists and is configured: a shadow leaves it
+    alone). It answers every request there and stops cleanly."""
+    await topics(secured, names)
+    shadow_out, shadow_group = f"{names['results']}.shadow", f"{names['group']}.shadow"
+    await create_topics(secured.bootstrap, {shadow_out: 2})
+    await grant(secured.bootstrap, [
+        Acl(WORKER, "Read", "topic", names["requests"]),
+        Acl(WORKER, "Read", "group", shadow_group),
+        Acl(WORKER, "Write", "topic", shadow_out),
+    ])  # fmt: skip
+    await produce_all(secured.bootstrap, names["requests"], [(None, request(i)) for i in range(20)])
+    answers = Collector(secured.bootstrap, [shadow_out])
+    await answers.start()
+    w = spawn(secured, names, worker_security(secured, pki, "SASL_SSL"),
+              INFER_WORKER_KAFKA__SHADOW="true", INFER_WORKER_KAFKA__GROUP_ID=shadow_group,
+              INFER_WORKER_KAFKA__OUTPUT_TOPIC=shadow_out)  # fmt: skip
+    try:
+        assert await answers.collect(lambda c: c.count() >= 20, 90), w.log_tail()
+        assert w.terminate() == 0, w.log_tail()
+        no_crash_in_log(w)
+    finally:
+        w.kill()
+        await answers.stop()
+    results = [r.result() for recs in answers.records.values() for r in recs]
+    assert sorted(r.status for r in results) == ["ok"] * 20, [r.error for r in results]
 
 
 @pytest.mark.parametrize("cause", ["wrong-password", "untrusted-CA", "protocol-mismatch"])
