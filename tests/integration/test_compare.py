@@ -166,8 +166,9 @@ async def test_a_shadow_started_on_a_backlog_passes_the_gate_within_its_window(
     (``deadline_exceeded``), differences that are not its model's. ``compare
     --since <its start>`` compares the requests written since (found by
     timestamp on Apache Kafka) and passes a strict gate; the backlog is reported
-    as left out."""
-    backlog, fresh = 1500, 200
+    as left out. CI runs a 1,500-request backlog; the issue's 10,000 is
+    ``COMPARE_BACKLOG=10000`` (run so, BENCHMARKS.md)."""
+    backlog, fresh = int(os.environ.get("COMPARE_BACKLOG", "1500")), 200
     shadow_out = f"{names['results']}.shadow"
     await create_topics(broker.bootstrap, {names["requests"]: 2, names["results"]: 1,
                                            shadow_out: 1, names["dlq"]: 1})  # fmt: skip
