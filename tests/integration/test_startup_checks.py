@@ -89,6 +89,25 @@ async def test_missing_input_topic_exits_2_and_is_not_created(
         await admin.close()
 
 
+def test_a_broker_nothing_answers_at_exits_1_named_as_the_tools_name_it() -> None:
+    """Issue 37: the worker says what the tools say (one line, naming
+    kafka.bootstrap_servers), but exits 1: the broker may be starting, and a
+    restart retries it (README "Secured Kafka")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    proc = run_worker(
+        {
+            "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{closed}",
+            "INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS": "3000",
+            "INFER_WORKER_METRICS__PORT": "0",
+        }
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"kafka.bootstrap_servers: no Kafka broker answers at 127.0.0.1:{closed}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_client_option_the_worker_owns_exits_2_naming_it() -> None:
     proc = run_worker(
         {

@@ -30,7 +30,7 @@ from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
-from worker.kafka.diagnose import explain
+from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
 from worker.obs import metrics
@@ -109,9 +109,7 @@ class Worker:
             problem = await explain(exc, s.kafka)
             if problem is not None:
                 raise problem from exc
-            raise BrokerUnavailable(
-                f"cannot reach Kafka at {s.kafka.bootstrap_servers}: {exc!r}"
-            ) from exc
+            raise BrokerUnavailable(unreachable(exc, s.kafka)) from exc
         except BaseException:
             await self._close()
             raise

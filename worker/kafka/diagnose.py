@@ -61,12 +61,18 @@ def run_tool(k: KafkaConfig, work: Coroutine[Any, Any, _T]) -> _T:
             problem = await explain(exc, k)
             if problem is not None:
                 raise problem from exc
-            raise ConfigError(
-                f"kafka.bootstrap_servers: no Kafka broker answers at {k.bootstrap_servers} "
-                f"(a wrong address or port, or the broker is down): {_message(exc)}"
-            ) from exc
+            raise ConfigError(unreachable(exc, k)) from exc
 
     return asyncio.run(diagnosed())
+
+
+def unreachable(exc: BaseException, k: KafkaConfig) -> str:
+    """The one line for a broker nothing answers at, the worker's and the tools'
+    (the worker exits 1 on it, a restart retrying; a tool exits 2)."""
+    return (
+        f"kafka.bootstrap_servers: no Kafka broker answers at {k.bootstrap_servers} "
+        f"(a wrong address or port, or the broker is down): {_message(exc)}"
+    )
 
 
 def _first_broker(k: KafkaConfig) -> tuple[str, int]:
