@@ -36,6 +36,8 @@ TOOLS = {
     "verify": ["verify", "--idle-timeout", "1", "--timeout", "20"],
     "compare": ["compare", "--baseline", "{results}", "--candidate", "{dlq}",
                 "--idle-timeout", "1", "--timeout", "20"],
+    "build-engine": ["build-engine", "builtin:digits", "--backend", "onnxruntime",
+                     "--precision", "int8", "--out", "{out}", "--calibration-topic", "{requests}"],
 }  # fmt: skip
 
 # cause -> (settings over the client's SASL_SSL ones, the line's expected words)
@@ -58,6 +60,8 @@ CASES = [
     *((tool, cause) for tool in ("produce", "verify") for cause in CAUSES),
     ("consume", "wrong-password"), ("consume", "missing-ACL"), ("consume", "no-broker"),
     ("compare", "untrusted-CA"), ("compare", "missing-ACL"), ("compare", "protocol-mismatch"),
+    ("build-engine", "wrong-password"), ("build-engine", "missing-ACL"),
+    ("build-engine", "no-broker"),
 ]  # fmt: skip
 
 
@@ -69,7 +73,12 @@ def closed_port() -> int:
 
 @pytest.mark.parametrize(("tool", "cause"), CASES, ids=[f"{t}-{c}" for t, c in CASES])
 async def test_a_tool_names_what_to_fix_and_exits_2(
-    secured: KafkaCluster, pki: Pki, names: dict[str, str], tool: str, cause: str
+    secured: KafkaCluster,
+    pki: Pki,
+    names: dict[str, str],
+    tool: str,
+    cause: str,
+    tmp_path: Path,
 ) -> None:
     await topics(secured, names)
     if cause != "missing-ACL":  # Describe only: the topics are seen, never read or written
@@ -81,7 +90,8 @@ async def test_a_tool_names_what_to_fix_and_exits_2(
         await grant(secured.bootstrap, [
             Acl(CLIENT, "Describe", "topic", names[t]) for t in ("requests", "results", "dlq")
         ])  # fmt: skip
-    fill = {"stranger_ca": pki.stranger_ca, "closed": closed_port(), **names}
+    fill = {"stranger_ca": pki.stranger_ca, "closed": closed_port(),
+            "out": str(tmp_path / "digits-int8.onnx"), **names}  # fmt: skip
     overrides, expected = CAUSES[cause]
     env = client_env(secured, pki, names) | {
         "INFER_WORKER_KAFKA__REQUEST_TIMEOUT_MS": "5000",

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+from aiokafka.errors import KafkaError
 
 from worker.config import KafkaConfig, LimitsConfig
 from worker.contract import EncodedImage, Request, Tensor, sniff_format
@@ -304,6 +305,8 @@ async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], in
     collector = Collector(connection(source.kafka), [source.topic])
     try:
         await collector.start()
+    except KafkaError:
+        raise  # a RuntimeError too: run_tool names what to fix
     except RuntimeError as exc:  # Collector's "topic has no partitions"
         raise ConfigError(f"{TOPIC_FLAG} {source.topic}: {exc}") from None
     try:
