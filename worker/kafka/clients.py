@@ -56,6 +56,13 @@ def exactly_once(k: KafkaConfig) -> bool:
     return k.exactly_once
 
 
+def read_isolation(k: KafkaConfig, read_committed: bool = False) -> str:
+    """How a tool reads the worker's topics: committed transactions only where
+    asked or where the worker writes in transactions (exactly-once), whose
+    aborted results a reader must not count."""
+    return "read_committed" if read_committed or k.exactly_once else "read_uncommitted"
+
+
 def transactional_id(k: KafkaConfig) -> str:
     """This member's transactional id: as configured, or the group id and the
     static member id, both stable across the member's restarts (so a restarted

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-from aiokafka.errors import KafkaError
 
 from worker.config import KafkaConfig, LimitsConfig
 from worker.contract import EncodedImage, Request, Tensor, sniff_format
@@ -50,7 +49,7 @@ from worker.model.inputs import ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.inputs.text import BoundText
 from worker.model.rows import Row
-from worker.ops.topics import Collector
+from worker.ops.topics import Collector, TopicUnreadable
 
 Feeds = dict[str, np.ndarray]
 
@@ -253,8 +252,8 @@ def from_topic(
         # A Kafka failure is diagnosed as the worker's is (``run_tool``): the
         # setting or permission to fix.
         jobs, seen, refused, first_refusal = run_tool(source.kafka, _read(source, factory))
-    except RuntimeError as exc:  # the reader's "topic has no partitions"
-        raise ConfigError(f"{TOPIC_FLAG} {source.topic}: cannot read it: {exc}") from exc
+    except TopicUnreadable as exc:
+        raise ConfigError(f"{TOPIC_FLAG} {source.topic}: {exc}") from None
     if not jobs:
         if seen == 0:
             raise ConfigError(
@@ -303,12 +302,7 @@ async def _read(source: TopicSource, factory: JobFactory) -> tuple[list[Job], in
         return len(jobs) >= source.count or quiet
 
     collector = Collector(connection(source.kafka), [source.topic])
-    try:
-        await collector.start()
-    except KafkaError:
-        raise  # a RuntimeError too: run_tool names what to fix
-    except RuntimeError as exc:  # Collector's "topic has no partitions"
-        raise ConfigError(f"{TOPIC_FLAG} {source.topic}: {exc}") from None
+    await collector.start()
     try:
         await collector.collect(done, source.timeout, progress=take)
     finally:

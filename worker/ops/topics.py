@@ -20,6 +20,7 @@ from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
 from worker.flow.deadline import Deadline
+from worker.flow.errors import ConfigError
 from worker.kafka.clients import started, topic_partitions
 from worker.kafka.credentials import Connection, connect_kwargs
 
@@ -141,6 +142,12 @@ class OffsetGaps:
         return "take"
 
 
+class TopicUnreadable(ConfigError):
+    """A topic the reader finds no partitions of: it does not exist, or the
+    principal may not Describe it. A configuration error (exit 2) for every tool;
+    typed, so a handler cannot also catch aiokafka's errors (RuntimeErrors too)."""
+
+
 @dataclass
 class Collector:
     """Reads whole topics from the beginning without a consumer group."""
@@ -177,9 +184,9 @@ class Collector:
                     await asyncio.sleep(0.05)
                     parts = await topic_partitions(consumer, topic)
                 if not parts:
-                    raise RuntimeError(
-                        f"topic {topic} has no partitions (it does not exist, or this "
-                        "principal is not allowed to Describe it)"
+                    raise TopicUnreadable(
+                        f"cannot read topic {topic}: it has no partitions (it does not "
+                        "exist, or this principal is not allowed to Describe it)"
                     )
                 tps += [TopicPartition(topic, p) for p in sorted(parts)]
                 self.records.setdefault(topic, [])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from worker.kafka.credentials import Connection
+from worker.ops.topics import TopicUnreadable
 from worker.ops.verify import InputRecord, Reply, add_arguments, run
 
 
@@ -199,8 +200,8 @@ def test_cli_unreadable_topics_are_exit_2(
     from worker.ops.verify import cli as verify_cli
 
     async def failing_read(*a: object, **kw: object) -> object:
-        raise RuntimeError("topic in has no partitions")
+        raise TopicUnreadable("cannot read topic in: it has no partitions")
 
     monkeypatch.setattr(verify_cli, "read_topics", failing_read)
     assert run(parse("--input-topics", "in")) == 2
-    assert "cannot read topics" in capsys.readouterr().err
+    assert "configuration error: cannot read topic in" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from typing import Any
 
 from worker.config import KafkaConfig, load_settings
 from worker.flow.errors import ConfigError
+from worker.kafka.clients import read_isolation
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 from worker.ops.verify.check import check
@@ -112,18 +113,12 @@ def run(args: argparse.Namespace) -> int:
                 kafka.dlq_topic,
                 idle_timeout=args.idle_timeout,
                 timeout=args.timeout,
-                isolation_level=(
-                    "read_committed"
-                    if args.read_committed or kafka.exactly_once
-                    else "read_uncommitted"
-                ),
+                isolation_level=read_isolation(kafka, args.read_committed),
             ),
         )
-    except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``)
+    except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``), or a
+        # topic cannot be read (``TopicUnreadable``)
         print(f"infer-worker verify: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # the reader's "topic has no partitions"
-        print(f"infer-worker verify: cannot read topics: {exc}", file=sys.stderr)
         return 2
     report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=args.strict)
     doc = {
