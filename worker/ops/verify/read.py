@@ -14,7 +14,7 @@ from worker.contract.dlq import DlqHeader
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
 from worker.ops.topics import Collected, Collector, Draining
-from worker.ops.verify.report import InputRecord, Reply, Unparseable
+from worker.ops.verify.report import InputRecord, Kind, Reply, Unparseable
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,19 +140,18 @@ class _Sorter(Draining):
         if topic in self.inputs:
             self.inputs[topic].setdefault(rec.partition, []).append(rec.offset)
             return
+        # A record of a topic that is both the output and the DLQ is read as either.
         reasons = []
-        if topic == self._output:
-            source = _result_source(rec.value)
+        sides: tuple[tuple[Kind, InputRecord | str | None], ...] = (
+            ("result", _result_source(rec.value) if topic == self._output else None),
+            ("dlq", _dlq_source(rec.headers) if topic == self._dlq else None),
+        )
+        for kind, source in sides:
             if isinstance(source, InputRecord):
-                self._answers.append(Reply(source, rec.partition, rec.offset, "result"))
+                self._answers.append(Reply(source, rec.partition, rec.offset, kind))
                 return
-            reasons.append(source)
-        if topic == self._dlq:
-            source = _dlq_source(rec.headers)
-            if isinstance(source, InputRecord):
-                self._answers.append(Reply(source, rec.partition, rec.offset, "dlq"))
-                return
-            reasons.append(source)
+            if source is not None:
+                reasons.append(source)
         self._unparseable.append(Unparseable(topic, rec.partition, rec.offset, "; ".join(reasons)))
 
     def result(self, complete: bool) -> tuple[dict[str, dict[int, list[int]]], Observed]:
