@@ -49,3 +49,18 @@ def test_time_budgets_are_computed_only_by_the_deadline_module() -> None:
         for i, line in enumerate(path.read_text().splitlines(), 1) if budget.search(line)
     ]  # fmt: skip
     assert not found, "use worker.flow.deadline.Deadline:\n" + "\n".join(found)
+
+
+def test_no_behaviour_is_decided_by_the_class_of_a_stage_or_writer() -> None:
+    """What a stage or a writer does is asked of it (``Stage.sequences``,
+    ``RunPlan.reloads``, the writer the plan built), never read off its class."""
+    found = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance"):
+                continue
+            for ref in ast.walk(node.args[1]):
+                name = getattr(ref, "id", None) or getattr(ref, "attr", None) or ""
+                if name.endswith(("Stage", "Writer")):
+                    found.append(f"{path.relative_to(WORKER.parent)}:{node.lineno}: {name}")
+    assert not found, "ask the stage or writer, not its class:\n" + "\n".join(found)
