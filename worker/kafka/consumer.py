@@ -29,7 +29,7 @@ from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
-from worker.kafka.crashguard import CrashGuard, decide
+from worker.kafka.crashguard import CrashGuard, Guarded, Mode, decide
 from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
     apply_backpressure,
@@ -82,8 +82,8 @@ class Consumer:
         self._max_crashes = 0
         self._cautious_window = 0
         self._settled: Callable[[TopicPartition], Awaitable[None]] | None = None
-        self._cautious: dict[TopicPartition, int] = {}
-        self._quarantine: dict[TopicPartition, int] = {}
+        # Partitions a previous owner died in, and how they are read meanwhile.
+        self._guarded: dict[TopicPartition, Guarded] = {}
         self.client: AIOKafkaConsumer | None = None
         # A stateful model's restore from its state changelog, per assignment.
         self._restore: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
@@ -160,14 +160,14 @@ class Consumer:
             d = decide(marks.get(tp), head, self._max_crashes)
             await self.guard.claim(tp, head, d.claims)
             where = f"{tp.topic}:{tp.partition}@{head}"
-            if d.quarantine:
-                self._quarantine[tp] = head
+            if d.mode is Mode.QUARANTINE:
+                self._guarded[tp] = Guarded(d.mode, head)
                 metrics.CRASH_LOOPS.inc()
                 log.error("crash_loop_quarantine", record=where, crashes=d.crashes)
-            elif d.cautious:
+            elif d.mode is Mode.ONE_BY_ONE:
                 # One record at a time over the window a dead batch could hold.
-                self._cautious[tp] = self._cautious_window
-                log.warning("crash_suspected", head=where, crashes=d.crashes, mode="one by one")
+                self._guarded[tp] = Guarded(d.mode, head, left=self._cautious_window)
+                log.warning("crash_suspected", head=where, crashes=d.crashes, mode=d.mode.value)
 
     def protect(
         self,
@@ -305,11 +305,12 @@ class Consumer:
                     # (start_at_committed), so whoever owns these offsets next
                     # reads them again.
                     return
-                if tp in self._cautious and self._settled is not None:
+                guarded = self._guarded.get(tp)
+                if guarded is not None and guarded.mode is Mode.ONE_BY_ONE and self._settled:
                     await self._settled(tp)  # everything before it answered and committed
-                    self._cautious[tp] -= 1
-                    if self._cautious[tp] <= 0:
-                        del self._cautious[tp]
+                    guarded.left -= 1
+                    if guarded.left <= 0:
+                        del self._guarded[tp]
                 job = self._job(record)
                 if self._jobs_out.full():
                     await self._jobs_out.put(job)
@@ -339,8 +340,9 @@ class Consumer:
             record.headers,
             epoch=epoch,
         )
-        if self._quarantine.get(tp) == record.offset:
-            del self._quarantine[tp]
+        guarded = self._guarded.get(tp)
+        if guarded and guarded.mode is Mode.QUARANTINE and guarded.head == record.offset:
+            del self._guarded[tp]
             job = msgspec.structs.replace(
                 job, request=None, inputs={}, raw_value=record.value,
                 failure=CrashLoop(

@@ -31,6 +31,7 @@ import asyncio
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 import structlog
@@ -51,12 +52,30 @@ class Mark:
     claims: int  # owners that started at ``head`` and did not release: 0 = clean
 
 
+class Mode(Enum):
+    """How a new owner reads a partition, given the crashes at its head."""
+
+    BATCHED = "batched"  # no crash there: as usual
+    ONE_BY_ONE = "one by one"  # a crash: each record answered and committed alone
+    QUARANTINE = "quarantine"  # limits.max_crash_attempts crashes: its head set aside
+
+
 @dataclass(frozen=True)
 class Decision:
     crashes: int  # owners that died with this head uncommitted past
     claims: int  # what this owner writes for itself
-    cautious: bool
-    quarantine: bool
+    mode: Mode
+
+
+@dataclass(slots=True)
+class Guarded:
+    """A partition read in a mode other than ``BATCHED`` until its crashes are
+    behind it: ``ONE_BY_ONE`` for ``left`` more records, or ``QUARANTINE`` until
+    the record at ``head`` is set aside."""
+
+    mode: Mode
+    head: int
+    left: int = 0
 
 
 def decide(previous: Mark | None, head: int, max_crashes: int) -> Decision:
@@ -69,12 +88,11 @@ def decide(previous: Mark | None, head: int, max_crashes: int) -> Decision:
         crashes = previous.claims
     else:
         crashes = 1
-    return Decision(
-        crashes=crashes,
-        claims=crashes + 1,
-        cautious=crashes >= 1,
-        quarantine=max_crashes > 0 and crashes >= max_crashes,
-    )
+    if max_crashes > 0 and crashes >= max_crashes:
+        mode = Mode.QUARANTINE
+    else:
+        mode = Mode.ONE_BY_ONE if crashes >= 1 else Mode.BATCHED
+    return Decision(crashes=crashes, claims=crashes + 1, mode=mode)
 
 
 def _key(group: str, tp: TopicPartition) -> bytes:
