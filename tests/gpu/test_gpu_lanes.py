@@ -13,20 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import Answers, no_crash_in_log, request, wait_assigned
+from tests.faults.conftest import Answers, no_crash_in_log, wait_assigned
 from tests.faults.test_lanes import (
     BULK,
     PARTS,
-    URGENT,
     _backlog,
-    _dispatched,
     by_topic,
+    every_request_answered,
     start_with_lanes,
     until,
+    urgent_overtakes_bulk,
 )
 from worker.ops.broker import Broker
-from worker.ops.topics import produce_all
-from worker.ops.verify import check, read_topics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
 
@@ -53,31 +51,12 @@ async def test_urgent_requests_overtake_a_backlog_on_the_gpu(
     w = start_with_lanes(broker, names, **gpu_env(digits_torchscript))
     try:
         await wait_assigned([w], 2 * PARTS, timeout=90)  # torch, the first CUDA graph capture
-        await until(lambda: _dispatched(w, "bulk") >= 500, 120, "bulk under way")
-        await produce_all(
-            broker.bootstrap,
-            urgent,
-            [(f"u{i}".encode(), request(100_000 + i)) for i in range(URGENT)],
-            partition_of=lambda i: i % PARTS,
-        )
-        await until(lambda: _dispatched(w, "urgent") >= URGENT, 60, "urgent dispatched")
-        m = w.metrics()
-        waits = {
-            lane: m[f'infer_lane_queue_seconds_sum{{lane="{lane}"}}']
-            / m[f'infer_lane_queue_seconds_count{{lane="{lane}"}}']
-            for lane in ("urgent", "bulk")
-        }
+        waits = await urgent_overtakes_bulk(broker, urgent, w, within=120)
         print(f"mean queue seconds per lane on the GPU path: {waits}")
-        assert waits["urgent"] < waits["bulk"] / 3, waits
         await until(lambda: by_topic(answers.collector)[bulk] >= BULK, 120, "backlog answered")
         assert w.terminate() == 0, w.log_tail()
         no_crash_in_log(w)
     finally:
         w.kill()
         await answers.stop()
-    inputs, observed = await read_topics(
-        broker.bootstrap, [urgent, bulk], names["results"], names["dlq"], idle_timeout=1.5
-    )
-    report = check(inputs, observed.answers, unparseable=observed.unparseable)
-    assert report.totals.lost == 0, report.format()
-    assert all(a.kind == "result" for a in observed.answers)
+    await every_request_answered(broker, names)
