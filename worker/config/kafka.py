@@ -4,10 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Final, Literal, get_args
 
 from worker.config.checks import check, derive
 from worker.config.lanes import LaneConfig, check_lanes, ranked
+from worker.config.secret import Secret
+
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"]
+SaslCredentials = Literal["password", "token", "kerberos"]
+# What each SASL mechanism authenticates with, the one table the settings' checks
+# and the client's credentials (``worker.kafka.credentials``) both read: a
+# mechanism added to ``SaslMechanism`` without its row fails at import.
+SASL_CREDENTIALS: Final[dict[str, SaslCredentials]] = {
+    "PLAIN": "password",
+    "SCRAM-SHA-256": "password",
+    "SCRAM-SHA-512": "password",
+    "OAUTHBEARER": "token",
+    "GSSAPI": "kerberos",  # the system's Kerberos ticket: nothing from the settings
+}
+assert set(SASL_CREDENTIALS) == set(get_args(SaslMechanism))
 
 
 @dataclass(frozen=True)
@@ -36,9 +51,7 @@ class KafkaConfig:
     shadow: bool = False
     client_id: str = "infer-worker"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = (
-        "PLAIN"
-    )
+    sasl_mechanism: SaslMechanism = "PLAIN"
     # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
     # factory returning an aiokafka AbstractTokenProvider (see README).
     sasl_oauth_token_provider: str | None = None
@@ -50,13 +63,14 @@ class KafkaConfig:
     sasl_plain_username: str | None = None
     # The password, or a file holding it (a mounted secret; read when a client
     # is built, so a rotated secret is used by the next connection's client).
-    sasl_plain_password: str | None = None
+    # A Secret (a str given in code is wrapped): never printed or logged.
+    sasl_plain_password: Secret | None = None
     sasl_plain_password_file: str | None = None
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     # The password of an encrypted ssl_keyfile, or a file holding it.
-    ssl_password: str | None = None
+    ssl_password: Secret | None = None
     ssl_password_file: str | None = None
     session_timeout_ms: int = 10000
     heartbeat_interval_ms: int = 0  # 0 = min(3000, session_timeout_ms / 3), Kafka's advice
@@ -140,6 +154,13 @@ class KafkaConfig:
         return self.request_timeout_ms / 1000.0
 
     @property
+    def sasl_credentials(self) -> SaslCredentials | None:
+        """What the client shows the broker for SASL (None: no SASL)."""
+        if not self.security_protocol.startswith("SASL"):
+            return None
+        return SASL_CREDENTIALS[self.sasl_mechanism]
+
+    @property
     def member_transactional_id(self) -> str:
         """Exactly-once: this member's transactional id (the setting, else
         ``<group_id>.<group_instance_id>``), decided here once."""
@@ -211,7 +232,10 @@ class KafkaConfig:
         self._check_security()
 
     def _check_security(self) -> None:
-        sasl = self.security_protocol.startswith("SASL")
+        for name in ("sasl_plain_password", "ssl_password"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # given in code: typed here, once
+                derive(self, name, Secret(value))
         check(
             self.sasl_plain_password is None or self.sasl_plain_password_file is None,
             "kafka.sasl_plain_password_file",
@@ -222,7 +246,7 @@ class KafkaConfig:
             "kafka.ssl_password_file",
             "set ssl_password or ssl_password_file, not both",
         )
-        if sasl and self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        if self.sasl_credentials == "password":
             check(
                 self.sasl_plain_username is not None
                 and (self.sasl_plain_password is not None or bool(self.sasl_plain_password_file)),
@@ -230,7 +254,7 @@ class KafkaConfig:
                 f"{self.security_protocol} with {self.sasl_mechanism} needs a username and a "
                 "password (sasl_plain_password or sasl_plain_password_file)",
             )
-        if sasl and self.sasl_mechanism == "OAUTHBEARER":
+        if self.sasl_credentials == "token":
             sources = [
                 self.sasl_oauth_token_provider,
                 self.sasl_oauth_token_file,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NewType, TypeVar, get_args, get_origin, get_type_hints
 
+from worker.config.secret import MASK, Secret
 from worker.flow.errors import ConfigError
 
 ENV_PREFIX = "INFER_WORKER_"
@@ -143,10 +144,12 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name}: expected a number, got {value!r}")
         return float(value)
-    if tp is str:
+    if tp is str or tp is Secret:
         if not isinstance(value, str):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return value
+            # A secret's value is not echoed, even when it is the wrong type.
+            shown = type(value).__name__ if tp is Secret else repr(value)
+            raise ConfigError(f"{name}: expected a string, got {shown}")
+        return value if tp is str else Secret(value)
     raise ConfigError(f"{name}: unsupported setting type {tp!r}")  # pragma: no cover
 
 
@@ -248,7 +251,7 @@ def _parse_env(tp: Any, raw: str) -> Any:
 
 
 def _accepts_str(tp: Any) -> bool:
-    if tp is str:
+    if tp is str or tp is Secret:
         return True
     args = get_args(tp)
     if get_origin(tp) is Literal:
@@ -259,16 +262,13 @@ def _accepts_str(tp: Any) -> bool:
 
 
 def redacted_tree(settings: object) -> dict[str, Any]:
-    """The settings as a dict for start-up logs, with secrets masked."""
+    """The settings as a dict for start-up logs and ``config``, every ``Secret``
+    (the type says which settings are) shown as ``***``. The *_file keys name
+    files, which are not secret; what the files hold never reaches a log."""
     assert dataclasses.is_dataclass(settings) and not isinstance(settings, type)
-    out: dict[str, Any] = dataclasses.asdict(settings)
-    kafka = out.get("kafka", {})
-    for key in SECRET_KEYS:
-        if kafka.get(key) is not None:
-            kafka[key] = "***"
+    out: dict[str, Any] = dataclasses.asdict(settings, dict_factory=_masked)
     return out
 
 
-# Settings whose values are secrets: never logged or printed. (The *_file keys
-# name files, which are not secret; what the files hold never reaches a log.)
-SECRET_KEYS = ("sasl_plain_password", "ssl_password")
+def _masked(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {k: MASK if isinstance(v, Secret) else v for k, v in items}

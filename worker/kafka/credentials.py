@@ -26,6 +26,7 @@ import structlog
 from aiokafka.abc import AbstractTokenProvider
 
 from worker.config import KafkaConfig
+from worker.config.secret import Secret
 from worker.flow.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -53,29 +54,32 @@ def security_kwargs(k: KafkaConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"security_protocol": k.security_protocol}
     if k.security_protocol in ("SSL", "SASL_SSL"):
         kwargs["ssl_context"] = ssl_context(k)
-    if k.security_protocol.startswith("SASL"):
+    credentials = k.sasl_credentials
+    if credentials is not None:
         kwargs["sasl_mechanism"] = k.sasl_mechanism
-        if k.sasl_mechanism == "OAUTHBEARER":
-            kwargs["sasl_oauth_token_provider"] = oauth_provider(k)
-        elif k.sasl_mechanism != "GSSAPI":
-            kwargs["sasl_plain_username"] = k.sasl_plain_username
-            kwargs["sasl_plain_password"] = (
-                read_secret(k.sasl_plain_password_file, "kafka.sasl_plain_password_file")
-                if k.sasl_plain_password_file
-                else k.sasl_plain_password
-            )
-    return kwargs
+    if credentials == "token":
+        kwargs["sasl_oauth_token_provider"] = oauth_provider(k)
+    elif credentials == "password":
+        kwargs["sasl_plain_username"] = k.sasl_plain_username
+        kwargs["sasl_plain_password"] = _password(
+            k.sasl_plain_password, k.sasl_plain_password_file, "kafka.sasl_plain_password_file"
+        )
+    return kwargs  # "kerberos": the system's ticket, nothing from the settings
+
+
+def _password(value: Secret | None, file: str | None, setting: str) -> str | None:
+    """A password setting's value: its file's contents (read now: a rotated
+    secret is used by the next client), or the Secret revealed, or None."""
+    if file:
+        return read_secret(file, setting)
+    return None if value is None else value.reveal()
 
 
 def ssl_context(k: KafkaConfig) -> ssl.SSLContext:
     """A TLS context that verifies the broker (against ``ssl_cafile``, else the
     system's authorities) and presents the client certificate where one is set.
     A file that cannot be loaded is a configuration error naming its setting."""
-    password = (
-        read_secret(k.ssl_password_file, "kafka.ssl_password_file")
-        if k.ssl_password_file
-        else k.ssl_password
-    )
+    password = _password(k.ssl_password, k.ssl_password_file, "kafka.ssl_password_file")
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     if k.ssl_cafile:
         try:

@@ -70,6 +70,49 @@ def test_secrets_are_masked_in_the_settings_dump() -> None:
     assert "hunter2" not in dump and "swordfish" not in dump and "***" in dump
 
 
+def test_a_password_is_a_secret_whatever_prints_it(tmp_path: Path) -> None:
+    """Issue 38: secret settings are typed (``Secret``), so no way of printing
+    the settings shows one: repr, str, format, the settings' repr, a log line;
+    only the client's credentials reveal it."""
+    from worker.config import load_settings
+    from worker.config.secret import Secret
+
+    toml = tmp_path / "w.toml"
+    toml.write_text("[kafka]\nsecurity_protocol = 'SASL_SSL'\nsasl_mechanism = 'PLAIN'\n"
+                    "sasl_plain_username = 'u'\nsasl_plain_password = 'hunter2'\n")  # fmt: skip
+    from_file = load_settings(toml, env={"INFER_WORKER_KAFKA__SSL_PASSWORD": "swordfish"}).kafka
+    in_code = KafkaConfig(sasl_plain_password="hunter2", ssl_password="swordfish")
+    for k in (from_file, in_code):
+        assert isinstance(k.sasl_plain_password, Secret) and isinstance(k.ssl_password, Secret)
+        shown = [repr(k), str(k), f"{k.sasl_plain_password}", f"{k.ssl_password:>12}",
+                 repr(Settings(kafka=k))]  # fmt: skip
+        assert not any("hunter2" in s or "swordfish" in s for s in shown), shown
+    assert credentials.security_kwargs(from_file)["sasl_plain_password"] == "hunter2"
+    toml.write_text("[kafka]\nsasl_plain_password = 1234567\n")  # not a string
+    with pytest.raises(ConfigError, match=r"kafka\.sasl_plain_password: expected a string") as bad:
+        load_settings(toml, env={})
+    assert "1234567" not in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "shown"),
+    [("PLAIN", {"sasl_plain_username", "sasl_plain_password"}),
+     ("SCRAM-SHA-512", {"sasl_plain_username", "sasl_plain_password"}),
+     ("GSSAPI", set())],
+)  # fmt: skip
+def test_each_mechanism_is_given_what_its_row_says_and_nothing_else(
+    mechanism: str, shown: set[str]
+) -> None:
+    """One table (``SASL_CREDENTIALS``) says what a mechanism authenticates with:
+    a password mechanism gets the username and password, GSSAPI (the system's
+    Kerberos ticket) neither, even where they are set."""
+    k = KafkaConfig(security_protocol="SASL_PLAINTEXT", sasl_mechanism=mechanism,  # type: ignore[arg-type]
+                    sasl_plain_username="u", sasl_plain_password="p")  # fmt: skip
+    kwargs = credentials.security_kwargs(k)
+    assert kwargs["sasl_mechanism"] == mechanism
+    assert {key for key in kwargs if key.startswith("sasl_plain")} == shown
+
+
 def test_a_certificate_that_cannot_be_loaded_names_the_setting(tmp_path: Path) -> None:
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate")
