@@ -93,7 +93,7 @@ async def build_stages(
         transactional=plan.exactly_once,
         interval=s.kafka.commit_interval_ms / 1000.0,
     )
-    infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding)
+    infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding, tracker)
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
     parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer)
@@ -116,6 +116,7 @@ async def _inference_stage(
     engine: Engine | GpuEngine,
     policy: Policy[Job],
     binding: Binding,
+    tracker: OffsetTracker,
 ) -> Stage:
     """The CPU stage, or the GPU stage with its slot ring (allocated once, off the
     event loop: kernel compilation and engine contexts take a while)."""
@@ -125,6 +126,7 @@ async def _inference_stage(
             batches, completed, engine, binding,
             max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
             max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
+            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
         )  # fmt: skip
     from worker.compute.gpu.stage import GpuInferenceStage
 

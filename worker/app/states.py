@@ -28,8 +28,6 @@ async def wire_states(
     model with ``kafka.state_topic``; say where states live otherwise."""
     sequences = stages.infer.sequences
     topic = s.kafka.state_topic
-    if sequences is not None:
-        sequences.owns = lambda job: tracker.owns(job.tp, job.offset, job.epoch)
     if sequences is None:
         if topic:
             log.warning("state_topic_unused", topic=topic, reason="the model has no [model.state]")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -68,10 +69,13 @@ class InferenceStage(Stage):
         max_inflight: int,
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
+        owns: Callable[[Job], bool] = lambda job: True,
     ) -> None:
         """``binding``: the model's inputs and outputs as the worker bound them
         (``worker.model.inputs.bind_model``); ``max_inflight``: batches run at once.
-        A stateful model's sequence states live here (``compute.sequences``)."""
+        A stateful model's sequence states live here (``compute.sequences``);
+        ``owns``: whether a job's partition is still this worker's, as read (the
+        offset tracker's answer), which the states ask before a row touches them."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time,
@@ -85,7 +89,9 @@ class InferenceStage(Stage):
             self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
         states = binding.inputs.states
         self.sequences = (
-            SequenceStates(states, binding.state_ttl_s, binding.max_sequences) if states else None
+            SequenceStates(states, binding.state_ttl_s, binding.max_sequences, owns)
+            if states
+            else None
         )
         # A stateful model's batches take their turns with the states in the order
         # they were dispatched (each awaits the one before): a key's next request

@@ -55,17 +55,23 @@ def waves(rows: Sequence[Row]) -> list[list[Row]]:
 
 
 class SequenceStates:
-    def __init__(self, states: Sequence[BoundState], ttl_s: float, max_sequences: int) -> None:
+    def __init__(
+        self,
+        states: Sequence[BoundState],
+        ttl_s: float,
+        max_sequences: int,
+        owns: Callable[[Job], bool] = lambda job: True,
+    ) -> None:
         self._states = tuple(states)
         self._outputs = {s.output.name for s in self._states}
         self._ttl = ttl_s
         self._max = max_sequences
         self._live: dict[bytes, _Sequence] = {}
-        # Whether a row's partition is still this worker's, as read (the app wires
-        # the offset tracker's answer): a row read before a revocation, still in
+        # Whether a row's partition is still this worker's, as read (the app hands
+        # in the offset tracker's answer): a row read before a revocation, still in
         # the pipeline when the partition came back, must not touch the states
         # restored since (its answer is dropped; its record is read again).
-        self.owns: Callable[[Job], bool] = lambda job: True
+        self.owns = owns
         # Idle sequences are looked for at most this often (a scan of them all).
         self._expiry_interval = min(10.0, ttl_s / 4)
         self._expired_at = 0.0

@@ -6,6 +6,8 @@ tests/integration/test_stateful.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -72,9 +74,11 @@ def test_waves_hold_one_row_per_sequence_in_the_order_read() -> None:
     assert got == [[b"a", b"b", b"c"], [b"a", b"b"], [b"a"]]
 
 
-def states(max_sequences: int = 10, ttl: float = 60.0) -> tuple[SequenceStates, BoundState]:
+def states(
+    max_sequences: int = 10, ttl: float = 60.0, owns: Callable[[Job], bool] = lambda job: True
+) -> tuple[SequenceStates, BoundState]:
     (state,) = bind(model(output="stateN"), VAD, LimitsConfig()).states
-    return SequenceStates([state], ttl, max_sequences), state
+    return SequenceStates([state], ttl, max_sequences, owns), state
 
 
 def ran(r: Row, value: float) -> None:
@@ -123,8 +127,7 @@ def test_a_revoked_partition_takes_its_sequences_along() -> None:
 def test_a_row_read_before_its_partition_was_revoked_touches_no_state() -> None:
     """Still in the pipeline when the partition came back: its state was restored
     since, and its record is read again; running it would apply it twice."""
-    seqs, _ = states()
-    seqs.owns = lambda job: job.epoch == 1
+    seqs, _ = states(owns=lambda job: job.epoch == 1)
     stale = row(b"a")  # epoch 0
     assert not seqs.load(stale, 0.0) and len(seqs) == 0
     assert stale.error is not None and "revoked" in stale.error.message
