@@ -21,7 +21,8 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("intake, the rest (JobFactory, input check, Job)", ("JobFactory.__call__",)),
     ("consume: aiokafka fetch and records", ("AIOKafkaConsumer.getmany", "Fetcher.")),
     ("batching", ("MicroBatcher", "batching.py")),
-    ("inference call from the loop (triage, scatter)", ("InferenceStage", "triage")),
+    ("inference call from the loop (triage, scatter)",
+     ("CpuStage", "GpuStage", "InferenceStage", "triage")),  # InferenceStage: older profiles
     ("encode results (record_for)", ("record_for",)),
     ("send (send_grouped, aiokafka's producer)",
      ("send_grouped", "Sender.", "SendProduceReqHandler", "MessageAccumulator",

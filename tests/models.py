@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.compute.cpu import InferenceStage
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import load_engine
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PreprocessConfig
 from worker.contract import Request
@@ -56,12 +56,12 @@ def cpu_stage(
     max_batch_size: int = 64,
     max_inflight: int = 1,
     max_attempts: int = 2,
-) -> InferenceStage:
+) -> CpuStage:
     """A CPU stage over ``engine`` (default: ``cfg``'s, loaded), bound as the
     worker binds it (``bind_model``)."""
     engine = engine if engine is not None else load_engine(cfg)
     binding = bind_model(cfg, engine.info.io, LimitsConfig(), batching)
-    return InferenceStage(
+    return CpuStage(
         batches_in, completed_out, engine, binding,
         max_batch_size=max_batch_size, max_inflight=max_inflight, max_attempts=max_attempts,
     )  # fmt: skip

@@ -284,10 +284,10 @@ def gpu_stage(
     **kwargs: Any,
 ) -> Any:
     """A GPU stage over ``engine``, bound as the worker binds it (``bind_model``)."""
-    from worker.compute.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuStage
 
     binding = bind_model(model, engine.info.io, LimitsConfig(), batching)
-    return GpuInferenceStage(
+    return GpuStage(
         source, sink, engine, binding, max_batch_size=max_batch_size, num_slots=num_slots,
         gpu=gpu or GpuConfig(), **kwargs,
     )  # fmt: skip

@@ -32,7 +32,7 @@ from PIL import Image
 
 from tests.gpu.support import gpu_stage
 from tests.images import encode
-from worker.compute.gpu.stage import GpuInferenceStage
+from worker.compute.gpu.stage import GpuStage
 from worker.config import GpuConfig, ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
 from worker.contract import EncodedImage, sniff_format
 from worker.flow.messages import Answer
@@ -180,7 +180,7 @@ async def run(
     *,
     slots: int = 1,
     engine: Any = None,
-    before: Callable[[GpuInferenceStage], None] | None = None,
+    before: Callable[[GpuStage], None] | None = None,
 ) -> tuple[list[Answer], tuple[int, int]]:
     """Answers in request order, and nvJPEG's (decoded, refused) counts."""
     source, sink = queues()
@@ -306,7 +306,7 @@ async def test_no_decoded_pixel_passes_through_pinned_staging() -> None:
     sentinel = 0xAB
     staged: dict[str, Any] = {}
 
-    def poison(stage: GpuInferenceStage) -> None:
+    def poison(stage: GpuStage) -> None:
         slot = stage.slots[0]
         assert slot.host_packed is not None
         slot.host_packed.fill(sentinel)

@@ -1,4 +1,4 @@
-"""GpuInferenceStage on a GPU with small CuPy engines (no torch or TensorRT needed).
+"""GpuStage on a GPU with small CuPy engines (no torch or TensorRT needed).
 
 - results equal the NumPy pipeline (preprocess -> x @ w + b -> postprocess);
 - slot buffers are allocated once and never again (counter, pointers, CuPy pool);

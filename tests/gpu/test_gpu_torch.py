@@ -2,8 +2,8 @@
 
 The bundled digits model (worker/model/bundled/digits.onnx: Flatten -> Gemm -> Relu ->
 Gemm) is rebuilt as a TorchScript MLP from the ONNX file's own initializers, so
-both pipelines run the same weights: the CPU ``InferenceStage`` with ONNX Runtime
-and the ``GpuInferenceStage`` with ``TorchEngine`` (GPU preprocessing, the model
+both pipelines run the same weights: the CPU ``CpuStage`` with ONNX Runtime
+and the ``GpuStage`` with ``TorchEngine`` (GPU preprocessing, the model
 on the slot's stream through DLPack views, top-k on device).
 
 Tolerance: top-1 must be identical on every held-out sample (the preprocessing

@@ -4,7 +4,7 @@ With ``model.reload_interval_s`` > 0 the worker looks at its model file that
 often (its content hash: the version results carry). When the content changed,
 the new version is loaded beside the serving one, bound to the same settings,
 checked and run once, and only then swapped in between batches
-(``InferenceStage.swap``): batches already running finish on the old version,
+(``CpuStage.swap``): batches already running finish on the old version,
 every later answer carries the new one. No rebalance happens: the consumer,
 its partitions and its offsets are untouched. A version that fails to load,
 binds differently (other request inputs: requests already accepted would not
@@ -27,7 +27,7 @@ from typing import cast
 import structlog
 
 from worker.app.probe import self_test
-from worker.compute.cpu import InferenceStage
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, load_engine
 from worker.config import Settings
 from worker.flow.errors import WorkerError
@@ -39,9 +39,7 @@ from worker.obs import metrics
 log = structlog.get_logger(__name__)
 
 
-async def watch_model(
-    s: Settings, stage: InferenceStage, serving: str, labels: dict[str, str]
-) -> None:
+async def watch_model(s: Settings, stage: CpuStage, serving: str, labels: dict[str, str]) -> None:
     """Until cancelled: swap in each new version of the model file that passes
     its checks. ``serving``: the version the worker started with; ``labels``:
     its ``infer_build_info`` labels but the model version."""
@@ -69,7 +67,7 @@ async def watch_model(
             refused = version
 
 
-async def _swap(s: Settings, stage: InferenceStage, version: str) -> str | None:
+async def _swap(s: Settings, stage: CpuStage, version: str) -> str | None:
     """Load, bind, check and run the new version, then swap it in; why not, if not."""
     try:
         # The CPU path's engine: RunPlan refuses reloading with a GPU backend.

@@ -19,7 +19,7 @@ import structlog
 from worker.app.lanes import backpressure, batch_policy
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
-from worker.compute.cpu import InferenceStage
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.compute.stage import Stage
 from worker.config import Settings
@@ -122,16 +122,16 @@ async def _inference_stage(
     event loop: kernel compilation and engine contexts take a while)."""
     b = s.batching
     if plan.device == "cpu":
-        return InferenceStage(
+        return CpuStage(
             batches, completed, engine, binding,
             max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
             max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
             owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
         )  # fmt: skip
-    from worker.compute.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuStage
 
     return await asyncio.to_thread(
-        lambda: GpuInferenceStage(
+        lambda: GpuStage(
             batches, completed, cast(GpuEngine, engine), binding,
             max_batch_size=b.max_batch_size, num_slots=plan.inflight, gpu=s.gpu,
             preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,

@@ -21,7 +21,7 @@ from worker.app.plan import RunPlan
 from worker.app.reload import watch_model
 from worker.app.stages import Stages, build_stages, crash_guard
 from worker.app.states import wire_states
-from worker.compute.cpu import InferenceStage
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.flow.deadline import Deadline
@@ -143,7 +143,7 @@ class Worker:
             ),
         ]
         if self.plan.reloads:  # the CPU stage: the plan refuses it on the GPU path
-            watch = watch_model(s, cast(InferenceStage, stages.infer), engine.info.version, labels)
+            watch = watch_model(s, cast(CpuStage, stages.infer), engine.info.version, labels)
             self._support.append(self._spawn(watch, "model-reload"))
         if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu
@@ -184,7 +184,7 @@ class Worker:
                 self._stages.consumer.stop_fetching()
             self._stopped.set()
         elif self._pipeline and task is self._pipeline[-1]:
-            self._stopped.set()  # the produce stage ended: the stream drained to its end
+            self._stopped.set()  # the writer ended: the stream drained to its end
 
     @property
     def failure(self) -> BaseException | None:
@@ -217,7 +217,7 @@ class Worker:
         metrics.set_condition("started", False)
         stages.consumer.stop_fetching()
         if self._pipeline[-1].done():
-            # The produce stage died (failure budget, engine dead, delivery failed):
+            # The writer died (failure budget, engine dead, delivery failed):
             # nothing still upstream can be acknowledged, and the stages feeding it
             # block on its full queue, so waiting for them would only delay the exit
             # by the whole drain timeout.

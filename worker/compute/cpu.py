@@ -1,10 +1,10 @@
-"""InferenceStage (CPU): batches in, completed batches (in dispatch order) out.
+"""CpuStage (CPU): batches in, completed batches (in dispatch order) out.
 
 Each batch runs prepare (decode files, tokenize) -> collate -> engine -> outputs
 in worker threads, so the event loop never blocks on compute. Up to
 ``max_inflight`` batches run at once, each with one of as many preallocated
 buffers for its fixed-size feeds (images); their futures go downstream in
-dispatch order, so the produce stage writes results in the order the requests
+dispatch order, so the writer writes results in the order the requests
 were read. A batch whose rows have free dimensions of different lengths runs as
 a few engine calls, grouped by length (``worker.model.inputs``), so padding stays
 bounded. Outputs are scattered to requests by row slices of the batch outputs
@@ -57,7 +57,7 @@ def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
     return out
 
 
-class InferenceStage(Stage):
+class CpuStage(Stage):
     def __init__(
         self,
         batches_in: asyncio.Queue[Batch[Job] | None],

@@ -1,6 +1,6 @@
 """The per-partition contiguous watermark of acknowledged offsets: pure data, no I/O.
 
-The consume stage registers every offset it reads; the produce stage marks an
+The consumer registers every offset it reads; the writer marks an
 offset done once the broker acknowledged its result (or DLQ record). Batches
 finish out of order, so the committable position of a partition is a contiguous
 watermark: offset k+1 is committed only when every tracked offset <= k is done.
@@ -8,7 +8,7 @@ watermark: offset k+1 is committed only when every tracked offset <= k is done.
 
 Callers, by method: ``redelivered`` and ``track`` (consume); ``owns`` and ``done`` (produce);
 ``committable``, ``mark_committed`` (commit); ``watermarks_with`` (the
-exactly-once sink, ``worker.kafka.delivery.exactly_once``); ``forget`` and ``in_flight``
+exactly-once writer, ``worker.kafka.delivery.exactly_once``); ``forget`` and ``in_flight``
 (the worker's revoke handling and backpressure).
 """
 
@@ -150,7 +150,7 @@ class OffsetTracker:
         """What the watermarks of the partitions in ``answered`` (partition,
         offset, epoch) would be were those offsets done too, and whether every
         one of them would then be below its partition's watermark. Changes
-        nothing: the exactly-once sink commits these watermarks in the
+        nothing: the exactly-once writer commits these watermarks in the
         transaction that carries the answers, and marks them done only once the
         transaction committed. "False" means a gap: an earlier offset of a
         partition is still unanswered (batches can complete out of offset

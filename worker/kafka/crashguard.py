@@ -100,7 +100,7 @@ def _key(group: str, tp: TopicPartition) -> bytes:
 
 
 class MarkSender(Protocol):
-    """Where marks are written: the result sink (``AtLeastOnceWriter.send_and_wait``),
+    """Where marks are written: the result writer (``AtLeastOnceWriter.send_and_wait``),
     whose producer may be replaced while the guard lives."""
 
     async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any: ...

@@ -1,5 +1,5 @@
 """GroupLease: is this member still in its consumer group, as the group
-coordinator last confirmed? The exactly-once sink asks before it commits a
+coordinator last confirmed? The exactly-once writer asks before it commits a
 transaction.
 
 Why it is needed: aiokafka (0.12 to 0.14) sends TxnOffsetCommit version 0, which

@@ -20,7 +20,7 @@ from PIL import Image
 from tests.images import encode
 from worker.compute.gpu.nvjpeg import NvJpeg, check_config, device_image
 from worker.compute.gpu.slots import DeviceImage, pack_batch
-from worker.compute.gpu.stage import GpuInferenceStage
+from worker.compute.gpu.stage import GpuStage
 from worker.compute.gpu.staging import (
     reject_oversized,
     route_encoded,
@@ -265,7 +265,7 @@ def test_the_gpu_stage_fails_start_up_naming_gpu_decode(monkeypatch: pytest.Monk
         info=types.SimpleNamespace(io=io, name="m", version="v"),
     )
     with pytest.raises(ConfigError, match=r"gpu\.decode = 'nvjpeg' needs torch"):
-        GpuInferenceStage(
+        GpuStage(
             None,  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
             engine,  # type: ignore[arg-type]

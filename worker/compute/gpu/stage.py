@@ -1,4 +1,4 @@
-"""GpuInferenceStage: the stage skeleton (``worker.compute.stage``) on a GPU.
+"""GpuStage: the stage skeleton (``worker.compute.stage``) on a GPU.
 
 Each batch takes a slot (``slots``), and all of its GPU work is enqueued on that
 slot's stream in one go by the launcher (``launch``), on a worker thread, so
@@ -73,7 +73,7 @@ from worker.model.rows import Row
 log = structlog.get_logger(__name__)
 
 
-class GpuInferenceStage(Stage):
+class GpuStage(Stage):
     def __init__(
         self,
         batches_in: asyncio.Queue[Batch[Job] | None],

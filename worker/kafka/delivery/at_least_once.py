@@ -34,7 +34,7 @@ class AtLeastOnceWriter(Writer):
     """Produces answers in order, awaits acks, marks offsets done.
 
     When acknowledgements fail (broker unreachable, timeouts), nothing is marked
-    done for those records; the sink stops taking new batches, reports not-ready,
+    done for those records; the writer stops taking new batches, reports not-ready,
     and re-sends the unacknowledged records with exponential backoff until the
     broker takes them. Upstream queues then fill and backpressure pauses fetching,
     so memory stays bounded however long the outage lasts.

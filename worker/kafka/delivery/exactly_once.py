@@ -11,7 +11,7 @@ Each cycle takes the next completed batch and those that completed behind it
 
 This is the one place where flush, produce and commit are ordered under
 exactly-once (``at_least_once`` and ``commit.Committer`` order them under
-at-least-once). Answers reach the sink only after their device-to-host copy, so
+at-least-once). Answers reach the writer only after their device-to-host copy, so
 a transaction never holds a result that was not computed. A transaction stays
 open while a partition has a gap below its answers (batches complete out of
 offset order): committing then would leave answers above the committed offset,

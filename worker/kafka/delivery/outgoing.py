@@ -1,4 +1,4 @@
-"""What the produce stage sends, decided without I/O: results, DLQ records, fallbacks.
+"""What the writer sends, decided without I/O: results, DLQ records, fallbacks.
 
 Pure functions of an answer, so every rule (which topic, which headers, what a
 too-large record becomes) is unit-tested without a broker. ``AtLeastOnceWriter``

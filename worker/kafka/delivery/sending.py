@@ -20,7 +20,7 @@ async def send_grouped(producer: AIOKafkaProducer, outs: list[OutRecord]) -> Sen
     """Hand a completed batch's records to the producer as one record batch
     per output partition, instead of one ``send()`` per record: the per-record
     cost of the producer's send path was the largest single share of the
-    produce stage. Partitions are chosen exactly as ``send()`` would (the
+    writer's cost. Partitions are chosen exactly as ``send()`` would (the
     default partitioner: murmur2 of the key; ``partitioning`` hashes a batch's
     keys at once), and each record's future is its batch's, so acknowledgement
     and redelivery work per record as before."""

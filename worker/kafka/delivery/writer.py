@@ -362,7 +362,7 @@ class Writer:
                 metrics.model_metrics(self._model.name, version).results(kind).inc(count)
 
     async def _replace_producer(self, reason: str) -> None:
-        """Replace the producer (called with no send of this sink in flight): an
+        """Replace the producer (called with no send of this writer in flight): an
         idempotent producer's partition sequence is broken after a refusal for
         good, and a transactional one may be left in a state it cannot leave. A
         new one gets a new producer id or epoch; its sequences start again (a

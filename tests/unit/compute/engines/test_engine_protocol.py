@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.models import image_pre
-from worker.compute.cpu import InferenceStage
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import is_gpu_backend, load_engine
 from worker.compute.engines.base import EngineUnavailable
 from worker.compute.engines.cuda import translate_gpu_error
@@ -143,11 +143,11 @@ class FakeGpuEngine:
 def test_gpu_stage_without_cupy_is_a_clear_config_error() -> None:
     import asyncio
 
-    from worker.compute.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuStage
 
     engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),))
     with pytest.raises(EngineUnavailable, match="CuPy"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+        GpuStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
                           max_batch_size=64, num_slots=2, gpu=GpuConfig())  # fmt: skip
 
 
@@ -157,16 +157,16 @@ def test_gpu_stage_takes_batches_larger_than_the_engine_profile_in_chunks() -> N
     stops at CuPy."""
     import asyncio
 
-    from worker.compute.gpu.stage import GpuInferenceStage
+    from worker.compute.gpu.stage import GpuStage
 
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed: the stage would start on the fake engine")
     engine = FakeGpuEngine((TensorDesc("logits", F32, (10,)),), max_batch=16)
     with pytest.raises(EngineUnavailable, match="CuPy"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+        GpuStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
                           max_batch_size=32, num_slots=2, gpu=GpuConfig())  # fmt: skip
     with pytest.raises(ConfigError, match="num_slots"):
-        GpuInferenceStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
+        GpuStage(asyncio.Queue(), asyncio.Queue(), engine, _binding(engine),
                           max_batch_size=16, num_slots=0, gpu=GpuConfig())  # fmt: skip
 
 
@@ -175,9 +175,9 @@ def test_a_stage_cannot_be_built_without_the_workers_binding() -> None:
     under other limits and length buckets (it used to bind its own, silently)."""
     engine = load_engine(ModelConfig())
     with pytest.raises(TypeError, match="binding"):
-        InferenceStage(None, None, engine, max_batch_size=64, max_inflight=1)  # type: ignore[call-arg, arg-type]
+        CpuStage(None, None, engine, max_batch_size=64, max_inflight=1)  # type: ignore[call-arg, arg-type]
     with pytest.raises(TypeError):
-        InferenceStage(None, None, engine, ModelConfig(), 64, 1)  # type: ignore[call-arg, arg-type, misc]
+        CpuStage(None, None, engine, ModelConfig(), 64, 1)  # type: ignore[call-arg, arg-type, misc]
     engine.close()
 
 
