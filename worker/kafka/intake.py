@@ -86,7 +86,7 @@ class JobFactory:
             # event loop, per batch, in the inference stage.
             inputs, lengths = self._inputs.check(request, batched=wire == "oip")
         except RecordError as exc:
-            failure = exc  # counted once answered (``Writer._records``)
+            failure = exc  # counted once answered (``Answers.records``)
         return Job(
             TopicPartition(topic, partition), offset, key, arrived=now, deadline=deadline,
             request=request, inputs=inputs, lengths=lengths, failure=failure,

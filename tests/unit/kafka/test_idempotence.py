@@ -127,7 +127,7 @@ async def test_a_refusal_for_good_renews_the_producer_and_nothing_is_lost() -> N
     )
     sink = AtLeastOnceWriter(parts, max_pending_acks=2, producer_factory=factory)
     await sink.start()
-    assert sink.idempotent
+    assert sink._producing.idempotent  # what decide() is told about this producer
     n, large = 6, 2
     for offset in range(n):
         epoch = tracker.track(A, offset)

@@ -41,7 +41,7 @@ async def test_every_refusal_is_counted_once_by_its_code() -> None:
     )
     before = {c: rejected(c) for c in ErrorCode}
     sink, _, _ = make_sink(tracker, producer=None)  # type: ignore[arg-type]
-    sink._records(completed(*answers).result())
+    sink._answers.records(completed(*answers).result())
     await asyncio.sleep(0)
     counted = {c: rejected(c) - before[c] for c in ErrorCode if rejected(c) != before[c]}
     assert counted == {

@@ -70,7 +70,7 @@ async def at_least_once(shadow: bool) -> tuple[FakeProducer, OffsetTracker, list
         Committer(tracker, FakeGroup()),
     )  # fmt: skip
     writer = AtLeastOnceWriter(parts, max_pending_acks=2)
-    writer.producer = producer  # type: ignore[assignment]
+    writer._producing.producer = producer  # type: ignore[assignment]
     source.put_nowait(completed(rejected(tracker, 0), undecodable(tracker, 1)))
     source.put_nowait(completed(undecodable(tracker, 2)))  # a batch of DLQ records only
     source.put_nowait(None)

@@ -111,7 +111,7 @@ def make_sink(
         source, KafkaConfig(retry_backoff_ms=1), ModelInfo("m", "1"), tracker, committer
     )
     sink = AtLeastOnceWriter(parts, max_pending_acks=2)
-    sink.producer = producer  # type: ignore[assignment]
+    sink._producing.producer = producer  # type: ignore[assignment]
     return sink, source, committer
 
 

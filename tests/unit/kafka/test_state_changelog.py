@@ -68,7 +68,7 @@ async def test_an_offset_is_done_only_once_its_answer_and_its_state_are_acknowle
     sink = AtLeastOnceWriter(
         WriterParts(source, kafka, ModelInfo("m", "1"), tracker, committer), max_pending_acks=2
     )
-    sink.producer = producer  # type: ignore[assignment]
+    sink._producing.producer = producer  # type: ignore[assignment]
     fut: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
     fut.set_result(Completed(seq=1, answers=(answer,), engine_rows=1))
     source.put_nowait(fut)

@@ -13,15 +13,19 @@ tracker, which is what lets the committer move the watermark.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import structlog
+from aiokafka import AIOKafkaProducer
 
-from worker.flow.messages import Completed
+from worker.flow.messages import Completed, TopicPartition
 from worker.kafka.clients import start_producer
+from worker.kafka.delivery.answers import Answers
 from worker.kafka.delivery.decide import Action, Verdict, retriable
 from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.sending import Sent
-from worker.kafka.delivery.writer import ProducerFactory, Woken, Writer, WriterParts
+from worker.kafka.delivery.writer import Completions, Woken, WriterParts
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
 
@@ -30,7 +34,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["AtLeastOnceWriter", "ProducerFactory"]
 
 
-class AtLeastOnceWriter(Writer):
+class AtLeastOnceWriter:
     """Produces answers in order, awaits acks, marks offsets done.
 
     When acknowledgements fail (broker unreachable, timeouts), nothing is marked
@@ -46,7 +50,10 @@ class AtLeastOnceWriter(Writer):
         max_pending_acks: int,
         producer_factory: ProducerFactory = start_producer,
     ) -> None:
-        super().__init__(parts, producer_factory)
+        self._producing = Producing(parts.kafka, producer_factory)
+        self._answers = Answers(parts)
+        self._batches = Completions(parts.completed_in)
+        self._committer, self._tracker = parts.committer, parts.tracker
         self._ack_slots = asyncio.Semaphore(max_pending_acks)
         self._ack_tasks: set[asyncio.Task[None]] = set()
         # Records not acknowledged, with why, and whether they were sent in a record
@@ -59,11 +66,30 @@ class AtLeastOnceWriter(Writer):
         self._held: list[asyncio.Future[Completed] | None] = []
         self._coalesce = max_pending_acks  # completed batches sent together at most
 
+    @property
+    def producer(self) -> AIOKafkaProducer | None:
+        return self._producing.producer
+
+    async def start(self) -> None:
+        await self._producing.start()
+
+    async def existing_topics(self) -> set[str]:
+        return await self._producing.existing_topics()
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
+        return await self._producing.send_and_wait(topic, value, key)
+
+    async def fence(self, revoked: set[TopicPartition]) -> None:
+        """Nothing to do on revocation: an answer is settled by its acknowledgement."""
+
+    async def close(self) -> None:
+        await self._producing.close()
+
     async def run(self) -> None:
         while (fut := await self._next()) is not None:
-            batches = [await self._completed(fut)]
+            batches = [await self._batches.completed(fut)]
             while len(batches) < self._coalesce and (behind := self._done_behind()):
-                batches.append(await self._completed(behind))
+                batches.append(await self._batches.completed(behind))
             await self._send_batch(batches)
         await self._settle()
         if self._undelivered:
@@ -72,9 +98,9 @@ class AtLeastOnceWriter(Writer):
     def _done_behind(self) -> asyncio.Future[Completed] | None:
         """The next queued batch if it already completed, else None (it is held
         for the next send, as is the end of the stream)."""
-        if self._held or self._completed_in.empty():
+        if self._held or self._batches.queue.empty():
             return None
-        item = self._completed_in.get_nowait()
+        item = self._batches.queue.get_nowait()
         if item is None or not item.done():
             self._held.append(item)
             return None
@@ -91,15 +117,15 @@ class AtLeastOnceWriter(Writer):
                 await self._redeliver()
             if self._held:
                 return self._held.pop()
-            item = await self._next_or_woken(self._delivery_failed)
+            item = await self._batches.next_or_woken(self._delivery_failed)
             if item is not Woken.WOKEN:
                 return item
 
     async def _send_batch(self, batches: list[Completed]) -> None:
-        outs = [out for completed in batches for out in self._records(completed)]
+        outs = [out for completed in batches for out in self._answers.records(completed)]
         if not outs:
             return
-        sent = await self._send_grouped(outs)
+        sent = await self._producing.send_grouped(outs)
         await self._ack_slots.acquire()
         task = asyncio.create_task(self._await_acks(sent))
         self._ack_tasks.add(task)
@@ -112,7 +138,7 @@ class AtLeastOnceWriter(Writer):
             # first wait the rest are already done and awaiting them costs nothing.
             for out, ack in sent:
                 try:
-                    await self._watched(ack)
+                    await self._producing.watched(ack)
                 except asyncio.CancelledError as exc:
                     if not ack.cancelled():
                         raise  # this task was cancelled, not the send
@@ -130,7 +156,7 @@ class AtLeastOnceWriter(Writer):
                 # refusal fails every record in flight.
                 self._failure_lines(log.warning, "delivery_failed",
                                     source=str(out.job.source), error=repr(failure))  # fmt: skip
-            self._acknowledged(acked)
+            self._answers.acknowledged(acked)
             self._committer.notify()
         finally:
             self._ack_slots.release()
@@ -150,16 +176,16 @@ class AtLeastOnceWriter(Writer):
         partition stay in request order whatever becomes of it."""
         await self._settle()
         metrics.set_condition("delivery", False)
-        backoff = self.backoff()
+        backoff = self._producing.backoff()
         while self._undelivered:
             failures = [
                 (o, f, alone) for o, f, alone in self._undelivered
                 if self._tracker.owns(o.job.tp, o.job.offset, o.job.epoch)
             ]  # fmt: skip
             self._undelivered = []
-            todo = self._next_attempts(failures)
+            todo = self._answers.next_attempts(failures, self._producing.idempotent)
             if any(verdict.renew for _, verdict in todo):
-                await self._replace_producer("a record was refused for good")
+                await self._producing.replace("a record was refused for good")
             log.info("redelivering", records=len(todo), backoff_s=backoff.current)
             if await self._send_in_order(todo):
                 await asyncio.sleep(backoff.next())  # the broker is away: wait for it
@@ -178,20 +204,20 @@ class AtLeastOnceWriter(Writer):
                 continue
             unreachable = await self._send_each(burst) or unreachable
             burst = []
-            (sent,) = await self._send_grouped([out])
+            (sent,) = await self._producing.send_grouped([out])
             try:
-                await self._watched(sent[1])
+                await self._producing.watched(sent[1])
             except Exception as exc:  # boundary: aiokafka's delivery errors
                 # Refused again, alone: nothing after it goes before its fallback.
                 self._undelivered.append((out, exc, True))
                 self._undelivered += [(o, None, True) for o, _ in todo[i + 1 :]]
                 return unreachable or retriable(exc)
-            self._acknowledged([out])
+            self._answers.acknowledged([out])
         return await self._send_each(burst) or unreachable
 
     async def _send_each(self, outs: list[OutRecord]) -> bool:
         """``outs`` each in a record batch of its own, all at once, in order."""
-        sent = [pair for o in outs for pair in await self._send_grouped([o])]
+        sent = [pair for o in outs for pair in await self._producing.send_grouped([o])]
         metrics.DELIVERY_RETRIES.inc(len(sent))
         outcomes = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
         unreachable = False
@@ -200,5 +226,5 @@ class AtLeastOnceWriter(Writer):
                 self._undelivered.append((out, outcome, True))
                 unreachable = unreachable or retriable(outcome)
             else:
-                self._acknowledged([out])
+                self._answers.acknowledged([out])
         return unreachable

@@ -38,16 +38,19 @@ from __future__ import annotations
 import asyncio
 
 import structlog
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.flow.errors import TransactionFenced
 from worker.flow.messages import Completed, TopicPartition
 from worker.kafka.clients import start_transactional_producer, transactional_id
+from worker.kafka.delivery.answers import Answers
 from worker.kafka.delivery.decide import Action
 from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.transaction import Txn, TxnState
-from worker.kafka.delivery.writer import ProducerFactory, Woken, Writer, WriterParts
+from worker.kafka.delivery.writer import Completions, Woken, WriterParts
 from worker.kafka.lease import GroupLease
 from worker.obs import metrics
 
@@ -63,7 +66,7 @@ class _Failed(Exception):
         self.refused = refused or {}
 
 
-class ExactlyOnceWriter(Writer):
+class ExactlyOnceWriter:
     """Sends answers and commits them with their offsets, one transaction per
     group of completed batches (see the module's docstring)."""
 
@@ -74,7 +77,10 @@ class ExactlyOnceWriter(Writer):
         max_batches: int,
         producer_factory: ProducerFactory = start_transactional_producer,
     ) -> None:
-        super().__init__(parts, producer_factory)
+        self._producing = Producing(parts.kafka, producer_factory)
+        self._answers = Answers(parts)
+        self._batches = Completions(parts.completed_in)
+        self._committer, self._tracker, self._kafka = parts.committer, parts.tracker, parts.kafka
         self._lease = lease
         self._max_batches = max(1, max_batches)
         self._lock = asyncio.Lock()  # one transaction at a time: cycles, marks, fences
@@ -83,7 +89,7 @@ class ExactlyOnceWriter(Writer):
         self._retry: list[OutRecord] = []  # to send again: their transaction was aborted
         self._wake = asyncio.Event()  # records wait in _retry (after a fence)
         self._held: asyncio.Future[Completed] | None = None  # taken, not yet completed
-        self._backoff = self.backoff()
+        self._backoff = self._producing.backoff()
         # Send each record in a record batch of its own until the next commit: some
         # were refused together with their neighbours (decide: RESEND_ALONE).
         self._alone = False
@@ -114,8 +120,15 @@ class ExactlyOnceWriter(Writer):
         await self.producer.begin_transaction()
         self._to(Txn.RETRYING if self._txn.state is Txn.FAILED else Txn.OPEN)
 
+    @property
+    def producer(self) -> AIOKafkaProducer | None:
+        return self._producing.producer
+
+    async def existing_topics(self) -> set[str]:
+        return await self._producing.existing_topics()
+
     async def start(self) -> None:
-        await super().start()
+        await self._producing.start()
         log.info("transactions_on", transactional_id=transactional_id(self._kafka))
 
     # --- the loop ---------------------------------------------------------------------
@@ -126,7 +139,7 @@ class ExactlyOnceWriter(Writer):
             batches: list[Completed] = []
             if more:
                 batches, more = await self._take()
-            outs = [out for completed in batches for out in self._records(completed)]
+            outs = [out for completed in batches for out in self._answers.records(completed)]
             async with self._lock:
                 ok = await self._cycle(outs, final=not more)
             if not ok:  # backed off outside the lock: a revocation may need it
@@ -141,9 +154,9 @@ class ExactlyOnceWriter(Writer):
             busy = bool(batches or self._retry)
             fut, self._held = self._held, None
             if fut is None:
-                if busy and self._completed_in.empty():
+                if busy and self._batches.queue.empty():
                     break
-                item = await self._next_or_woken(self._wake)
+                item = await self._batches.next_or_woken(self._wake)
                 if item is Woken.WOKEN:  # records wait to be sent again
                     break
                 if item is None:
@@ -152,7 +165,7 @@ class ExactlyOnceWriter(Writer):
             if busy and not fut.done():
                 self._held = fut  # the next transaction's: not waited for now
                 break
-            batches.append(await self._completed(fut))
+            batches.append(await self._batches.completed(fut))
         return batches, True
 
     # --- one transaction --------------------------------------------------------------
@@ -212,13 +225,13 @@ class ExactlyOnceWriter(Writer):
         if not self._in_txn:
             await self._begin()
         if self._alone:
-            sent = [pair for out in outs for pair in await self._send_grouped([out])]
+            sent = [pair for out in outs for pair in await self._producing.send_grouped([out])]
         else:
-            sent = await self._send_grouped(outs)
+            sent = await self._producing.send_grouped(outs)
         refused: dict[int, BaseException] = {}
         for out, ack in sent:
             try:
-                await self._watched(ack)
+                await self._producing.watched(ack)
             except ProducerFenced:
                 raise
             except (KafkaError, asyncio.CancelledError) as exc:
@@ -237,11 +250,11 @@ class ExactlyOnceWriter(Writer):
                 {KafkaTP(tp.topic, tp.partition): off for tp, off in moved.items()},
                 self._kafka.group_id,
             )
-        await self._watched(self.producer.commit_transaction())
+        await self._producing.watched(self.producer.commit_transaction())
         self._to(Txn.FAILED if self._retry else Txn.READY)
         committed, self._open = self._open, []
         self._alone = False
-        self._acknowledged(committed)
+        self._answers.acknowledged(committed)
         if moved:
             self._committer.record(moved)
         self._committer.notify()
@@ -252,7 +265,8 @@ class ExactlyOnceWriter(Writer):
         """End the open transaction without its records, and queue what ``decide``
         says is sent instead (the same records, each alone, or fallbacks)."""
         refused = exc.refused if isinstance(exc, _Failed) else {}
-        todo = self._next_attempts([(o, refused.get(id(o)), self._alone) for o in self._open])
+        failed = [(o, refused.get(id(o)), self._alone) for o in self._open]
+        todo = self._answers.next_attempts(failed, self._producing.idempotent)
         redo = [record for record, _ in todo]
         renew = any(verdict.renew for _, verdict in todo)
         alone = any(verdict.action is Action.RESEND_ALONE for _, verdict in todo)
@@ -275,7 +289,7 @@ class ExactlyOnceWriter(Writer):
         was_open = self._in_txn
         if was_open and renew is None:
             try:
-                await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
+                await asyncio.wait_for(self.producer.abort_transaction(), self._producing.overdue_s)
             except ProducerFenced:
                 self._to(Txn.FENCED)
                 raise
@@ -287,7 +301,7 @@ class ExactlyOnceWriter(Writer):
         if was_open:  # closed: a revocation's abort keeps a failure's state
             self._to(Txn.FAILED if self._txn.state is Txn.RETRYING else Txn.READY)
         if renew is not None:
-            await self._replace_producer(renew)
+            await self._producing.replace(renew)
 
     # --- callers outside the loop -----------------------------------------------------
 
@@ -328,9 +342,11 @@ class ExactlyOnceWriter(Writer):
             if own:
                 await self._begin()
             try:
-                meta = await self._watched(await self.producer.send(topic, value, key=key))
+                meta = await self._producing.watched(
+                    await self.producer.send(topic, value, key=key)
+                )
                 if own:
-                    await self._watched(self.producer.commit_transaction())
+                    await self._producing.watched(self.producer.commit_transaction())
                     self._to(Txn.FAILED if self._retry else Txn.READY)
             except KafkaError:
                 if own:
@@ -343,11 +359,11 @@ class ExactlyOnceWriter(Writer):
         partitions it wrote to would otherwise wait for it to time out."""
         if self.producer is not None and self._in_txn:
             try:
-                await asyncio.wait_for(self.producer.abort_transaction(), self._overdue)
+                await asyncio.wait_for(self.producer.abort_transaction(), self._producing.overdue_s)
             except Exception as exc:  # boundary: closing; the broker times it out otherwise
                 log.warning("transaction_abort_failed", error=repr(exc))
             self._to(Txn.FAILED if self._txn.state is Txn.RETRYING else Txn.READY)
-        await super().close()
+        await self._producing.close()
 
 
 def seq(out: OutRecord) -> int:

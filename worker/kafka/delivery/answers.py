@@ -1,0 +1,229 @@
+"""Answers turned into records, and acknowledged records settled: what both
+writers do with a completed batch before and after the producer has it.
+
+``records`` makes a batch's result, DLQ and state records (``outgoing``), skips
+answers of partitions revoked or reset meanwhile, counts refusals (the one
+place) and the failure budget; ``next_attempts`` applies ``decide`` to records
+not acknowledged; ``acknowledged`` marks their offsets done and counts what was
+delivered. The writers (``at_least_once``, ``exactly_once``) differ only in
+how records are sent and when offsets commit, and hold one of these each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import structlog
+
+from worker.contract import ModelInfo
+from worker.flow.codes import ErrorCode
+from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
+from worker.flow.messages import Answer, Completed, Job, StateChange, TopicPartition
+from worker.kafka.delivery.decide import Action, Verdict, decide, refusal_code
+from worker.kafka.delivery.outgoing import OutRecord, Topics, fallback, record_for, state_record
+from worker.kafka.delivery.writer import WriterParts
+from worker.kafka.permissions import NOT_AUTHORISED
+from worker.obs import metrics
+from worker.obs.logs import RateLimited
+from worker.obs.tracing import Tracer, answer_span
+
+log = structlog.get_logger(__name__)
+
+# How many jobs with two records in flight before the map is swept of those
+# whose partition was revoked (their acknowledgements never come).
+_PENDING_SWEEP = 10_000
+
+
+def _rejection(answer: Answer) -> str | None:
+    """The code an answer was refused with without running the model (counted in
+    ``infer_requests_rejected_total``), or None: answered by the model, or its
+    run failed (``inference_failed``, counted as batch failures)."""
+    job = answer.job
+    if job.failure is not None:
+        return job.failure.code
+    if answer.error is not None and answer.error.code != ErrorCode.INFERENCE_FAILED:
+        return answer.error.code
+    return None
+
+
+class Answers:
+    """A writer's records: made from answers, settled once acknowledged."""
+
+    def __init__(self, parts: WriterParts) -> None:
+        kafka = parts.kafka
+        self._kafka = kafka
+        self._model = parts.model
+        self._tracker = parts.tracker
+        self._committer = parts.committer
+        self._budget = parts.budget
+        self._tracer = parts.tracer or Tracer()
+        self._seq = 0
+        self._rejections = RateLimited(burst=10, interval=10.0)
+        self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
+        self._shadow = kafka.shadow  # a shadow writes no DLQ records
+        # Records still unacknowledged of jobs that have more than one (an answer
+        # and its state record), by (partition, offset, epoch).
+        self._pending: dict[tuple[TopicPartition, int, int], int] = {}
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    def records(self, completed: Completed) -> list[OutRecord]:
+        """The records for a completed batch's answers, skipping those of
+        partitions revoked or reset meanwhile (their new owner answers them);
+        each counts against the failure budget."""
+        now = time.monotonic()
+        outs: list[OutRecord] = []
+        model = self._model_of(completed)
+        rejected: Counter[tuple[str, str]] = Counter()  # by (topic, code)
+        for answer in completed.answers:
+            job = answer.job
+            if not self._tracker.owns(job.tp, job.offset, job.epoch):
+                continue  # partition revoked or reset meanwhile: its new owner answers it
+            code = _rejection(answer)
+            if code is not None:
+                rejected[job.tp.topic, code] += 1
+            self._seq += 1
+            trace = None
+            if job.trace is not None or self._tracer.exporting:
+                trace = answer_span(self._tracer, answer, model.name,
+                                    len(completed.answers), now)  # fmt: skip
+            out = record_for(
+                answer, model, self._topics, self._seq, now, self._kafka.max_request_size, trace
+            )
+            if model is not self._model:
+                out.model_version = model.version  # its latency is that version's
+            if self._budget is not None:
+                failed = out.kind == "dlq" or (
+                    answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
+                )
+                reason = self._budget.record(failed)
+                if reason is not None:
+                    raise FailureBudgetExceeded(
+                        f"halting: {reason}; last at {job.tp.topic}:{job.tp.partition}@{job.offset}"
+                    )
+            if out.kind != "ok":
+                self.log_rejection(out)
+            if out.kind == "dlq" and self._shadow:
+                # Logged and counted above (infer_requests_rejected_total):
+                # answered, as far as its offset goes, without a record.
+                self._tracker.done(job.tp, job.offset, job.epoch)
+                self._committer.notify()
+                continue
+            outs.append(out)
+            if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
+                outs.append(self._state_record(answer.job, answer.state))
+        for (topic, code), count in rejected.items():  # the one place rejections are counted
+            metrics.REQUESTS_REJECTED.labels(code=code).inc(count)
+            lane = self._kafka.ranked_lanes[self._kafka.lane_rank.get(topic, 0)].label
+            metrics.LANE_REJECTED.labels(lane=lane, code=code).inc(count)
+        return outs
+
+    def _model_of(self, completed: Completed) -> ModelInfo:
+        """The model that answered ``completed``: the start-up one, or the version
+        swapped in since (results carry it)."""
+        version = completed.model_version
+        if version is None or version == self._model.version:
+            return self._model
+        return ModelInfo(self._model.name, version)
+
+    def _state_record(self, job: Job, change: StateChange) -> OutRecord:
+        """The state record of ``job`` (``outgoing.state_record``); the job's
+        offset counts as done only once it and the answer are both acknowledged."""
+        self._seq += 1
+        key = (job.tp, job.offset, job.epoch)
+        if len(self._pending) >= _PENDING_SWEEP:  # jobs of revoked partitions: never acked
+            self._pending = {k: n for k, n in self._pending.items() if self._tracker.owns(*k)}
+        self._pending[key] = self._pending.get(key, 1) + 1
+        metrics.STATE_PENDING.set(len(self._pending))
+        return state_record(job, change, self._kafka.state_topic, self._seq)
+
+    def next_attempts(
+        self, failed: list[tuple[OutRecord, BaseException | None, bool]], idempotent: bool
+    ) -> list[tuple[OutRecord, Verdict]]:
+        """``decide``, applied to records not acknowledged, each with why (None: its
+        transaction failed for another reason) and whether it was sent alone: the
+        records to send next (each itself or its fallback), in request order. A
+        failure is ``shared`` when the same exception struck several records (the
+        broker refused their record batch as a whole). Raises ``DeliveryFailed``
+        when even a fallback was refused."""
+        struck = Counter(id(f) for _, f, _ in failed if f is not None)
+        for f in {id(f): f for _, f, _ in failed if isinstance(f, NOT_AUTHORISED)}.values():
+            self._rejections(
+                log.error, "not_authorised", error=repr(f), effect="answers wait, "
+                "offsets stay uncommitted, delivery is not ready until the ACL is back",
+                fix='README "Secured Kafka" lists every ACL a worker needs',
+            )  # fmt: skip
+        todo = []
+        for record, failure, alone in sorted(failed, key=lambda t: t[0].seq):
+            shared = failure is not None and struck[id(failure)] > 1
+            verdict = decide(record, failure, idempotent=idempotent, shared=shared, alone=alone)
+            if verdict.action is Action.GIVE_UP:
+                raise DeliveryFailed(
+                    f"{record.job.source} cannot be delivered even as an error: {failure!r}"
+                )
+            nxt = record
+            if verdict.action is Action.FALL_BACK:
+                assert failure is not None
+                nxt = fallback(record, refusal_code(failure), repr(failure), self._model)
+            todo.append((nxt, verdict))
+        return todo
+
+    def log_rejection(self, out: OutRecord) -> None:
+        """Every request answered with an error or sent to the DLQ is logged (at
+        most ``burst`` lines per interval): code, where it came from and its id,
+        never its payload."""
+        job = out.job
+        error = out.error
+        code, message = (error.code, error.message) if error is not None else ("?", "")
+        self._rejections(
+            log.warning,
+            "request_rejected",
+            code=code,
+            message=message[:200],
+            topic=job.tp.topic,
+            partition=job.tp.partition,
+            offset=job.offset,
+            id=out.request_id,
+            sent_to="result" if out.kind != "dlq" else "none (shadow)" if self._shadow else "dlq",
+        )
+
+    def acknowledged(self, acked: list[OutRecord]) -> None:
+        """Mark offsets done and count what was delivered, per batch."""
+        now, wall_ms = time.monotonic(), time.time() * 1000.0
+        # Per answering model version (one, but for the batches around a swap).
+        kinds: dict[tuple[str, str], int] = {}
+        latencies: dict[str, list[float]] = {}
+        ages: list[float] = []
+        for out in acked:
+            job = out.job
+            key = (job.tp, job.offset, job.epoch)
+            left = self._pending.pop(key, 1) - 1
+            if left:  # its answer or its state record is still unacknowledged
+                self._pending[key] = left
+            else:
+                self._tracker.done(job.tp, job.offset, job.epoch)
+            if out.kind == "state":
+                metrics.STATE_RECORDS.inc()
+                continue
+            version = out.model_version or self._model.version
+            if (seen := latencies.get(version)) is None:
+                seen = latencies[version] = []
+            seen.append(now - job.arrived)
+            if job.timestamp_ms is not None and job.timestamp_ms > 0:
+                # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
+                ages.append(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
+            kinds[version, out.kind] = kinds.get((version, out.kind), 0) + 1
+        for version, seconds in latencies.items():
+            m = metrics.model_metrics(self._model.name, version)
+            metrics.observe_all(m.request_seconds, seconds)
+        metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
+        if self._kafka.state_topic:
+            metrics.STATE_PENDING.set(len(self._pending))
+        for (version, kind), count in kinds.items():  # counters per batch, not per record
+            if kind == "dlq":
+                metrics.DLQ_PRODUCED.inc(count)
+            else:
+                metrics.model_metrics(self._model.name, version).results(kind).inc(count)

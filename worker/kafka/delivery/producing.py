@@ -1,0 +1,117 @@
+"""A writer's producer: started, replaced after a refusal for good, closed; a
+batch's records handed to it grouped per output partition, and acknowledgements
+watched for the readiness probe. Both writers hold one (``at_least_once``,
+``exactly_once``); the transactional calls are the exactly-once writer's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from worker.config import KafkaConfig
+from worker.flow.backoff import Backoff
+from worker.kafka.delivery.outgoing import OutRecord
+from worker.kafka.delivery.sending import Sent, send_grouped
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool]]]
+
+
+class Producing:
+    def __init__(self, kafka: KafkaConfig, factory: ProducerFactory) -> None:
+        self._kafka = kafka
+        self._factory = factory
+        self._overdue = kafka.request_timeout_s
+        self._overdue_waits = 0
+        self.producer: AIOKafkaProducer | None = None
+        self.idempotent = False
+
+    def backoff(self) -> Backoff:
+        """Waits between retries, from ``kafka.retry_backoff_ms`` (doubling to 10 s)."""
+        return Backoff(self._kafka.retry_backoff_ms / 1000.0)
+
+    @property
+    def overdue_s(self) -> float:
+        """How long an acknowledgement may take before delivery is reported late."""
+        return self._overdue
+
+    async def start(self) -> None:
+        self.producer, self.idempotent = await self._factory(self._kafka)
+        log.info("producer_started", idempotent=self.idempotent)
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
+        """One record through the current producer, acknowledged (for the crash
+        guard's marks: the producer may be replaced, see ``replace``)."""
+        assert self.producer is not None, "start() first"
+        return await self.producer.send_and_wait(topic, value, key=key)
+
+    async def existing_topics(self) -> set[str]:
+        """Topics the cluster has, from one metadata request for all topics (which,
+        unlike a request naming a topic, never auto-creates one)."""
+        assert self.producer is not None, "start() first"
+        cluster = await self.producer.client.fetch_all_metadata()
+        return set(cluster.topics())
+
+    async def send_grouped(self, outs: list[OutRecord]) -> Sent:
+        """A completed batch's records to the producer (``sending.send_grouped``)."""
+        assert self.producer is not None, "start() first"
+        return await send_grouped(self.producer, outs)
+
+    async def watched(self, fut: Awaitable[object]) -> object:
+        """Await an acknowledgement or a commit; while one has taken longer than
+        ``request_timeout_ms`` the worker reports not-ready (condition "acks").
+        An idempotent or transactional producer never gives up on a send, so a
+        partition without a leader (its broker killed, too few in-sync replicas)
+        otherwise looked ready for as long as it lasted."""
+        task = asyncio.ensure_future(fut)
+        if task.done():
+            return task.result()
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(task), self._overdue)
+        self._overdue_waits += 1
+        metrics.set_condition("acks", False)
+        try:
+            return await task
+        finally:
+            self._overdue_waits -= 1
+            if not self._overdue_waits:
+                metrics.set_condition("acks", True)
+
+    async def replace(self, reason: str) -> None:
+        """Replace the producer (called with no send of this writer in flight): an
+        idempotent producer's partition sequence is broken after a refusal for
+        good, and a transactional one may be left in a state it cannot leave. A
+        new one gets a new producer id or epoch; its sequences start again (a
+        transactional one's InitProducerId also aborts the old one's open
+        transaction). The old one is closed within the request timeout: its
+        pending batches may be bound for a broker that is gone."""
+        backoff = self.backoff()
+        while True:
+            try:
+                producer, idempotent = await self._factory(self._kafka)
+                break
+            except KafkaError as exc:  # the broker answered a moment ago: retry
+                log.warning("producer_renewal_failed", error=repr(exc),
+                            backoff_s=backoff.current)  # fmt: skip
+                await asyncio.sleep(backoff.next())
+        old, self.producer, self.idempotent = self.producer, producer, idempotent
+        log.info("producer_renewed", idempotent=idempotent, reason=reason)
+        if old is not None:
+            try:
+                await asyncio.wait_for(old.stop(), self._overdue)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("old_producer_close_failed", error=repr(exc))
+
+    async def close(self) -> None:
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            await producer.stop()
