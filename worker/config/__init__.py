@@ -28,6 +28,7 @@ from worker.config.runtime import (
     ShutdownConfig,
     TracingConfig,
 )
+from worker.config.secret import Secret
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ __all__ = [
     "ModelConfig",
     "PostprocessConfig",
     "PreprocessConfig",
+    "Secret",
     "Settings",
     "ShutdownConfig",
     "TorchConfig",
