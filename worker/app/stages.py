@@ -34,7 +34,7 @@ from worker.kafka.consumer import Consumer
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
-from worker.kafka.delivery.writer import WriterParts
+from worker.kafka.delivery.writer import ResultWriter, WriterParts
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
 from worker.kafka.listener import RevokeHook
@@ -52,7 +52,7 @@ class Stages:
     consumer: Consumer
     batcher: MicroBatcher[Job]
     infer: Stage
-    writer: AtLeastOnceWriter | ExactlyOnceWriter
+    writer: ResultWriter
     committer: Committer
 
 
@@ -97,7 +97,7 @@ async def build_stages(
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
     parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer)
-    writer: AtLeastOnceWriter | ExactlyOnceWriter
+    writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(
             lambda: consumer.client, s.kafka.session_timeout_ms, plan.request_timeout_s

@@ -341,7 +341,7 @@ class Consumer:
             epoch=epoch,
         )
         guarded = self._guarded.get(tp)
-        if guarded and guarded.mode is Mode.QUARANTINE and guarded.head == record.offset:
+        if guarded is not None and (guarded.mode, guarded.head) == (Mode.QUARANTINE, record.offset):
             del self._guarded[tp]
             job = msgspec.structs.replace(
                 job, request=None, inputs={}, raw_value=record.value,

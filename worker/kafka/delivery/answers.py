@@ -66,10 +66,6 @@ class Answers:
         # and its state record), by (partition, offset, epoch).
         self._pending: dict[tuple[TopicPartition, int, int], int] = {}
 
-    @property
-    def model(self) -> ModelInfo:
-        return self._model
-
     def records(self, completed: Completed) -> list[OutRecord]:
         """The records for a completed batch's answers, skipping those of
         partitions revoked or reset meanwhile (their new owner answers them);
