@@ -59,7 +59,7 @@ from worker.compute.engines.torch_module import (
     strip_dtype_asserts,
     to_host,
 )
-from worker.compute.engines.torch_warm import warm
+from worker.compute.engines.torch_warm import SlotWarming
 from worker.config import ModelConfig
 from worker.flow.errors import ConfigError, EngineDead, InferenceFailed
 from worker.model.files import content_version
@@ -277,8 +277,9 @@ class TorchEngine:
         rows = int(next(iter(inputs.values())).shape[0])
         context = _Context(stream, inputs, outputs, rows)
         combos = [(b, lengths) for b, lengths in self.shapes.combos() if b <= rows]
-        warm(self._torch, self._device, slot.index, context, combos, self._run_into,
-             self._cuda_graphs)  # fmt: skip
+        SlotWarming(self._torch, self._device, slot.index, context, combos, self._run_into).run(
+            self._cuda_graphs
+        )
         return context
 
     def _run_into(

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from worker.contract import EncodedImage, InputValue
+from worker.flow.errors import InvalidRequest
 from worker.model.io import TensorDesc
 from worker.model.rows import Row
 from worker.model.shapes import dense
@@ -83,6 +84,20 @@ class BoundInput(ABC):
     def describe(self) -> str:
         feeds = ", ".join(f"{f.name} {f.shown()}" for f in self.feeds)
         return f"{self.name} ({self.kind} -> {feeds})"
+
+
+class WorkerSetInput(BoundInput):
+    """An input the worker sets, never a request: a constant, a sequence's state.
+    Every dimension is fixed, and a request that carries it is told who sets it."""
+
+    #: Who sets the input, and what the sender should do instead (the refusal's words).
+    set_by: str
+
+    def free_symbols(self) -> tuple[str, ...]:
+        return ()
+
+    def check(self, value: InputValue) -> Any:
+        raise InvalidRequest(f"{self.field}: {self.set_by}")
 
 
 def value_kind(value: InputValue) -> str:

@@ -16,28 +16,21 @@ from typing import Any
 import numpy as np
 
 from worker.config.model import ConstantInput
-from worker.contract import InputValue
-from worker.flow.errors import ConfigError, InvalidRequest
-from worker.model.inputs.base import BoundInput
+from worker.flow.errors import ConfigError
+from worker.model.inputs.base import WorkerSetInput
 from worker.model.io import TensorDesc
 from worker.model.shapes import dense
 
 
-class BoundConstant(BoundInput):
+class BoundConstant(WorkerSetInput):
     kind = "constant"
 
     def __init__(self, name: str, cfg: ConstantInput, feed: TensorDesc, setting: str) -> None:
         super().__init__(name, (feed,))
         self.desc = feed
         self.value = _converted(cfg.value, feed, f"{setting}.value")
-
-    def free_symbols(self) -> tuple[str, ...]:
-        return ()  # the value fixes every dimension
-
-    def check(self, value: InputValue) -> Any:
-        raise InvalidRequest(
-            f"{self.field}: set by the worker (model.inputs.{self.name}.value), not per request; "
-            "leave it out"
+        self.set_by = (
+            f"set by the worker (model.inputs.{name}.value), not per request; leave it out"
         )
 
     def collate(

@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 
 from worker.config.model import StateConfig
-from worker.contract import InputValue
-from worker.flow.errors import ConfigError, InvalidRequest
-from worker.model.inputs.base import BoundInput, pad_rows
+from worker.flow.errors import ConfigError
+from worker.model.inputs.base import WorkerSetInput, pad_rows
 from worker.model.io import ModelIO, TensorDesc
 
 
-class BoundState(BoundInput):
+class BoundState(WorkerSetInput):
     kind = "state"
 
     def __init__(self, name: str, cfg: StateConfig, io: ModelIO) -> None:
@@ -41,13 +40,8 @@ class BoundState(BoundInput):
         self.desc = desc
         self.output = _output(cfg, io, desc, at)
         self.initial = _initial(cfg, desc, at)
-
-    def free_symbols(self) -> tuple[str, ...]:
-        return ()  # every dimension of a state is fixed
-
-    def check(self, value: InputValue) -> Any:
-        raise InvalidRequest(
-            f"{self.field}: the sequence's state, kept by the worker (model.state.{self.name}); "
+        self.set_by = (
+            f"the sequence's state, kept by the worker (model.state.{name}); "
             "leave it out, and send sequence_start to begin a sequence afresh"
         )
 
