@@ -14,7 +14,7 @@ import pytest
 from worker.compute.sequences import SequenceStates, waves
 from worker.config import LimitsConfig, ModelConfig
 from worker.config.model import StateConfig
-from worker.flow.errors import ConfigError
+from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.values import Request
 from worker.model.inputs import bind
@@ -45,6 +45,13 @@ def test_a_state_input_is_fed_by_the_worker_not_by_requests() -> None:
     (state,) = inputs.states
     assert isinstance(state, BoundState) and state.output.name == "stateN"
     assert state.initial.shape == (2, 4) and not state.initial.any()
+    assert state.free_symbols() == ()
+    with pytest.raises(
+        InvalidRequest,
+        match=r"inputs\.state: the sequence's state, kept by the worker "
+        r"\(model\.state\.state\); leave it out, and send sequence_start",
+    ):
+        state.check(np.zeros((2, 4), F32))
 
 
 @pytest.mark.parametrize(
