@@ -85,6 +85,8 @@ async def test_round_trip_order_batching_and_commits(broker: Broker, names: dict
     finally:
         exit_code = w.terminate()
     assert exit_code == 0, w.log_tail()
+    # The cycle collector was settled once serving (worker.app.collector).
+    assert '"gc_settled"' in w.log_tail(10_000)
 
     results = [rec.result() for rec in c.records[names["results"]]]
     assert len(results) == n

@@ -11,6 +11,7 @@ import signal
 
 import structlog
 
+from worker.app.collector import settle_for_serving
 from worker.config import Settings
 from worker.obs import metrics
 
@@ -53,6 +54,7 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     await worker.start()
+    settle_for_serving()  # before the first fetch is read: the pipeline's tasks wait
     waiter = asyncio.ensure_future(worker.wait())
     stopper = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
