@@ -27,6 +27,7 @@ from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
+from worker.flow.room import Room
 from worker.flow.values import ModelInfo
 from worker.kafka.clients import client_kwargs
 from worker.kafka.commit import Committer
@@ -78,6 +79,8 @@ async def build_stages(
         b.max_inflight_batches
     )
     policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
+    # A batch is cut when a thread or slot can start it (worker.flow.room).
+    room = Room(plan.inflight)
     consumer = Consumer(
         s.kafka,
         JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
@@ -93,7 +96,9 @@ async def build_stages(
         transactional=plan.exactly_once,
         interval=s.kafka.commit_interval_ms / 1000.0,
     )
-    infer = await _inference_stage(s, plan, batches, completed, engine, policy, binding, tracker)
+    infer = await _inference_stage(
+        s, plan, batches, completed, engine, policy, binding, tracker, room
+    )
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
     parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer)
@@ -105,7 +110,8 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(consumer, MicroBatcher(jobs, batches, policy), infer, writer, committer)
+    batcher = MicroBatcher(jobs, batches, policy, room=room)
+    return Stages(consumer, batcher, infer, writer, committer)
 
 
 async def _inference_stage(
@@ -117,6 +123,7 @@ async def _inference_stage(
     policy: Policy[Job],
     binding: Binding,
     tracker: OffsetTracker,
+    room: Room,
 ) -> Stage:
     """The CPU stage, or the GPU stage with its slot ring (allocated once, off the
     event loop: kernel compilation and engine contexts take a while)."""
@@ -126,7 +133,7 @@ async def _inference_stage(
             batches, completed, engine, binding,
             max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
             max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
-            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
+            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch), room=room,
         )  # fmt: skip
     from worker.compute.gpu.stage import GpuStage
 
@@ -135,7 +142,7 @@ async def _inference_stage(
             batches, completed, cast(GpuEngine, engine), binding,
             max_batch_size=b.max_batch_size, num_slots=plan.inflight, gpu=s.gpu,
             preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,
-            on_service_time=policy.observe_service_time,
+            on_service_time=policy.observe_service_time, room=room,
         )
     )  # fmt: skip
 

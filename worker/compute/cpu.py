@@ -35,6 +35,7 @@ from worker.compute.triage import (
 )
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.room import Room
 from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.rows import Row
@@ -70,6 +71,7 @@ class CpuStage(Stage):
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
         owns: Callable[[Job], bool] = lambda job: True,
+        room: Room | None = None,
     ) -> None:
         """``binding``: the model's inputs and outputs as the worker bound them
         (``worker.model.inputs.bind_model``); ``max_inflight``: batches run at once.
@@ -78,7 +80,7 @@ class CpuStage(Stage):
         offset tracker's answer), which the states ask before a row touches them."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
-            max_attempts=max_attempts, on_service_time=on_service_time,
+            max_attempts=max_attempts, on_service_time=on_service_time, room=room,
         )  # fmt: skip
         self._engine = engine
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="infer")

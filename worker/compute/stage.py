@@ -21,6 +21,7 @@ from worker.compute.sequences import SequenceStates
 from worker.compute.triage import ServiceTimeHook, report_service_time
 from worker.flow.errors import InferenceFailed, WorkerError
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.flow.room import Room
 from worker.flow.streams import end_of_stream
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
@@ -37,8 +38,12 @@ class Stage(ABC):
         *,
         max_attempts: int,
         on_service_time: ServiceTimeHook | None,
+        room: Room | None = None,
     ) -> None:
+        """``room``: the batcher's (``worker.flow.room``), given back as each
+        batch is done, so the next batch is cut when it can start."""
         self._batches_in = batches_in
+        self._room = room
         self._completed_out = completed_out
         self.binding = binding
         self._inputs = binding.inputs
@@ -58,6 +63,8 @@ class Stage(ABC):
                 self._metrics.batches(batch.reason).inc()
                 fut = await self.dispatch(batch)
                 fut.add_done_callback(self._report)
+                if self._room is not None:
+                    fut.add_done_callback(self._room.give_back)
                 metrics.INFLIGHT_BATCHES.inc()  # the writer lowers it once produced
                 await self._completed_out.put(fut)
 

@@ -22,9 +22,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol
+from typing import Generic, Protocol, cast
 
 from worker.flow.messages import Batch, FlushReason, T
+from worker.flow.room import Room
 
 Clock = Callable[[], float]
 
@@ -124,7 +125,11 @@ class MicroBatcher(Generic[T]):
     """Async stage: consume-queue items in, ``Batch`` objects out.
 
     ``None`` on the input queue means end of stream: the forming batch is flushed
-    and ``None`` is passed on, so shutdown drains stage by stage.
+    and ``None`` is passed on, so shutdown drains stage by stage. With a ``room``
+    (``worker.flow.room``), a due batch is cut only when the engine can start
+    it; meanwhile the queue is still read into the policy, so what arrives while
+    the engine is busy is there when the batch is formed. Without one (tests,
+    tools), a batch is cut as soon as it is due.
     """
 
     def __init__(
@@ -133,45 +138,82 @@ class MicroBatcher(Generic[T]):
         batches_out: asyncio.Queue[Batch[T] | None],
         policy: Policy[T],
         clock: Clock = time.monotonic,
+        room: Room | None = None,
     ) -> None:
         self._items_in = items_in
         self._batches_out = batches_out
         self.policy = policy
         self._clock = clock
+        self._room = room
 
     async def run(self) -> None:
         policy = self.policy
-        while True:
-            flush_at = policy.next_flush_at()
-            timeout = None if flush_at is None else max(0.0, flush_at - self._clock())
-            ended = False
-            try:
-                item = await asyncio.wait_for(self._items_in.get(), timeout)
-            except TimeoutError:
-                pass
-            else:
-                if item is None:
-                    ended = True
-                else:
-                    policy.add(item)
-                    ended = self._drain_ready()
+        ended = False
+        while not ended:
+            ended = await self._next()
             while (
                 not ended
+                and self._room_free()
                 and (batch := policy.take(self._clock(), queue_drained=self._items_in.empty()))
                 is not None
             ):
-                await self._batches_out.put(batch)
+                await self._put(batch)
                 # What arrived while the put waited joins before the next cut: with
                 # priority lanes an urgent request must not wait in the queue
                 # behind the backlog the policy already holds.
                 ended = self._drain_ready()
-            if ended:
-                while (batch := policy.take(self._clock(), queue_drained=False)) is not None:
-                    await self._batches_out.put(batch)
-                if (last := policy.drain(self._clock())) is not None:
-                    await self._batches_out.put(last)
-                await self._batches_out.put(None)
-                return
+        while (batch := policy.take(self._clock(), queue_drained=False)) is not None:
+            await self._put(batch)
+        if (last := policy.drain(self._clock())) is not None:
+            await self._put(last)
+        await self._batches_out.put(None)
+
+    def _room_free(self) -> bool:
+        return self._room is None or self._room.free
+
+    async def _put(self, batch: Batch[T]) -> None:
+        if self._room is not None:
+            await self._room.wait()  # at end of stream; otherwise free already
+            self._room.take()
+        await self._batches_out.put(batch)
+
+    async def _next(self) -> bool:
+        """Wait for an item, for the policy's next flush time, or (the engine
+        busy) for room; an item joins the policy with everything queued behind
+        it. True on end of stream."""
+        policy = self.policy
+        if self._room_free():
+            flush_at = policy.next_flush_at()
+            timeout = None if flush_at is None else max(0.0, flush_at - self._clock())
+            try:
+                item = await asyncio.wait_for(self._items_in.get(), timeout)
+            except TimeoutError:
+                return False
+        else:
+            assert self._room is not None
+            if not policy.has_room:
+                await self._room.wait()
+                return False
+            got = await self._item_or_room(self._room)
+            if got is _ROOM:
+                return False
+            item = cast("T | None", got)
+        if item is None:
+            return True
+        policy.add(item)
+        return self._drain_ready()
+
+    async def _item_or_room(self, room: Room) -> object:
+        """The next item, or ``_ROOM`` when room frees first (no item is taken
+        then: a cancelled ``Queue.get`` leaves its item queued)."""
+        get = asyncio.ensure_future(self._items_in.get())
+        freed = asyncio.ensure_future(room.wait())
+        await asyncio.wait({get, freed}, return_when=asyncio.FIRST_COMPLETED)
+        freed.cancel()
+        if get.done():
+            return get.result()
+        get.cancel()
+        return _ROOM
 
     def _drain_ready(self) -> bool:
         """Move already-queued items into the policy without waiting; True on EOS."""
@@ -184,3 +226,6 @@ class MicroBatcher(Generic[T]):
                 return True
             self.policy.add(item)
         return False
+
+
+_ROOM = object()  # _item_or_room: room freed before an item came

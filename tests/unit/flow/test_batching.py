@@ -9,6 +9,7 @@ import pytest
 
 from worker.flow.batching import BatchPolicy, MicroBatcher
 from worker.flow.messages import Batch
+from worker.flow.room import Room
 
 
 @dataclass
@@ -114,3 +115,37 @@ async def test_microbatcher_flushes_on_delay_with_real_loop() -> None:
     assert batch is not None and batch.reason == "delay" and len(batch) == 1
     src.put_nowait(None)
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_due_batch_waits_for_room_and_takes_what_arrived_meanwhile() -> None:
+    """The engine busy (no room), a batch past its delay is not cut: requests
+    keep joining it, and it is cut, larger, when the engine can start it."""
+    src: asyncio.Queue[Item | None] = asyncio.Queue()
+    out: asyncio.Queue[Batch[Item] | None] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    room = Room(1)
+    room.take()  # a batch already running
+    stage = MicroBatcher(src, out, policy(max_size=64, delay=0.001), clock=loop.time, room=room)
+    task = asyncio.create_task(stage.run())
+    for n in range(3):
+        src.put_nowait(Item(arrived=loop.time(), n=n))
+        await asyncio.sleep(0.01)
+    assert out.empty()
+    room.give_back()
+    batch = await asyncio.wait_for(out.get(), 5)
+    assert batch is not None and batch.reason == "delay" and [i.n for i in batch.items] == [0, 1, 2]
+    room.give_back()
+    src.put_nowait(None)
+    await asyncio.wait_for(task, 5)
+    assert await out.get() is None
+
+
+def test_room_counts_batches_between_cut_and_done() -> None:
+    room = Room(2)
+    room.take()
+    room.take()
+    assert not room.free
+    room.give_back()
+    assert room.free
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        Room(0)

@@ -18,6 +18,7 @@ from worker.flow.batching import MicroBatcher
 from worker.flow.errors import ConfigError
 from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy, reserved_rows
 from worker.flow.messages import Batch
+from worker.flow.room import Room
 from worker.ops.processes import override_env
 
 
@@ -143,6 +144,31 @@ async def test_the_batcher_takes_an_urgent_request_queued_behind_a_backlog() -> 
     await MicroBatcher(items, out, policy(max_size=16)).run()
     first = await out.get()
     assert first is not None and first.items[0].n == 999
+
+
+async def test_a_batch_is_cut_when_the_engine_can_start_it_so_urgent_requests_go_first() -> None:
+    """With room for one batch on the engine, the batcher cuts one and waits: the
+    bulk backlog stays in the lanes, not in batches cut ahead of time, so an
+    urgent request that arrives while the engine is busy is in the next batch."""
+    items: asyncio.Queue[Item | None] = asyncio.Queue()
+    out: asyncio.Queue[Batch[Item] | None] = asyncio.Queue()
+    room = Room(1)
+    for n in range(64):
+        items.put_nowait(Item(1, n))
+    task = asyncio.create_task(MicroBatcher(items, out, policy(max_size=16), room=room).run())
+    try:
+        first = await asyncio.wait_for(out.get(), 5)
+        assert first is not None and [i.n for i in first.items] == list(range(16))
+        await asyncio.sleep(0.05)
+        assert out.empty() and not room.free  # nothing cut while the engine is busy
+        items.put_nowait(Item(0, 999))
+        await asyncio.sleep(0.01)
+        room.give_back()  # the first batch is done
+        second = await asyncio.wait_for(out.get(), 5)
+        assert second is not None and second.items[0].n == 999
+        assert [i.n for i in second.items[1:]] == list(range(16, 31))
+    finally:
+        task.cancel()
 
 
 def test_the_lowest_lane_pauses_first_and_resumes_last() -> None:

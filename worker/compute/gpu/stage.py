@@ -67,6 +67,7 @@ from worker.compute.triage import ServiceTimeHook, completed, run_isolating, tri
 from worker.config import GpuConfig
 from worker.flow.errors import EngineDead
 from worker.flow.messages import Batch, Completed, Job
+from worker.flow.room import Room
 from worker.model.inputs import Binding
 from worker.model.rows import Row
 
@@ -87,6 +88,7 @@ class GpuStage(Stage):
         preferred_batch_sizes: tuple[int, ...] = (),
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
+        room: Room | None = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
         (kernel compilation, engine contexts): construct it off the event loop.
@@ -94,7 +96,7 @@ class GpuStage(Stage):
         ``preferred_batch_sizes``: the batch buckets."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
-            max_attempts=max_attempts, on_service_time=on_service_time,
+            max_attempts=max_attempts, on_service_time=on_service_time, room=room,
         )  # fmt: skip
         inputs = binding.inputs
         image = check_gpu_inputs(inputs, gpu, num_slots)
