@@ -255,7 +255,7 @@ def test_the_aiokafka_fetcher_still_has_the_backoff_lanes_shorten() -> None:
 
 def test_with_lanes_a_partition_fetch_is_small_unless_set() -> None:
     lanes = (LaneConfig(("a",)), LaneConfig(("b",), priority=1))
-    assert KafkaConfig(input_topics=("a", "b")).max_partition_fetch_bytes == 8 * 1024 * 1024
+    assert KafkaConfig(input_topics=("a", "b")).max_partition_fetch_bytes == 1 << 20
     assert KafkaConfig(input_topics=("a", "b"), lanes=lanes).max_partition_fetch_bytes == 65536
-    given = KafkaConfig(input_topics=("a", "b"), lanes=lanes, max_partition_fetch_bytes=1 << 20)
-    assert given.max_partition_fetch_bytes == 1 << 20
+    given = KafkaConfig(input_topics=("a", "b"), lanes=lanes, max_partition_fetch_bytes=1 << 22)
+    assert given.max_partition_fetch_bytes == 1 << 22
