@@ -86,7 +86,8 @@ class KafkaConfig:
     # 64 KiB against about 270 at 8 MiB). It was 8 MiB without lanes: responses of
     # up to 32 MiB cost the event loop more to read than they saved in round
     # trips (a 100,000-record drain: 1.19x the records per second at 1 MiB, 15%
-    # less CPU per record; BENCHMARKS.md, "The fetch size").
+    # less CPU per record; BENCHMARKS.md, "The fetch size"). Records near 1 MiB
+    # (raw image tensors) come one or two per partition per fetch: set it higher.
     max_partition_fetch_bytes: int = 0
     # Producer side: results can carry tensors, so allow more than Kafka's 1 MB default.
     max_request_size: int = 16777216
