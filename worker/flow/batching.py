@@ -208,12 +208,14 @@ class MicroBatcher(Generic[T]):
         then: a cancelled ``Queue.get`` leaves its item queued)."""
         get = asyncio.ensure_future(self._items_in.get())
         freed = asyncio.ensure_future(room.wait())
-        await asyncio.wait({get, freed}, return_when=asyncio.FIRST_COMPLETED)
-        freed.cancel()
-        if get.done():
-            return get.result()
-        get.cancel()
-        return _ROOM
+        try:
+            await asyncio.wait({get, freed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when this task is cancelled: no orphan get may take an item later.
+            freed.cancel()
+            if not get.done():
+                get.cancel()
+        return get.result() if get.done() and not get.cancelled() else _ROOM
 
     def _drain_ready(self) -> bool:
         """Move already-queued items into the policy without waiting; True on EOS."""

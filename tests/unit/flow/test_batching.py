@@ -149,3 +149,20 @@ def test_room_counts_batches_between_cut_and_done() -> None:
     assert room.free
     with pytest.raises(ValueError, match="size must be >= 1"):
         Room(0)
+
+
+async def test_a_batcher_cancelled_while_the_engine_is_busy_takes_no_item_later() -> None:
+    """Cancelled while it waits for an item or room (a second signal abandons the
+    drain), the batcher leaves no pending read on the queue behind it."""
+    src: asyncio.Queue[Item | None] = asyncio.Queue()
+    out: asyncio.Queue[Batch[Item] | None] = asyncio.Queue()
+    room = Room(1)
+    room.take()
+    task = asyncio.create_task(MicroBatcher(src, out, policy(max_size=4), room=room).run())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    src.put_nowait(Item(arrived=0.0))
+    await asyncio.sleep(0.01)
+    assert src.qsize() == 1
