@@ -22,10 +22,11 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, cast
+from typing import Generic, Protocol
 
 from worker.flow.messages import Batch, FlushReason, T
 from worker.flow.room import Room
+from worker.flow.streams import Woken, next_or_woken
 
 Clock = Callable[[], float]
 
@@ -194,28 +195,15 @@ class MicroBatcher(Generic[T]):
             if not policy.has_room:
                 await self._room.wait()
                 return False
-            got = await self._item_or_room(self._room)
-            if got is _ROOM:
+            # Room freed first: no item taken (``next_or_woken`` drops none).
+            got = await next_or_woken(self._items_in, self._room.wait)
+            if got is Woken.WOKEN:
                 return False
-            item = cast("T | None", got)
+            item = got
         if item is None:
             return True
         policy.add(item)
         return self._drain_ready()
-
-    async def _item_or_room(self, room: Room) -> object:
-        """The next item, or ``_ROOM`` when room frees first (no item is taken
-        then: a cancelled ``Queue.get`` leaves its item queued)."""
-        get = asyncio.ensure_future(self._items_in.get())
-        freed = asyncio.ensure_future(room.wait())
-        try:
-            await asyncio.wait({get, freed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Also when this task is cancelled: no orphan get may take an item later.
-            freed.cancel()
-            if not get.done():
-                get.cancel()
-        return get.result() if get.done() and not get.cancelled() else _ROOM
 
     def _drain_ready(self) -> bool:
         """Move already-queued items into the policy without waiting; True on EOS."""
@@ -228,6 +216,3 @@ class MicroBatcher(Generic[T]):
                 return True
             self.policy.add(item)
         return False
-
-
-_ROOM = object()  # _item_or_room: room freed before an item came

@@ -1,17 +1,49 @@
-"""End of stream between stages.
+"""The queues between stages: their end of stream, and waiting on one.
 
 Stages are linked by bounded queues and signal the end of their output with
 ``None``, so shutdown drains stage by stage. How that ``None`` is put depends on
 why the stage ends, and getting it wrong hangs ``Worker.stop()``; so it lives here,
-once, for every stage.
+once, for every stage. ``next_or_woken`` waits for a queue's next item or for
+something else, whichever comes first, without ever losing an item.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+Item = TypeVar("Item")
+
+
+class Woken(enum.Enum):
+    """What ``next_or_woken`` returns when woken, not by an item."""
+
+    WOKEN = "woken"
+
+
+async def next_or_woken(
+    queue: asyncio.Queue[Item], wake: Callable[[], Awaitable[object]]
+) -> Item | Woken:
+    """The queue's next item, or ``WOKEN`` as soon as ``wake()`` completes first.
+    No item is ever taken and dropped, even when the caller is cancelled:
+    ``Queue.get`` removes an item only after its wait returns, never when
+    cancelled, and the read is cancelled on every way out."""
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    woken = asyncio.ensure_future(wake())
+    try:
+        await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woken.cancel()
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    return Woken.WOKEN
 
 
 @contextlib.asynccontextmanager

@@ -19,13 +19,14 @@ import structlog
 from aiokafka import AIOKafkaProducer
 
 from worker.flow.messages import Completed, TopicPartition
+from worker.flow.streams import Woken
 from worker.kafka.clients import start_producer
 from worker.kafka.delivery.answers import Answers
 from worker.kafka.delivery.decide import Action, Verdict, retriable
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.sending import Sent
-from worker.kafka.delivery.writer import Completions, Woken, WriterParts
+from worker.kafka.delivery.writer import Completions, WriterParts
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
 

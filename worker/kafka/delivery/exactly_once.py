@@ -44,13 +44,14 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.flow.errors import TransactionFenced
 from worker.flow.messages import Completed, TopicPartition
+from worker.flow.streams import Woken
 from worker.kafka.clients import start_transactional_producer, transactional_id
 from worker.kafka.delivery.answers import Answers
 from worker.kafka.delivery.decide import Action
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.transaction import Txn, TxnState
-from worker.kafka.delivery.writer import Completions, Woken, WriterParts
+from worker.kafka.delivery.writer import Completions, WriterParts
 from worker.kafka.lease import GroupLease
 from worker.obs import metrics
 

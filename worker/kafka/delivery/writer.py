@@ -15,7 +15,6 @@ producer). ``ResultWriter`` is what the worker calls on either.
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +25,7 @@ from worker.contract import ModelInfo
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Completed, TopicPartition
 from worker.flow.offsets import OffsetTracker
+from worker.flow.streams import Woken, next_or_woken
 from worker.kafka.commit import Committer
 from worker.obs import metrics
 from worker.obs.tracing import Tracer
@@ -48,12 +48,6 @@ class ResultWriter(Protocol):
     async def fence(self, revoked: set[TopicPartition]) -> None: ...
 
     async def close(self) -> None: ...
-
-
-class Woken(enum.Enum):
-    """What ``Completions.next_or_woken`` returns when woken, not by a batch."""
-
-    WOKEN = 1
 
 
 @dataclass(frozen=True)
@@ -79,22 +73,10 @@ class Completions:
     async def next_or_woken(self, wake: asyncio.Event) -> asyncio.Future[Completed] | Woken | None:
         """The next item of the queue (a batch's future, or None at the end), or
         ``WOKEN`` as soon as ``wake`` is set (records wait to be sent again)."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        getter = asyncio.ensure_future(self.queue.get())
-        woken = asyncio.ensure_future(wake.wait())
-        try:
-            await asyncio.wait({getter, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            if not getter.done():
-                # Leaves an item it was woken for in the queue: Queue.get()
-                # removes it only after its wait returns, never when cancelled.
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        wake.clear()
-        return Woken.WOKEN
+        item = await next_or_woken(self.queue, wake.wait)
+        if item is Woken.WOKEN:
+            wake.clear()
+        return item
 
     async def completed(self, fut: asyncio.Future[Completed]) -> Completed:
         """A batch the inference stage dispatched, once it completed: no longer in
