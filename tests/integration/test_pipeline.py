@@ -332,3 +332,31 @@ async def test_procs_runs_one_group_of_members_and_stops_them_together(
     assert sorted(ids) == sorted(f"req-{i}" for i in range(n))
     committed = await committed_offsets(broker.bootstrap, names["group"], names["requests"], parts)
     assert sum(committed.values()) == n
+
+
+async def test_a_backlog_of_small_rows_runs_in_batches_sized_from_the_model(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """``batching.max_batch_size`` left to derive: the bundled model's 256-byte
+    rows run up to 256 a batch on the CPU path (``worker.app.plan``)."""
+    n, parts = 3000, 2
+    await create_topics(
+        broker.bootstrap, {names["requests"]: parts, names["results"]: 1, names["dlq"]: 1}
+    )
+    await produce_all(
+        broker.bootstrap,
+        names["requests"],
+        [(f"k{i}".encode(), request_bytes(i)) for i in range(n)],
+        partition_of=lambda i: i % parts,
+    )
+    w = await start_worker(broker, names, parts)
+    try:
+        await collect(broker, [names["results"]], n)
+        metrics = w.metrics()
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert '"batch_size_derived"' in w.log_tail(10_000)
+    (up_to_64,) = (v for k, v in metrics.items()
+                   if k.startswith("infer_batch_size_bucket") and 'le="64.0"' in k)  # fmt: skip
+    above = metrics["infer_batch_size_count"] - up_to_64
+    assert above >= 1, metrics

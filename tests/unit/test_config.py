@@ -79,7 +79,7 @@ def test_string_list_keeps_names_that_look_like_toml(raw: str, topics: tuple[str
         ("[nope]\n", {}, "nope"),
         ("", {"INFER_WORKER_KAFKA__NOPE": "1"}, "kafka.nope"),
         ("[batching]\nmax_batch_size = 'big'\n", {}, "batching.max_batch_size"),
-        ("[batching]\nmax_batch_size = 0\n", {}, "batching.max_batch_size"),
+        ("[batching]\nmax_batch_size = -1\n", {}, "batching.max_batch_size"),
         (
             "[batching]\nmax_batch_size = 8\npreferred_batch_sizes = [16]\n",
             {},

@@ -9,14 +9,27 @@ section's check (``worker.config``); what spans sections is resolved here.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from worker.compute.engines import is_gpu_backend
 from worker.config import Settings
 from worker.flow.errors import ConfigError
 from worker.kafka.clients import exactly_once
+from worker.model.io import EngineInfo
 from worker.model.shapes import bucket_sizes
+
+# A batch's model input the CPU path fills up to when it derives the batch size,
+# and the rows it stays within. Each batch costs about a millisecond of CPU
+# however few rows it holds (a thread hand-off, a produce request and its acks,
+# a commit); where rows are small that dominates (the bundled digits model,
+# 256 B a row: 64-row batches drain at 0.71x the rate of 256-row ones,
+# BENCHMARKS "A batch's size from its rows"). Large rows gain nothing from more
+# of them per batch and pay in memory and in the time a batch holds the engine.
+BATCH_INPUT_BYTES: Final = 64 * 1024
+BATCH_ROWS: Final = (64, 256)
 
 
 @dataclass(frozen=True)
@@ -71,3 +84,30 @@ class RunPlan:
             revoke_timeout_s=k.session_timeout_ms / 2000.0,
             reloads=s.model.reload_interval_s > 0,
         )  # fmt: skip
+
+
+def batch_rows(info: EngineInfo) -> int | None:
+    """The CPU path's batch size for a model when ``batching.max_batch_size`` is
+    left to derive: as many rows as fit ``BATCH_INPUT_BYTES`` of input, within
+    ``BATCH_ROWS``. None (keep the default) when a row's size is not known
+    before requests come (a free dimension: text, sequences) or the model file
+    fixes its batch size."""
+    inputs = [d for d in info.io.inputs if d.batched]
+    fixed_batch = info.max_batch_size is not None or info.io.batch is not None
+    if fixed_batch or not inputs or not all(d.fixed for d in inputs):
+        return None
+    row_bytes = sum(
+        math.prod(d for d in desc.shape if isinstance(d, int)) * desc.dtype.itemsize
+        for desc in inputs
+    )
+    low, high = BATCH_ROWS
+    return max(low, min(high, BATCH_INPUT_BYTES // max(1, row_bytes)))
+
+
+def sized_for(s: Settings, info: EngineInfo) -> Settings:
+    """``s`` with the batch size derived from the loaded model (the CPU path),
+    if ``batching.max_batch_size`` was left to derive; else ``s`` as it is."""
+    rows = batch_rows(info)
+    if rows is None or not s.batching.batch_size_derived:
+        return s
+    return dataclasses.replace(s, batching=s.batching.sized(rows))

@@ -17,7 +17,7 @@ import structlog
 from aiokafka.errors import KafkaError
 
 from worker import __version__
-from worker.app.plan import RunPlan
+from worker.app.plan import RunPlan, sized_for
 from worker.app.reload import watch_model
 from worker.app.stages import Stages, build_stages, crash_guard
 from worker.app.states import wire_states
@@ -33,6 +33,7 @@ from worker.kafka.crashguard import CrashGuard
 from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
+from worker.model.io import EngineInfo
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -67,6 +68,17 @@ class Worker:
 
     # --- lifecycle -------------------------------------------------------------------
 
+    def _sized(self, info: EngineInfo) -> Settings:
+        """The settings and the plan with the batch size derived from the loaded
+        model (the CPU path, when ``batching.max_batch_size`` is left to derive):
+        decided here once, before any stage is built."""
+        sized = sized_for(self.settings, info)
+        if sized is not self.settings:
+            self.settings, self.plan = sized, RunPlan.of(sized)
+            log.info("batch_size_derived", max_batch_size=sized.batching.max_batch_size,
+                     model=info.name)  # fmt: skip
+        return self.settings
+
     async def start(self) -> None:
         s = self.settings
         # Client arguments (pass-through options, the OAuth token provider) are
@@ -87,6 +99,8 @@ class Worker:
                 buckets=self.plan.batch_buckets,
             )
         engine = self._engine
+        if self.plan.device == "cpu":
+            s = self._sized(engine.info)
         try:
             stages = self._stages = await build_stages(
                 s, self.plan, engine, self.tracker, self._tracer, self._on_revoke

@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from worker.config.checks import check, derive
 
+# ``batching.max_batch_size`` when it is left to derive and nothing else decides
+# it: the GPU path, a model whose rows have free dimensions, tools.
+DEFAULT_BATCH_SIZE = 64
+
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    max_batch_size: int = 64
+    # 0 = derived: 64, except that the CPU path derives it again from the model
+    # once loaded (``worker.app.plan.batch_rows``: up to 256 rows for models
+    # whose rows are small, where a batch's fixed cost outweighs its rows').
+    max_batch_size: int = 0
     # Measured from the oldest request in the forming batch.
     max_queue_delay_ms: float = 5.0
     # Sizes the engine is tuned for; a batch of one of these is sent without waiting.
@@ -46,7 +54,15 @@ class BatchingConfig:
     length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1")
+        # The settings left to derive (0 given), so ``sized`` can derive them again.
+        derived = {
+            name for name in ("max_batch_size", "queue_capacity", "max_inflight_records")
+            if getattr(self, name) == 0
+        }  # fmt: skip
+        object.__setattr__(self, "_derived", frozenset(derived))
+        if self.max_batch_size == 0:
+            derive(self, "max_batch_size", max((DEFAULT_BATCH_SIZE, *self.preferred_batch_sizes)))
+        check(self.max_batch_size >= 1, "batching.max_batch_size", "must be >= 1 (0: derived)")
         check(
             all(b >= 1 for b in self.length_buckets)
             and list(self.length_buckets) == sorted(set(self.length_buckets)),
@@ -81,6 +97,28 @@ class BatchingConfig:
         )
         check(self.max_inflight_bytes > 0, "batching.max_inflight_bytes", "must be > 0")
         check(self.max_attempts >= 1, "batching.max_attempts", "must be >= 1")
+
+    @property
+    def batch_size_derived(self) -> bool:
+        """Whether ``max_batch_size`` was left to derive (0, the default)."""
+        return "max_batch_size" in self._derived  # type: ignore[attr-defined]
+
+    def sized(self, rows: int) -> BatchingConfig:
+        """These settings with ``max_batch_size`` = ``rows``, derived at start-up,
+        if it was left to derive (else unchanged); the defaults derived from it
+        (``queue_capacity``, ``max_inflight_records``) follow it."""
+        if not self.batch_size_derived:
+            return self
+        derived = self._derived  # type: ignore[attr-defined]
+        return dataclasses.replace(
+            self,
+            # never below a size asked for
+            max_batch_size=max((rows, *self.preferred_batch_sizes)),
+            queue_capacity=0 if "queue_capacity" in derived else self.queue_capacity,
+            max_inflight_records=(
+                0 if "max_inflight_records" in derived else self.max_inflight_records
+            ),
+        )
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def test_printed_lines_are_accepted_by_the_worker_config(tmp_path: Path) -> None
 def test_a_grid_the_worker_would_refuse_is_refused_before_anything_starts() -> None:
     check_options(SweepOptions())  # the defaults are valid
     with pytest.raises(ConfigError, match=r"batching\.max_batch_size"):
-        check_options(SweepOptions(batch_sizes=[0]))
+        check_options(SweepOptions(batch_sizes=[-1]))
     with pytest.raises(ConfigError, match=r"batching\.max_queue_delay_ms"):
         check_options(SweepOptions(delays=[-1.0]))
     with pytest.raises(ConfigError, match="--rates"):
