@@ -7,7 +7,7 @@ import numpy as np
 
 from worker.app.plan import BATCH_ROWS, RunPlan, batch_rows, sized_for
 from worker.compute.engines import load_engine
-from worker.config import BatchingConfig, Settings
+from worker.config import BatchingConfig, KafkaConfig, LaneConfig, Settings
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 
 F32, I64 = np.dtype("float32"), np.dtype("int64")
@@ -52,6 +52,15 @@ def test_sized_settings_follow_the_model_only_where_left_to_derive() -> None:
     preferred = Settings(batching=BatchingConfig(preferred_batch_sizes=(512,)))
     assert preferred.batching.max_batch_size == 512
     assert sized_for(preferred, small).batching.max_batch_size == 512
+
+
+def test_priority_lanes_keep_the_default_batch_size() -> None:
+    kafka = KafkaConfig(
+        input_topics=("u", "b"),
+        lanes=(LaneConfig(topics=("u",), priority=0), LaneConfig(topics=("b",), priority=1)),
+    )
+    laned = Settings(kafka=kafka)
+    assert sized_for(laned, info(TensorDesc("image", F32, (1, 8, 8)))) is laned
 
 
 def test_the_bundled_model_gets_256_rows() -> None:
