@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from worker.app.plan import BATCH_ROWS, RunPlan, batch_rows, sized_for
+from worker.cli.tools import as_run
 from worker.compute.engines import load_engine
-from worker.config import BatchingConfig, KafkaConfig, LaneConfig, Settings
+from worker.config import BatchingConfig, KafkaConfig, LaneConfig, ModelConfig, Settings
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 
 F32, I64 = np.dtype("float32"), np.dtype("int64")
@@ -70,3 +72,14 @@ def test_the_bundled_model_gets_256_rows() -> None:
         assert sized_for(s, engine.info).batching.max_batch_size == 256
     finally:
         engine.close()
+
+
+def test_the_config_command_shows_the_batch_size_the_worker_would_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert as_run(Settings()).batching.max_batch_size == 256
+    explicit = Settings(batching=BatchingConfig(max_batch_size=64))
+    assert as_run(explicit) is explicit
+    missing = Settings(model=ModelConfig(path="/no/such/model.onnx"))
+    assert as_run(missing).batching.max_batch_size == 64
+    assert "derived from the model at start-up" in capsys.readouterr().err

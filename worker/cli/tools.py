@@ -5,15 +5,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from worker.cli.common import Subparsers, add_command
-from worker.config import load_settings, redacted
+from worker.config import Settings, load_settings, redacted
+from worker.flow.errors import WorkerError
 from worker.obs import logs
 
 
 def config_command(args: argparse.Namespace) -> int:
-    print(json.dumps(redacted(load_settings(args.config)), indent=2))
+    print(json.dumps(redacted(as_run(load_settings(args.config))), indent=2))
     return 0
+
+
+def as_run(s: Settings) -> Settings:
+    """``s`` as a worker would run it: where the CPU path derives the batch
+    size from the model (``worker.app.plan.sized_for``), the model is loaded
+    here to derive it the same way; a model that will not load leaves the
+    default and says so on stderr (the worker itself would refuse to start)."""
+    from worker.app.plan import RunPlan, sized_for
+    from worker.compute.engines import load_engine
+
+    if RunPlan.of(s).device != "cpu" or not s.batching.batch_size_derived or s.kafka.lanes:
+        return s
+    try:
+        engine = load_engine(s.model)
+    except WorkerError as exc:
+        print(f"batching.max_batch_size: derived from the model at start-up, which did not "
+              f"load here ({exc}); shown as the default", file=sys.stderr)  # fmt: skip
+        return s
+    try:
+        return sized_for(s, engine.info)
+    finally:
+        engine.close()
 
 
 def build_engine_command(args: argparse.Namespace) -> int:
@@ -28,7 +52,8 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     cfg = add_command(
         sub, "config", "print the effective configuration (secrets masked)",
         "Print the settings the worker would run with: defaults, then --config, then "
-        "INFER_WORKER_* variables, as JSON with secrets masked.",
+        "INFER_WORKER_* variables, as JSON with secrets masked; a batch size the worker "
+        "derives from the model is derived here too (the model is loaded).",
         config_command,
     )  # fmt: skip
     cfg.add_argument("--config", help="TOML file")

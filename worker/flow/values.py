@@ -196,9 +196,10 @@ class ErrorInfo:
         return cls(ErrorCode.INTERNAL, f"internal error ({type(err).__name__})")
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where the request came from: the idempotency key of its result."""
+class Source(msgspec.Struct, frozen=True):
+    """Where the request came from: the idempotency key of its result. A
+    msgspec Struct: one is made per answer (``Job.source``), 0.2 us against a
+    frozen dataclass's 1.4 (issue 36)."""
 
     topic: str
     partition: int
