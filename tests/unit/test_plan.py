@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.app.plan import BATCH_ROWS, RunPlan, batch_rows, sized_for
-from worker.cli.tools import as_run
+from worker.app.plan import BATCH_ROWS, RunPlan, as_run, batch_rows, sized_for
 from worker.compute.engines import load_engine
 from worker.config import BatchingConfig, KafkaConfig, LaneConfig, ModelConfig, Settings
 from worker.model.io import EngineInfo, ModelIO, TensorDesc

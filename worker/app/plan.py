@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from worker.compute.engines import is_gpu_backend
 from worker.config import Settings
-from worker.flow.errors import ConfigError
+from worker.flow.errors import ConfigError, WorkerError
 from worker.kafka.clients import exactly_once
 from worker.model.io import EngineInfo
 from worker.model.shapes import bucket_sizes
@@ -115,3 +116,25 @@ def sized_for(s: Settings, info: EngineInfo) -> Settings:
     if rows is None or not s.batching.batch_size_derived or s.kafka.lanes:
         return s
     return dataclasses.replace(s, batching=s.batching.sized(rows))
+
+
+def as_run(s: Settings) -> Settings:
+    """``s`` as a worker would run it, for the tools that show or time what the
+    worker does (``infer-worker config``, ``bench --model``): where the CPU path derives the batch
+    size from the model (``worker.app.plan.sized_for``), the model is loaded
+    here to derive it the same way; a model that will not load leaves the
+    default and says so on stderr (the worker itself would refuse to start)."""
+    from worker.compute.engines import load_engine
+
+    if RunPlan.of(s).device != "cpu" or not s.batching.batch_size_derived or s.kafka.lanes:
+        return s
+    try:
+        engine = load_engine(s.model)
+    except WorkerError as exc:
+        print(f"batching.max_batch_size: derived from the model at start-up, which did not "
+              f"load here ({exc}); shown as the default", file=sys.stderr)  # fmt: skip
+        return s
+    try:
+        return sized_for(s, engine.info)
+    finally:
+        engine.close()

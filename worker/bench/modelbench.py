@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from worker import __version__
+from worker.app.plan import as_run
 from worker.bench.backlog import plan_backlog, short_drain_note
 from worker.bench.ceiling import drain_ceiling
 from worker.bench.drain import WorkerDrain, drain_worker, open_nvml
@@ -70,7 +71,8 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
     started = time.monotonic()
     name, inputs = payload_inputs(opts.model, opts.payload)  # before building (exit 2 early)
     overrides = run_overrides(opts)
-    settings = load_settings(env=override_env(overrides))
+    # The batch size the worker will derive from the model, for the engine alone too.
+    settings = as_run(load_settings(env=override_env(overrides)))
     device = run_device(settings)
     sample = request_records(name, inputs, "size", len(inputs))
     record_bytes = float(np.mean([len(v) for _, v in sample]))

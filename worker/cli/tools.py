@@ -5,39 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from worker.cli.common import Subparsers, add_command
-from worker.config import Settings, load_settings, redacted
-from worker.flow.errors import WorkerError
+from worker.config import load_settings, redacted
 from worker.obs import logs
 
 
 def config_command(args: argparse.Namespace) -> int:
+    from worker.app.plan import as_run
+
     print(json.dumps(redacted(as_run(load_settings(args.config))), indent=2))
     return 0
-
-
-def as_run(s: Settings) -> Settings:
-    """``s`` as a worker would run it: where the CPU path derives the batch
-    size from the model (``worker.app.plan.sized_for``), the model is loaded
-    here to derive it the same way; a model that will not load leaves the
-    default and says so on stderr (the worker itself would refuse to start)."""
-    from worker.app.plan import RunPlan, sized_for
-    from worker.compute.engines import load_engine
-
-    if RunPlan.of(s).device != "cpu" or not s.batching.batch_size_derived or s.kafka.lanes:
-        return s
-    try:
-        engine = load_engine(s.model)
-    except WorkerError as exc:
-        print(f"batching.max_batch_size: derived from the model at start-up, which did not "
-              f"load here ({exc}); shown as the default", file=sys.stderr)  # fmt: skip
-        return s
-    try:
-        return sized_for(s, engine.info)
-    finally:
-        engine.close()
 
 
 def build_engine_command(args: argparse.Namespace) -> int:
