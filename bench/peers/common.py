@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import onnxruntime as ort
 
+from worker.app.plan import as_run
 from worker.compute.engines import load_engine
 from worker.config import Settings, load_settings
 from worker.model.files import resolve_model_path
@@ -37,7 +38,9 @@ def image_preprocess(settings: Settings) -> ImagePreprocess:
 
 class Model:
     def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = s = settings or load_settings()
+        # The batch size the worker would run with (derived from the model on
+        # the CPU path), so a peer's batches hold as many records as the worker's.
+        self.settings = s = settings or as_run(load_settings())
         self._session = ort.InferenceSession(
             str(resolve_model_path(s.model.path)), providers=["CPUExecutionProvider"]
         )
