@@ -199,7 +199,7 @@ def as_json(result: Result) -> str:
     )
     return json.dumps({
         "id": result.id, "status": result.status, "outputs": outputs, "error": error,
-        "model": vars(result.model), "source": vars(result.source),
+        "model": vars(result.model), "source": msgspec.structs.asdict(result.source),
         "timing_us": dict(result.timing_us), "meta": result.meta,
     })  # fmt: skip
 
