@@ -23,10 +23,10 @@ from worker.model.io import EngineInfo
 from worker.model.shapes import bucket_sizes
 
 # A batch's model input the CPU path fills up to when it derives the batch size,
-# and the rows it stays within. Each batch costs about a millisecond of CPU
+# and the rows it stays within. Each batch costs about 1.7 ms of the worker's CPU
 # however few rows it holds (a thread hand-off, a produce request and its acks,
 # a commit); where rows are small that dominates (the bundled digits model,
-# 256 B a row: 64-row batches drain at 0.71x the rate of 256-row ones,
+# 256 B a row: 256-row batches drain at 1.41x the rate of 64-row ones,
 # BENCHMARKS "A batch's size from its rows"). Large rows gain nothing from more
 # of them per batch and pay in memory and in the time a batch holds the engine.
 BATCH_INPUT_BYTES: Final = 64 * 1024
@@ -105,28 +105,35 @@ def batch_rows(info: EngineInfo) -> int | None:
     return max(low, min(high, BATCH_INPUT_BYTES // max(1, row_bytes)))
 
 
+def derives_batch_size(s: Settings) -> bool:
+    """Whether the batch size is derived from the loaded model: the CPU path,
+    ``batching.max_batch_size`` left to derive, and no priority lanes. Not with
+    lanes: a running batch is not preempted, so an urgent request waits for the
+    bulk batch on the engine, and 256-row ones took the urgent lane's p99 inside
+    the worker from 86-111 to 166-176 ms for 1.09x the bulk rate (BENCHMARKS "A
+    batch's size from its rows")."""
+    cpu = not is_gpu_backend(s.model.backend)
+    return cpu and s.batching.batch_size_derived and not s.kafka.lanes
+
+
 def sized_for(s: Settings, info: EngineInfo) -> Settings:
-    """``s`` with the batch size derived from the loaded model (the CPU path),
-    if ``batching.max_batch_size`` was left to derive; else ``s`` as it is.
-    Not with priority lanes: a running batch is not preempted, so an urgent
-    request waits for the bulk batch on the engine, and a 256-row one doubled
-    the urgent lane's p99 inside the worker for 1.09x the bulk rate
-    (BENCHMARKS "A batch's size from its rows")."""
+    """``s`` with the batch size derived from the loaded model where it is
+    (``derives_batch_size``); else ``s`` as it is."""
     rows = batch_rows(info)
-    if rows is None or not s.batching.batch_size_derived or s.kafka.lanes:
+    if rows is None or not derives_batch_size(s):
         return s
     return dataclasses.replace(s, batching=s.batching.sized(rows))
 
 
 def as_run(s: Settings) -> Settings:
     """``s`` as a worker would run it, for the tools that show or time what the
-    worker does (``infer-worker config``, ``bench --model``): where the CPU path derives the batch
-    size from the model (``worker.app.plan.sized_for``), the model is loaded
+    worker does (``infer-worker config``, ``bench --model``): where the batch
+    size is derived from the model (``derives_batch_size``), the model is loaded
     here to derive it the same way; a model that will not load leaves the
     default and says so on stderr (the worker itself would refuse to start)."""
     from worker.compute.engines import load_engine
 
-    if RunPlan.of(s).device != "cpu" or not s.batching.batch_size_derived or s.kafka.lanes:
+    if not derives_batch_size(s):
         return s
     try:
         engine = load_engine(s.model)

@@ -70,8 +70,8 @@ class Worker:
 
     def _sized(self, info: EngineInfo) -> Settings:
         """The settings and the plan with the batch size derived from the loaded
-        model (the CPU path, when ``batching.max_batch_size`` is left to derive):
-        decided here once, before any stage is built."""
+        model where it is (``worker.app.plan.derives_batch_size``): decided here
+        once, before any stage is built."""
         sized = sized_for(self.settings, info)
         if sized is not self.settings:
             self.settings, self.plan = sized, RunPlan.of(sized)
@@ -99,8 +99,7 @@ class Worker:
                 buckets=self.plan.batch_buckets,
             )
         engine = self._engine
-        if self.plan.device == "cpu":
-            s = self._sized(engine.info)
+        s = self._sized(engine.info)
         try:
             stages = self._stages = await build_stages(
                 s, self.plan, engine, self.tracker, self._tracer, self._on_revoke
