@@ -10,8 +10,9 @@ both would let a record choose what code runs or what objects get built.
 
 from worker.contract.images import check_image, check_image_value
 from worker.contract.limits import DEFAULT_LIMITS, Limits
+from worker.contract.ok_results import encode_ok_result
 from worker.contract.requests import decode_request, encode_request
-from worker.contract.results import decode_result, encode_ok_result, encode_result
+from worker.contract.results import decode_result, encode_result
 from worker.flow.codes import ErrorCode
 from worker.flow.values import (
     DTYPES,

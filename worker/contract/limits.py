@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from worker.config import LimitsConfig
@@ -36,6 +36,8 @@ class Limits:
     max_array_len: int = 64
     max_str_len: int = 4096
     max_text_bytes: int = _SET.max_text_bytes  # a text input; msgpack's string limit is the larger
+    # msgpack's string limit: text inputs may be longer than the other strings.
+    max_string_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +67,7 @@ class Limits:
                 f"limits.max_array_len: must be >= max_rank ({self.max_rank}), "
                 f"got {self.max_array_len}"
             )
+        object.__setattr__(self, "max_string_bytes", max(self.max_str_len, self.max_text_bytes))
 
     @classmethod
     def of(cls, limits: LimitsConfig) -> Limits:

@@ -20,7 +20,7 @@ valid request the typed decode declines (a non-canonical encoding), accepts it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -67,7 +67,7 @@ def decode_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Requ
 
 class _WireTensor(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str
-    shape: list[int]
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]  # a bool is not an int here
     data: bytes
 
 
@@ -91,11 +91,6 @@ _TYPED = msgspec.msgpack.Decoder(_WireRequest, ext_hook=reject_ext)
 _DECLINED = (msgspec.MsgspecError, ValueError, TypeError, RecursionError, OverflowError)
 
 
-def _string_limit(limits: Limits) -> int:
-    # Text inputs may be longer than the other strings a request holds.
-    return max(limits.max_str_len, limits.max_text_bytes)
-
-
 def _accept(value: bytes, limits: Limits) -> Request | None:
     """The request when it satisfies every rule, else None (``_explain`` says why)."""
     try:
@@ -117,7 +112,7 @@ def _accept(value: bytes, limits: Limits) -> Request | None:
             meta = msgpack.unpackb(
                 b"\x91" + bytes(wire.meta), raw=False, strict_map_key=True, max_ext_len=0,
                 ext_hook=reject_ext, max_bin_len=limits.max_record_bytes,
-                max_str_len=_string_limit(limits), max_array_len=limits.max_array_len,
+                max_str_len=limits.max_string_bytes, max_array_len=limits.max_array_len,
                 max_map_len=limits.max_map_len,
             )[0]  # fmt: skip
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException):
@@ -126,16 +121,18 @@ def _accept(value: bytes, limits: Limits) -> Request | None:
             return None
     if not 1 <= len(wire.inputs) <= limits.max_inputs:
         return None
-    if len(value) > _string_limit(limits) and not _strings_within(wire, _string_limit(limits)):
+    if len(value) > limits.max_string_bytes and not _strings_within(wire, limits.max_string_bytes):
         return None  # a string longer than msgpack's limit: undecodable, as read field by field
     inputs: dict[str, InputValue] = {}
     try:
+        # Messages are not read here (a refusal is explained by ``_explain``),
+        # so the path they would name is not built per input.
         for name, raw in wire.inputs.items():
-            path = f"inputs.{short_name(name)}"
             if isinstance(raw, _WireTensor):
-                inputs[name] = tensor_from_fields(raw.dtype, raw.shape, raw.data, path, limits)
+                inputs[name] = tensor_from_fields(raw.dtype, raw.shape, raw.data, "inputs",
+                                                  limits, typed=True)  # fmt: skip
             else:
-                inputs[name] = decode_text(raw, path, limits)
+                inputs[name] = decode_text(raw, "inputs", limits)
     except (InvalidRequest, TensorTooLarge):
         return None
     return Request(
@@ -162,7 +159,7 @@ def _explain(value: bytes, limits: Limits) -> Request:
     obj = unpack_map(
         value,
         max_bin_len=limits.max_record_bytes,
-        max_str_len=_string_limit(limits),
+        max_str_len=limits.max_string_bytes,
         max_array_len=limits.max_array_len,
         max_map_len=limits.max_map_len,
     )

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
-import numpy as np
 
 from worker.contract.wire import (
     TENSOR_FIELDS,
@@ -22,7 +20,6 @@ from worker.contract.wire import (
 )
 from worker.flow.errors import UndecodableRecord
 from worker.flow.values import (
-    DTYPES,
     SUPPORTED_VERSIONS,
     ErrorInfo,
     ModelInfo,
@@ -88,36 +85,6 @@ def encode_result(res: Result) -> bytes:
     error = None if res.error is None else _ErrorWire(res.error.code, res.error.message)
     return _pack(res.v, res.id, res.status, outputs, error, res.model, res.source,
                  res.timing_us, res.meta)  # fmt: skip
-
-
-def encode_ok_result(
-    request_id: str,
-    outputs: Mapping[str, np.ndarray],
-    model: ModelInfo,
-    source: Source,
-    timing_us: Mapping[str, int],
-    meta: Mapping[str, Any] | None,
-) -> bytes:
-    """The hot path: an ``ok`` result straight from the engine's output rows,
-    byte for byte what ``encode_result`` makes of the same result, without
-    building and validating a ``Result`` and a ``Tensor`` per output (the
-    worker's own arrays need no validation)."""
-    wire_outputs = {name: _row_wire(arr) for name, arr in outputs.items()}
-    return _pack(1, request_id, "ok", wire_outputs, None, model, source, timing_us, meta)
-
-
-# Native dtypes whose bytes are already wire bytes (little-endian hosts), by
-# dtype object: a dict lookup is far cheaper per row than ``dtype.name``.
-_NATIVE_WIRE_NAMES: Final[dict[np.dtype[Any], str]] = (
-    {np.dtype(name): name for name in DTYPES} if sys.byteorder == "little" else {}
-)
-
-
-def _row_wire(arr: np.ndarray) -> _TensorWire:
-    name = _NATIVE_WIRE_NAMES.get(arr.dtype)
-    if name is None:  # converts the byte order, or refuses the dtype
-        return _tensor_wire(Tensor.from_numpy(arr))
-    return _TensorWire(name, list(arr.shape), arr.tobytes())
 
 
 def _tensor_wire(t: Tensor) -> _TensorWire:

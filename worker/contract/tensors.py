@@ -7,13 +7,14 @@ second time, and ``Tensor.to_numpy`` is a zero-copy, read-only view.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from worker.contract.limits import Limits
 from worker.contract.wire import TENSOR_FIELDS, kind, short_name
 from worker.flow.errors import InvalidRequest, TensorTooLarge
-from worker.flow.values import DTYPE_LIST, DTYPES, FLOAT_DTYPES, WIRE_DTYPES, Tensor, is_int
+from worker.flow.values import DTYPE_LIST, FLOAT_DTYPES, WIRE_DTYPES, Tensor, is_int
 
 
 def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
@@ -34,29 +35,32 @@ def decode_tensor(raw: object, path: str, limits: Limits) -> Tensor:
 
 
 def tensor_from_fields(
-    dtype: object, shape: object, data: object, path: str, limits: Limits
+    dtype: Any, shape: Any, data: Any, path: str, limits: Limits, typed: bool = False
 ) -> Tensor:
     """A tensor's three fields checked, in the contract's order: the one set of
     tensor rules, for a map ``decode_tensor`` unpacked and for the typed
-    decoder's fields (``worker.contract.typed``)."""
-    if not isinstance(dtype, str):
+    decoder's fields (``worker.contract.requests``). ``typed``: the fields'
+    types already hold (a str, a list of ints >= 0, bytes: the typed decoder
+    checked them in C), so only their values are checked here."""
+    if not typed and not isinstance(dtype, str):
         raise InvalidRequest(f"{path}.dtype: expected str, got {kind(dtype)}")
-    if dtype not in DTYPES:
+    wire_dtype = WIRE_DTYPES.get(dtype)
+    if wire_dtype is None:
         raise InvalidRequest(
             f"{path}.dtype: unsupported {short_name(dtype)!r}; supported: {DTYPE_LIST}"
         )
 
-    if not isinstance(shape, list):
+    if not typed and not isinstance(shape, list):
         raise InvalidRequest(f"{path}.shape: expected a list of ints, got {kind(shape)}")
     if not 1 <= len(shape) <= limits.max_rank:
         raise InvalidRequest(f"{path}.shape: rank must be 1 to {limits.max_rank}, got {len(shape)}")
-    for i, dim in enumerate(shape):
-        if not is_int(dim):
-            raise InvalidRequest(f"{path}.shape[{i}]: expected int, got {kind(dim)}")
-        if dim < 0:
-            raise InvalidRequest(f"{path}.shape[{i}]: must be >= 0, got {dim}")
+    if not typed:
+        for i, dim in enumerate(shape):
+            if not is_int(dim):
+                raise InvalidRequest(f"{path}.shape[{i}]: expected int, got {kind(dim)}")
+            if dim < 0:
+                raise InvalidRequest(f"{path}.shape[{i}]: must be >= 0, got {dim}")
 
-    wire_dtype = WIRE_DTYPES[dtype]
     # Python ints: a shape of four 2**64-1 dims is an error, not an overflow.
     nbytes = math.prod(shape) * wire_dtype.itemsize
     if nbytes > limits.max_tensor_bytes:
@@ -64,7 +68,7 @@ def tensor_from_fields(
             f"{path}: {dtype} {shape} is {nbytes} bytes; the limit is {limits.max_tensor_bytes}"
         )
 
-    if not isinstance(data, bytes):
+    if not typed and not isinstance(data, bytes):
         raise InvalidRequest(f"{path}.data: expected msgpack bin, got {kind(data)}")
     if len(data) != nbytes:
         raise InvalidRequest(f"{path}.data: {dtype} {shape} needs {nbytes} bytes, got {len(data)}")
@@ -87,7 +91,13 @@ def _checked(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:
     ``__post_init__`` does, without checking them a second time (per record, on
     the consume path)."""
     tensor = object.__new__(Tensor)
-    object.__setattr__(tensor, "dtype", dtype)
-    object.__setattr__(tensor, "shape", shape)
-    object.__setattr__(tensor, "data", data)
+    _set_dtype(tensor, dtype)
+    _set_shape(tensor, shape)
+    _set_data(tensor, data)
     return tensor
+
+
+# The slots' setters, bypassing the frozen dataclass's __setattr__.
+_set_dtype = Tensor.dtype.__set__  # type: ignore[attr-defined]
+_set_shape = Tensor.shape.__set__  # type: ignore[attr-defined]
+_set_data = Tensor.data.__set__  # type: ignore[attr-defined]

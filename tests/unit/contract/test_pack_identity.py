@@ -13,7 +13,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.contract.results import encode_ok_result, encode_result
+from worker.contract.ok_results import encode_ok_result
+from worker.contract.results import encode_result
 from worker.contract.wire import pack
 from worker.flow.values import ErrorInfo, ModelInfo, Result, Source, Tensor
 
@@ -49,7 +50,8 @@ output = st.tuples(
 @given(
     st.dictionaries(st.text(min_size=1, max_size=12), output, min_size=1, max_size=4),
     st.text(min_size=1, max_size=64),
-    st.one_of(st.none(), st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
+    # Any meta a request can carry, bytes keys included (msgpack writes those).
+    st.one_of(st.none(), values.filter(lambda v: isinstance(v, dict))),
     st.dictionaries(st.sampled_from(["queue", "infer", "total"]), st.integers(0, 10**9)),
 )
 def test_results_are_the_reference_encoders_bytes(
@@ -79,6 +81,24 @@ def test_results_are_the_reference_encoders_bytes(
     result = Result(id=request_id, status="ok", source=source, model=model,
                     outputs=tensors, meta=meta, timing_us=timing)  # fmt: skip
     assert encode_result(result) == want
+
+
+def test_ok_results_of_foreign_byte_order_and_numpy_integers_are_the_reference_bytes() -> None:
+    """Big-endian rows are written little-endian, numpy integers as ints: what the
+    reference encoder writes for the converted values."""
+    rows = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    timing = {"queue": np.int64(12), "total": np.uint32(40)}
+    source = Source("in", np.int64(2), np.int64(9))  # type: ignore[arg-type]
+    got = encode_ok_result("r", {"y": rows.astype(">f4")}, ModelInfo("m", "v1"), source,
+                           timing, None)  # type: ignore[arg-type]  # fmt: skip
+    want = msgpack.packb({
+        "v": 1, "id": "r", "status": "ok",
+        "outputs": {"y": {"dtype": "float32", "shape": [2, 3], "data": rows.tobytes()}},
+        "model": {"name": "m", "version": "v1"},
+        "source": {"topic": "in", "partition": 2, "offset": 9},
+        "timing_us": {"queue": 12, "total": 40},
+    }, use_bin_type=True)  # fmt: skip
+    assert got == want
 
 
 @settings(max_examples=200)

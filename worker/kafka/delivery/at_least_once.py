@@ -135,18 +135,11 @@ class AtLeastOnceWriter:
     async def _await_acks(self, sent: Sent) -> None:
         acked: list[OutRecord] = []
         try:
-            # One by one, not gather(): a batch's acks arrive together, so after the
-            # first wait the rest are already done and awaiting them costs nothing.
+            # boundary: aiokafka's delivery errors
+            failures = await self._producing.failures(sent, caught=(Exception,))
             for out, ack in sent:
-                try:
-                    await self._producing.watched(ack)
-                except asyncio.CancelledError as exc:
-                    if not ack.cancelled():
-                        raise  # this task was cancelled, not the send
-                    failure: BaseException = exc
-                except Exception as exc:  # boundary: aiokafka's delivery errors
-                    failure = exc
-                else:
+                failure = failures.get(id(ack)) if failures else None
+                if failure is None:
                     acked.append(out)
                     continue
                 # Not acknowledged: the offset stays pending (never committed);

@@ -229,16 +229,8 @@ class ExactlyOnceWriter:
             sent = [pair for out in outs for pair in await self._producing.send_grouped([out])]
         else:
             sent = await self._producing.send_grouped(outs)
-        refused: dict[int, BaseException] = {}
-        for out, ack in sent:
-            try:
-                await self._producing.watched(ack)
-            except ProducerFenced:
-                raise
-            except (KafkaError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and not ack.cancelled():
-                    raise  # this task was cancelled, not the send
-                refused[id(out)] = exc
+        failed = await self._producing.failures(sent, caught=(KafkaError,), fatal=(ProducerFenced,))
+        refused = {id(out): failed[id(ack)] for out, ack in sent if id(ack) in failed}
         if refused:
             first = next(iter(refused.values()))
             raise _Failed(f"{len(refused)} records not acknowledged: {first!r}", refused)

@@ -66,6 +66,32 @@ class Producing:
         assert self.producer is not None, "start() first"
         return await send_grouped(self.producer, outs)
 
+    async def failures(
+        self,
+        sent: Sent,
+        caught: tuple[type[BaseException], ...],
+        fatal: tuple[type[BaseException], ...] = (),
+    ) -> dict[int, BaseException]:
+        """Wait for every acknowledgement of ``sent``: the failures, by ``id`` of
+        the future. The records of a record batch share its future, so each is
+        awaited once, not once per record (one by one: a batch's acks arrive
+        together, so after the first wait the rest are done). A failure of a
+        type in ``caught`` is collected, one in ``fatal`` raised at once, and so
+        is a cancellation of this task (not of a send)."""
+        failed: dict[int, BaseException] = {}
+        for ack in {id(ack): ack for _, ack in sent}.values():
+            try:
+                await self.watched(ack)
+            except fatal:
+                raise
+            except asyncio.CancelledError as exc:
+                if not ack.cancelled():
+                    raise  # this task was cancelled, not the send
+                failed[id(ack)] = exc
+            except caught as exc:
+                failed[id(ack)] = exc
+        return failed
+
     async def watched(self, fut: Awaitable[object]) -> object:
         """Await an acknowledgement or a commit; while one has taken longer than
         ``request_timeout_ms`` the worker reports not-ready (condition "acks").
