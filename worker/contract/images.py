@@ -65,7 +65,7 @@ def check_image_value(
         raise InvalidRequest(f"{field}.shape: height and width must be >= 1")
     if h * w > max_pixels:
         raise TensorTooLarge(f"{field}: {h}x{w} exceeds {max_pixels} pixels")
-    return value.to_numpy().reshape(shape)
+    return np.frombuffer(value.data, dtype=np.uint8).reshape(shape)  # a read-only view
 
 
 def header_problem(image: EncodedImage, max_pixels: int) -> tuple[str, bool] | None:

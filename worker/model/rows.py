@@ -11,24 +11,25 @@ downstream (``answer``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from worker.flow.messages import Answer, Job, StateChange
 from worker.flow.values import ErrorInfo
 
 
-@dataclass(slots=True)
-class Row:
+class Row(msgspec.Struct):
+    """A msgspec Struct: one per request (0.5 us to make as a slotted dataclass)."""
+
     job: Job
     # The request's inputs by request input name, as the stage prepares them (an
     # image file until decoded, then its pixels; a text, then its tokens).
     values: dict[str, Any]
     # Lengths of the request's free dimensions, by symbol (a text's once tokenized).
     lengths: dict[str, int]
-    timing_us: dict[str, int] = field(default_factory=dict)
+    timing_us: dict[str, int] = msgspec.field(default_factory=dict)
     outputs: dict[str, np.ndarray] | None = None
     error: ErrorInfo | None = None
     attempts: int = 0  # engine runs it took part in that failed

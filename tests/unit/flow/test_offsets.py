@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.flow.backpressure import Backpressure
@@ -125,6 +125,37 @@ def test_failure_budget_consecutive_and_ratio() -> None:
     reason = r.record(True)  # window: F T F T -> still 2/4
     assert reason is None
     assert r.record(True) is not None  # T F T T -> 3/4
+
+
+@settings(max_examples=300)
+@given(
+    st.integers(0, 4),
+    st.sampled_from([0.0, 0.3, 0.5, 0.9]),
+    st.integers(1, 12),
+    # Batches without a failure (counted at once) among those with some.
+    st.lists(
+        st.lists(st.just(False), max_size=20) | st.lists(st.booleans(), max_size=20), max_size=12
+    ),
+)
+def test_a_batch_counted_at_once_is_counted_as_its_records_one_by_one(
+    consecutive: int, ratio: float, window: int, batches: list[list[bool]]
+) -> None:
+    """``record_all`` (per batch, all-ok batches at once) trips at the same record,
+    for the same reason, and leaves the same counts as ``record`` per record."""
+    whole = FailureBudget(consecutive, ratio, window)
+    each = FailureBudget(consecutive, ratio, window)
+    for batch in batches:
+        want = None
+        for i, failed in enumerate(batch):
+            reason = each.record(failed)
+            if reason is not None:
+                want = (i, reason)
+                break
+        assert whole.record_all(batch) == want
+        if want is not None:
+            return
+        assert (whole._failures, whole.consecutive, list(whole._recent)) == (
+            each._failures, each.consecutive, list(each._recent))  # fmt: skip
 
 
 def test_watermarks_with_previews_without_marking_and_reports_gaps() -> None:

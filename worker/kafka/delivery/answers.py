@@ -74,6 +74,9 @@ class Answers:
         outs: list[OutRecord] = []
         model = self._model_of(completed)
         rejected: Counter[tuple[str, str]] = Counter()  # by (topic, code)
+        counted: list[Job] = []  # answers the failure budget counts, and whether each failed
+        failed: list[bool] = []
+        shadowed: list[Job] = []  # DLQ-bound answers of a shadow: answered without a record
         for answer in completed.answers:
             job = answer.job
             if not self._tracker.owns(job.tp, job.offset, job.epoch):
@@ -91,26 +94,32 @@ class Answers:
             )
             if model is not self._model:
                 out.model_version = model.version  # its latency is that version's
-            if self._budget is not None:
-                failed = out.kind == "dlq" or (
-                    answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
-                )
-                reason = self._budget.record(failed)
-                if reason is not None:
-                    raise FailureBudgetExceeded(
-                        f"halting: {reason}; last at {job.tp.topic}:{job.tp.partition}@{job.offset}"
-                    )
+            counted.append(job)
+            failed.append(out.kind == "dlq" or (
+                answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
+            ))  # fmt: skip
             if out.kind != "ok":
                 self.log_rejection(out)
             if out.kind == "dlq" and self._shadow:
                 # Logged and counted above (infer_requests_rejected_total):
                 # answered, as far as its offset goes, without a record.
-                self._tracker.done(job.tp, job.offset, job.epoch)
-                self._committer.notify()
+                shadowed.append(job)
                 continue
             outs.append(out)
             if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
                 outs.append(self._state_record(answer.job, answer.state))
+        # Per batch: a batch without failures is counted at once. Nothing of the
+        # batch is settled before: a budget exceeded halts with it unanswered.
+        tripped = self._budget.record_all(failed) if self._budget is not None else None
+        if tripped is not None:
+            at, reason = counted[tripped[0]], tripped[1]
+            raise FailureBudgetExceeded(
+                f"halting: {reason}; last at {at.tp.topic}:{at.tp.partition}@{at.offset}"
+            )
+        for job in shadowed:
+            self._tracker.done(job.tp, job.offset, job.epoch)
+        if shadowed:
+            self._committer.notify()
         for (topic, code), count in rejected.items():  # the one place rejections are counted
             metrics.REQUESTS_REJECTED.labels(code=code).inc(count)
             lane = self._kafka.ranked_lanes[self._kafka.lane_rank.get(topic, 0)].label

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import msgspec
+
 from worker import __version__
 from worker.contract import (
     ErrorInfo,
@@ -37,10 +39,10 @@ Kind = Literal["ok", "error", "dlq", "state"]
 FallbackCode = Literal[ErrorCode.TOO_LARGE, ErrorCode.INTERNAL]
 
 
-@dataclass(slots=True)
-class OutRecord:
+class OutRecord(msgspec.Struct):
     """One record to produce for one job, kept until acknowledged so it can be
-    re-sent unchanged if delivery fails."""
+    re-sent unchanged if delivery fails. A msgspec Struct: one per answer (0.14
+    us to make against 0.45 as a slotted dataclass)."""
 
     job: Job
     topic: str
@@ -58,8 +60,10 @@ class OutRecord:
     @property
     def size(self) -> int:
         """Bytes the producer counts against ``max_request_size``, with framing."""
-        headers = sum(len(k) + len(v) for k, v in self.headers)
-        return len(self.value or b"") + len(self.key or b"") + headers + RECORD_OVERHEAD
+        size = len(self.value or b"") + len(self.key or b"") + RECORD_OVERHEAD
+        for k, v in self.headers:
+            size += len(k) + len(v)
+        return size
 
 
 @dataclass(frozen=True)
@@ -146,29 +150,32 @@ def record_for(
 
 def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
     job = answer.job
-    if job.wire == "oip" and not isinstance(job.failure, UndecodableRecord):
-        return _oip(answer, model, topics, seq, now)
-    if isinstance(job.failure, UndecodableRecord):
+    failure = job.failure
+    ok = failure is None and answer.error is None and answer.outputs is not None
+    if ok and job.wire != "oip":
+        # The common case, on the hot path: encoded straight from the output rows.
+        assert answer.outputs is not None
+        request_id, meta = _echo(job)
+        timing = _timing(answer, now)
+        encoded = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
+        return OutRecord(
+            job, topics.output, job.key, encoded, [("id", request_id.encode())], "ok", seq,
+            request_id=request_id,
+        )  # fmt: skip
+    if isinstance(failure, UndecodableRecord):
         # The stage that set it aside: decoding, or the crash guard (named as its code).
-        stage = ErrorCode.CRASH_LOOP if isinstance(job.failure, CrashLoop) else "decode"
-        headers = dlq_headers(job, job.failure.code, str(job.failure), stage)
+        stage = ErrorCode.CRASH_LOOP if isinstance(failure, CrashLoop) else "decode"
+        headers = dlq_headers(job, failure.code, str(failure), stage)
         value = job.raw_value
         if value is None and job.key is None:
             # A null-key tombstone (other clients may produce one): the producer
             # refuses a record with neither key nor value (an AssertionError, not
             # a KafkaError), which killed the worker on it at every restart.
             value = b""
-        error = ErrorInfo.from_error(job.failure)
+        error = ErrorInfo.from_error(failure)
         return OutRecord(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
-    if answer.outputs is not None and answer.error is None and job.failure is None:
-        # The common case, on the hot path: encoded straight from the output rows.
-        request_id, meta = _echo(job)
-        timing = _timing(answer, now)
-        value = encode_ok_result(request_id, answer.outputs, model, job.source, timing, meta)
-        return OutRecord(
-            job, topics.output, job.key, value, [("id", request_id.encode())], "ok", seq,
-            request_id=request_id,
-        )  # fmt: skip
+    if job.wire == "oip":
+        return _oip(answer, model, topics, seq, now)
     result = build_result(answer, model, now)
     return OutRecord(
         job,
