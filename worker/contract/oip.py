@@ -68,6 +68,9 @@ DATATYPES: Final = {
     "FP64": "float64",
 }
 _TO_OIP: Final = {v: k for k, v in DATATYPES.items()}
+# By dtype object, for each output row: numpy computes ``dtype.name`` per call
+# (2 us); a byte order other than the native one is looked up by name.
+_TO_OIP_BY_DTYPE: Final = {np.dtype(name): oip for name, oip in _TO_OIP.items()}
 REQUEST_KEYS: Final = ("id", "parameters", "inputs", "outputs")
 INPUT_KEYS: Final = ("name", "shape", "datatype", "data", "parameters")
 
@@ -297,7 +300,7 @@ def encode_oip_result(
 
 def _tensor(name: str, arr: np.ndarray) -> dict[str, Any]:
     row = np.asarray(arr)
-    datatype = _TO_OIP.get(row.dtype.name)
+    datatype = _TO_OIP_BY_DTYPE.get(row.dtype) or _TO_OIP.get(row.dtype.name)
     data = row.reshape(-1).tolist()
     if datatype is None:  # float widths numpy may hand back: reported as FP32/FP64
         datatype = "FP64" if row.dtype.itemsize == 8 else "FP32"

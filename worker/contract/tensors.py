@@ -7,7 +7,8 @@ second time, and ``Tensor.to_numpy`` is a zero-copy, read-only view.
 from __future__ import annotations
 
 import math
-from typing import Any
+import sys
+from typing import Any, Final
 
 import numpy as np
 
@@ -76,7 +77,7 @@ def tensor_from_fields(
     if dtype in FLOAT_DTYPES:
         # NaN/Inf poison a whole batch on the GPU (softmax, normalisation), so
         # they are refused here, per request, where the client can be told.
-        if not np.isfinite(np.frombuffer(data, dtype=wire_dtype)).all():
+        if not _all_finite(data, dtype, wire_dtype):
             raise InvalidRequest(f"{path}.data: non-finite values (NaN or Inf)")
     elif dtype == "bool" and data.translate(None, b"\x00\x01"):
         # numpy's bool is a byte that must be 0 or 1; other values give
@@ -84,6 +85,24 @@ def tensor_from_fields(
         raise InvalidRequest(f"{path}.data: bool values must be 0 or 1")
 
     return _checked(dtype, tuple(shape), data)
+
+
+# Few float32/float64 values (features, scores) are checked in Python: a sum is
+# finite only if every value is (NaN and Inf carry through a sum), 0.4 us for
+# four values against 2.1 us for numpy's isfinite. A sum that is not finite may
+# only have overflowed, so numpy decides then; and for longer data.
+# (Native byte order: wire bytes are little-endian.)
+_SUMMED: Final = {"float32": "f", "float64": "d"} if sys.byteorder == "little" else {}
+_SUMMED_AT_MOST: Final = 64  # values
+
+
+def _all_finite(data: bytes, dtype: str, wire_dtype: np.dtype[Any]) -> bool:
+    fmt = _SUMMED.get(dtype)
+    if fmt is not None and len(data) <= _SUMMED_AT_MOST * wire_dtype.itemsize:
+        values: memoryview[float] = memoryview(data).cast(fmt)  # type: ignore[call-overload]
+        if math.isfinite(sum(values)):
+            return True
+    return bool(np.isfinite(np.frombuffer(data, dtype=wire_dtype)).all())
 
 
 def _checked(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:

@@ -159,3 +159,30 @@ def test_a_meta_nested_to_msgpacks_limit_is_judged_as_the_field_reading_does() -
             assert (fast is not None) == isinstance(slow, Request), depth
     finally:
         sys.setrecursionlimit(limit)
+
+
+@settings(max_examples=500)
+@given(
+    st.sampled_from(["float32", "float64"]),
+    st.lists(
+        st.floats(allow_nan=True, allow_infinity=True, width=32)
+        | st.sampled_from([3.4e38, -3.4e38, 1.7e308, -1.7e308]),
+        min_size=0,
+        max_size=80,
+    ),
+)
+def test_the_finite_check_agrees_with_numpy(dtype: str, values: list[float]) -> None:
+    """Few values are summed in Python, more are left to numpy: either way a
+    value is refused exactly when numpy finds NaN or Inf among them (a sum that
+    overflows from finite values included)."""
+    with np.errstate(over="ignore"):
+        arr = np.array(values, dtype=np.float64).astype(dtype)
+    finite = bool(np.isfinite(arr).all())
+    raw = {"dtype": dtype, "shape": [arr.size], "data": arr.tobytes()}
+    wire = msgpack.packb({"v": 1, "id": "x", "inputs": {"x": raw}}, use_bin_type=True)
+    try:
+        decode_request(wire)
+        refused = ""
+    except RecordError as exc:
+        refused = str(exc)
+    assert ("non-finite" in refused) == (not finite), refused
