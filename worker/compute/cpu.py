@@ -18,6 +18,7 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -56,6 +57,18 @@ def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
                 (max_batch_size, *kind.produced_shape), dtype=np.dtype(kind.cfg.dtype)
             )
     return out
+
+
+@dataclass(slots=True)
+class _Run:
+    """One engine run's figures, for the metrics (``CpuStage._record``)."""
+
+    rows: int
+    preprocess_s: float
+    engine_s: float
+    padded: bool = False  # a free dimension ran padded: its elements, real and padding
+    data: int = 0
+    padding: int = 0
 
 
 class CpuStage(Stage):
@@ -213,22 +226,41 @@ class CpuStage(Stage):
         self, groups: list[list[Row]], buffers: Buffers
     ) -> list[tuple[list[Row], InferenceFailed]]:
         """One engine run per group, in order; the groups whose run failed, with
-        why (``EngineDead`` propagates: nothing can run any more)."""
+        why (``EngineDead`` propagates: nothing can run any more). The runs'
+        metrics are recorded together, after the last."""
         failed = []
-        for group in groups:
-            try:
-                self._run_rows(group, buffers)
-            except InferenceFailed as exc:
-                failed.append((group, exc))
+        runs: list[_Run] = []
+        try:
+            for group in groups:
+                try:
+                    with internal_errors_fail_the_run():
+                        runs.append(self._run_rows_unchecked(group, buffers))
+                except InferenceFailed as exc:
+                    failed.append((group, exc))
+        finally:
+            self._record(runs)
         return failed
 
     def _run_rows(self, answers: list[Row], buffers: Buffers) -> None:
         """One engine run over ``answers``; scatters one row of each output to each
         (the stages' failure boundary around it)."""
         with internal_errors_fail_the_run():
-            self._run_rows_unchecked(answers, buffers)
+            self._record([self._run_rows_unchecked(answers, buffers)])
 
-    def _run_rows_unchecked(self, answers: list[Row], buffers: Buffers) -> None:
+    def _record(self, runs: list[_Run]) -> None:
+        """Engine runs' metrics, per hand-over rather than per run: a batch of many
+        lengths is many runs of a row or two (``observe_all``)."""
+        if not runs:
+            return
+        m = self._metrics
+        metrics.observe_all(m.batch_size, [r.rows for r in runs])
+        metrics.observe_all(m.preprocess_seconds, [r.preprocess_s for r in runs])
+        metrics.observe_all(m.engine_seconds, [r.engine_s for r in runs])
+        if any(r.padded for r in runs):
+            m.data_elements.inc(sum(r.data for r in runs))
+            m.padding_elements.inc(sum(r.padding for r in runs))
+
+    def _run_rows_unchecked(self, answers: list[Row], buffers: Buffers) -> _Run:
         n = len(answers)
         t0 = time.monotonic()
         fixed = self._inputs.batch
@@ -250,14 +282,11 @@ class CpuStage(Stage):
                 self._outputs.scatter(raw, part)
             t1 = t0 + collating
         t2 = time.monotonic()
-        m = self._metrics
-        m.batch_size.observe(n)
-        m.preprocess_seconds.observe(t1 - t0)
-        m.engine_seconds.observe(t2 - t1)
+        run = _Run(n, t1 - t0, t2 - t1)
         if collated.padded:
             data, total = self._inputs.waste(answers, collated.padded)
-            m.data_elements.inc(data)
-            m.padding_elements.inc(total - data)
+            run.padded, run.data, run.padding = True, data, total - data
         timing = {"preprocess": micros(t1 - t0), "infer": micros(t2 - t1), "d2h": 0}
         for a in answers:
             a.timing_us.update(timing)
+        return run

@@ -20,6 +20,7 @@ as a scalar sample rate, which cannot come per request).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class TensorDesc:
     shape: tuple[Dim, ...]
     batch_axis: int | None = 0
 
-    @property
+    # Cached (the description is frozen): read for every engine run.
+    @functools.cached_property
     def free_axes(self) -> tuple[int, ...]:
         return tuple(i for i, d in enumerate(self.shape) if not isinstance(d, int))
 
@@ -67,6 +69,10 @@ class TensorDesc:
         return dim if dim is not None else f"{self.name}[{axis}]"
 
     def symbols(self) -> tuple[str, ...]:
+        return self._symbols
+
+    @functools.cached_property
+    def _symbols(self) -> tuple[str, ...]:
         return tuple(self.symbol(a) for a in self.free_axes)
 
     @property
@@ -134,11 +140,11 @@ class ModelIO:
     def output(self, name: str) -> TensorDesc | None:
         return next((t for t in self.outputs if t.name == name), None)
 
-    @property
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.inputs)
 
-    @property
+    @functools.cached_property
     def output_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.outputs)
 
