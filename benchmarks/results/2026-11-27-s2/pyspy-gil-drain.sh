@@ -1,0 +1,18 @@
+#!/bin/bash
+# Profile the worker process of one bench.drain run with py-spy (the working tree's code only).
+# Usage: [RECORDS=100000] [EXTRA="--payload tensor"] benchmarks/results/2026-11-26-pyspy-drain-current.sh TAG
+cd ${WT:-/work/main}; export PYTHONPATH=$PWD
+TAG=${1:-cur}
+rm -f /tmp/prof-$TAG-*.txt
+/work/main/.venv/bin/python -m bench.drain --broker kafka --records ${RECORDS:-100000} --repeat 1 --peers ${EXTRA:-} --json /tmp/prof-drain-$TAG.json > /tmp/prof-drain-$TAG.log 2>&1 &
+DRAIN=$!
+seen=""
+while kill -0 $DRAIN 2>/dev/null; do
+  for pid in $(pgrep -f "worker.__main__ import main|-m worker run"); do
+    case " $seen " in *" $pid "*) continue;; esac
+    seen="$seen $pid"
+    (sleep 4; /work/main/.venv/bin/py-spy record --pid $pid --duration 14 --rate 250 --gil --format raw -o /tmp/prof-$TAG-$pid.txt >/tmp/pyspy-$TAG.log 2>&1) &
+  done
+  sleep 0.5
+done
+wait
