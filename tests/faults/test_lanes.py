@@ -106,15 +106,17 @@ def _lane_queue(w: WorkerProcess) -> dict[str, tuple[float, float]]:
 async def urgent_overtakes_bulk(
     broker: Broker, urgent: str, w: WorkerProcess, within: float = 60
 ) -> dict[str, float]:
-    """Once ``w`` drains the bulk backlog, produce the urgent requests and check
-    their mean time from arrival to batch is under a third of the bulk ones'
-    dispatched meanwhile (read while thousands of bulk requests wait in the
-    worker, READ_AHEAD: about 5 ms against 100 here). The urgent requests are
-    spread over 0.4 s and both means are over the same window: a stall of the
-    worker's loop (a loaded CI machine) delays both lanes alike, and only the
-    urgent requests it meets, not all of them at once. And the backlog must still
-    be running when the last urgent request is in a batch. Returns both lanes'
-    mean queue seconds."""
+    """Once ``w`` drains the bulk backlog, produce the urgent requests (spread
+    over 0.4 s) and check that the backlog is still running when the last of them
+    is in a batch: ranked below it, they would not be fetched until it is through.
+    Returns both lanes' mean queue seconds over that window, for the log.
+
+    Until issue 39's fetch change this also held the urgent mean queue time
+    under a third of the bulk one's (about 5 ms against 100). Since a lower
+    lane's records are handed over LOWER_LANE_RECORDS at a time, the bulk
+    backlog waits in the fetch buffer, upstream of the batcher, and both lanes'
+    queue times are a few ms: that comparison no longer says which lane went
+    first. The fetch order itself is held by tests/integration/test_lane_fetch.py."""
     await until(lambda: _dispatched(w, "bulk") >= 500, within, "bulk under way")
     before = _lane_queue(w)
     await produce_all(
@@ -134,7 +136,6 @@ async def urgent_overtakes_bulk(
         for lane in ("urgent", "bulk")
     }
     print("WAITS", waits)
-    assert waits["urgent"] < waits["bulk"] / 3, waits
     return waits
 
 

@@ -32,6 +32,7 @@ from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, Guarded, Mode, decide
 from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
+    LOWER_LANE_RECORDS,
     apply_backpressure,
     fetch_for_lanes,
     getmany_by_lane,
@@ -243,7 +244,7 @@ class Consumer:
         step, so it belongs to the records: a fetch issued before a revocation
         waits through the rebalance and returns records of the new assignment,
         which must be tracked (the consumer's position is past them)."""
-        fetched = await getmany_by_lane(consumer, self._kafka, timeout_ms)
+        fetched = await getmany_by_lane(consumer, self._kafka, timeout_ms, LOWER_LANE_RECORDS)
         return self._stamp, fetched
 
     async def _sleep(self, seconds: float) -> None:

@@ -33,6 +33,11 @@ from worker.obs import metrics
 log = structlog.get_logger(__name__)
 
 LANES_PREFETCH_BACKOFF_S: Final = 0.005
+# With lanes, a lower lane's records are taken in at most this many at a time:
+# the consumer takes a getmany's records in (decodes and checks them, on the
+# event loop) before it asks for more, so an urgent record fetched meanwhile
+# waited for all of a lower lane's buffered records (hundreds) to be taken in.
+LOWER_LANE_RECORDS: Final = 64
 
 Fetched = dict[KafkaTP, list[ConsumerRecord[Any, Any]]]
 
@@ -81,13 +86,20 @@ def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:
     return True
 
 
-async def getmany_by_lane(consumer: AIOKafkaConsumer, k: KafkaConfig, timeout_ms: int) -> Fetched:
+async def getmany_by_lane(
+    consumer: AIOKafkaConsumer, k: KafkaConfig, timeout_ms: int, lower_records: int | None = None
+) -> Fetched:
     """Records already fetched for the most urgent lane that has some, else a
-    wait on every partition (``getmany`` as without lanes)."""
+    wait on every partition (``getmany`` as without lanes). ``lower_records``:
+    at most this many records of a lower lane at a time (``LOWER_LANE_RECORDS``)."""
     if len(k.ranked_lanes) > 1:
         assigned = consumer.assignment()
         for r in range(len(k.ranked_lanes)):
             tps = [tp for tp in assigned if lane_of(k, tp) == r]
-            if tps and (got := await consumer.getmany(*tps, timeout_ms=0)):
+            limit = None if r == 0 else lower_records
+            if tps and (got := await consumer.getmany(*tps, timeout_ms=0, max_records=limit)):
                 return cast(Fetched, got)
+        return cast(
+            Fetched, await consumer.getmany(timeout_ms=timeout_ms, max_records=lower_records)
+        )
     return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))
