@@ -62,6 +62,12 @@ class Scenario:
     drain_rate: float = 0.0  # capacity: first to last result
     # The worker's own: arrival to batch, mean per lane (infer_lane_queue_seconds).
     queue_ms: dict[str, float] | None = None
+    # How late the worker's event loop ran its 0.1 s timer while the urgent lane
+    # was sent (infer_event_loop_lag_seconds): the bucket bound at the 50th and
+    # 99th percentile, and the share of ticks more than 10 ms late.
+    loop_lag_p50_ms: float = 0.0
+    loop_lag_p99_ms: float = 0.0
+    loop_lag_over_10ms: float = 0.0
 
 
 def _records(prefix: str, n: int) -> list[tuple[bytes | None, bytes]]:
@@ -143,6 +149,7 @@ async def run_scenario(
             out.drain_rate = round((len(stamps) - 1) / span, 1) if span > 0 else 0.0
             return out
         urgent = _records("u", int(rate * seconds))
+        lag_before = _loop_lag(w)
         collecting = asyncio.create_task(
             c.collect(lambda c: _count(c, t["results"], b"u") >= len(urgent), seconds + 120)
         )
@@ -157,6 +164,8 @@ async def run_scenario(
                           and first <= r.timestamp_ms <= last)  # fmt: skip
         sent_s = (last - first) / 1000.0 or 1.0
         out.queue_ms = _lane_queue_ms(w)
+        lag = {le: n - lag_before.get(le, 0.0) for le, n in _loop_lag(w).items()}
+        out.loop_lag_p50_ms, out.loop_lag_p99_ms, out.loop_lag_over_10ms = _lag_summary(lag)
         lat = np.array([r.timestamp_ms - stamped[r.record_key] for r in c.records[t["results"]]
                         if r.record_key in stamped], float)  # fmt: skip
         mine = [r for r in c.records[t["results"]] if r.record_key in stamped]
@@ -189,6 +198,29 @@ def _lane_queue_ms(w: WorkerProcess) -> dict[str, float]:
     return out
 
 
+def _loop_lag(w: WorkerProcess) -> dict[float, float]:
+    """The event-loop lag histogram's cumulative counts, by bucket bound."""
+    prefix = 'infer_event_loop_lag_seconds_bucket{le="'
+    return {float(k[len(prefix):].split('"')[0]): v
+            for k, v in w.metrics().items() if k.startswith(prefix)}  # fmt: skip
+
+
+def _lag_summary(cumulative: dict[float, float]) -> tuple[float, float, float]:
+    """(p50 ms, p99 ms, share more than 10 ms late) from cumulative bucket counts
+    (a percentile is its bucket's upper bound)."""
+    bounds = sorted(cumulative)
+    total = cumulative.get(float("inf"), 0.0)
+    if not total:
+        return 0.0, 0.0, 0.0
+
+    def at(q: float) -> float:
+        bound = next(b for b in bounds if cumulative[b] >= q * total)
+        return round(1000 * bound, 1) if bound != float("inf") else float("inf")
+
+    within_10 = cumulative.get(0.01, 0.0)  # ticks at most 10 ms late
+    return at(0.5), at(0.99), round(1 - within_10 / total, 3)
+
+
 def _count(c: Collector, topic: str, prefix: bytes) -> int:
     return sum(1 for r in c.records[topic] if (r.record_key or b"").startswith(prefix))
 
@@ -214,7 +246,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                       f"(inside the worker p50 {s.urgent_inside_p50_ms} p99 "
                       f"{s.urgent_inside_p99_ms}; before arrival p50 {s.urgent_before_p50_ms} "
                       f"p99 {s.urgent_before_p99_ms}); "
-                      f"bulk {s.bulk_rate:,.0f} rec/s; queue ms {s.queue_ms}", file=sys.stderr,
+                      f"bulk {s.bulk_rate:,.0f} rec/s; queue ms {s.queue_ms}; loop lag p50 "
+                      f"{s.loop_lag_p50_ms} p99 {s.loop_lag_p99_ms} ms", file=sys.stderr,
                       flush=True)  # fmt: skip
     return {"broker": args.broker, "backlog": args.backlog, "share": args.share,
             "worker_env": args.env,

@@ -68,8 +68,16 @@ async def serve(settings: Settings) -> int:
     return EXIT_OK if drained and signals <= 1 else EXIT_UNDRAINED
 
 
-async def _tick(interval: float = 1.0) -> None:
-    """Proof of a live event loop for ``/livez``: a blocked loop stops ticking."""
+TICK_S = 0.1
+
+
+async def _tick(interval: float = TICK_S) -> None:
+    """Proof of a live event loop for ``/livez`` (a blocked loop stops ticking),
+    and how late each tick came (``infer_event_loop_lag_seconds``): a request
+    waits for the loop at every hop, fetch, intake, batch, result, send."""
+    loop = asyncio.get_running_loop()
     while True:
         metrics.loop_ticked()
+        due = loop.time() + interval
         await asyncio.sleep(interval)
+        metrics.EVENT_LOOP_LAG_SECONDS.observe(max(0.0, loop.time() - due))

@@ -149,6 +149,12 @@ LANE_QUEUE_SECONDS = Histogram(
     "infer_lane_queue_seconds", "Per request: arrival to batch, per lane", ["lane"],
     buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
+EVENT_LOOP_LAG_SECONDS = Histogram(
+    "infer_event_loop_lag_seconds",
+    "How late the event loop ran a timer due every 0.1 s: how long the longest "
+    "step in its way held the loop (every Kafka hop of a request waits behind it)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0),
+)  # fmt: skip
 LANE_PAUSED = Gauge("infer_lane_paused", "1 while backpressure pauses the lane", ["lane"])
 LANE_REJECTED = Counter(
     "infer_lane_rejected_total", "Answered without inference, per lane", ["lane", "code"]
@@ -331,7 +337,7 @@ _live_timeout = [10.0]
 
 
 def loop_ticked() -> None:
-    """Called by the worker's event loop, about every second."""
+    """Called by the worker's event loop, ten times a second (``service.TICK_S``)."""
     _tick[0] = time.monotonic()
 
 
