@@ -42,15 +42,20 @@ async def test_a_lower_lane_is_handed_over_a_few_records_at_a_time(
     await started(consumer)
     try:
         calls: list[tuple[int, int]] = []  # (urgent, bulk) records per call
+        offsets: dict[KafkaTP, list[int]] = {}
         while sum(u + b for u, b in calls) < BULK + URGENT and len(calls) < 200:
             got = await getmany_by_lane(consumer, k, 2000, LOWER_LANE_RECORDS)
             n = {t: sum(len(v) for tp, v in got.items() if tp.topic == t) for t in (urgent, bulk)}
             calls.append((n[urgent], n[bulk]))
+            for tp, records in got.items():
+                offsets.setdefault(tp, []).extend(r.offset for r in records)
     finally:
         await consumer.stop()
     assert sum(u for u, _ in calls) == URGENT and sum(b for _, b in calls) == BULK
     assert max(b for _, b in calls) <= LOWER_LANE_RECORDS, calls
-    # Both topics' records came in the first fetch: the urgent ones are handed
-    # over first, or right after the first lower-lane hand-over at most.
-    first_urgent = next(i for i, (u, _) in enumerate(calls) if u)
-    assert first_urgent <= 1, calls
+    # Both topics' records came in the first fetch: the urgent ones are in the
+    # first hand-over, though the wait's cap may have been filled by bulk records.
+    assert calls[0][0] == URGENT, calls
+    # Each partition's records in order, every one once.
+    for tp, seen in offsets.items():
+        assert seen == list(range(len(seen))), tp

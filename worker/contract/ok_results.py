@@ -43,6 +43,13 @@ def _map_header(n: int) -> bytes:
     return (b"\xde" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdf" + n.to_bytes(4, "big"))
 
 
+def _bin_header(n: int) -> bytes:
+    """msgpack's bin header for ``n`` bytes (bin 8, 16 or 32: the smallest)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return (b"\xc5" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xc6" + n.to_bytes(4, "big"))
+
+
 def _head(fields: int) -> bytes:
     return _map_header(fields) + _encode("v") + _encode(1) + _encode("id")
 
@@ -65,7 +72,7 @@ def _output_prefix(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -
     if prefix is None:
         if len(_outputs) >= _MAX_CACHED:
             _outputs.clear()
-        bin_header = _encode(bytes(nbytes))[: -nbytes or None]
+        bin_header = _bin_header(nbytes)
         prefix = _outputs[key] = (
             _encode(name) + _map_header(3) + _encode("dtype") + _encode(dtype)
             + _encode("shape") + _encode(list(shape)) + _encode("data") + bin_header
@@ -99,7 +106,8 @@ def encode_ok_result(
     """An ``ok`` result straight from the engine's output rows, byte for byte
     what ``encode_result`` makes of the same result, without building and
     validating a ``Result`` and a ``Tensor`` per output (the worker's own arrays
-    need no validation). Integers in timings and offsets may be numpy scalars.
+    need no validation). Timings must be ints (the stages' ``round()`` and
+    ``micros()``); they, the partition and the offset may be numpy integers.
     An echoed ``meta`` msgspec will not write (a bytes map key) is written by
     msgpack, whose errors the caller gets (``pack``)."""
     parts = [_HEAD if meta is None else _HEAD_META, _encode(request_id), _STATUS_OUTPUTS,

@@ -92,14 +92,25 @@ async def getmany_by_lane(
     """Records already fetched for the most urgent lane that has some, else a
     wait on every partition (``getmany`` as without lanes). ``lower_records``:
     at most this many records of a lower lane at a time (``LOWER_LANE_RECORDS``)."""
-    if len(k.ranked_lanes) > 1:
-        assigned = consumer.assignment()
-        for r in range(len(k.ranked_lanes)):
-            tps = [tp for tp in assigned if lane_of(k, tp) == r]
-            limit = None if r == 0 else lower_records
-            if tps and (got := await consumer.getmany(*tps, timeout_ms=0, max_records=limit)):
-                return cast(Fetched, got)
-        return cast(
-            Fetched, await consumer.getmany(timeout_ms=timeout_ms, max_records=lower_records)
-        )
-    return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))
+    if len(k.ranked_lanes) < 2:
+        return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))
+    assigned = consumer.assignment()
+    by_lane = [[tp for tp in assigned if lane_of(k, tp) == r] for r in range(len(k.ranked_lanes))]
+
+    async def ready(r: int) -> Fetched:
+        """Lane ``r``'s records already fetched (a lower lane's, up to the cap)."""
+        if not by_lane[r]:
+            return {}  # getmany() naming no partition would read every one
+        limit = None if r == 0 else lower_records
+        return cast(Fetched, await consumer.getmany(*by_lane[r], timeout_ms=0, max_records=limit))
+
+    for r in range(len(by_lane)):
+        if got := await ready(r):
+            return got
+    waited = await consumer.getmany(timeout_ms=timeout_ms, max_records=lower_records)
+    fetched = cast(Fetched, waited)
+    # The wait hands over the first records buffered, up to the cap: a lower
+    # lane's may fill it while a more urgent lane's came in the same fetch.
+    for r in range(min((lane_of(k, tp) for tp in fetched), default=0)):
+        fetched = {**await ready(r), **fetched}
+    return fetched
