@@ -77,9 +77,10 @@ async def test_probes_build_info_and_latency_histograms(
     assert 'infer_engine_seconds_bucket{le="0.0001"}' in m
     # The event loop's timer, ten times a second: how late it came.
     assert m["infer_event_loop_lag_seconds_count"] >= 5
-    assert m['infer_event_loop_lag_seconds_bucket{le="+Inf"}'] == m[
-        "infer_event_loop_lag_seconds_count"
-    ]
+    assert (
+        m['infer_event_loop_lag_seconds_bucket{le="+Inf"}']
+        == m["infer_event_loop_lag_seconds_count"]
+    )
     assert lag['infer_rebalances_total{kind="assigned"}'] >= 1
     ages = [v for k, v in lag.items() if k.startswith("infer_partition_last_commit_age_seconds{")]
     assert len(ages) == 2 and all(0 <= a < 60 for a in ages)
