@@ -166,11 +166,10 @@ async def run_scenario(
         out.queue_ms = _lane_queue_ms(w)
         lag = {le: n - lag_before.get(le, 0.0) for le, n in _loop_lag(w).items()}
         out.loop_lag_p50_ms, out.loop_lag_p99_ms, out.loop_lag_over_10ms = _lag_summary(lag)
-        lat = np.array([r.timestamp_ms - stamped[r.record_key] for r in c.records[t["results"]]
-                        if r.record_key in stamped], float)  # fmt: skip
         mine = [r for r in c.records[t["results"]] if r.record_key in stamped]
+        lat = np.array([r.timestamp_ms - stamped[r.record_key] for r in mine], float)
         inside = np.array([r.result().timing_us["total"] / 1000.0 for r in mine])
-        before = np.array([r.timestamp_ms - stamped[r.record_key] for r in mine]) - inside
+        before = lat - inside
         if len(inside):
             i50, i99 = np.percentile(inside, [50, 99])
             out.urgent_inside_p50_ms, out.urgent_inside_p99_ms = round(i50, 1), round(i99, 1)

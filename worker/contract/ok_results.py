@@ -21,6 +21,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
+from worker.contract.results import model_map
 from worker.contract.wire import pack
 from worker.flow.values import DTYPES, ModelInfo, Source, Tensor
 
@@ -88,7 +89,7 @@ def _source_prefix(model: ModelInfo, topic: str, partition: int) -> bytes:
         if len(_sources) >= _MAX_CACHED:
             _sources.clear()
         prefix = _sources[key] = (
-            _encode("model") + _encode({"name": model.name, "version": model.version})
+            _encode("model") + bytes(model_map(model.name, model.version))
             + _encode("source") + _map_header(3) + _encode("topic") + _encode(topic)
             + _encode("partition") + _encode(int(partition)) + _encode("offset")
         )  # fmt: skip

@@ -69,7 +69,7 @@ class _ResultWire(msgspec.Struct, omit_defaults=True, kw_only=True):
     status: str
     outputs: dict[str, _TensorWire]
     error: _ErrorWire | None = None
-    model: msgspec.Raw  # the model's map, encoded once per model (``_model_map``)
+    model: msgspec.Raw  # the model's map, encoded once per model (``model_map``)
     source: _SourceWire
     timing_us: dict[str, int]
     meta: Any = None
@@ -92,7 +92,7 @@ def _tensor_wire(t: Tensor) -> _TensorWire:
 
 
 @functools.lru_cache(maxsize=64)
-def _model_map(name: str, version: str) -> msgspec.Raw:
+def model_map(name: str, version: str) -> msgspec.Raw:
     """The model's map as msgpack, once per model (every result carries it)."""
     return msgspec.Raw(_ENCODER.encode({"name": name, "version": version}))
 
@@ -116,7 +116,7 @@ def _pack(
     the caller gets (``pack``)."""
     wire = _ResultWire(
         v=v, id=request_id, status=status, outputs=outputs, error=error,
-        model=_model_map(model.name, model.version),
+        model=model_map(model.name, model.version),
         source=_SourceWire(source.topic, int(source.partition), int(source.offset)),
         timing_us={k: int(t) for k, t in timing_us.items()},
         meta=meta if meta is None or isinstance(meta, dict) else dict(meta),

@@ -20,7 +20,6 @@ import numpy as np
 from worker.config.model import TensorInput
 from worker.contract import InputValue, Tensor
 from worker.flow.errors import InvalidRequest, TensorTooLarge
-from worker.flow.values import WIRE_DTYPES
 from worker.model.inputs.base import BoundInput, pad_rows, value_kind
 from worker.model.io import TensorDesc
 
@@ -33,7 +32,6 @@ class BoundTensor(BoundInput):
         super().__init__(name, (feed,))
         self.desc = feed
         self._dtype = feed.dtype.name  # numpy computes ``dtype.name`` per call (2 us)
-        self._wire_dtype = WIRE_DTYPES.get(self._dtype)
         self.pads = bool(cfg.pad)
         self.pad_value = cfg.pad_value or 0.0
         self.max_length = max_length
@@ -70,9 +68,7 @@ class BoundTensor(BoundInput):
                     f"{self.field}.shape[{axis}]: {got} exceeds the limit {self.max_length} on the "
                     f"free dimension {self._symbols[axis]!r} (model.inputs.{self.name}.max_length)"
                 )
-        # ``Tensor.to_numpy`` with the dtype looked up once: a read-only view.
-        assert self._wire_dtype is not None  # the dtype matched, and the wire has it
-        return np.frombuffer(value.data, dtype=self._wire_dtype).reshape(shape)
+        return value.to_numpy()
 
     def max_lengths(self) -> Mapping[str, int]:
         return {symbol: self.max_length for symbol in self._symbols.values()}
