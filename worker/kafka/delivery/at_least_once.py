@@ -51,7 +51,7 @@ class AtLeastOnceWriter:
         max_pending_acks: int,
         producer_factory: ProducerFactory = start_producer,
     ) -> None:
-        self._producing = Producing(parts.kafka, producer_factory)
+        self._producing = Producing(parts.kafka, producer_factory, lane_producer=True)
         self._answers = Answers(parts)
         self._batches = Completions(parts.completed_in)
         self._committer, self._tracker = parts.committer, parts.tracker

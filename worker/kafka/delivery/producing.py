@@ -2,6 +2,14 @@
 batch's records handed to it grouped per output partition, and acknowledgements
 watched for the readiness probe. Both writers hold one (``at_least_once``,
 ``exactly_once``); the transactional calls are the exactly-once writer's own.
+
+With priority lanes the at-least-once writer's most urgent lane has a producer
+of its own (``lane_producer``). aiokafka keeps one produce request in flight per
+connection, and ``send_batch`` waits until the partition's previous batch left:
+an urgent result queued behind the bulk lane's request and the batch pending
+after it (22 ms at the median under a bulk backlog, against 1 ms with no bulk
+traffic; BENCHMARKS.md, priority lanes). An input partition is in one lane, so
+its results, DLQ and state records all go through one producer, in order.
 """
 
 from __future__ import annotations
@@ -27,12 +35,20 @@ ProducerFactory = Callable[[KafkaConfig], Awaitable[tuple[AIOKafkaProducer, bool
 
 
 class Producing:
-    def __init__(self, kafka: KafkaConfig, factory: ProducerFactory) -> None:
+    def __init__(
+        self, kafka: KafkaConfig, factory: ProducerFactory, lane_producer: bool = False
+    ) -> None:
+        """``lane_producer``: with two or more lanes, the most urgent lane's records
+        go through a producer of their own (``urgent``)."""
         self._kafka = kafka
         self._factory = factory
         self._overdue = kafka.request_timeout_s
         self._overdue_waits = 0
         self.producer: AIOKafkaProducer | None = None
+        self.urgent: AIOKafkaProducer | None = None
+        lanes = kafka.ranked_lanes
+        own = lane_producer and len(lanes) > 1
+        self._urgent_topics = frozenset(lanes[0].topics) if own else frozenset()
         self.idempotent = False
 
     def backoff(self) -> Backoff:
@@ -46,7 +62,10 @@ class Producing:
 
     async def start(self) -> None:
         self.producer, self.idempotent = await self._factory(self._kafka)
-        log.info("producer_started", idempotent=self.idempotent)
+        if self._urgent_topics:
+            self.urgent, _ = await self._factory(self._kafka)
+        log.info("producer_started", idempotent=self.idempotent,
+                 urgent_lane_producer=self.urgent is not None)  # fmt: skip
 
     async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
         """One record through the current producer, acknowledged (for the crash
@@ -64,7 +83,13 @@ class Producing:
     async def send_grouped(self, outs: list[OutRecord]) -> Sent:
         """A completed batch's records to the producer (``sending.send_grouped``)."""
         assert self.producer is not None, "start() first"
-        return await send_grouped(self.producer, outs)
+        urgent = self._urgent_topics
+        if self.urgent is None or not any(o.job.tp.topic in urgent for o in outs):
+            return await send_grouped(self.producer, outs)
+        # The urgent lane's first: its producer never waits on the other's.
+        sent = await send_grouped(self.urgent, [o for o in outs if o.job.tp.topic in urgent])
+        rest = [o for o in outs if o.job.tp.topic not in urgent]
+        return sent + await send_grouped(self.producer, rest) if rest else sent
 
     async def failures(
         self,
@@ -119,25 +144,34 @@ class Producing:
         new one gets a new producer id or epoch; its sequences start again (a
         transactional one's InitProducerId also aborts the old one's open
         transaction). The old one is closed within the request timeout: its
-        pending batches may be bound for a broker that is gone."""
+        pending batches may be bound for a broker that is gone. The urgent lane's
+        producer is replaced with it (which of them was refused is not known
+        here, and both are idle)."""
+        old = [self.producer, self.urgent]
+        self.producer, self.idempotent = await self._renewed()
+        if self.urgent is not None:
+            self.urgent, _ = await self._renewed()
+        log.info("producer_renewed", idempotent=self.idempotent, reason=reason)
+        for producer in old:
+            if producer is None:
+                continue
+            try:
+                await asyncio.wait_for(producer.stop(), self._overdue)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("old_producer_close_failed", error=repr(exc))
+
+    async def _renewed(self) -> tuple[AIOKafkaProducer, bool]:
         backoff = self.backoff()
         while True:
             try:
-                producer, idempotent = await self._factory(self._kafka)
-                break
+                return await self._factory(self._kafka)
             except KafkaError as exc:  # the broker answered a moment ago: retry
                 log.warning("producer_renewal_failed", error=repr(exc),
                             backoff_s=backoff.current)  # fmt: skip
                 await asyncio.sleep(backoff.next())
-        old, self.producer, self.idempotent = self.producer, producer, idempotent
-        log.info("producer_renewed", idempotent=idempotent, reason=reason)
-        if old is not None:
-            try:
-                await asyncio.wait_for(old.stop(), self._overdue)
-            except (KafkaError, TimeoutError) as exc:
-                log.warning("old_producer_close_failed", error=repr(exc))
 
     async def close(self) -> None:
-        producer, self.producer = self.producer, None
-        if producer is not None:
-            await producer.stop()
+        producers, self.producer, self.urgent = (self.producer, self.urgent), None, None
+        for producer in producers:
+            if producer is not None:
+                await producer.stop()
