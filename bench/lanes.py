@@ -228,7 +228,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     results: list[Scenario] = []
     with EmbeddedBroker() if args.broker == "embedded" else KafkaCluster(1) as broker:
         bs = broker.bootstrap
-        cap = await run_scenario(bs, "capacity", args.backlog, 0.0, 0.0, lanes=True)
+        if args.capacity > 0:
+            cap = Scenario("capacity (given)", drain_rate=args.capacity)
+        else:
+            cap = await run_scenario(bs, "capacity", args.backlog, 0.0, 0.0, lanes=True)
         results.append(cap)
         rate = args.share * cap.drain_rate
         print(f"  capacity {cap.drain_rate:,.0f} rec/s; urgent at {rate:,.0f}/s", file=sys.stderr)
@@ -265,6 +268,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="scenarios to run after the capacity one")
     parser.add_argument("--env", action="append", default=[], metavar="INFER_WORKER_X=V",
                         help="worker environment for every scenario")  # fmt: skip
+    parser.add_argument("--capacity", type=float, default=0.0, metavar="REC_S",
+                        help="take this capacity instead of measuring it (A/B runs of "
+                             "two commits at one urgent rate)")  # fmt: skip
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()
     EXTRA_ENV.update(item.split("=", 1) for item in args.env)
