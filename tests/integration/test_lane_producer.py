@@ -82,12 +82,18 @@ def _outs(urgent: str, bulk: str, out: str) -> list[OutRecord]:
     return outs
 
 
+async def _topics(broker: Broker, names: dict[str, str], out_parts: int) -> tuple[str, str, str]:
+    """(urgent, bulk, output) topics, created."""
+    urgent, bulk = names["requests"] + ".urgent", names["requests"] + ".bulk"
+    out = names["results"]
+    await create_topics(broker.bootstrap, {urgent: 1, bulk: 1, out: out_parts})
+    return urgent, bulk, out
+
+
 async def test_the_urgent_lane_has_a_producer_of_its_own(
     broker: Broker, names: dict[str, str]
 ) -> None:
-    urgent, bulk = names["requests"] + ".urgent", names["requests"] + ".bulk"
-    out = names["results"]
-    await create_topics(broker.bootstrap, {urgent: 1, bulk: 1, out: 2})
+    urgent, bulk, out = await _topics(broker, names, 2)
     factory = Noted()
     producing = Producing(_config(broker, urgent, bulk, out), factory, lane_producer=True)
     await producing.start()
@@ -129,9 +135,7 @@ async def test_the_urgent_lane_has_a_producer_of_its_own(
 async def test_one_lane_or_the_exactly_once_writer_keep_one_producer(
     broker: Broker, names: dict[str, str]
 ) -> None:
-    urgent, bulk = names["requests"] + ".urgent", names["requests"] + ".bulk"
-    out = names["results"]
-    await create_topics(broker.bootstrap, {urgent: 1, bulk: 1, out: 1})
+    urgent, bulk, out = await _topics(broker, names, 1)
     one_lane = KafkaConfig(
         bootstrap_servers=broker.bootstrap, input_topics=(urgent, bulk), output_topic=out
     )
