@@ -151,3 +151,26 @@ async def test_one_lane_or_the_exactly_once_writer_keep_one_producer(
             assert len(factory.handed[id(producing.producer)]) == N
         finally:
             await producing.close()
+
+
+async def test_either_producer_idempotent_renews_both(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """``enable_idempotence = "auto"`` may end differently for the two starts; a
+    refusal for good must then still renew them (a broken sequence otherwise
+    stays broken), so ``idempotent`` is true if either producer is."""
+    urgent, bulk, out = await _topics(broker, names, 1)
+    noted = Noted()
+
+    async def second_only(k: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
+        producer, _ = await noted(k)
+        return producer, len(noted.made) % 2 == 0  # the urgent lane's, made second
+
+    producing = Producing(_config(broker, urgent, bulk, out), second_only, lane_producer=True)
+    await producing.start()
+    try:
+        assert producing.idempotent
+        await producing.replace("test")
+        assert producing.idempotent and len(noted.made) == 4
+    finally:
+        await producing.close()

@@ -61,11 +61,22 @@ class Producing:
         return self._overdue
 
     async def start(self) -> None:
-        self.producer, self.idempotent = await self._factory(self._kafka)
-        if self._urgent_topics:
-            self.urgent, _ = await self._factory(self._kafka)
+        await self._open(self._factory)
         log.info("producer_started", idempotent=self.idempotent,
                  urgent_lane_producer=self.urgent is not None)  # fmt: skip
+
+    async def _open(self, make: ProducerFactory) -> None:
+        """The producer, and the urgent lane's where it has one. ``idempotent``
+        decides whether a refusal for good renews them (``decide``): true if
+        either is, since ``enable_idempotence = "auto"`` may end differently for
+        two starts (a probe timing out), and a broken idempotent sequence left
+        unrenewed would be refused for ever."""
+        producer, idempotent = await make(self._kafka)
+        urgent = None
+        if self._urgent_topics:
+            urgent, own = await make(self._kafka)
+            idempotent = idempotent or own
+        self.producer, self.urgent, self.idempotent = producer, urgent, idempotent
 
     async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> Any:
         """One record through the current producer, acknowledged (for the crash
@@ -83,12 +94,16 @@ class Producing:
     async def send_grouped(self, outs: list[OutRecord]) -> Sent:
         """A completed batch's records to the producer (``sending.send_grouped``)."""
         assert self.producer is not None, "start() first"
-        urgent = self._urgent_topics
-        if self.urgent is None or not any(o.job.tp.topic in urgent for o in outs):
+        if self.urgent is None:
+            return await send_grouped(self.producer, outs)
+        urgent: list[OutRecord] = []
+        rest: list[OutRecord] = []
+        for out in outs:
+            (urgent if out.job.tp.topic in self._urgent_topics else rest).append(out)
+        if not urgent:
             return await send_grouped(self.producer, outs)
         # The urgent lane's first: its producer never waits on the other's.
-        sent = await send_grouped(self.urgent, [o for o in outs if o.job.tp.topic in urgent])
-        rest = [o for o in outs if o.job.tp.topic not in urgent]
+        sent = await send_grouped(self.urgent, urgent)
         return sent + await send_grouped(self.producer, rest) if rest else sent
 
     async def failures(
@@ -148,9 +163,7 @@ class Producing:
         producer is replaced with it (which of them was refused is not known
         here, and both are idle)."""
         old = [self.producer, self.urgent]
-        self.producer, self.idempotent = await self._renewed()
-        if self.urgent is not None:
-            self.urgent, _ = await self._renewed()
+        await self._open(self._renewed)
         log.info("producer_renewed", idempotent=self.idempotent, reason=reason)
         for producer in old:
             if producer is None:
@@ -160,11 +173,12 @@ class Producing:
             except (KafkaError, TimeoutError) as exc:
                 log.warning("old_producer_close_failed", error=repr(exc))
 
-    async def _renewed(self) -> tuple[AIOKafkaProducer, bool]:
+    async def _renewed(self, kafka: KafkaConfig) -> tuple[AIOKafkaProducer, bool]:
+        """A new producer, retried until the broker gives one."""
         backoff = self.backoff()
         while True:
             try:
-                return await self._factory(self._kafka)
+                return await self._factory(kafka)
             except KafkaError as exc:  # the broker answered a moment ago: retry
                 log.warning("producer_renewal_failed", error=repr(exc),
                             backoff_s=backoff.current)  # fmt: skip
