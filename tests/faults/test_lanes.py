@@ -208,3 +208,56 @@ async def test_exactly_once_with_lanes_answers_each_request_once(
     assert observed is not None
     report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=True)
     assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+
+
+def _urgent_fetch(w: WorkerProcess) -> float:
+    """Urgent partitions the worker reads on the urgent lane's own connection."""
+    try:
+        return w.metrics().get("infer_lane_urgent_fetch_partitions", 0.0)
+    except OSError:
+        return 0.0
+
+
+async def test_urgent_partitions_move_between_members_and_nothing_is_lost(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """The urgent lane's partitions are read by a consumer of their own
+    (``worker.kafka.urgentfetch``): handed over once positioned, taken back when
+    a revocation begins. A member joining while urgent requests stream in takes
+    half of them: each member's fetcher then holds its own one, and every
+    request of both lanes is answered."""
+    urgent, bulk = await _backlog(broker, names)
+    answers = await Answers.start(broker, names)
+    w1 = start_with_lanes(broker, names)
+    w2: WorkerProcess | None = None
+    try:
+        await wait_assigned([w1], 2 * PARTS)
+        await until(lambda: _urgent_fetch(w1) == PARTS, 30, "urgent partitions handed over")
+        streaming = asyncio.create_task(
+            produce_all(
+                broker.bootstrap,
+                urgent,
+                [(f"u{i}".encode(), request(100_000 + i)) for i in range(10 * URGENT)],
+                partition_of=lambda i: i % PARTS,
+                rate=10 * URGENT / 4.0,  # over the rebalance, ~4 s
+            )
+        )
+        w2 = start_with_lanes(broker, names)
+        await wait_assigned([w1, w2], 2 * PARTS)
+        await streaming
+        held = lambda: (_urgent_fetch(w1), _urgent_fetch(w2))  # noqa: E731
+        await until(lambda: held() == (1.0, 1.0), 30, f"one urgent partition each: {held()}")
+        done = lambda: by_topic(answers.collector)  # noqa: E731
+        await until(
+            lambda: done()[bulk] >= BULK and done()[urgent] >= 10 * URGENT, 120, "all answered"
+        )
+        assert w1.terminate() == 0, w1.log_tail()
+        assert w2.terminate() == 0, w2.log_tail()
+        no_crash_in_log(w1)
+        no_crash_in_log(w2)
+    finally:
+        w1.kill()
+        if w2 is not None:
+            w2.kill()
+        await answers.stop()
+    await every_request_answered(broker, names)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import structlog
@@ -40,6 +40,7 @@ from worker.kafka.lanefetch import (
 )
 from worker.kafka.listener import RebalanceListener, RevokeHook
 from worker.kafka.permissions import NOT_AUTHORISED
+from worker.kafka.urgentfetch import BothSources, Stamped, UrgentFetcher, hand_over
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -65,7 +66,6 @@ class Consumer:
         backpressure: LaneBackpressure,
     ) -> None:
         self._kafka = kafka
-        self.missing_topics: list[str] = []  # input topics the last probe did not find
         self._backpressure = backpressure
         self._make_job = make_job
         self._jobs_out = jobs_out
@@ -86,6 +86,10 @@ class Consumer:
         # Partitions a previous owner died in, and how they are read meanwhile.
         self._guarded: dict[TopicPartition, Guarded] = {}
         self.client: AIOKafkaConsumer | None = None
+        # With lanes, the most urgent lane's partitions are read by a consumer of
+        # their own (``worker.kafka.urgentfetch``), waited on beside this one.
+        self._urgent: UrgentFetcher | None = None
+        self._sources: BothSources | None = None
         # A stateful model's restore from its state changelog, per assignment.
         self._restore: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
 
@@ -93,6 +97,11 @@ class Consumer:
         k = self._kafka
         consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
         consumer.subscribe(list(k.input_topics), listener=RebalanceListener(self, self._on_revoke))
+        if len(k.ranked_lanes) > 1:  # started first: the first assignment hands it partitions
+            self._urgent = UrgentFetcher(k)
+            await self._urgent.start()
+            group = lambda t: getmany_by_lane(consumer, k, t, LOWER_LANE_RECORDS)  # noqa: E731
+            self._sources = BothSources(group, self._urgent, lambda: self._stamp)
         # Set before start(): the first assignment's listener call may come during it.
         self.client = consumer
         try:
@@ -100,6 +109,7 @@ class Consumer:
         except BaseException:
             self.client = None
             await consumer.stop()
+            await self._close_urgent()
             raise
         if len(k.ranked_lanes) > 1 and not fetch_for_lanes(consumer, k):
             log.warning("lanes_prefetch_unchanged", reason="aiokafka has no _prefetch_backoff")
@@ -122,6 +132,7 @@ class Consumer:
         consumer = self.client
         consumer.pause(*tps)
         self._positioning.update(tps)
+        revoked_at = self._revoked_at
         try:
             if self._restore is not None and tps:
                 await self._restore([TopicPartition(t.topic, t.partition) for t in tps])
@@ -131,9 +142,16 @@ class Consumer:
             for t in tps:
                 self._positioned_at[TopicPartition(t.topic, t.partition)] = self._stamp
             self._positioning.difference_update(tps)
+            owned = [t for t in tps if t in consumer.assignment()]
+            handed = await hand_over(
+                self._urgent, consumer, [t for t in owned if lane_of(self._kafka, t) == 0],
+                lambda: self._revoked_at == revoked_at,
+            )  # fmt: skip
             # A lane paused by backpressure is resumed by the backpressure.
-            owned = consumer.assignment()
-            consumer.resume(*(t for t in tps if t in owned and not self._lane_paused(t)))
+            still = consumer.assignment()
+            consumer.resume(
+                *(t for t in owned if t in still and t not in handed and not self._lane_paused(t))
+            )
 
     async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
         assert self.client is not None
@@ -194,6 +212,8 @@ class Consumer:
         dropped, not tracked (see ``_enqueue``)."""
         self._stamp += 1
         self._revoked_at = self._stamp
+        if self._urgent is not None:
+            self._urgent.drop_all()  # taken back: every partition is revoked first
 
     async def run(self) -> None:
         assert self.client is not None, "start() first"
@@ -215,7 +235,7 @@ class Consumer:
                     fetch.cancel()
                     break
                 try:
-                    stamp, fetched = fetch.result()
+                    got = fetch.result()
                 except KafkaError as exc:
                     # The consumer reconnects by itself; back off and poll again.
                     failures += 1
@@ -231,21 +251,24 @@ class Consumer:
                 backoff.reset()
                 # The urgent lanes' records first: should the queue be full, they
                 # are not the ones waiting behind a lower lane's.
-                for tp, records in sorted(
-                    fetched.items(), key=lambda kv: lane_of(self._kafka, kv[0])
-                ):
+                parts = [(tp, records, stamp) for stamp, fetched in got
+                         for tp, records in fetched.items()]  # fmt: skip
+                for tp, records, stamp in sorted(parts, key=lambda p: lane_of(self._kafka, p[0])):
                     await self._enqueue(tp, records, stamp)
                     self._apply_backpressure()
+        if self._sources is not None:
+            self._sources.cancel()
 
-    async def _fetch(
-        self, consumer: AIOKafkaConsumer, timeout_ms: int
-    ) -> tuple[int, dict[KafkaTP, list[ConsumerRecord[Any, Any]]]]:
-        """``getmany()`` and the stamp at the moment it returned. Taken in the same
-        step, so it belongs to the records: a fetch issued before a revocation
-        waits through the rebalance and returns records of the new assignment,
-        which must be tracked (the consumer's position is past them)."""
+    async def _fetch(self, consumer: AIOKafkaConsumer, timeout_ms: int) -> list[Stamped]:
+        """``getmany()`` and the stamp at the moment it returned (of the urgent
+        fetcher as well, with lanes). Taken in the same step, so it belongs to
+        the records: a fetch issued before a revocation waits through the
+        rebalance and returns records of the new assignment, which must be
+        tracked (the consumer's position is past them)."""
+        if self._sources is not None:
+            return await self._sources.next(timeout_ms)
         fetched = await getmany_by_lane(consumer, self._kafka, timeout_ms, LOWER_LANE_RECORDS)
-        return self._stamp, fetched
+        return [(self._stamp, fetched)]
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake at once when stopping."""
@@ -261,8 +284,9 @@ class Consumer:
         metrics.INFLIGHT_RECORDS.set(records)
         metrics.INFLIGHT_BYTES.set(nbytes)
         apply_backpressure(
-            self.client, self._kafka, self._backpressure, records, nbytes, self._positioning
-        )
+            self.client, self._kafka, self._backpressure, records, nbytes, self._positioning,
+            self._urgent,
+        )  # fmt: skip
 
     async def _enqueue(
         self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int
@@ -278,7 +302,7 @@ class Consumer:
             # read again from the decided one (start_at_committed).
             return
         # A fetch's offsets ascend: second deliveries can only be its first records.
-        highwater = self.client.highwater(ktp)
+        highwater = self.highwater(ktp)
         redelivered = 0
         while redelivered < len(records) and self._tracker.redelivered(
             tp, records[redelivered].offset, highwater
@@ -353,32 +377,22 @@ class Consumer:
             )  # fmt: skip
         return job
 
+    @property
+    def input_topics(self) -> tuple[str, ...]:
+        return self._kafka.input_topics
+
+    def highwater(self, ktp: KafkaTP) -> int | None:
+        """The end offset the partition's last fetch reported (by the consumer
+        that reads it)."""
+        assert self.client is not None
+        if self._urgent is not None and self._urgent.holds(ktp):
+            return self._urgent.highwater(ktp)
+        return cast(int | None, self.client.highwater(ktp))
+
     async def commit(self, offsets: dict[KafkaTP, int]) -> None:
         """Commit explicit offsets (the Committer's only way to reach the group)."""
         assert self.client is not None, "start() first"
         await self.client.commit(offsets)
-
-    async def probe(self, timeout: float) -> bool:
-        """True when the cluster answers a metadata request for the input topics
-        within ``timeout``; ``missing_topics`` then lists those it does not know
-        (deleted since start-up). The consumer hides
-        connection loss (it reconnects quietly and returns empty fetches), so
-        readiness needs an explicit round trip; it asks for the subscribed topics
-        only (the consumer's own metadata refresh), not the whole cluster's, which
-        twenty workers probing every second would make the brokers pay for."""
-        if self.client is None:
-            return False
-        # aiokafka has no public per-topic metadata call; this is the refresh the
-        # consumer runs every metadata_max_age_ms, brought forward.
-        client = self.client._client
-        try:
-            updated = await asyncio.wait_for(client.force_metadata_update(), timeout)
-        except (KafkaError, TimeoutError, OSError):
-            return False
-        if updated:
-            known = client.cluster.topics()
-            self.missing_topics = [t for t in self._kafka.input_topics if t not in known]
-        return bool(updated)
 
     def assignment(self) -> set[TopicPartition]:
         if self.client is None:
@@ -390,3 +404,11 @@ class Consumer:
         consumer, self.client = self.client, None
         if consumer is not None:
             await consumer.stop()
+        await self._close_urgent()
+
+    async def _close_urgent(self) -> None:
+        if self._sources is not None:
+            self._sources.cancel()
+        fetcher, self._urgent = self._urgent, None
+        if fetcher is not None:
+            await fetcher.close()

@@ -19,15 +19,15 @@ old (p50) when ``getmany`` returned it while a bulk lane drained
 
 from __future__ import annotations
 
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import structlog
 from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
 from worker.flow.lanes import LaneBackpressure
+from worker.kafka.urgentfetch import Fetched, UrgentFetcher
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -38,8 +38,6 @@ LANES_PREFETCH_BACKOFF_S: Final = 0.005
 # event loop) before it asks for more, so an urgent record fetched meanwhile
 # waited for all of a lower lane's buffered records (hundreds) to be taken in.
 LOWER_LANE_RECORDS: Final = 64
-
-Fetched = dict[KafkaTP, list[ConsumerRecord[Any, Any]]]
 
 
 def lane_of(k: KafkaConfig, tp: KafkaTP) -> int:
@@ -54,18 +52,26 @@ def apply_backpressure(
     records: int,
     nbytes: int,
     positioning: set[KafkaTP],
+    urgent: UrgentFetcher | None = None,
 ) -> None:
     """Pause or resume each lane's partitions for what is in flight; partitions
-    still being positioned stay paused (their positioning resumes them)."""
+    still being positioned stay paused (their positioning resumes them), and
+    those the ``urgent`` fetcher reads stay paused in the group consumer (the
+    fetcher follows the most urgent lane's state instead)."""
     lanes = k.ranked_lanes
     for rank, action in bp.update(records, nbytes):
         lane = lanes[rank].label
         metrics.LANE_PAUSED.labels(lane=lane).set(1 if action == "pause" else 0)
+        if rank == 0 and urgent is not None:
+            urgent.pause(action == "pause")
         if action == "pause":
             metrics.PAUSES.inc()
             log.info("fetch_paused", lane=lane, inflight_records=records, inflight_bytes=nbytes)
         else:
-            consumer.resume(*(t for t in consumer.paused() - positioning if lane_of(k, t) == rank))
+            held = set() if urgent is None else urgent.held()
+            consumer.resume(
+                *(t for t in consumer.paused() - positioning - held if lane_of(k, t) == rank)
+            )
             metrics.RESUMES.inc()
             log.info("fetch_resumed", lane=lane, inflight_records=records, inflight_bytes=nbytes)
     if bp.paused:

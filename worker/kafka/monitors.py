@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import structlog
+from aiokafka.errors import KafkaError
 
 from worker.flow.messages import TopicPartition
 from worker.kafka.consumer import Consumer
@@ -25,12 +26,12 @@ async def watch_broker(source: Consumer, timeout: float, interval: float = 1.0) 
     own metadata refresh re-creates it at once, empty: measured)."""
     up, missing = True, list[str]()
     while True:
-        ok = await source.probe(timeout)
+        ok, found_missing = await probe(source, timeout)
         if ok != up:
             log.warning("broker_reachable" if ok else "broker_unreachable")
             up = ok
-        if source.missing_topics != missing:
-            missing = source.missing_topics
+        if found_missing is not None and found_missing != missing:
+            missing = found_missing
             if missing:
                 log.error("input_topics_missing", topics=missing)
             else:
@@ -38,6 +39,29 @@ async def watch_broker(source: Consumer, timeout: float, interval: float = 1.0) 
         metrics.set_condition("broker", ok)
         metrics.set_condition("topics", not missing)
         await asyncio.sleep(interval)
+
+
+async def probe(source: Consumer, timeout: float) -> tuple[bool, list[str] | None]:
+    """Whether the cluster answers a metadata request for the input topics within
+    ``timeout``, and the input topics it does not know (deleted since start-up;
+    None when it did not answer). The consumer hides connection loss (it
+    reconnects quietly and returns empty fetches), so readiness needs an
+    explicit round trip; it asks for the subscribed topics only (the consumer's
+    own metadata refresh), not the whole cluster's, which twenty workers
+    probing every second would make the brokers pay for."""
+    if source.client is None:
+        return False, None
+    # aiokafka has no public per-topic metadata call; this is the refresh the
+    # consumer runs every metadata_max_age_ms, brought forward.
+    client = source.client._client
+    try:
+        updated = await asyncio.wait_for(client.force_metadata_update(), timeout)
+    except (KafkaError, TimeoutError, OSError):
+        return False, None
+    if not updated:
+        return False, None
+    known = client.cluster.topics()
+    return True, [t for t in source.input_topics if t not in known]
 
 
 async def report_partitions(
@@ -59,7 +83,7 @@ async def report_partitions(
             for ktp in consumer.assignment():
                 tp = TopicPartition(ktp.topic, ktp.partition)
                 labels = (tp.topic, str(tp.partition))
-                high, done = consumer.highwater(ktp), committed(tp)
+                high, done = source.highwater(ktp), committed(tp)
                 if high is not None and done is not None:
                     metrics.PARTITION_LAG.labels(*labels).set(max(0, high - done))
                 if tp in last_commit:

@@ -156,6 +156,10 @@ EVENT_LOOP_LAG_SECONDS = Histogram(
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0),
 )  # fmt: skip
 LANE_PAUSED = Gauge("infer_lane_paused", "1 while backpressure pauses the lane", ["lane"])
+URGENT_FETCH_PARTITIONS = Gauge(
+    "infer_lane_urgent_fetch_partitions",
+    "Partitions of the most urgent lane read on a connection of their own (with lanes)",
+)
 LANE_REJECTED = Counter(
     "infer_lane_rejected_total", "Answered without inference, per lane", ["lane", "code"]
 )

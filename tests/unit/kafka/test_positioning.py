@@ -150,7 +150,7 @@ async def test_records_fetched_before_the_partition_was_positioned_are_dropped()
     consumer = LogConsumer(length=8, committed=3, position=5)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue()
     source = source_on(consumer, jobs)
-    stamp, early = await source._fetch(consumer, 0)  # type: ignore[arg-type]
+    [(stamp, early)] = await source._fetch(consumer, 0)  # type: ignore[arg-type]
     assert [r.offset for r in early[KA]] == [5, 6, 7]
     await RebalanceListener(source, source._on_revoke).on_partitions_assigned([KA])
     await source._enqueue(KA, early[KA], stamp)
@@ -166,7 +166,7 @@ async def test_a_second_delivery_is_dropped_and_counted_a_shorter_log_is_a_reset
     jobs: asyncio.Queue[Job | None] = asyncio.Queue()
     source = source_on(consumer, jobs)
     await RebalanceListener(source, source._on_revoke).on_partitions_assigned([KA])
-    stamp, first = await source._fetch(consumer, 0)  # type: ignore[arg-type]
+    [(stamp, first)] = await source._fetch(consumer, 0)  # type: ignore[arg-type]
     await source._enqueue(KA, first[KA], stamp)
     before = metrics.REDELIVERIES_DROPPED._value.get()
     await source._enqueue(KA, [record(1), record(2), record(3)], stamp)  # 1, 2 again
