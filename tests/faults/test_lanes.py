@@ -6,9 +6,10 @@ exactly-once (Apache Kafka) every request of both lanes is answered once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
@@ -149,27 +150,48 @@ async def every_request_answered(broker: Broker, names: Mapping[str, str]) -> No
     assert all(a.kind == "result" for a in observed.answers)
 
 
+class Members:
+    """The workers a test started with lanes, killed when it ends."""
+
+    def __init__(self, broker: Broker, names: Mapping[str, str]) -> None:
+        self._broker, self._names = broker, names
+        self.started: list[WorkerProcess] = []
+
+    def start(self) -> WorkerProcess:
+        self.started.append(start_with_lanes(self._broker, self._names))
+        return self.started[-1]
+
+
+@contextlib.asynccontextmanager
+async def members(
+    broker: Broker, names: Mapping[str, str]
+) -> AsyncIterator[tuple[Answers, Members]]:
+    """Results collected and workers started for the block; every request of
+    both lanes answered once it ended without failing."""
+    answers = await Answers.start(broker, names)
+    workers = Members(broker, names)
+    try:
+        yield answers, workers
+    finally:
+        for w in workers.started:
+            w.kill()
+        await answers.stop()
+    await every_request_answered(broker, names)
+
+
 async def test_urgent_requests_overtake_a_backlog_and_a_sigkill_loses_nothing(
     broker: Broker, names: dict[str, str]
 ) -> None:
     urgent, bulk = await _backlog(broker, names)
-    answers = await Answers.start(broker, names)
-    w1 = start_with_lanes(broker, names)
-    w2: WorkerProcess | None = None
-    try:
+    async with members(broker, names) as (answers, workers):
+        w1 = workers.start()
         await wait_assigned([w1], 2 * PARTS)
         await urgent_overtakes_bulk(broker, urgent, w1)
         w1.kill()  # SIGKILL mid-backlog
-        w2 = start_with_lanes(broker, names)
+        w2 = workers.start()
         await until(lambda: by_topic(answers.collector)[bulk] >= BULK, 120, "backlog answered")
         assert w2.terminate() == 0, w2.log_tail()
         no_crash_in_log(w2)
-    finally:
-        w1.kill()
-        if w2 is not None:
-            w2.kill()
-        await answers.stop()
-    await every_request_answered(broker, names)
 
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
@@ -227,10 +249,8 @@ async def test_urgent_partitions_move_between_members_and_nothing_is_lost(
     half of them: each member's fetcher then holds its own one, and every
     request of both lanes is answered."""
     urgent, bulk = await _backlog(broker, names)
-    answers = await Answers.start(broker, names)
-    w1 = start_with_lanes(broker, names)
-    w2: WorkerProcess | None = None
-    try:
+    async with members(broker, names) as (answers, workers):
+        w1 = workers.start()
         await wait_assigned([w1], 2 * PARTS)
         await until(lambda: _urgent_fetch(w1) == PARTS, 30, "urgent partitions handed over")
         streaming = asyncio.create_task(
@@ -242,7 +262,7 @@ async def test_urgent_partitions_move_between_members_and_nothing_is_lost(
                 rate=10 * URGENT / 4.0,  # over the rebalance, ~4 s
             )
         )
-        w2 = start_with_lanes(broker, names)
+        w2 = workers.start()
         await wait_assigned([w1, w2], 2 * PARTS)
         await streaming
         held = lambda: (_urgent_fetch(w1), _urgent_fetch(w2))  # noqa: E731
@@ -251,13 +271,6 @@ async def test_urgent_partitions_move_between_members_and_nothing_is_lost(
         await until(
             lambda: done()[bulk] >= BULK and done()[urgent] >= 10 * URGENT, 120, "all answered"
         )
-        assert w1.terminate() == 0, w1.log_tail()
-        assert w2.terminate() == 0, w2.log_tail()
-        no_crash_in_log(w1)
-        no_crash_in_log(w2)
-    finally:
-        w1.kill()
-        if w2 is not None:
-            w2.kill()
-        await answers.stop()
-    await every_request_answered(broker, names)
+        for w in (w1, w2):
+            assert w.terminate() == 0, w.log_tail()
+            no_crash_in_log(w)
