@@ -161,6 +161,11 @@ class BothSources:
         if "group" not in self._waits:
             self._waits["group"] = asyncio.ensure_future(self._from_group(timeout_ms))
         await asyncio.wait(self._waits.values(), return_when=asyncio.FIRST_COMPLETED)
+        return self.done()
+
+    def done(self) -> list[Stamped]:
+        """The results of the waits already completed, without waiting (a
+        failure raised only when no records came beside it)."""
         got: list[Stamped] = []
         failed: BaseException | None = None
         for name, wait in list(self._waits.items()):
