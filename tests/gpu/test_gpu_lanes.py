@@ -41,7 +41,6 @@ def gpu_env(model: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.timeout(120)  # the worker starts (torch, the first capture) inside it
 @pytest.mark.parametrize("broker_kind", ["embedded"])
 async def test_urgent_requests_overtake_a_backlog_on_the_gpu(
     broker: Broker, names: dict[str, str], digits_torchscript: Path
