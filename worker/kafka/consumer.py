@@ -29,7 +29,7 @@ from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_stream
 from worker.kafka.clients import group_consumer_kwargs
-from worker.kafka.crashguard import CrashGuard, Guarded, Mode, decide
+from worker.kafka.crashguard import CrashGuard, Guarded, Mode
 from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
@@ -168,25 +168,8 @@ class Consumer:
             heads = {
                 TopicPartition(t.topic, t.partition): await self.client.position(t) for t in tps
             }
-            await self._check_crash_loops(heads)
-
-    async def _check_crash_loops(self, heads: dict[TopicPartition, int]) -> None:
-        """Claim each partition at its head, and act on previous owners that died
-        there (see ``worker.kafka.crashguard``)."""
-        assert self.guard is not None
-        marks = await self.guard.read(heads)
-        for tp, head in heads.items():
-            d = decide(marks.get(tp), head, self._max_crashes)
-            await self.guard.claim(tp, head, d.claims)
-            where = f"{tp.topic}:{tp.partition}@{head}"
-            if d.mode is Mode.QUARANTINE:
-                self._guarded[tp] = Guarded(d.mode, head)
-                metrics.CRASH_LOOPS.inc()
-                log.error("crash_loop_quarantine", record=where, crashes=d.crashes)
-            elif d.mode is Mode.ONE_BY_ONE:
-                # One record at a time over the window a dead batch could hold.
-                self._guarded[tp] = Guarded(d.mode, head, left=self._cautious_window)
-                log.warning("crash_suspected", head=where, crashes=d.crashes, mode=d.mode.value)
+            claimed = await self.guard.claim_heads(heads, self._max_crashes, self._cautious_window)
+            self._guarded.update(claimed)
 
     def protect(
         self,

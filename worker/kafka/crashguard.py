@@ -42,6 +42,7 @@ from aiokafka.structs import TopicPartition as KafkaTP
 from worker.flow.deadline import Deadline
 from worker.flow.messages import TopicPartition
 from worker.kafka.clients import topic_partitions
+from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -121,6 +122,27 @@ class CrashGuard:
         self._group = group
         self._producer = producer
         self._claimed: dict[TopicPartition, int] = {}
+
+    async def claim_heads(
+        self, heads: Mapping[TopicPartition, int], max_crashes: int, window: int
+    ) -> dict[TopicPartition, Guarded]:
+        """Claim each partition at its head, and say how to read those a previous
+        owner died in: quarantine the head record, or one record at a time over
+        ``window`` (what a dead batch could hold)."""
+        marks = await self.read(heads)
+        guarded: dict[TopicPartition, Guarded] = {}
+        for tp, head in heads.items():
+            d = decide(marks.get(tp), head, max_crashes)
+            await self.claim(tp, head, d.claims)
+            where = f"{tp.topic}:{tp.partition}@{head}"
+            if d.mode is Mode.QUARANTINE:
+                guarded[tp] = Guarded(d.mode, head)
+                metrics.CRASH_LOOPS.inc()
+                log.error("crash_loop_quarantine", record=where, crashes=d.crashes)
+            elif d.mode is Mode.ONE_BY_ONE:
+                guarded[tp] = Guarded(d.mode, head, left=window)
+                log.warning("crash_suspected", head=where, crashes=d.crashes, mode=d.mode.value)
+        return guarded
 
     async def read(
         self, tps: Iterable[TopicPartition], timeout: float = 10.0
