@@ -147,6 +147,12 @@ class KafkaConfig:
         without ``lanes``, one lane holding every input topic."""
         return ranked(self.input_topics, self.lanes)
 
+    @property
+    def has_lanes(self) -> bool:
+        """Two lanes or more: what lanes change (fetch sizes and order, the urgent
+        lane's own fetcher and producer) applies only then."""
+        return len(self.ranked_lanes) > 1
+
     @cached_property
     def lane_rank(self) -> dict[str, int]:
         """Each input topic's lane (its rank in ``ranked_lanes``)."""
@@ -187,8 +193,7 @@ class KafkaConfig:
         )
         check_lanes(self.input_topics, self.lanes)
         if self.max_partition_fetch_bytes == 0:
-            lanes = len(self.ranked_lanes) > 1
-            derive(self, "max_partition_fetch_bytes", 65536 if lanes else 1048576)
+            derive(self, "max_partition_fetch_bytes", 65536 if self.has_lanes else 1048576)
         check(
             self.max_partition_fetch_bytes >= 1,
             "kafka.max_partition_fetch_bytes",

@@ -97,7 +97,7 @@ class Consumer:
         k = self._kafka
         consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
         consumer.subscribe(list(k.input_topics), listener=RebalanceListener(self, self._on_revoke))
-        if len(k.ranked_lanes) > 1:  # started first: the first assignment hands it partitions
+        if k.has_lanes:  # started first: the first assignment hands it partitions
             self._urgent = UrgentFetcher(k)
             await self._urgent.start()
             group = lambda t: getmany_by_lane(consumer, k, t, LOWER_LANE_RECORDS)  # noqa: E731
@@ -111,7 +111,7 @@ class Consumer:
             await consumer.stop()
             await self._close_urgent()
             raise
-        if len(k.ranked_lanes) > 1 and not fetch_for_lanes(consumer, k):
+        if k.has_lanes and not fetch_for_lanes(consumer, k):
             log.warning("lanes_prefetch_unchanged", reason="aiokafka has no _prefetch_backoff")
 
     async def start_at_committed(self, tps: list[KafkaTP]) -> None:

@@ -86,7 +86,7 @@ def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:
     attribute since aiokafka 0.5; a unit test holds it in the installed
     version). False where the attribute is missing (nothing changed)."""
     fetcher = getattr(consumer, "_fetcher", None)
-    if len(k.ranked_lanes) < 2 or not hasattr(fetcher, "_prefetch_backoff"):
+    if not k.has_lanes or not hasattr(fetcher, "_prefetch_backoff"):
         return False
     fetcher._prefetch_backoff = LANES_PREFETCH_BACKOFF_S  # type: ignore[union-attr]
     return True
@@ -98,7 +98,7 @@ async def getmany_by_lane(
     """Records already fetched for the most urgent lane that has some, else a
     wait on every partition (``getmany`` as without lanes). ``lower_records``:
     at most this many records of a lower lane at a time (``LOWER_LANE_RECORDS``)."""
-    if len(k.ranked_lanes) < 2:
+    if not k.has_lanes:
         return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))
     assigned = consumer.assignment()
     by_lane = [[tp for tp in assigned if lane_of(k, tp) == r] for r in range(len(k.ranked_lanes))]

@@ -15,6 +15,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import TopicPartition as KafkaTP
 
+from worker.config import KafkaConfig
 from worker.kafka.urgentfetch import BothSources, Fetched, UrgentFetcher
 
 URGENT, BULK = KafkaTP("urgent", 0), KafkaTP("bulk", 0)
@@ -114,8 +115,7 @@ async def test_a_failure_does_not_hide_the_other_sources_records() -> None:
 
 
 async def test_a_fetcher_without_partitions_waits_its_timeout() -> None:
-    fetcher = UrgentFetcher.__new__(UrgentFetcher)
-    fetcher.client = None
+    fetcher = UrgentFetcher(KafkaConfig())  # not started: no partitions to read
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert await fetcher.getmany(50) == {}

@@ -46,9 +46,8 @@ class Producing:
         self._overdue_waits = 0
         self.producer: AIOKafkaProducer | None = None
         self.urgent: AIOKafkaProducer | None = None
-        lanes = kafka.ranked_lanes
-        own = lane_producer and len(lanes) > 1
-        self._urgent_topics = frozenset(lanes[0].topics) if own else frozenset()
+        own = lane_producer and kafka.has_lanes
+        self._urgent_topics = frozenset(kafka.ranked_lanes[0].topics) if own else frozenset()
         self.idempotent = False
 
     def backoff(self) -> Backoff:
