@@ -164,8 +164,16 @@ def score_drain(
     end = next((s for s in samples if s.at >= hi), final)
     batches = end.batch_count - (base.batch_count if base else 0.0)
     rows = end.batch_sum - (base.batch_sum if base else 0.0)
+    # A small backlog can arrive in so few reads that the trimmed window holds
+    # one instant: then the whole span is the only rate there is.
+    rate = counted / (hi - lo) if hi > lo else whole
+    if rate <= 0.0:
+        raise BenchError(
+            f"all {len(times)} results arrived at once: no drain rate can be measured; "
+            "send more records (--records)"
+        )
     return WorkerDrain(
-        rate=counted / (hi - lo) if hi > lo else 0.0,
+        rate=rate,
         first_to_last_rate=whole,
         seconds=last - start,
         steady_seconds=hi - lo,

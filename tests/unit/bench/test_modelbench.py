@@ -125,6 +125,17 @@ def test_warm_up_and_run_out_are_left_out_of_the_rate() -> None:
     assert drain.seconds == pytest.approx(14.0)
 
 
+def test_a_drain_read_in_few_bursts_takes_its_whole_span() -> None:
+    """1,500 results read in two bursts (a small backlog in 256-row batches): the
+    trimmed window holds one instant, so the first-to-last rate is the rate; all
+    at one instant, no rate can be measured and the bench says so."""
+    times = [1.0] * 700 + [1.5] * 800
+    drain = score_drain(_results(times), [], 1, 4, _sample(5.0, (4,), 0, 0))
+    assert drain.rate == drain.first_to_last_rate == pytest.approx(800 / 0.5)
+    with pytest.raises(BenchError, match="arrived at once"):
+        score_drain(_results([1.0] * 1500), [], 1, 4, _sample(5.0, (4,), 0, 0))
+
+
 def test_several_processes_drain_from_when_all_hold_partitions() -> None:
     # One member drains alone from t=10 until the second joins at t=12.
     results = _results([10.0 + i / 10 for i in range(41)])  # t = 10 .. 14
