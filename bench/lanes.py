@@ -14,6 +14,10 @@ digits model, one worker process per scenario, each on fresh topics and group:
 3. ``lanes``: the same urgent arrivals while the worker drains the bulk backlog,
    the two topics in two lanes (``[[kafka.lanes]]``, urgent first).
 4. ``no lanes``: the same, both topics in ``kafka.input_topics`` alone.
+5. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
+   ``bench.lanes_load`` copies the backlog to the results topic at the bulk
+   lane's rate (``--load-rate``): the broker's and this reader's share of a
+   drain on a shared host, without the worker's own bulk work.
 
 Latency is worker-side: the result record's Kafka timestamp minus its request's
 (both stamped by producers on this host). Bulk throughput is bulk results per
