@@ -15,6 +15,7 @@ import sys
 from worker.app.service import serve
 from worker.app.supervisor import supervise
 from worker.config import Settings
+from worker.flow.urgency import run_serving
 from worker.ops.broker import EmbeddedBroker, create_topics, port_is_free
 
 DEFAULT_PORT = 9092
@@ -34,7 +35,7 @@ def run_embedded(settings: Settings, partitions: int, procs: int, config: str | 
         _tell(settings, broker.port, partitions)
         if procs > 1:
             return supervise(settings, procs, config)
-        return asyncio.run(serve(settings))
+        return run_serving(serve(settings))
 
 
 def _tell(settings: Settings, port: int, partitions: int) -> None:
