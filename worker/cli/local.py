@@ -15,7 +15,6 @@ import sys
 from worker.app.service import serve
 from worker.app.supervisor import supervise
 from worker.config import Settings
-from worker.flow.urgency import run_serving
 from worker.ops.broker import EmbeddedBroker, create_topics, port_is_free
 
 DEFAULT_PORT = 9092
@@ -35,7 +34,7 @@ def run_embedded(settings: Settings, partitions: int, procs: int, config: str | 
         _tell(settings, broker.port, partitions)
         if procs > 1:
             return supervise(settings, procs, config)
-        return run_serving(serve(settings))
+        return asyncio.run(serve(settings))
 
 
 def _tell(settings: Settings, port: int, partitions: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 
@@ -10,7 +11,6 @@ from worker import __version__
 from worker.cli.common import Subparsers, add_command
 from worker.config import load_settings
 from worker.flow.errors import ConfigError
-from worker.flow.urgency import run_serving
 from worker.obs import logs
 
 log = structlog.get_logger("worker")
@@ -46,7 +46,7 @@ def run_command(args: argparse.Namespace) -> int:
         return supervise(settings, args.procs, args.config)
     from worker.app.service import serve
 
-    return run_serving(serve(settings))
+    return asyncio.run(serve(settings))
 
 
 def add_run(sub: Subparsers[argparse.ArgumentParser]) -> None:

@@ -32,7 +32,6 @@ from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
-from worker.flow import urgency
 from worker.kafka.clients import group_consumer_kwargs
 from worker.obs import metrics
 
@@ -57,11 +56,9 @@ class UrgentFetcher:
         self._paused = False  # the lane's backpressure state, applied to new partitions
 
     async def start(self) -> None:
-        with urgency.urgent():  # its connection's reads and its fetch routine go first
-            consumer = AIOKafkaConsumer(**fetcher_kwargs(self._k))
+        consumer = AIOKafkaConsumer(**fetcher_kwargs(self._k))
         try:
-            with urgency.urgent():
-                await consumer.start()
+            await consumer.start()
         except BaseException:
             await consumer.stop()
             raise
@@ -160,7 +157,7 @@ class BothSources:
         fetcher does not hold (it has those paused: a record of one would be
         read twice)."""
         if "urgent" not in self._waits:
-            self._waits["urgent"] = urgency.urgent_task(self._from_fetcher(timeout_ms))
+            self._waits["urgent"] = asyncio.ensure_future(self._from_fetcher(timeout_ms))
         if "group" not in self._waits:
             self._waits["group"] = asyncio.ensure_future(self._from_group(timeout_ms))
         await asyncio.wait(self._waits.values(), return_when=asyncio.FIRST_COMPLETED)

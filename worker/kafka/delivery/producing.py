@@ -24,7 +24,6 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from worker.config import KafkaConfig
-from worker.flow import urgency
 from worker.flow.backoff import Backoff
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.sending import Sent, send_grouped
@@ -74,8 +73,7 @@ class Producing:
         producer, idempotent = await make(self._kafka)
         urgent = None
         if self._urgent_topics:
-            with urgency.urgent():  # its sender and its connections' reads go first
-                urgent, own = await make(self._kafka)
+            urgent, own = await make(self._kafka)
             idempotent = idempotent or own
         self.producer, self.urgent, self.idempotent = producer, urgent, idempotent
 
