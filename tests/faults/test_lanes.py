@@ -108,9 +108,16 @@ async def urgent_overtakes_bulk(
     broker: Broker, urgent: str, w: WorkerProcess, within: float = 60
 ) -> dict[str, float]:
     """Once ``w`` drains the bulk backlog, produce the urgent requests (spread
-    over 0.4 s) and check that the backlog is still running when the last of them
+    over 0.1 s) and check that the backlog is still running when the last of them
     is in a batch: ranked below it, they would not be fetched until it is through.
     Returns both lanes' mean queue seconds over that window, for the log.
+
+    The spread was 0.4 s until 2026-11-27: on the embedded broker the worker
+    drains the 12,000-request backlog in about 0.6 s, and one run in eight had
+    taken 11,000 of it by the time the last urgent request was even produced
+    (then dispatched 0.11 s later, with 72 bulk requests left): a test of the
+    harness's timing, not of the order. So the backlog left when they are all
+    produced is checked too, and said apart from an urgent lane served late.
 
     Until issue 39's fetch change this also held the urgent mean queue time
     under a third of the bulk one's (about 5 ms against 100). Since a lower
@@ -120,23 +127,35 @@ async def urgent_overtakes_bulk(
     first. The fetch order itself is held by tests/integration/test_lane_fetch.py."""
     await until(lambda: _dispatched(w, "bulk") >= 500, within, "bulk under way")
     before = _lane_queue(w)
+    t0 = time.monotonic()
     await produce_all(
         broker.bootstrap,
         urgent,
         [(f"u{i}".encode(), request(100_000 + i)) for i in range(URGENT)],
         partition_of=lambda i: i % PARTS,
-        rate=URGENT / 0.4,  # spread over ~0.4 s
+        rate=URGENT / 0.1,  # spread over ~0.1 s
     )
+    produced = (time.monotonic() - t0, _dispatched(w, "bulk"))
     await until(lambda: _dispatched(w, "urgent") >= URGENT, 60, "urgent dispatched")
     after = _lane_queue(w)
+    timeline = {"produced": produced, "dispatched": (time.monotonic() - t0, after["bulk"][1])}
+    assert produced[1] <= BULK - 2000, (
+        "the backlog was nearly through before the urgent "
+        "requests were produced: the order is not tested",
+        timeline,
+    )
     # Not fetched until the backlog is through (a lane ranked below it), the
     # urgent requests would queue briefly, but after all of it.
-    assert after["bulk"][1] <= BULK - 1000, ("the urgent requests waited for the backlog", after)
+    assert after["bulk"][1] <= BULK - 1000, (
+        "the urgent requests waited for the backlog",
+        after,
+        timeline,
+    )
     waits = {
         lane: (after[lane][0] - before[lane][0]) / max(1.0, after[lane][1] - before[lane][1])
         for lane in ("urgent", "bulk")
     }
-    print("WAITS", waits)
+    print("WAITS", waits, "TIMELINE", timeline)
     return waits
 
 

@@ -160,13 +160,16 @@ def score_drain(
             )
         start = max(first, joined.at)
     lo, hi, counted = steady_window(times, start)
+    if hi <= lo:
+        # A small backlog can arrive in so few reads that the trimmed window holds
+        # one instant: then the whole span from ``start`` is the window (its rate,
+        # batches and seconds), and the summary's steady seconds are not 0.
+        lo, hi, counted = start, last, arrivals_after(times, start)
     base = _at_or_before(samples, lo)
     end = next((s for s in samples if s.at >= hi), final)
     batches = end.batch_count - (base.batch_count if base else 0.0)
     rows = end.batch_sum - (base.batch_sum if base else 0.0)
-    # A small backlog can arrive in so few reads that the trimmed window holds
-    # one instant: then the whole span is the only rate there is.
-    rate = counted / (hi - lo) if hi > lo else whole
+    rate = counted / (hi - lo) if hi > lo else 0.0
     if rate <= 0.0:
         raise BenchError(
             f"all {len(times)} results arrived at once: no drain rate can be measured; "

@@ -127,11 +127,13 @@ def test_warm_up_and_run_out_are_left_out_of_the_rate() -> None:
 
 def test_a_drain_read_in_few_bursts_takes_its_whole_span() -> None:
     """1,500 results read in two bursts (a small backlog in 256-row batches): the
-    trimmed window holds one instant, so the first-to-last rate is the rate; all
-    at one instant, no rate can be measured and the bench says so."""
+    trimmed window holds one instant, so the whole span is the window (its rate,
+    and steady seconds that are not 0: CI's PNG bench run failed on 0); all at
+    one instant, no rate can be measured and the bench says so."""
     times = [1.0] * 700 + [1.5] * 800
     drain = score_drain(_results(times), [], 1, 4, _sample(5.0, (4,), 0, 0))
     assert drain.rate == drain.first_to_last_rate == pytest.approx(800 / 0.5)
+    assert drain.steady_seconds == drain.seconds == pytest.approx(0.5)
     with pytest.raises(BenchError, match="arrived at once"):
         score_drain(_results([1.0] * 1500), [], 1, 4, _sample(5.0, (4,), 0, 0))
 
