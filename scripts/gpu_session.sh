@@ -5,6 +5,8 @@
 #
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=420)
 #   run(command="bash scripts/gpu_session.sh bench.raw", carry=[".whl"], timeout_s=...)
+#   run(command="bash scripts/gpu_session.sh tests.gpu micro.place ab.jpeg",
+#       carry=[".whl", ".base"], timeout_s=...)
 #
 # With no argument every step runs, in order; naming steps runs only those (a
 # rerun of what failed). `budgets` prints the table and checks it without a GPU
@@ -20,7 +22,13 @@
 #               the embedded broker: engine alone, ingest ceiling, one process
 #               draining JPEGs decoded by nvJPEG, then paced at half that rate (p99)
 #   bench.raw   the same with raw uint8 tensors, the compile cache warm
-# and, named only (not in the default run): profile.jpeg, bench.jpeg under
+# and, named only (not in the default run): micro.place, NvJpeg.place per image
+# against per run (benchmarks/results/2026-11-27-s6/place_micro.py);
+# ab.jpeg, bench.jpeg on 24,000 JPEGs run from .base/, an export of the commit to
+# compare with (`git archive BASE worker kernels schemas bench tests
+# pyproject.toml | tar -x -C .base`, ignored by git, carried; its JSON in
+# results/base/), then from the checkout: an A/B on one machine in one call;
+# profile.jpeg, bench.jpeg under
 # py-spy (--subprocesses: the bench, the worker and its threads; raw collapsed
 # stacks in $OUT/profile.txt; its summary JSON stays out of $OUT, which returns
 # 8 files at most).
@@ -31,7 +39,8 @@
 # returns its log and the results of the steps before it; budget, measured
 # seconds and exit status per step go to $OUT/steps.tsv; the worker processes'
 # logs to $OUT/workers.txt. At most 8 files come back from $OUT: steps.tsv,
-# setup.txt, tests.txt, tests.xml, bench.txt, workers.txt and results/*.json.
+# setup.txt, tests.txt, bench.txt, workers.txt and results/*.json (results/base/
+# and micro.place's JSON among them).
 #
 # The machine has Python 3.12 with torch, torchvision, CuPy, onnxruntime,
 # tokenizers and the rest; the worker's Kafka-side dependencies travel as wheels
@@ -51,9 +60,11 @@ declare -A BUDGET=(
     [bench.jpeg]=140   # export + the first compilation (12 s on an H100); 50k JPEGs: 87 s in all on an H100
     [bench.raw]=80     # compile cache warm; 4k raw 256x256x3 records (0.8 GB; 6k: 67 s, then over 80 s)
     [profile.jpeg]=160 # bench.jpeg under py-spy (carried in .whl)
+    [micro.place]=20   # 5 alternating rounds of 40 placements, batches of 16 and 64
+    [ab.jpeg]=200      # two 24k-JPEG runs (83 s on an H100 with a cold compile, less warm)
 )
 STEPS=(tests.gpu bench.jpeg bench.raw)
-OPTIONAL=(profile.jpeg)
+OPTIONAL=(profile.jpeg micro.place ab.jpeg)
 
 total_of() {  # the worst case of running these steps: set-up and steps, each with its kill grace
     local total=0 key
@@ -95,7 +106,7 @@ fits "${steps[@]}" || {
     exit 2
 }
 
-OUT=${OUT:-$PWD/gpu-out}
+export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
 printf 'step\tbudget_s\tmeasured_s\tstatus\n' >>"$OUT/steps.tsv"
 status=0
@@ -142,9 +153,9 @@ cat "$OUT/setup.txt"
 
 BENCH=(python3 -m worker bench --model resnet50 --procs 1 --partitions 8 --duration 5
     --set 'batching.preferred_batch_sizes=[16, 64]')
-bench() {  # bench STEP PAYLOAD RECORDS: one ResNet-50 benchmark run, one process
+bench() {  # bench STEP PAYLOAD RECORDS [RESULTS]: one ResNet-50 benchmark run, one process
     step "$1" "$OUT/bench.txt" "${BENCH[@]}" --payload "$2" --records "$3" \
-        --results-dir "$OUT/results"
+        --results-dir "${4:-$OUT/results}"
     tail -n 30 "$OUT/bench.txt"
 }
 
@@ -158,10 +169,25 @@ for s in "${steps[@]}"; do
             -n 4 --dist loadfile -p timeout --timeout 90 \
             tests/gpu tests/unit/compute/engines \
             --deselect tests/gpu/test_gpu_modelbench.py::test_resnet50_jpeg_bench_end_to_end \
-            --durations 15 --junitxml="$OUT/tests.xml" -o log_cli=false
+            tests/unit/compute/test_nvjpeg_cpu.py --durations 15 -o log_cli=false
         tail -n 40 "$OUT/tests.txt"
         ;;
     bench.jpeg) bench bench.jpeg jpeg 50000 ;;
+    ab.jpeg)
+        [ -d .base/worker ] || { echo "ab.jpeg: no .base/ (see the header)" >&2; exit 2; }
+        # The exported commit's worker, bench and tests first on the path (the
+        # wheels stay: extended, never replaced; its processes inherit it), then
+        # the checkout's, under one budget.
+        step ab.jpeg "$OUT/bench.txt" bash -c '
+            (cd .base && PYTHONPATH=$PWD:$PYTHONPATH "$@" --results-dir "$OUT/results/base") &&
+            "$@" --results-dir "$OUT/results"' ab "${BENCH[@]}" --payload jpeg --records 24000
+        tail -n 40 "$OUT/bench.txt"
+        ;;
+    micro.place)
+        step micro.place "$OUT/bench.txt" python3 benchmarks/results/2026-11-27-s6/place_micro.py \
+            "$OUT/results/place_micro.json"
+        tail -n 4 "$OUT/bench.txt"
+        ;;
     bench.raw) bench bench.raw raw 4000 ;;  # 6000 overran 80 s in its paced phase (second H100 session)
     profile.jpeg)
         step profile.jpeg "$OUT/bench.txt" py-spy record --subprocesses --rate 50 \

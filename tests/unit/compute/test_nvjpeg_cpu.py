@@ -120,3 +120,34 @@ def test_a_file_decoded_to_another_size_than_its_header_says_is_refused() -> Non
     problems = decoder.decode(slot, [image])
     assert problems == [f"nvJPEG decoded [3, 24, 32]; the header says (3, {image.height}, 32)"]
     assert image.pixels is None
+
+
+def test_images_of_one_size_back_to_back_are_placed_as_one_run() -> None:
+    """Three 24x32 images back to back (one run: one stack, one copy), a 16x32
+    one, a gray one, then a 24x32 one after a gap: each lands at its own offset,
+    interleaved, and the bytes around them stay as they were."""
+    sizes = [SMOOTH, SMOOTH[::-1], SMOOTH[:, ::-1], SMOOTH[:16], SMOOTH[..., 0], SMOOTH]
+    files = [encode(np.ascontiguousarray(a), "JPEG", quality=95) for a in sizes]
+    answers = [_answer(i, data) for i, data in enumerate(files)]
+    _, on_device = route_encoded(answers, 3, use_nvjpeg=True)
+    decoder = NvJpeg(0, 3, decoder="cpu")
+    slot: Any = HostSlot(0, np.full(1 << 15, 7, np.uint8))
+    decoder.attach(slot)
+    runnable, _ = decoder.decode_answers(slot, answers, on_device, "image")
+    assert len(runnable) == len(sizes)
+    placed: list[tuple[int, Any]] = []
+    offset = 16
+    for i, answer in enumerate(runnable):
+        image = on_device[id(answer)]
+        offset += 8 if i == 5 else 0  # a gap: the last image starts a run of its own
+        placed.append((offset, image))
+        offset += image.nbytes
+    decoder.place(slot, placed)
+    written = np.zeros(slot.dev_packed.size, bool)
+    for at, image in placed:
+        hwc = slot.dev_packed[at : at + image.nbytes].reshape(image.height, image.width, -1)
+        chw = image.pixels.numpy()
+        assert np.array_equal(hwc, chw.transpose(1, 2, 0))
+        written[at : at + image.nbytes] = True
+    assert (slot.dev_packed[~written] == 7).all()
+    decoder.close()

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.images import encode
-from worker.compute.gpu.nvjpeg import NvJpeg, check_config, device_image
+from worker.compute.gpu.nvjpeg import NvJpeg, _runs, check_config, device_image
 from worker.compute.gpu.slots import DeviceImage, pack_batch
 from worker.compute.gpu.stage import GpuStage
 from worker.compute.gpu.staging import (
@@ -274,3 +274,18 @@ def test_the_gpu_stage_fails_start_up_naming_gpu_decode(monkeypatch: pytest.Monk
             num_slots=1,
             gpu=GpuConfig(decode="nvjpeg"),
         )
+
+
+def test_placement_runs_are_images_of_one_size_at_consecutive_offsets() -> None:
+    def image(height: int, width: int = 4, channels: int = 3) -> DeviceImage:
+        return DeviceImage(b"", height, width, channels, pixels=object())
+
+    a, b, c, d, e, f = image(2), image(2), image(2), image(3), image(2, channels=1), image(2)
+    on_device = [(0, a), (24, b), (48, c), (72, d), (108, e), (120, f)]
+    runs = _runs(on_device)
+    assert [(offset, len(run)) for offset, run in runs] == [(0, 3), (72, 1), (108, 1), (120, 1)]
+    assert runs[0][1] == [a, b, c]
+    # the same size after a gap starts a run of its own
+    assert [offset for offset, _ in _runs([(0, a), (25, b)])] == [0, 25]
+    with pytest.raises(ValueError, match="before it was decoded"):
+        _runs([(0, DeviceImage(b"", 2, 4, 3))])

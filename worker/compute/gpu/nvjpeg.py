@@ -305,15 +305,47 @@ class NvJpeg:
         return [a for a in answers if a.error is None], seconds
 
     def place(self, slot: Slot, on_device: list[tuple[int, DeviceImage]]) -> None:
-        """Enqueue on the slot's stream one device-to-device copy per decoded image
-        into the packed staging buffer at its byte offset, planar CHW to the
-        interleaved HWC the preprocess kernel reads (a strided torch copy)."""
+        """Enqueue on the slot's stream the device-to-device copies of the decoded
+        images into the packed staging buffer at their byte offsets, planar CHW to
+        the interleaved HWC the preprocess kernel reads.
+
+        Images of one size that lie back to back in the buffer (``pack_batch``
+        packs them so, in order) go as one run: one ``torch.stack`` and one
+        strided copy for the run instead of a copy per image. Per image, the
+        Python and torch dispatch of the slicing, view, permute and copy was the
+        launcher thread's largest cost on the JPEG path (21% of the worker's
+        samples on an H100, BENCHMARKS.md "The GPU path on an H100"). The stack
+        takes one run's pixels again from the slot stream's pool in torch's
+        caching allocator, at most ``gpu.max_input_bytes``, freed when the copy
+        has run."""
         views = self._views[slot.index]
         with self._on(views.stream):
-            for offset, image in on_device:
-                if image.pixels is None:
-                    raise ValueError("a device image was staged before it was decoded")
-                hwc = views.packed[offset : offset + image.nbytes]
-                hwc.view(image.height, image.width, image.channels).copy_(
-                    image.pixels.permute(1, 2, 0)
-                )
+            for offset, run in _runs(on_device):
+                first = run[0]
+                hwc = views.packed[offset : offset + len(run) * first.nbytes]
+                target = hwc.view(len(run), first.height, first.width, first.channels)
+                if len(run) == 1:
+                    target[0].copy_(first.pixels.permute(1, 2, 0))
+                else:
+                    pixels = self._torch.stack([image.pixels for image in run])
+                    target.copy_(pixels.permute(0, 2, 3, 1))
+
+
+def _runs(on_device: list[tuple[int, DeviceImage]]) -> list[tuple[int, list[DeviceImage]]]:
+    """``on_device`` cut into runs of decoded images of one (channels, height,
+    width) at consecutive offsets: (the run's first offset, its images)."""
+    runs: list[tuple[int, list[DeviceImage]]] = []
+    end = -1
+    for offset, image in on_device:
+        if image.pixels is None:
+            raise ValueError("a device image was staged before it was decoded")
+        if runs and offset == end and _shape(image) == _shape(runs[-1][1][0]):
+            runs[-1][1].append(image)
+        else:
+            runs.append((offset, [image]))
+        end = offset + image.nbytes
+    return runs
+
+
+def _shape(image: DeviceImage) -> tuple[int, int, int]:
+    return image.channels, image.height, image.width
