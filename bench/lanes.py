@@ -14,7 +14,9 @@ digits model, one worker process per scenario, each on fresh topics and group:
 3. ``lanes``: the same urgent arrivals while the worker drains the bulk backlog,
    the two topics in two lanes (``[[kafka.lanes]]``, urgent first).
 4. ``no lanes``: the same, both topics in ``kafka.input_topics`` alone.
-5. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
+5. ``lanes-own``: as ``lanes``, the urgent lane with ``own_process = true``
+   (``run`` serves it from a second process of the same group).
+6. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
    ``bench.lanes_load`` copies the backlog to the results topic at the bulk
    lane's rate (``--load-rate``): the broker's and this reader's share of a
    drain on a shared host, without the worker's own bulk work.
@@ -32,6 +34,7 @@ import asyncio
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -44,7 +47,10 @@ from worker.ops.samples import encode_samples, labelled_samples
 from worker.ops.topics import Collector, produce_all
 
 PARTS = 4
-DEFAULT_SCENARIOS = ("urgent-alone", "lanes", "no-lanes")
+# The worker's lanes in a scenario: none (both topics in kafka.input_topics), two
+# lanes in one process, or the urgent lane in a process of its own.
+Lanes = Literal["off", "shared", "own"]
+DEFAULT_SCENARIOS = ("urgent-alone", "lanes", "no-lanes", "lanes-own")
 
 
 @dataclass
@@ -82,9 +88,10 @@ def _records(prefix: str, n: int) -> list[tuple[bytes | None, bytes]]:
     return [(f"{prefix}{i}".encode(), value) for i, (_, value) in enumerate(encoded)]
 
 
-def _lanes_env(urgent: str, bulk: str) -> dict[str, str]:
+def _lanes_env(urgent: str, bulk: str, own: bool) -> dict[str, str]:
     lanes = (
-        f'[{{topics = ["{urgent}"], priority = 0, name = "urgent"}}, '
+        f'[{{topics = ["{urgent}"], priority = 0, name = "urgent", '
+        f"own_process = {str(own).lower()}}}, "
         f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.05}}]'
     )
     return {"INFER_WORKER_KAFKA__LANES": lanes}
@@ -108,7 +115,7 @@ EXTRA_ENV: dict[str, str] = {}  # --env, for every scenario's worker
 BROKER_STAMPS: set[str] = set()  # {"yes"} with --broker kafka: topics stamped by the broker
 
 
-def _start(bootstrap: str, t: dict[str, str], name: str, lanes: bool) -> WorkerProcess:
+def _start(bootstrap: str, t: dict[str, str], name: str, lanes: Lanes) -> WorkerProcess:
     return spawn_worker(
         bootstrap,
         input_topics=[t["urgent"], t["bulk"]],
@@ -118,8 +125,9 @@ def _start(bootstrap: str, t: dict[str, str], name: str, lanes: bool) -> WorkerP
         extra_env={
             "INFER_WORKER_LOGGING__LEVEL": "warning",
             **EXTRA_ENV,
-            **(_lanes_env(t["urgent"], t["bulk"]) if lanes else {}),
+            **(_lanes_env(t["urgent"], t["bulk"], lanes == "own") if lanes != "off" else {}),
         },
+        members=2 if lanes == "own" else 1,
     )
 
 
@@ -145,7 +153,7 @@ async def run_scenario(
     backlog: int,
     rate: float,
     seconds: float,
-    lanes: bool,
+    lanes: Lanes,
     load_rate: float = 0.0,
 ) -> Scenario:
     """``load_rate`` > 0: the backlog is not the worker's but ``bench.lanes_load``'s,
@@ -272,15 +280,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         if args.capacity > 0:
             cap = Scenario("capacity (given)", drain_rate=args.capacity)
         else:
-            cap = await run_scenario(bs, "capacity", args.backlog, 0.0, 0.0, lanes=True)
+            cap = await run_scenario(bs, "capacity", args.backlog, 0.0, 0.0, lanes="shared")
         results.append(cap)
         rate = args.share * cap.drain_rate
         load_rate = args.load_rate or cap.drain_rate * (1 - args.share)
         print(f"  capacity {cap.drain_rate:,.0f} rec/s; urgent at {rate:,.0f}/s", file=sys.stderr)
         for i in range(args.repeat):
-            order = [("urgent-alone", 0, True, 0.0), ("lanes", args.backlog, True, 0.0),
-                     ("no-lanes", args.backlog, False, 0.0),
-                     ("urgent-loaded", args.backlog, True, load_rate)]  # fmt: skip
+            order: list[tuple[str, int, Lanes, float]] = [
+                ("urgent-alone", 0, "shared", 0.0), ("lanes", args.backlog, "shared", 0.0),
+                ("no-lanes", args.backlog, "off", 0.0),
+                ("lanes-own", args.backlog, "own", 0.0),
+                ("urgent-loaded", args.backlog, "shared", load_rate)]  # fmt: skip
             order = [o for o in order if o[0] in (args.only or DEFAULT_SCENARIOS)]
             for name, backlog, lanes, load in order if i % 2 == 0 else order[::-1]:
                 s = await run_scenario(bs, f"{name}-{i}", backlog, rate, args.seconds, lanes,

@@ -1,12 +1,24 @@
-"""``infer-worker run --procs N``: N worker processes, one consumer group, one host.
+"""``infer-worker run --procs N``, and lanes of their own: several worker
+processes, one consumer group, one host.
 
 One Python process is bound by one core for its per-record work (the GIL), so
 a host with more cores, or one GPU fed by more than one core, serves more with
 more members of the same group; this starts them and stops them together.
 
+A lane with ``own_process = true`` is served by members of its own: each of the
+N members is then one process for the lanes that share (their batches, in
+priority order) and one per lane of its own, whose requests wait behind no other
+lane's Python (README "Priority lanes"). Members of one group may subscribe to
+different topics; each partition still has one owner, which keeps its order,
+its commits and its transactions.
+
 Each child is ``python -m worker run`` with the same configuration (file and
-``INFER_WORKER_*`` variables), metrics on ``metrics.port + i`` (or none when the
-port is 0), and ``kafka.client_id`` suffixed ``-i``. SIGTERM/SIGINT are passed
+``INFER_WORKER_*`` variables) and its own (``members``): metrics on
+``metrics.port + i`` (or none when the port is 0), ``kafka.client_id`` suffixed
+``-i``; where there is more than one child, ``group_instance_id`` and
+``transactional_id`` (when set) suffixed with the member (``-1``, ``-urgent``,
+``-1-urgent``), since two members with one static id fence each other; and, with
+lanes of their own, the child's input topics and lanes. SIGTERM/SIGINT are passed
 to every child (a second one too, which abandons their drains), and the
 supervisor exits with the worst child status. A child that exits on its own
 stops the others: this is not a restart policy (leave that to the orchestrator,
@@ -16,6 +28,7 @@ unnoticed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -26,37 +39,81 @@ from types import FrameType
 
 import structlog
 
-from worker.config import Settings
+from worker.config import LaneConfig, Settings
+from worker.config.lanes import lanes_literal
 
 log = structlog.get_logger("worker")
 
 
-def child_env(settings: Settings, index: int, base: Mapping[str, str]) -> dict[str, str]:
-    env = dict(base)
-    port = settings.metrics.port
-    env["INFER_WORKER_METRICS__PORT"] = str(port + index if port else 0)
-    env["INFER_WORKER_KAFKA__CLIENT_ID"] = f"{settings.kafka.client_id}-{index}"
-    env["INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS"] = settings.kafka.bootstrap_servers
-    return env
+def supervised(settings: Settings, procs: int) -> bool:
+    """Whether ``run`` starts member processes rather than serving in this one."""
+    return procs > 1 or any(lane.own_process for lane in settings.kafka.lanes)
+
+
+def members(settings: Settings, procs: int) -> list[dict[str, str]]:
+    """Each child's settings over the shared configuration, in start order: per
+    member index, the process of the lanes that share, then one per lane of its
+    own (most urgent first)."""
+    k = settings.kafka
+    alone = [lane for lane in k.ranked_lanes if lane.own_process]
+    shared = [lane for lane in k.ranked_lanes if not lane.own_process]
+    # (suffix, lanes): no lanes = the configured input topics and lanes as they are
+    groups: list[tuple[str, list[LaneConfig]]] = [("", [])]
+    if alone:
+        groups = [("", shared)] if shared else []
+        groups += [(lane.label, [lane]) for lane in alone]
+    out: list[dict[str, str]] = []
+    for i in range(procs):
+        for suffix, lanes in groups:
+            env = {
+                "INFER_WORKER_METRICS__PORT": str(
+                    settings.metrics.port + len(out) if settings.metrics.port else 0
+                ),
+                "INFER_WORKER_KAFKA__CLIENT_ID": f"{k.client_id}-{len(out)}",
+                "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": k.bootstrap_servers,
+            }
+            if lanes:
+                topics = [t for lane in lanes for t in lane.topics]
+                env["INFER_WORKER_KAFKA__INPUT_TOPICS"] = (
+                    "[" + ", ".join(f'"{t}"' for t in topics) + "]"
+                )
+                env["INFER_WORKER_KAFKA__LANES"] = lanes_literal(
+                    [dataclasses.replace(lane, own_process=False) for lane in lanes]
+                )
+            member = "-".join(part for part in (str(i) if procs > 1 else "", suffix) if part)
+            if member and k.group_instance_id:
+                env["INFER_WORKER_KAFKA__GROUP_INSTANCE_ID"] = f"{k.group_instance_id}-{member}"
+            if member and k.transactional_id:
+                env["INFER_WORKER_KAFKA__TRANSACTIONAL_ID"] = f"{k.transactional_id}-{member}"
+            out.append(env)
+    return out
+
+
+def child_env(base: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, str]:
+    """The child's environment: this process's, then its member's settings
+    (which win over the configuration file, as every ``INFER_WORKER_*`` does)."""
+    return {**base, **overrides}
 
 
 def supervise(settings: Settings, procs: int, config: str | None) -> int:
-    """Run ``procs`` workers until a signal or until one of them exits."""
+    """Run the member processes (``members``) until a signal or until one exits."""
     argv: Sequence[str] = [sys.executable, "-m", "worker", "run"]
     if config:
         argv = [*argv, "--config", config]
+    planned = members(settings, procs)
     children = [
         # Own sessions: Ctrl-C in a terminal reaches the supervisor alone, which
         # passes it on once (twice would abandon every drain).
         subprocess.Popen(
             argv,
-            env=child_env(settings, i, os.environ),
+            env=child_env(os.environ, overrides),
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        for i in range(procs)
+        for overrides in planned
     ]
-    log.info("supervising", procs=procs, pids=[c.pid for c in children])
+    topics = [m.get("INFER_WORKER_KAFKA__INPUT_TOPICS", "all") for m in planned]
+    log.info("supervising", procs=procs, pids=[c.pid for c in children], topics=topics)
     signals: list[int] = []
 
     def forward(signum: int, _: FrameType | None) -> None:

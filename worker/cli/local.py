@@ -13,7 +13,7 @@ import dataclasses
 import sys
 
 from worker.app.service import serve
-from worker.app.supervisor import supervise
+from worker.app.supervisor import supervise, supervised
 from worker.config import Settings
 from worker.ops.broker import EmbeddedBroker, create_topics, port_is_free
 
@@ -32,7 +32,7 @@ def run_embedded(settings: Settings, partitions: int, procs: int, config: str | 
             settings, kafka=dataclasses.replace(k, bootstrap_servers=bootstrap)
         )
         _tell(settings, broker.port, partitions)
-        if procs > 1:
+        if supervised(settings, procs):  # --procs N, or lanes of their own
             return supervise(settings, procs, config)
         return asyncio.run(serve(settings))
 

@@ -40,9 +40,9 @@ def run_command(args: argparse.Namespace) -> int:
         from worker.cli.local import run_embedded
 
         return run_embedded(settings, args.partitions, args.procs, args.config)
-    if args.procs > 1:
-        from worker.app.supervisor import supervise
+    from worker.app.supervisor import supervise, supervised
 
+    if supervised(settings, args.procs):  # --procs N, or lanes of their own
         return supervise(settings, args.procs, args.config)
     from worker.app.service import serve
 

@@ -6,6 +6,7 @@ first). Without lanes every input topic is one lane, as before lanes existed.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,10 +29,40 @@ class LaneConfig:
     # batch's rows goes to this lane (rounded up to a whole row), whatever the
     # lanes above it have waiting. 0 = only the rows the lanes above leave.
     min_share: float = 0.0
+    # Served by a worker process of its own (`run` starts it beside the process
+    # of the other lanes, in the same group): its own event loop and interpreter
+    # lock, so its requests never wait behind the other lanes' Python. The lanes
+    # of one process share its batches; a lane of its own shares nothing but the
+    # host (and the device). Needs another lane.
+    own_process: bool = False
 
     @property
     def label(self) -> str:
         return self.name or (self.topics[0] if self.topics else "")
+
+    def literal(self) -> str:
+        """This lane as a TOML inline table: how ``run`` hands a member process
+        its lanes (``INFER_WORKER_KAFKA__LANES``), read back by the same loader."""
+        fields = [
+            f"topics = [{', '.join(_quoted(t) for t in self.topics)}]",
+            f"priority = {self.priority}",
+            f"name = {_quoted(self.name)}",
+            f"min_share = {self.min_share!r}",
+            f"own_process = {str(self.own_process).lower()}",
+        ]
+        if self.max_queue_delay_ms is not None:
+            fields.append(f"max_queue_delay_ms = {float(self.max_queue_delay_ms)!r}")
+        return "{" + ", ".join(fields) + "}"
+
+
+def lanes_literal(lanes: Sequence[LaneConfig]) -> str:
+    """``lanes`` as a TOML array of inline tables (``LaneConfig.literal``)."""
+    return "[" + ", ".join(lane.literal() for lane in lanes) + "]"
+
+
+def _quoted(text: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's for these characters)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 DEFAULT_LANE = "default"
@@ -96,6 +127,12 @@ def check_lanes(input_topics: Sequence[str], lanes: Sequence[LaneConfig]) -> Non
         len(set(labels)) == len(labels),
         "kafka.lanes",
         f"two lanes have the same name ({sorted(labels)}): names label metrics",
+    )
+    alone = [i for i, lane in enumerate(lanes) if lane.own_process]
+    check(
+        not alone or len(lanes) > 1,
+        f"kafka.lanes[{alone[0] if alone else 0}].own_process",
+        "needs another lane: a single lane already has the worker to itself",
     )
     check(
         sum(lane.min_share for lane in lanes) < 1.0,

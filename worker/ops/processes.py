@@ -164,12 +164,14 @@ def spawn_worker(
     extra_env: Mapping[str, str] | None = None,
     command: Sequence[str] = ("run",),
     argv: Sequence[str] | None = None,
+    members: int = 0,
 ) -> WorkerProcess:
     """Start ``python -m worker COMMAND`` (or ``argv`` as given, e.g. a baseline
-    script taking the same environment) against ``bootstrap``."""
+    script taking the same environment) against ``bootstrap``. ``members``: the
+    processes ``run`` starts (0: one per ``--procs``; lanes of their own add theirs)."""
     # ``run --procs N``: member i serves its metrics on port + i.
     procs = int(command[command.index("--procs") + 1]) if "--procs" in command else 1
-    port = free_port(procs)
+    port = free_port(members or procs)
     env = worker_env(
         bootstrap,
         input_topics=input_topics,

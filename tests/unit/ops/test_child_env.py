@@ -98,13 +98,13 @@ def test_the_compile_cache_reaches_every_worker_process(monkeypatch: pytest.Monk
     """scripts/gpu_session.sh names one torch compile cache per call; the bench's
     worker (``worker_env``) and each member of ``run --procs N`` (the
     supervisor's ``child_env``) must inherit it to share compiled graphs."""
-    from worker.app.supervisor import child_env
+    from worker.app.supervisor import child_env, members
     from worker.config import load_settings
 
     cache = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/cc", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
     for key, value in cache.items():
         monkeypatch.setenv(key, value)
     bench_worker = _env()
-    member = child_env(load_settings(env={}), 1, bench_worker)
+    member = child_env(bench_worker, members(load_settings(env={}), 2)[1])
     for key, value in cache.items():
         assert bench_worker[key] == value and member[key] == value
