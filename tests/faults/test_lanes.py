@@ -29,10 +29,15 @@ def topics(names: Mapping[str, str]) -> tuple[str, str]:
     return f"{names['requests']}.urgent", f"{names['requests']}.bulk"
 
 
-def start_with_lanes(broker: Broker, names: Mapping[str, str], **env: str) -> WorkerProcess:
+def start_with_lanes(
+    broker: Broker, names: Mapping[str, str], own: bool = False, **env: str
+) -> WorkerProcess:
+    """``own``: the urgent lane in a process of its own (member 1, metrics on
+    port + 1; the bulk lane's is member 0)."""
     urgent, bulk = topics(names)
     lanes = (
-        f'[{{topics = ["{urgent}"], priority = 0, name = "urgent", max_queue_delay_ms = 1}}, '
+        f'[{{topics = ["{urgent}"], priority = 0, name = "urgent", max_queue_delay_ms = 1, '
+        f"own_process = {str(own).lower()}}}, "
         f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.1}}]'
     )
     return spawn_worker(
@@ -50,6 +55,7 @@ def start_with_lanes(broker: Broker, names: Mapping[str, str], **env: str) -> Wo
             "INFER_WORKER_BATCHING__QUEUE_CAPACITY": str(READ_AHEAD),
             **env,
         },
+        members=2 if own else 1,
     )
 
 

@@ -130,3 +130,21 @@ def test_members_do_not_change_the_parent() -> None:
     before = dataclasses.replace(parent)
     members(parent, 3)
     assert parent == before
+
+
+def test_a_lane_of_its_own_keeps_its_lane_metrics_and_its_fifo_batches() -> None:
+    from worker.app.lanes import batch_policy
+    from worker.flow.batching import BatchPolicy
+    from worker.flow.messages import Job, TopicPartition
+    from worker.obs import metrics
+
+    shared, alone = _children(1, f"[{URGENT}, {BULK}]")
+    policy = batch_policy(alone)
+    assert isinstance(policy, BatchPolicy)  # one lane: batches as without lanes
+    rows = metrics.LANE_ROWS.labels(lane="urgent")
+    before = rows._value.get()
+    policy.add(Job(TopicPartition("urgent", 0), 7, None, arrived=0.0, deadline=None))
+    assert policy.drain(1.0) is not None
+    assert rows._value.get() == before + 1
+    unconfigured = batch_policy(load_settings(env=override_env({"kafka.input_topics": "a"})))
+    assert isinstance(unconfigured, BatchPolicy) and unconfigured.observe is None

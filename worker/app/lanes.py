@@ -29,8 +29,6 @@ def lanes_of(s: Settings) -> tuple[Lane, ...]:
 def batch_policy(s: Settings) -> Policy[Job]:
     b = s.batching
     lanes = lanes_of(s)
-    if len(lanes) == 1:
-        return BatchPolicy(b.max_batch_size, lanes[0].delay, b.preferred_batch_sizes)
     rank = s.kafka.lane_rank
     names = [lane.name for lane in lanes]
 
@@ -42,6 +40,11 @@ def batch_policy(s: Settings) -> Policy[Job]:
             metrics.LANE_ROWS.labels(lane=names[r]).inc(len(waits))
             metrics.observe_all(metrics.LANE_QUEUE_SECONDS.labels(lane=names[r]), waits)
 
+    if len(lanes) == 1:
+        # One lane: FIFO exactly as before lanes existed; its lane's metrics only
+        # where it is a configured lane (one served by a process of its own).
+        return BatchPolicy(b.max_batch_size, lanes[0].delay, b.preferred_batch_sizes,
+                           observe=observe if s.kafka.lanes else None)  # fmt: skip
     return LanePolicy(
         lanes,
         lambda job: rank[job.tp.topic],

@@ -61,6 +61,9 @@ class BatchPolicy(Generic[T]):
     preferred_sizes: tuple[int, ...] = ()
     # EWMA of how long a batch takes from dispatch to result; deadlines flush this early.
     service_time: float = 0.0
+    # Called with each batch cut (a lane's metrics, where the one lane is a
+    # configured one: a lane served by a process of its own).
+    observe: Callable[[Batch[T]], None] | None = None
     _pending: list[T] = field(default_factory=list)
     _seq: int = 0
 
@@ -119,7 +122,10 @@ class BatchPolicy(Generic[T]):
     def _cut(self, n: int, now: float, reason: FlushReason) -> Batch[T]:
         items, self._pending = self._pending[:n], self._pending[n:]
         self._seq += 1
-        return Batch(items=items, formed_at=now, reason=reason, seq=self._seq)
+        batch = Batch(items=items, formed_at=now, reason=reason, seq=self._seq)
+        if self.observe is not None:
+            self.observe(batch)
+        return batch
 
 
 class MicroBatcher(Generic[T]):
