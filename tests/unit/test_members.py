@@ -138,7 +138,7 @@ def test_a_lane_of_its_own_keeps_its_lane_metrics_and_its_fifo_batches() -> None
     from worker.flow.messages import Job, TopicPartition
     from worker.obs import metrics
 
-    shared, alone = _children(1, f"[{URGENT}, {BULK}]")
+    _, alone = _children(1, f"[{URGENT}, {BULK}]")
     policy = batch_policy(alone)
     assert isinstance(policy, BatchPolicy)  # one lane: batches as without lanes
     rows = metrics.LANE_ROWS.labels(lane="urgent")
