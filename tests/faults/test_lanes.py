@@ -1,7 +1,8 @@
 """Priority lanes end to end (issue 39), on both brokers: a worker draining a
 bulk backlog answers urgent requests produced behind it long before the
 backlog is done; a SIGKILL in the middle loses nothing in either lane; under
-exactly-once (Apache Kafka) every request of both lanes is answered once."""
+exactly-once (Apache Kafka) every request of both lanes is answered once, with
+the lanes in one process and with the urgent lane in a process of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -175,6 +177,28 @@ async def every_request_answered(broker: Broker, names: Mapping[str, str]) -> No
     assert all(a.kind == "result" for a in observed.answers)
 
 
+async def committed_answers(
+    broker: Broker, names: Mapping[str, str], expected: int, within: float = 120
+) -> tuple[Any, Any]:
+    """Both lanes' requests and the answers a read_committed client sees, once
+    ``expected`` of them are there (or ``within`` seconds passed)."""
+    deadline = time.monotonic() + within
+    while True:
+        inputs, observed = await read_topics(
+            broker.bootstrap, list(topics(names)), names["results"], names["dlq"],
+            idle_timeout=1.0, isolation_level="read_committed",
+        )  # fmt: skip
+        if len(observed.answers) >= expected or time.monotonic() >= deadline:
+            return inputs, observed
+        await asyncio.sleep(1.0)
+
+
+def answered_once(inputs: Any, observed: Any) -> None:
+    """Every request answered, none twice (exactly-once)."""
+    report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=True)
+    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+
+
 class Members:
     """The workers a test started with lanes, killed when it ends."""
 
@@ -220,41 +244,48 @@ async def test_urgent_requests_overtake_a_backlog_and_a_sigkill_loses_nothing(
 
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
+@pytest.mark.parametrize("own", [False, True], ids=["one-process", "own-process"])
 async def test_exactly_once_with_lanes_answers_each_request_once(
-    broker: Broker, names: dict[str, str]
+    broker: Broker, names: dict[str, str], own: bool
 ) -> None:
-    urgent, bulk = await _backlog(broker, names)
+    """``own``: the urgent lane in a process of its own, the two processes with
+    transactional ids of their own (with one, they fence each other)."""
+    urgent, _ = await _backlog(broker, names)
     eos = {
         "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": "exactly-once",
         "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "lanes-member",
     }
-    w = start_with_lanes(broker, names, **eos)
+    w = start_with_lanes(broker, names, own, **eos)
     try:
-        await wait_assigned([w], 2 * PARTS)
-        await produce_all(
-            broker.bootstrap,
-            urgent,
-            [(f"u{i}".encode(), request(100_000 + i)) for i in range(URGENT)],
-            partition_of=lambda i: i % PARTS,
-        )
-        w.kill()  # mid-stream: its open transaction is aborted by the next member
-        w = start_with_lanes(broker, names, **eos)
-        inputs, observed = {}, None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            inputs, observed = await read_topics(
-                broker.bootstrap, [urgent, bulk], names["results"], names["dlq"],
-                idle_timeout=1.0, isolation_level="read_committed",
-            )  # fmt: skip
-            if len(observed.answers) >= BULK + URGENT:
-                break
-            await asyncio.sleep(1.0)
+        await wait_assigned(processes(w, own), 2 * PARTS)
+        await produce_urgent(broker, urgent, 0)
+        w.kill()  # the whole tree, mid-stream: the next members abort what was open
+        w = start_with_lanes(broker, names, own, **eos)
+        await wait_assigned(processes(w, own), 2 * PARTS)
+        await produce_urgent(broker, urgent, URGENT)
+        committed = await committed_answers(broker, names, BULK + 2 * URGENT)
         assert w.terminate() == 0, w.log_tail()
+        no_crash_in_log(w)
     finally:
         w.kill()
-    assert observed is not None
-    report = check(inputs, observed.answers, unparseable=observed.unparseable, strict=True)
-    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+    answered_once(*committed)
+
+
+def processes(w: WorkerProcess, own: bool) -> list[WorkerProcess]:
+    """``run``'s member processes, seen through their metrics: with the urgent
+    lane in its own process, that one is member 1 (port + 1)."""
+    return [w, WorkerProcess(w.proc, w.metrics_port + 1, w.log_path)] if own else [w]
+
+
+async def produce_urgent(broker: Broker, urgent: str, first: int) -> None:
+    """URGENT urgent requests from number ``first``, spread over ~0.1 s."""
+    await produce_all(
+        broker.bootstrap,
+        urgent,
+        [(f"u{i}".encode(), request(100_000 + i)) for i in range(first, first + URGENT)],
+        partition_of=lambda i: i % PARTS,
+        rate=URGENT / 0.1,
+    )
 
 
 def _urgent_fetch(w: WorkerProcess) -> float:
