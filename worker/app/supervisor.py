@@ -40,7 +40,7 @@ from types import FrameType
 import structlog
 
 from worker.config import LaneConfig, Settings
-from worker.config.lanes import lanes_literal
+from worker.config.lanes import lanes_literal, strings_literal
 
 log = structlog.get_logger("worker")
 
@@ -74,9 +74,7 @@ def members(settings: Settings, procs: int) -> list[dict[str, str]]:
             }
             if lanes:
                 topics = [t for lane in lanes for t in lane.topics]
-                env["INFER_WORKER_KAFKA__INPUT_TOPICS"] = (
-                    "[" + ", ".join(f'"{t}"' for t in topics) + "]"
-                )
+                env["INFER_WORKER_KAFKA__INPUT_TOPICS"] = strings_literal(topics)
                 env["INFER_WORKER_KAFKA__LANES"] = lanes_literal(
                     [dataclasses.replace(lane, own_process=False) for lane in lanes]
                 )

@@ -44,7 +44,7 @@ class LaneConfig:
         """This lane as a TOML inline table: how ``run`` hands a member process
         its lanes (``INFER_WORKER_KAFKA__LANES``), read back by the same loader."""
         fields = [
-            f"topics = [{', '.join(_quoted(t) for t in self.topics)}]",
+            f"topics = {strings_literal(self.topics)}",
             f"priority = {self.priority}",
             f"name = {_quoted(self.name)}",
             f"min_share = {self.min_share!r}",
@@ -58,6 +58,11 @@ class LaneConfig:
 def lanes_literal(lanes: Sequence[LaneConfig]) -> str:
     """``lanes`` as a TOML array of inline tables (``LaneConfig.literal``)."""
     return "[" + ", ".join(lane.literal() for lane in lanes) + "]"
+
+
+def strings_literal(items: Sequence[str]) -> str:
+    """``items`` as a TOML array of strings (``kafka.input_topics`` for a member)."""
+    return "[" + ", ".join(_quoted(item) for item in items) + "]"
 
 
 def _quoted(text: str) -> str:
