@@ -16,7 +16,10 @@ digits model, one worker process per scenario, each on fresh topics and group:
 4. ``no lanes``: the same, both topics in ``kafka.input_topics`` alone.
 5. ``lanes-own``: as ``lanes``, the urgent lane with ``own_process = true``
    (``run`` serves it from a second process of the same group).
-6. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
+6. ``lanes-cap`` and ``lanes-own-cap`` (only with ``--only``): as ``lanes`` and
+   ``lanes-own``, the bulk lane held to ``--bulk-cap`` x the capacity the urgent
+   lane leaves (its ``max_records_per_s``).
+7. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
    ``bench.lanes_load`` copies the backlog to the results topic at the bulk
    lane's rate (``--load-rate``): the broker's and this reader's share of a
    drain on a shared host, without the worker's own bulk work.
@@ -88,11 +91,12 @@ def _records(prefix: str, n: int) -> list[tuple[bytes | None, bytes]]:
     return [(f"{prefix}{i}".encode(), value) for i, (_, value) in enumerate(encoded)]
 
 
-def _lanes_env(urgent: str, bulk: str, own: bool) -> dict[str, str]:
+def _lanes_env(urgent: str, bulk: str, own: bool, bulk_rate: float) -> dict[str, str]:
     lanes = (
         f'[{{topics = ["{urgent}"], priority = 0, name = "urgent", '
         f"own_process = {str(own).lower()}}}, "
-        f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.05}}]'
+        f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.05, '
+        f"max_records_per_s = {float(bulk_rate)!r}}}]"
     )
     return {"INFER_WORKER_KAFKA__LANES": lanes}
 
@@ -115,7 +119,9 @@ EXTRA_ENV: dict[str, str] = {}  # --env, for every scenario's worker
 BROKER_STAMPS: set[str] = set()  # {"yes"} with --broker kafka: topics stamped by the broker
 
 
-def _start(bootstrap: str, t: dict[str, str], name: str, lanes: Lanes) -> WorkerProcess:
+def _start(
+    bootstrap: str, t: dict[str, str], name: str, lanes: Lanes, bulk_rate: float
+) -> WorkerProcess:
     return spawn_worker(
         bootstrap,
         input_topics=[t["urgent"], t["bulk"]],
@@ -125,7 +131,11 @@ def _start(bootstrap: str, t: dict[str, str], name: str, lanes: Lanes) -> Worker
         extra_env={
             "INFER_WORKER_LOGGING__LEVEL": "warning",
             **EXTRA_ENV,
-            **(_lanes_env(t["urgent"], t["bulk"], lanes == "own") if lanes != "off" else {}),
+            **(
+                _lanes_env(t["urgent"], t["bulk"], lanes == "own", bulk_rate)
+                if lanes != "off"
+                else {}
+            ),
         },
         members=2 if lanes == "own" else 1,
     )
@@ -155,14 +165,16 @@ async def run_scenario(
     seconds: float,
     lanes: Lanes,
     load_rate: float = 0.0,
+    bulk_rate: float = 0.0,
 ) -> Scenario:
     """``load_rate`` > 0: the backlog is not the worker's but ``bench.lanes_load``'s,
-    copied to the results topic at that rate while the urgent lane is sent."""
+    copied to the results topic at that rate while the urgent lane is sent;
+    ``bulk_rate`` > 0: the bulk lane's ``max_records_per_s``."""
     t = await _topics(bootstrap, name)
     if backlog:
         await produce_all(bootstrap, t["load" if load_rate > 0 else "bulk"],
                           _records("b", backlog), partition_of=lambda i: i % PARTS)  # fmt: skip
-    w = _start(bootstrap, t, name, lanes)
+    w = _start(bootstrap, t, name, lanes, bulk_rate)
     c = Collector(bootstrap, [t["results"]])
     await c.start()
     out = Scenario(name)
@@ -284,17 +296,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         results.append(cap)
         rate = args.share * cap.drain_rate
         load_rate = args.load_rate or cap.drain_rate * (1 - args.share)
+        bulk_cap = args.bulk_cap * cap.drain_rate * (1 - args.share)
         print(f"  capacity {cap.drain_rate:,.0f} rec/s; urgent at {rate:,.0f}/s", file=sys.stderr)
         for i in range(args.repeat):
-            order: list[tuple[str, int, Lanes, float]] = [
-                ("urgent-alone", 0, "shared", 0.0), ("lanes", args.backlog, "shared", 0.0),
-                ("no-lanes", args.backlog, "off", 0.0),
-                ("lanes-own", args.backlog, "own", 0.0),
-                ("urgent-loaded", args.backlog, "shared", load_rate)]  # fmt: skip
+            order: list[tuple[str, int, Lanes, float, float]] = [
+                ("urgent-alone", 0, "shared", 0.0, 0.0),
+                ("lanes", args.backlog, "shared", 0.0, 0.0),
+                ("no-lanes", args.backlog, "off", 0.0, 0.0),
+                ("lanes-own", args.backlog, "own", 0.0, 0.0),
+                ("lanes-cap", args.backlog, "shared", 0.0, bulk_cap),
+                ("lanes-own-cap", args.backlog, "own", 0.0, bulk_cap),
+                ("urgent-loaded", args.backlog, "shared", load_rate, 0.0)]  # fmt: skip
             order = [o for o in order if o[0] in (args.only or DEFAULT_SCENARIOS)]
-            for name, backlog, lanes, load in order if i % 2 == 0 else order[::-1]:
+            for name, backlog, lanes, load, bulk_rate in order if i % 2 == 0 else order[::-1]:
                 s = await run_scenario(bs, f"{name}-{i}", backlog, rate, args.seconds, lanes,
-                                       load)  # fmt: skip
+                                       load, bulk_rate)  # fmt: skip
                 s.name = name
                 results.append(s)
                 print(f"  {name:13s} urgent p50 {s.urgent_p50_ms:7.1f} p99 {s.urgent_p99_ms:7.1f} "
@@ -308,6 +324,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     return {"broker": args.broker, "backlog": args.backlog, "share": args.share,
             "worker_env": args.env,
             "seconds": args.seconds, "capacity_rec_s": cap.drain_rate, "urgent_rate": rate,
+            "bulk_cap_rec_s": round(args.bulk_cap * cap.drain_rate * (1 - args.share), 1),
             "bulk_target_rec_s": round(0.85 * cap.drain_rate * (1 - args.share), 1),
             "results": [asdict(r) for r in results]}  # fmt: skip
 
@@ -323,7 +340,8 @@ def main() -> int:
         "--only",
         nargs="*",
         help="scenarios to run after the capacity one: "
-        f"{', '.join(DEFAULT_SCENARIOS)} (the default) and urgent-loaded",
+        f"{', '.join(DEFAULT_SCENARIOS)} (the default), lanes-cap, lanes-own-cap and "
+        "urgent-loaded",
     )
     parser.add_argument("--env", action="append", default=[], metavar="INFER_WORKER_X=V",
                         help="worker environment for every scenario")  # fmt: skip
@@ -333,6 +351,9 @@ def main() -> int:
     parser.add_argument("--load-rate", type=float, default=0.0, metavar="REC_S",
                         help="urgent-loaded: the copier's rate (default: the capacity "
                              "the urgent lane leaves)")  # fmt: skip
+    parser.add_argument("--bulk-cap", type=float, default=0.95, metavar="F",
+                        help="lanes-cap, lanes-own-cap: the bulk lane's max_records_per_s, as "
+                             "this share of the capacity the urgent lane leaves")  # fmt: skip
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()
     EXTRA_ENV.update(item.split("=", 1) for item in args.env)

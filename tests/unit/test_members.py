@@ -105,6 +105,7 @@ def test_every_lane_of_its_own_and_no_metrics_port() -> None:
             max_queue_delay_ms=0.5,
             min_share=0.25,
             own_process=True,
+            max_records_per_s=2500.5,
         ),
     ],
 )

@@ -9,6 +9,7 @@ from worker.config import Settings
 from worker.flow.batching import BatchPolicy, Policy
 from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy
 from worker.flow.messages import Batch, Job
+from worker.flow.throttle import Throttle
 from worker.obs import metrics
 
 
@@ -21,6 +22,7 @@ def lanes_of(s: Settings) -> tuple[Lane, ...]:
             delay=(delay_ms if lane.max_queue_delay_ms is None else lane.max_queue_delay_ms)
             / 1000.0,
             min_share=lane.min_share,
+            max_rate=lane.max_records_per_s,
         )
         for r, lane in enumerate(s.kafka.ranked_lanes)
     )
@@ -43,8 +45,11 @@ def batch_policy(s: Settings) -> Policy[Job]:
     if len(lanes) == 1:
         # One lane: FIFO exactly as before lanes existed; its lane's metrics only
         # where it is a configured lane (one served by a process of its own).
+        rate = lanes[0].max_rate
+        throttle = Throttle(rate, b.max_batch_size) if rate > 0 else None
         return BatchPolicy(b.max_batch_size, lanes[0].delay, b.preferred_batch_sizes,
-                           observe=observe if s.kafka.lanes else None)  # fmt: skip
+                           observe=observe if s.kafka.lanes else None,
+                           throttle=throttle)  # fmt: skip
     return LanePolicy(
         lanes,
         lambda job: rank[job.tp.topic],

@@ -35,6 +35,11 @@ class LaneConfig:
     # of one process share its batches; a lane of its own shares nothing but the
     # host (and the device). Needs another lane.
     own_process: bool = False
+    # At most this many of the lane's requests a second go into batches (a
+    # backfill's throttle); 0 = no cap. What it leaves is headroom for the lanes
+    # above on a shared host (README "Priority lanes"). Requests held back wait in
+    # their lane, in order; their deadlines still apply.
+    max_records_per_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -49,6 +54,7 @@ class LaneConfig:
             f"name = {_quoted(self.name)}",
             f"min_share = {self.min_share!r}",
             f"own_process = {str(self.own_process).lower()}",
+            f"max_records_per_s = {float(self.max_records_per_s)!r}",
         ]
         if self.max_queue_delay_ms is not None:
             fields.append(f"max_queue_delay_ms = {float(self.max_queue_delay_ms)!r}")
@@ -106,6 +112,11 @@ def check_lanes(input_topics: Sequence[str], lanes: Sequence[LaneConfig]) -> Non
             0.0 <= lane.min_share < 1.0 and math.isfinite(lane.min_share),
             f"{at}.min_share",
             f"must be >= 0 and < 1, got {lane.min_share}",
+        )
+        check(
+            math.isfinite(lane.max_records_per_s) and lane.max_records_per_s >= 0,
+            f"{at}.max_records_per_s",
+            f"must be a finite number >= 0 (0: no cap), got {lane.max_records_per_s}",
         )
         check(
             lane.max_queue_delay_ms is None

@@ -27,6 +27,7 @@ from typing import Generic, Protocol
 from worker.flow.messages import Batch, FlushReason, T
 from worker.flow.room import Room
 from worker.flow.streams import Woken, next_or_woken
+from worker.flow.throttle import Throttle
 
 Clock = Callable[[], float]
 
@@ -64,6 +65,9 @@ class BatchPolicy(Generic[T]):
     # Called with each batch cut (a lane's metrics, where the one lane is a
     # configured one: a lane served by a process of its own).
     observe: Callable[[Batch[T]], None] | None = None
+    # A lane's rate cap (``[[kafka.lanes]] max_records_per_s``, a lane served by
+    # a process of its own): a batch waits until the cap allows all its rows.
+    throttle: Throttle | None = None
     _pending: list[T] = field(default_factory=list)
     _seq: int = 0
 
@@ -93,6 +97,8 @@ class BatchPolicy(Generic[T]):
         for item in self._pending:
             if item.deadline is not None:
                 at = min(at, item.deadline - self.service_time)
+        if self.throttle is not None:
+            at = max(at, self.throttle.ready_at(min(len(self._pending), self.max_batch_size)))
         return at
 
     def take(self, now: float, *, queue_drained: bool) -> Batch[T] | None:
@@ -100,6 +106,8 @@ class BatchPolicy(Generic[T]):
         n = len(self._pending)
         if n == 0:
             return None
+        if self.throttle is not None and self.throttle.available(now) < min(n, self.max_batch_size):
+            return None  # held to the lane's rate: cut once the cap allows every row
         if n >= self.max_batch_size:
             return self._cut(self.max_batch_size, now, "full")
         if queue_drained and self.preferred_sizes:
@@ -121,6 +129,8 @@ class BatchPolicy(Generic[T]):
 
     def _cut(self, n: int, now: float, reason: FlushReason) -> Batch[T]:
         items, self._pending = self._pending[:n], self._pending[n:]
+        if self.throttle is not None:
+            self.throttle.take(n, now)
         self._seq += 1
         batch = Batch(items=items, formed_at=now, reason=reason, seq=self._seq)
         if self.observe is not None:

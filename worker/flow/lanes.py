@@ -7,8 +7,10 @@ keeps one FIFO per lane and cuts a batch from them: first each lane's
 ``min_share`` of the rows (while it has requests waiting), then the rest by
 rank. A batch is due when it is full, when some lane's oldest request has
 waited that lane's delay, or when a request's deadline (less the expected
-service time) comes. A partition's records are in one lane and leave it in
-order, so order per partition holds.
+service time) comes. A lane with a rate cap (``max_rate``,
+``worker.flow.throttle``) gives a batch only the rows its cap allows, and is
+due only once its cap allows the rows it holds. A partition's records are in
+one lane and leave it in order, so order per partition holds.
 
 ``LaneBackpressure`` gives each lane its own pause bound: the lowest lane pauses
 at the in-flight bound and resumes last; each lane above may read further
@@ -27,6 +29,7 @@ from typing import Generic
 from worker.flow.backpressure import Action, Backpressure
 from worker.flow.batching import ewma
 from worker.flow.messages import Batch, FlushReason, T
+from worker.flow.throttle import Throttle
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class Lane:
     name: str
     delay: float  # seconds a request may wait for its batch to fill
     min_share: float = 0.0  # of every batch's rows, while it has requests waiting
+    max_rate: float = 0.0  # rows a second into batches, at most (0: no cap)
 
 
 def reserved_rows(min_share: float, rows: int) -> int:
@@ -54,6 +58,8 @@ class LanePolicy(Generic[T]):
     service_time: float = 0.0
     observe: Callable[[Batch[T]], None] | None = None
     _queues: list[deque[T]] = field(default_factory=list)
+    # A capped lane's throttle, by rank (None: no cap).
+    _throttles: list[Throttle | None] = field(default_factory=list)
     _held: int = 0
     _min_deadline: float | None = None
     _deadlines_dirty: bool = False
@@ -63,6 +69,10 @@ class LanePolicy(Generic[T]):
         self.lanes = sorted(self.lanes, key=lambda lane: lane.rank)
         assert [lane.rank for lane in self.lanes] == list(range(len(self.lanes)))
         self._queues = [deque() for _ in self.lanes]
+        self._throttles = [
+            Throttle(lane.max_rate, self.max_batch_size) if lane.max_rate > 0 else None
+            for lane in self.lanes
+        ]
 
     def __len__(self) -> int:
         return self._held
@@ -74,10 +84,13 @@ class LanePolicy(Generic[T]):
         return self._held < self.capacity
 
     def add(self, item: T) -> None:
-        self._queues[self.lane_of(item)].append(item)
+        rank = self.lane_of(item)
+        self._queues[rank].append(item)
         self._held += 1
         d = item.deadline
-        if d is not None and not self._deadlines_dirty:
+        # A capped lane's deadlines do not make a batch due: its requests wait
+        # for the cap whatever their deadlines (and are answered late if so).
+        if d is not None and not self._deadlines_dirty and self._throttles[rank] is None:
             self._min_deadline = d if self._min_deadline is None else min(self._min_deadline, d)
 
     def observe_service_time(self, seconds: float, alpha: float = 0.2) -> None:
@@ -99,19 +112,36 @@ class LanePolicy(Generic[T]):
         formed by rank, not by how many arrived."""
         if not self._held:
             return None
-        if self._held >= self.max_batch_size:
-            return self._cut(now, "full")
+        takeable = self._takeable(now)
+        if sum(takeable) >= self.max_batch_size:
+            return self._cut(now, "full", takeable)
         flush_at = self.next_flush_at()
         assert flush_at is not None
-        if now < flush_at:
+        if now < flush_at or not any(takeable):
             return None
         delay_due = any(now >= due for due in self._due())
-        return self._cut(now, "delay" if delay_due else "deadline")
+        return self._cut(now, "delay" if delay_due else "deadline", takeable)
+
+    def _takeable(self, now: float) -> list[int]:
+        """Rows each lane may give a batch at ``now``: what it holds, less what
+        its cap does not allow yet."""
+        return [
+            len(q) if t is None else min(len(q), t.available(now))
+            for q, t in zip(self._queues, self._throttles, strict=True)
+        ]
 
     def _due(self) -> list[float]:
-        """When each lane holding requests is due by its delay (its oldest's)."""
-        pairs = zip(self._queues, self.lanes, strict=True)
-        return [q[0].arrived + lane.delay for q, lane in pairs if q]
+        """When each lane holding requests is due: its oldest has waited its
+        delay, and for a capped lane, its cap allows the rows it holds (a batch's
+        worth at most)."""
+        due = []
+        for q, lane, throttle in zip(self._queues, self.lanes, self._throttles, strict=True):
+            if q:
+                at = q[0].arrived + lane.delay
+                if throttle is not None:
+                    at = max(at, throttle.ready_at(min(len(q), self.max_batch_size)))
+                due.append(at)
+        return due
 
     def drain(self, now: float) -> Batch[T] | None:
         """Everything held as one last batch (shutdown), in rank order."""
@@ -124,21 +154,23 @@ class LanePolicy(Generic[T]):
         self._min_deadline, self._deadlines_dirty = None, False
         return self._batch(items, now, "drain")
 
-    def _cut(self, now: float, reason: FlushReason) -> Batch[T]:
-        rows = min(self.max_batch_size, self._held)
+    def _cut(self, now: float, reason: FlushReason, takeable: list[int]) -> Batch[T]:
+        rows = min(self.max_batch_size, sum(takeable))
         counts = [0] * len(self._queues)
         left = rows
-        for i, (q, lane) in enumerate(zip(self._queues, self.lanes, strict=True)):
-            if lane.min_share and q:
-                counts[i] = min(len(q), reserved_rows(lane.min_share, rows), left)
+        for i, (n, lane) in enumerate(zip(takeable, self.lanes, strict=True)):
+            if lane.min_share and n:
+                counts[i] = min(n, reserved_rows(lane.min_share, rows), left)
                 left -= counts[i]
-        for i, q in enumerate(self._queues):
-            extra = min(len(q) - counts[i], left)
+        for i, n in enumerate(takeable):
+            extra = min(n - counts[i], left)
             counts[i] += extra
             left -= extra
         items: list[T] = []
-        for q, n in zip(self._queues, counts, strict=True):
+        for q, n, throttle in zip(self._queues, counts, self._throttles, strict=True):
             items.extend(q.popleft() for _ in range(n))
+            if throttle is not None and n:
+                throttle.take(n, now)
         self._held -= rows
         self._deadlines_dirty = True
         return self._batch(items, now, reason)
@@ -152,7 +184,13 @@ class LanePolicy(Generic[T]):
 
     def _earliest_deadline(self) -> float | None:
         if self._deadlines_dirty:  # once per cut, not per loop turn
-            found = [i.deadline for q in self._queues for i in q if i.deadline is not None]
+            found = [
+                i.deadline
+                for q, throttle in zip(self._queues, self._throttles, strict=True)
+                if throttle is None
+                for i in q
+                if i.deadline is not None
+            ]
             self._min_deadline = min(found) if found else None
             self._deadlines_dirty = False
         return self._min_deadline

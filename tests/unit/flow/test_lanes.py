@@ -220,6 +220,10 @@ def test_lanes_from_settings_rank_by_priority_and_default_to_one_lane() -> None:
          r"kafka\.lanes\[0\]\.topics: needs at least one input topic"),
         ('[{topics = ["a"], max_queue_delay_ms = -1}, {topics = ["b"], priority = 1}]',
          r"kafka\.lanes\[0\]\.max_queue_delay_ms: must be a finite number >= 0"),
+        ('[{topics = ["a"]}, {topics = ["b"], priority = 1, max_records_per_s = -5}]',
+         r"kafka\.lanes\[1\]\.max_records_per_s: must be a finite number >= 0 \(0: no cap\)"),
+        ('[{topics = ["a"]}, {topics = ["b"], priority = 1, max_records_per_s = inf}]',
+         r"kafka\.lanes\[1\]\.max_records_per_s: must be a finite number >= 0"),
     ],
 )  # fmt: skip
 def test_a_bad_lane_is_a_config_error_naming_the_setting(lanes: str, message: str) -> None:
