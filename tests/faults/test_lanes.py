@@ -32,15 +32,17 @@ def topics(names: Mapping[str, str]) -> tuple[str, str]:
 
 
 def start_with_lanes(
-    broker: Broker, names: Mapping[str, str], own: bool = False, **env: str
+    broker: Broker, names: Mapping[str, str], own: bool = False, bulk_rate: float = 0, **env: str
 ) -> WorkerProcess:
     """``own``: the urgent lane in a process of its own (member 1, metrics on
-    port + 1; the bulk lane's is member 0)."""
+    port + 1; the bulk lane's is member 0); ``bulk_rate``: the bulk lane's
+    ``max_records_per_s``."""
     urgent, bulk = topics(names)
     lanes = (
         f'[{{topics = ["{urgent}"], priority = 0, name = "urgent", max_queue_delay_ms = 1, '
         f"own_process = {str(own).lower()}}}, "
-        f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.1}}]'
+        f'{{topics = ["{bulk}"], priority = 1, name = "bulk", min_share = 0.1, '
+        f"max_records_per_s = {float(bulk_rate)!r}}}]"
     )
     return spawn_worker(
         broker.bootstrap,
@@ -85,7 +87,9 @@ async def until(cond: object, timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _backlog(broker: Broker, names: Mapping[str, str]) -> tuple[str, str]:
+async def _backlog(
+    broker: Broker, names: Mapping[str, str], requests: int = BULK
+) -> tuple[str, str]:
     urgent, bulk = topics(names)
     await create_topics(
         broker.bootstrap,
@@ -94,7 +98,7 @@ async def _backlog(broker: Broker, names: Mapping[str, str]) -> tuple[str, str]:
     await produce_all(
         broker.bootstrap,
         bulk,
-        [(f"b{i}".encode(), request(i)) for i in range(BULK)],
+        [(f"b{i}".encode(), request(i)) for i in range(requests)],
         partition_of=lambda i: i % PARTS,
     )
     return urgent, bulk

@@ -29,7 +29,7 @@ from typing import Generic
 from worker.flow.backpressure import Action, Backpressure
 from worker.flow.batching import ewma
 from worker.flow.messages import Batch, FlushReason, T
-from worker.flow.throttle import Throttle
+from worker.flow.throttle import BURST_BATCHES, Throttle
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,9 @@ class LanePolicy(Generic[T]):
         assert [lane.rank for lane in self.lanes] == list(range(len(self.lanes)))
         self._queues = [deque() for _ in self.lanes]
         self._throttles = [
-            Throttle(lane.max_rate, self.max_batch_size) if lane.max_rate > 0 else None
+            Throttle(lane.max_rate, BURST_BATCHES * self.max_batch_size)
+            if lane.max_rate > 0
+            else None
             for lane in self.lanes
         ]
 
