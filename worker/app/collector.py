@@ -11,11 +11,16 @@ every object the process holds, the model runtime's included.
 
 So, once started: collect what start-up left, freeze the survivors (the
 modules, the engine, the stages: later collections skip them), and collect less
-often. A young collection every 10,000 net allocations (700 by default), a
-middle one every 50 young ones, a full one every 100 middle ones (about once a
-minute at full load): cyclic garbage still goes, later, and the full
-collections that stop the loop are rare and walk only what serving made.
-Prometheus' ``python_gc_*`` series show the counts.
+often. A young collection every 100,000 net allocations (700 by default), a
+middle one every 50 young ones, a full one every 100 middle ones. The young
+threshold was 10,000 until 2026-11-27: a 100,000-record drain then still ran
+about 70 young collections, 190-240 ms in all, on the event loop (4-5% of the
+worker's CPU, a 3 ms stall each time), because the records in flight swing
+the net count past 10,000 and every collection walks them; at 100,000 the same
+drain ran none (BENCHMARKS.md, "The cycle collector's young threshold").
+Cyclic garbage still goes, later: what is not freed counts towards the
+threshold, so at most about 100,000 objects of it wait. Prometheus'
+``python_gc_*`` series show the counts.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-THRESHOLDS: Final = (10_000, 50, 100)
+THRESHOLDS: Final = (100_000, 50, 100)
 
 
 def settle_for_serving() -> None:
