@@ -111,6 +111,23 @@ def encode_ok_result(
     ``micros()``); they, the partition and the offset may be numpy integers.
     An echoed ``meta`` msgspec will not write (a bytes map key) is written by
     msgpack, whose errors the caller gets (``pack``)."""
+    return encode_ok_at(
+        request_id, outputs, model, source.topic, source.partition, source.offset, timing_us, meta
+    )
+
+
+def encode_ok_at(
+    request_id: str,
+    outputs: Mapping[str, np.ndarray],
+    model: ModelInfo,
+    topic: str,
+    partition: int,
+    offset: int,
+    timing_us: Mapping[str, int],
+    meta: Mapping[str, Any] | None,
+) -> bytes:
+    """``encode_ok_result`` of a source given as its parts: the writer's hot
+    path, which has them in the job and need not build a ``Source`` per answer."""
     parts = [_HEAD if meta is None else _HEAD_META, _encode(request_id), _STATUS_OUTPUTS,
              _map_header(len(outputs))]  # fmt: skip
     for name, arr in outputs.items():
@@ -120,10 +137,15 @@ def encode_ok_result(
             dtype, shape, data = tensor.dtype, tensor.shape, tensor.data
         else:
             shape, data = arr.shape, arr.tobytes()
-        parts.append(_output_prefix(name, dtype, shape, len(data)))
+        # The cache looked up here, not through _output_prefix: one call less per
+        # output of every answer (a miss builds the piece there).
+        prefix = _outputs.get((name, dtype, shape))
+        if prefix is None:
+            prefix = _output_prefix(name, dtype, shape, len(data))
+        parts.append(prefix)
         parts.append(data)
-    parts.append(_source_prefix(model, source.topic, source.partition))
-    parts.append(_encode(int(source.offset)))
+    parts.append(_source_prefix(model, topic, partition))
+    parts.append(_encode(int(offset)))
     parts.append(_TIMING)
     try:
         parts.append(_encode(timing_us))
