@@ -12,13 +12,13 @@ import pytest
 from worker.ops.broker import Broker
 from worker.ops.topics import produce_all
 
-from .conftest import Answers, no_crash_in_log, request, wait_assigned
+from .conftest import no_crash_in_log, request, wait_assigned
 from .test_lanes import (
     PARTS,
     URGENT,
     _backlog,
     _dispatched,
-    every_request_answered,
+    members,
     processes,
     produce_urgent,
     start_with_lanes,
@@ -36,10 +36,10 @@ async def test_a_capped_lane_keeps_its_rate_and_the_lane_above_is_not_held(
     broker: Broker, names: dict[str, str], own: bool
 ) -> None:
     urgent, bulk = await _backlog(broker, names, 0)
-    answers = await Answers.start(broker, names)
-    w = start_with_lanes(broker, names, own=own, bulk_rate=RATE,
-                         INFER_WORKER_BATCHING__MAX_BATCH_SIZE=str(BATCH))  # fmt: skip
-    try:
+    async with members(broker, names) as (_, workers):
+        w = start_with_lanes(broker, names, own=own, bulk_rate=RATE,
+                             INFER_WORKER_BATCHING__MAX_BATCH_SIZE=str(BATCH))  # fmt: skip
+        workers.started.append(w)
         bulk_member, urgent_member = processes(w, own)[0], processes(w, own)[-1]
         await wait_assigned(processes(w, own), 2 * PARTS)
         # Produced once both lanes are served: a second process joining late
@@ -60,7 +60,3 @@ async def test_a_capped_lane_keeps_its_rate_and_the_lane_above_is_not_held(
         assert took >= least, f"{BACKLOG - at_t0} bulk rows in {took:.2f} s (cap: {least:.2f})"
         assert w.terminate() == 0, w.log_tail()
         no_crash_in_log(w)
-    finally:
-        w.kill()
-        await answers.stop()
-    await every_request_answered(broker, names)

@@ -1,5 +1,6 @@
 """Throwaway experiment (issue 36): time the worker's cycle collections by
 generation (gc.callbacks), written to $GCTIME_DIR/<pid>.txt once a second."""
+
 import gc
 import os
 import threading
@@ -26,7 +27,8 @@ if _out:
             time.sleep(1.0)
             with open(f"{_out}/{os.getpid()}.txt", "w") as fh:
                 fh.write(repr({k: (v[0], round(v[1] * 1000, 1), v[2]) for k, v in _by.items()}))
-                fh.write(" threshold=%r count=%r cpu=%.2f\n" % (gc.get_threshold(), gc.get_count(), time.process_time()))
+                threshold, count, cpu = gc.get_threshold(), gc.get_count(), time.process_time()
+                fh.write(f" threshold={threshold!r} count={count!r} cpu={cpu:.2f}\n")
 
     threading.Thread(target=_dump, daemon=True).start()
 

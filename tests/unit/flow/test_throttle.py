@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -19,13 +18,7 @@ from worker.flow.messages import Batch
 from worker.flow.throttle import Throttle
 from worker.ops.processes import override_env
 
-
-@dataclass
-class Item:
-    lane: int
-    n: int
-    arrived: float = 0.0
-    deadline: float | None = None
+from .test_lanes import Item
 
 
 def run_until(p: Policy[Item], end: float) -> list[tuple[float, Batch[Item]]]:
