@@ -96,6 +96,7 @@ async def build_stages(
         transactional=plan.exactly_once,
         interval=s.kafka.commit_interval_ms / 1000.0,
     )
+    consumer.wake_on(committer.progress)
     infer = await _inference_stage(
         s, plan, batches, completed, engine, policy, binding, tracker, room
     )

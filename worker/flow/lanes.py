@@ -224,6 +224,11 @@ class LaneBackpressure:
         """Whether any lane is paused (the consumer then polls often)."""
         return any(b.paused for b in self.lanes)
 
+    @property
+    def all_paused(self) -> bool:
+        """Whether every lane is paused (nothing to fetch)."""
+        return all(b.paused for b in self.lanes)
+
     def is_paused(self, rank: int) -> bool:
         return self.lanes[rank].paused
 

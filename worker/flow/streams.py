@@ -4,7 +4,8 @@ Stages are linked by bounded queues and signal the end of their output with
 ``None``, so shutdown drains stage by stage. How that ``None`` is put depends on
 why the stage ends, and getting it wrong hangs ``Worker.stop()``; so it lives here,
 once, for every stage. ``next_or_woken`` waits for a queue's next item or for
-something else, whichever comes first, without ever losing an item.
+something else, whichever comes first, without ever losing an item;
+``first_of`` waits for the first of several things, at most a while.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ async def next_or_woken(
     if getter.done() and not getter.cancelled():
         return getter.result()
     return Woken.WOKEN
+
+
+async def first_of(timeout: float, *waits: Callable[[], Awaitable[object]]) -> None:
+    """Until the first of ``waits()`` completes, or ``timeout`` seconds passed;
+    the others are cancelled (and all of them if the caller is)."""
+    tasks = {asyncio.ensure_future(wait()) for wait in waits}
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,6 @@ never raises: bad records flow on, in order, carrying their failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -27,7 +26,7 @@ from worker.flow.errors import CrashLoop
 from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
-from worker.flow.streams import end_of_stream
+from worker.flow.streams import end_of_stream, first_of
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, Guarded, Mode
 from worker.kafka.intake import JobFactory
@@ -35,6 +34,7 @@ from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
     apply_backpressure,
     fetch_for_lanes,
+    fetch_timeout_ms,
     getmany_by_lane,
     lane_of,
 )
@@ -92,6 +92,9 @@ class Consumer:
         self._sources: BothSources | None = None
         # A stateful model's restore from its state changelog, per assignment.
         self._restore: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
+        # While every lane is paused: the next acknowledgement (wake_on); never
+        # set until then, when the 50 ms poll alone paces the loop.
+        self._progress: Callable[[], Awaitable[object]] = asyncio.Event().wait
 
     async def start(self) -> None:
         k = self._kafka
@@ -206,9 +209,12 @@ class Consumer:
         async with end_of_stream(self._jobs_out):
             while not self._stopping.is_set():
                 self._apply_backpressure()
-                # While paused, poll often: the member stays in the group and
-                # resumes soon after the pipeline drains.
-                timeout_ms = 50 if self._backpressure.paused else 200
+                if self._backpressure.all_paused:
+                    # Nothing to fetch: decide again at the next acknowledgement
+                    # (or in 50 ms, the poll that keeps the member in the group).
+                    await first_of(0.05, self._progress, self._stopping.wait)
+                    self._apply_backpressure()
+                timeout_ms = fetch_timeout_ms(self._backpressure)
                 fetch = asyncio.ensure_future(self._fetch(consumer, timeout_ms))
                 stop = asyncio.ensure_future(self._stopping.wait())
                 await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -226,7 +232,7 @@ class Consumer:
                     log.warning("fetch_failed", error=repr(exc), consecutive=failures)
                     if isinstance(exc, NOT_AUTHORISED):  # an ACL gone: not ready until back
                         metrics.set_condition("fetch", False)
-                    await self._sleep(backoff.next())
+                    await first_of(backoff.next(), self._stopping.wait)  # woken when stopping
                     continue
                 if failures:
                     metrics.set_condition("fetch", True)
@@ -253,10 +259,10 @@ class Consumer:
         fetched = await getmany_by_lane(consumer, self._kafka, timeout_ms, LOWER_LANE_RECORDS)
         return [(self._stamp, fetched)]
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, but wake at once when stopping."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+    def wake_on(self, progress: Callable[[], Awaitable[object]]) -> None:
+        """While every lane is paused, wait on ``progress`` (the committer's: it
+        returns at the next acknowledgement) before deciding again."""
+        self._progress = progress
 
     def _lane_paused(self, tp: KafkaTP) -> bool:
         return self._backpressure.is_paused(lane_of(self._kafka, tp))

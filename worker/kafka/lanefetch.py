@@ -40,6 +40,18 @@ LANES_PREFETCH_BACKOFF_S: Final = 0.005
 LOWER_LANE_RECORDS: Final = 64
 
 
+def fetch_timeout_ms(bp: LaneBackpressure) -> int:
+    """How long the consumer's next fetch may wait for records: 200 ms; 50 while
+    a lane is paused, so it resumes soon after the pipeline drains; 0 while
+    every lane is, when there is nothing to fetch and the consumer waits for the
+    next acknowledgement instead (``Consumer.run``), which a fetch's wait could
+    not be cut short by: the pipeline then ran dry for up to 50 ms at a time
+    (BENCHMARKS.md, "Resuming at the acknowledgement")."""
+    if bp.all_paused:
+        return 0
+    return 50 if bp.paused else 200
+
+
 def lane_of(k: KafkaConfig, tp: KafkaTP) -> int:
     """The rank of the partition's lane (0 = most urgent)."""
     return k.lane_rank.get(tp.topic, 0)
