@@ -38,7 +38,8 @@ class LaneConfig:
     # At most this many of the lane's requests a second go into batches (a
     # backfill's throttle); 0 = no cap. What it leaves is headroom for the lanes
     # above on a shared host (README "Priority lanes"). Requests held back wait in
-    # their lane, in order; their deadlines still apply.
+    # their lane, in order; their deadlines still apply. Per worker process: N
+    # processes reading the lane take up to N times it.
     max_records_per_s: float = 0.0
 
     @property
