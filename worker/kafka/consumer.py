@@ -13,7 +13,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -22,13 +21,12 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
 from worker.flow.backoff import Backoff
-from worker.flow.errors import CrashLoop
 from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_stream, first_of
 from worker.kafka.clients import group_consumer_kwargs
-from worker.kafka.crashguard import CrashGuard, Guarded, Mode
+from worker.kafka.crashguard import CrashGuard, Guarded, Mode, quarantined
 from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
@@ -357,13 +355,7 @@ class Consumer:
         guarded = self._guarded.get(tp)
         if guarded is not None and (guarded.mode, guarded.head) == (Mode.QUARANTINE, record.offset):
             del self._guarded[tp]
-            job = msgspec.structs.replace(
-                job, request=None, inputs={}, raw_value=record.value,
-                failure=CrashLoop(
-                    f"worker processes died {self._max_crashes} times with this record at "
-                    "the head of its partition; not run again (limits.max_crash_attempts)"
-                ),
-            )  # fmt: skip
+            job = quarantined(job, record.value, self._max_crashes)
         return job
 
     @property

@@ -34,13 +34,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.flow.deadline import Deadline
-from worker.flow.messages import TopicPartition
+from worker.flow.errors import CrashLoop
+from worker.flow.messages import Job, TopicPartition
 from worker.kafka.clients import topic_partitions
 from worker.obs import metrics
 
@@ -77,6 +79,19 @@ class Guarded:
     mode: Mode
     head: int
     left: int = 0
+
+
+def quarantined(job: Job, raw_value: bytes | None, max_crashes: int) -> Job:
+    """``job`` set aside without running it: the record at the head of its
+    partition when ``max_crashes`` worker processes died (answered as
+    ``crash_loop``, its original bytes to the DLQ)."""
+    return msgspec.structs.replace(
+        job, request=None, inputs={}, raw_value=raw_value,
+        failure=CrashLoop(
+            f"worker processes died {max_crashes} times with this record at "
+            "the head of its partition; not run again (limits.max_crash_attempts)"
+        ),
+    )  # fmt: skip
 
 
 def decide(previous: Mark | None, head: int, max_crashes: int) -> Decision:
