@@ -32,7 +32,22 @@ def record(offset: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord(A.topic, A.partition, offset, 0, 0, None, b"x", None, 0, 1, ())
 
 
-class LogConsumer:
+class Pausing:
+    """aiokafka's pause state: the partitions paused, changed by pause/resume."""
+
+    _paused: set[KafkaTP]
+
+    def paused(self) -> set[KafkaTP]:
+        return set(self._paused)
+
+    def pause(self, *tps: KafkaTP) -> None:
+        self._paused.update(tps)
+
+    def resume(self, *tps: KafkaTP) -> None:
+        self._paused.difference_update(tps)
+
+
+class LogConsumer(Pausing):
     """One partition of ``length`` records, committed at ``committed``; the fetch
     position starts where aiokafka would put it by itself (``position``)."""
 
@@ -59,15 +74,6 @@ class LogConsumer:
 
     def assignment(self) -> set[KafkaTP]:
         return {KA}
-
-    def paused(self) -> set[KafkaTP]:
-        return set(self._paused)
-
-    def pause(self, *tps: KafkaTP) -> None:
-        self._paused.update(tps)
-
-    def resume(self, *tps: KafkaTP) -> None:
-        self._paused.difference_update(tps)
 
     async def committed(self, tp: KafkaTP) -> int:
         return self._committed

@@ -18,10 +18,11 @@ from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.lanefetch import fetch_timeout_ms
 
+from .test_positioning import Pausing
 from .test_stages import A, FakeConsumer, FakeGroup, make_source, record
 
 
-class PausingConsumer(FakeConsumer):
+class PausingConsumer(Pausing, FakeConsumer):
     """Keeps aiokafka's pause: nothing from a paused partition; every fetch's
     wait recorded, with whether the partition was paused then."""
 
@@ -38,15 +39,6 @@ class PausingConsumer(FakeConsumer):
             await asyncio.sleep(timeout_ms / 1000)
             return {}
         return await super().getmany(timeout_ms)
-
-    def paused(self) -> set[KafkaTP]:
-        return set(self._paused)
-
-    def pause(self, *tps: KafkaTP) -> None:
-        self._paused.update(tps)
-
-    def resume(self, *tps: KafkaTP) -> None:
-        self._paused.difference_update(tps)
 
 
 async def test_every_lane_paused_waits_for_the_acknowledgement_not_in_a_fetch() -> None:
