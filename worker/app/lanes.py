@@ -9,7 +9,7 @@ from worker.config import Settings
 from worker.flow.batching import BatchPolicy, Policy
 from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy
 from worker.flow.messages import Batch, Job
-from worker.flow.throttle import BURST_BATCHES, Throttle
+from worker.flow.throttle import lane_throttle
 from worker.obs import metrics
 
 
@@ -45,11 +45,9 @@ def batch_policy(s: Settings) -> Policy[Job]:
     if len(lanes) == 1:
         # One lane: FIFO exactly as before lanes existed; its lane's metrics only
         # where it is a configured lane (one served by a process of its own).
-        rate = lanes[0].max_rate
-        throttle = Throttle(rate, BURST_BATCHES * b.max_batch_size) if rate > 0 else None
         return BatchPolicy(b.max_batch_size, lanes[0].delay, b.preferred_batch_sizes,
                            observe=observe if s.kafka.lanes else None,
-                           throttle=throttle)  # fmt: skip
+                           throttle=lane_throttle(lanes[0].max_rate, b.max_batch_size))  # fmt: skip
     return LanePolicy(
         lanes,
         lambda job: rank[job.tp.topic],

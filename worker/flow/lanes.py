@@ -29,7 +29,7 @@ from typing import Generic
 from worker.flow.backpressure import Action, Backpressure
 from worker.flow.batching import ewma
 from worker.flow.messages import Batch, FlushReason, T
-from worker.flow.throttle import BURST_BATCHES, Throttle
+from worker.flow.throttle import Throttle, lane_throttle
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,7 @@ class LanePolicy(Generic[T]):
         self.lanes = sorted(self.lanes, key=lambda lane: lane.rank)
         assert [lane.rank for lane in self.lanes] == list(range(len(self.lanes)))
         self._queues = [deque() for _ in self.lanes]
-        self._throttles = [
-            Throttle(lane.max_rate, BURST_BATCHES * self.max_batch_size)
-            if lane.max_rate > 0
-            else None
-            for lane in self.lanes
-        ]
+        self._throttles = [lane_throttle(lane.max_rate, self.max_batch_size) for lane in self.lanes]
 
     def __len__(self) -> int:
         return self._held

@@ -63,3 +63,9 @@ class Throttle:
             self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
         if self._at is None or now > self._at:
             self._at = now
+
+
+def lane_throttle(rate: float, batch_size: int) -> Throttle | None:
+    """A capped lane's throttle for batches of ``batch_size`` rows (a bucket of
+    ``BURST_BATCHES`` of them); None for ``rate`` 0, no cap."""
+    return Throttle(rate, BURST_BATCHES * batch_size) if rate > 0 else None

@@ -153,14 +153,11 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
     failure = job.failure
     ok = failure is None and answer.error is None and answer.outputs is not None
     if ok and job.wire != "oip":
-        # The common case, on the hot path: encoded straight from the output rows,
-        # the echo and the timings read here rather than through _echo and
-        # _timing (what they do for an answer without a failure).
+        # The common case, on the hot path: encoded straight from the output rows
+        # and the job's partition and offset (no Source built per answer).
         assert answer.outputs is not None
-        request = job.request
-        request_id, meta = ("", None) if request is None else (request.id, request.meta)
-        timing = dict(answer.timing_us)
-        timing["total"] = round((now - job.arrived) * 1e6)
+        request_id, meta = _echo(job)
+        timing = _timing(answer, now)
         tp = job.tp
         encoded = encode_ok_at(
             request_id, answer.outputs, model, tp.topic, tp.partition, job.offset, timing, meta
