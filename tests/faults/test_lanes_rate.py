@@ -35,13 +35,21 @@ BATCH = 64  # max_batch_size: the bucket holds two batches (BURST_BATCHES)
 async def test_a_capped_lane_keeps_its_rate_and_the_lane_above_is_not_held(
     broker: Broker, names: dict[str, str], own: bool
 ) -> None:
+    await capped_lane_keeps_its_rate(broker, names, own)
+
+
+async def capped_lane_keeps_its_rate(
+    broker: Broker, names: dict[str, str], own: bool, assign_s: float = 60, **env: str
+) -> None:
+    """The check, with ``env`` for the worker (the GPU test's engine) and
+    ``assign_s`` for its start."""
     urgent, bulk = await _backlog(broker, names, 0)
     async with members(broker, names) as (_, workers):
         w = start_with_lanes(broker, names, own=own, bulk_rate=RATE,
-                             INFER_WORKER_BATCHING__MAX_BATCH_SIZE=str(BATCH))  # fmt: skip
+                             INFER_WORKER_BATCHING__MAX_BATCH_SIZE=str(BATCH), **env)  # fmt: skip
         workers.started.append(w)
         bulk_member, urgent_member = processes(w, own)[0], processes(w, own)[-1]
-        await wait_assigned(processes(w, own), 2 * PARTS)
+        await wait_assigned(processes(w, own), 2 * PARTS, timeout=assign_s)
         # Produced once both lanes are served: a second process joining late
         # would otherwise find the backlog half through.
         backlog = [(f"b{i}".encode(), request(i)) for i in range(BACKLOG)]

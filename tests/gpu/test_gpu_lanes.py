@@ -4,7 +4,8 @@ A worker process with the torch engine and GPU preprocessing drains a bulk
 backlog; urgent requests produced behind it are batched long before the bulk
 ones waiting in the worker (the lanes' queue-time metrics, as the CPU test in
 ``tests/faults/test_lanes.py`` reads them), and every request of both lanes is
-answered with a result, none lost. The embedded broker only: the device
+answered with a result, none lost; a capped bulk lane keeps its rate
+(``max_records_per_s``). The embedded broker only: the device
 machine has no Java for Apache Kafka."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.faults.test_lanes import (
     until,
     urgent_overtakes_bulk,
 )
+from tests.faults.test_lanes_rate import capped_lane_keeps_its_rate
 from worker.ops.broker import Broker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.needs_torch]
@@ -59,3 +61,12 @@ async def test_urgent_requests_overtake_a_backlog_on_the_gpu(
         w.kill()
         await answers.stop()
     await every_request_answered(broker, names)
+
+
+@pytest.mark.parametrize("broker_kind", ["embedded"])
+async def test_a_capped_lane_keeps_its_rate_on_the_gpu(
+    broker: Broker, names: dict[str, str], digits_torchscript: Path
+) -> None:
+    """``max_records_per_s`` on the GPU path: the same batching policy, so the
+    same check as the CPU one (``tests/faults/test_lanes_rate.py``)."""
+    await capped_lane_keeps_its_rate(broker, names, False, 90, **gpu_env(digits_torchscript))
