@@ -19,7 +19,7 @@ old (p50) when ``getmany`` returned it while a bulk lane drained
 
 from __future__ import annotations
 
-from typing import Final, cast
+from typing import Final
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -27,7 +27,8 @@ from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
 from worker.flow.lanes import LaneBackpressure
-from worker.kafka.urgentfetch import Fetched, UrgentFetcher
+from worker.kafka.readable import Fetched, getmany_readable
+from worker.kafka.urgentfetch import UrgentFetcher
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -111,22 +112,21 @@ async def getmany_by_lane(
     wait on every partition (``getmany`` as without lanes). ``lower_records``:
     at most this many records of a lower lane at a time (``LOWER_LANE_RECORDS``)."""
     if not k.has_lanes:
-        return cast(Fetched, await consumer.getmany(timeout_ms=timeout_ms))
+        return await getmany_readable(consumer, timeout_ms)
     assigned = consumer.assignment()
     by_lane = [[tp for tp in assigned if lane_of(k, tp) == r] for r in range(len(k.ranked_lanes))]
 
     async def ready(r: int) -> Fetched:
         """Lane ``r``'s records already fetched (a lower lane's, up to the cap)."""
         if not by_lane[r]:
-            return {}  # getmany() naming no partition would read every one
+            return {}
         limit = None if r == 0 else lower_records
-        return cast(Fetched, await consumer.getmany(*by_lane[r], timeout_ms=0, max_records=limit))
+        return await getmany_readable(consumer, 0, by_lane[r], limit)
 
     for r in range(len(by_lane)):
         if got := await ready(r):
             return got
-    waited = await consumer.getmany(timeout_ms=timeout_ms, max_records=lower_records)
-    fetched = cast(Fetched, waited)
+    fetched = await getmany_readable(consumer, timeout_ms, max_records=lower_records)
     # The wait hands over the first records buffered, up to the cap: a lower
     # lane's may fill it while a more urgent lane's came in the same fetch.
     for r in range(min((lane_of(k, tp) for tp in fetched), default=0)):

@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
-from aiokafka.structs import ConsumerRecord
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
 from worker.kafka.clients import group_consumer_kwargs
+from worker.kafka.readable import Fetched, getmany_readable
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
-
-Fetched = dict[KafkaTP, list[ConsumerRecord[Any, Any]]]
 
 
 def fetcher_kwargs(k: KafkaConfig) -> dict[str, Any]:
@@ -119,7 +117,7 @@ class UrgentFetcher:
             if timeout_ms:
                 await asyncio.sleep(timeout_ms / 1000.0)
             return {}
-        return cast(Fetched, await self.client.getmany(timeout_ms=timeout_ms))
+        return await getmany_readable(self.client, timeout_ms)
 
     async def close(self) -> None:
         consumer, self.client = self.client, None

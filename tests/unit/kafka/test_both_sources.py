@@ -16,7 +16,8 @@ from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import TopicPartition as KafkaTP
 
 from worker.config import KafkaConfig
-from worker.kafka.urgentfetch import BothSources, Fetched, UrgentFetcher
+from worker.kafka.readable import Fetched
+from worker.kafka.urgentfetch import BothSources, UrgentFetcher
 
 URGENT, BULK = KafkaTP("urgent", 0), KafkaTP("bulk", 0)
 

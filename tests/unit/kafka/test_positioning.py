@@ -60,7 +60,9 @@ class LogConsumer(Pausing):
         self.fetches_while: list[str] = []  # what each fetch returned during a restore
         self.restoring = False
 
-    async def getmany(self, timeout_ms: int = 0) -> dict[KafkaTP, list[Any]]:
+    async def getmany(
+        self, *tps: KafkaTP, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[KafkaTP, list[Any]]:
         await asyncio.sleep(0.001)
         if KA in self._paused or self.fetch_at >= len(self.log):
             if self.restoring:

@@ -32,13 +32,15 @@ class PausingConsumer(Pausing, FakeConsumer):
         self._paused: set[KafkaTP] = set()
         self.waits: list[tuple[int, bool]] = []
 
-    async def getmany(self, timeout_ms: int = 0) -> dict[KafkaTP, list[Any]]:
+    async def getmany(
+        self, *tps: KafkaTP, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[KafkaTP, list[Any]]:
         paused = bool(self._paused)
         self.waits.append((timeout_ms, paused))
         if paused:
             await asyncio.sleep(timeout_ms / 1000)
             return {}
-        return await super().getmany(timeout_ms)
+        return await super().getmany(*tps, timeout_ms=timeout_ms)
 
 
 async def test_every_lane_paused_waits_for_the_acknowledgement_not_in_a_fetch() -> None:

@@ -174,7 +174,9 @@ class FakeConsumer:
         self._fetches = [{KafkaTP(A.topic, A.partition): list(records)}]
         self.idle = asyncio.Event()  # set once the first fetch was fully handled
 
-    async def getmany(self, timeout_ms: int = 0) -> dict[KafkaTP, list[Any]]:
+    async def getmany(
+        self, *tps: KafkaTP, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[KafkaTP, list[Any]]:
         if self._fetches:
             return self._fetches.pop(0)
         self.idle.set()
@@ -260,11 +262,13 @@ class RebalancingConsumer(FakeConsumer):
         self.fetching = asyncio.Event()
         self.assigned = asyncio.Event()
 
-    async def getmany(self, timeout_ms: int = 0) -> dict[KafkaTP, list[Any]]:
+    async def getmany(
+        self, *tps: KafkaTP, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[KafkaTP, list[Any]]:
         if self._fetches:
             self.fetching.set()
             await self.assigned.wait()
-        return await super().getmany(timeout_ms)
+        return await super().getmany(*tps, timeout_ms=timeout_ms)
 
 
 async def test_records_of_the_new_assignment_are_tracked_after_a_revocation() -> None:
