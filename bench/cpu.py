@@ -27,6 +27,15 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def host_cpu_seconds() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot, every core
+    (``/proc/stat``'s first line; idle and iowait are not busy)."""
+    with open("/proc/stat") as fh:
+        ticks = [int(t) for t in fh.readline().split()[1:9]]
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / _TICK, sum(ticks) / _TICK
+
+
 def tree_cpu_seconds(root: int) -> float:
     """CPU seconds of ``root`` and every process below it (``run --procs N``
     members), as far as they are alive."""
@@ -50,8 +59,8 @@ class CpuWindow:
 
     root: int
     every: float = 0.05
-    first: tuple[int, float] | None = None  # (count, cpu seconds)
-    last: tuple[int, float] | None = None
+    first: tuple[int, float, float, float] | None = None  # (count, tree, host busy, host all)
+    last: tuple[int, float, float, float] | None = None
     _at: float = field(default=0.0, repr=False)
 
     def sample(self, count: int, final: bool = False) -> None:
@@ -61,12 +70,24 @@ class CpuWindow:
         if self.last is not None and count == self.last[0]:
             return  # nothing arrived: idle time is not the records'
         self._at = now
-        point = (count, tree_cpu_seconds(self.root))
+        point = (count, tree_cpu_seconds(self.root), *host_cpu_seconds())
         if self.first is None:
             self.first = point
         self.last = point
 
-    def us_per_record(self) -> float:
+    def us_per_record(self, what: int = 1) -> float:
+        """CPU per record of the tree (``what`` 1) or the whole machine (2)."""
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return 0.0
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0]) * 1e6
+        return (self.last[what] - self.first[what]) / (self.last[0] - self.first[0]) * 1e6
+
+    def host_us_per_record(self) -> float:
+        """Every process's CPU per record (the broker's, the bench's): with the
+        tree's, what the rest of the machine spent on each record."""
+        return self.us_per_record(2)
+
+    def host_busy(self) -> float:
+        """The machine's busy share over the window (1.0: every core busy)."""
+        if self.first is None or self.last is None or self.last[3] <= self.first[3]:
+            return 0.0
+        return min(1.0, (self.last[2] - self.first[2]) / (self.last[3] - self.first[3]))

@@ -28,6 +28,11 @@ INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false`` gives the unsplit figure. Drains:
   runs the ``worker`` package found in DIR (e.g. a ``git worktree`` of an older
   commit), so two versions are compared on the same backlog in the same run.
 
+Each drain reports its processor's CPU per record and, over the same window,
+the whole machine's and its busy share (``bench/cpu.py``): the machine's minus
+the processor's is what the broker and the bench spent on each record, and a
+machine near 100% busy bounds the rate whatever the processor spends.
+
 The ratio worker / ceiling is what issue 11 measures (target >= 0.1 on 2 cores).
 Benchmark code: not part of the installed package.
 """
@@ -115,6 +120,8 @@ async def drain_worker(
     padding = m.get('infer_padded_elements_total{kind="padding"}', 0.0) / data if data else 0.0
     drain = Drain("worker", arrivals_after(times, first), last - first, mean_batch_size(m), padding)
     drain.cpu_us_per_record = round(cpu.us_per_record(), 1)
+    drain.host_us_per_record = round(cpu.host_us_per_record(), 1)
+    drain.host_busy = round(cpu.host_busy(), 3)
     return drain
 
 
@@ -216,7 +223,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 runs[name].append(d)
                 print(f"  {name:8s} {d.rate:10,.0f} rec/s  ({d.records} in {d.seconds:.2f} s"
                       + (f", mean batch {d.mean_batch:.1f}, {d.cpu_us_per_record:.0f} us CPU "
-                         "per record)" if name != "ceiling" else ")"),
+                         f"per record; the machine {d.host_us_per_record:.0f} us, "
+                         f"{d.host_busy:.0%} busy)" if name != "ceiling" else ")"),
                       file=sys.stderr, flush=True)  # fmt: skip
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
     others = [*variants, *(["worker-oip"] if args.oip else [])]
@@ -278,6 +286,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             k: [d.cpu_us_per_record for d in v] for k, v in runs.items() if k != "ceiling"
         },
         "cpu_ratio_to_worker_median": cpu_ratios(runs),
+        # The whole machine per record and its busy share: the rest of the
+        # machine's cost per record is host minus the processor's own.
+        "host_us_per_record": {
+            k: [d.host_us_per_record for d in v] for k, v in runs.items() if k != "ceiling"
+        },
+        "host_busy": {k: [d.host_busy for d in v] for k, v in runs.items() if k != "ceiling"},
         "runs": {k: [asdict(d) for d in v] for k, v in runs.items()},
     }
     return summary

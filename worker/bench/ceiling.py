@@ -35,6 +35,10 @@ class Drain:
     # CPU the processor's processes spent per record while results arrived (0 =
     # not measured): its cost per core, apart from what else shares the machine.
     cpu_us_per_record: float = 0.0
+    # The whole machine's CPU per record over the same window (the broker's and
+    # the bench's too), and its busy share: near 1.0, the machine binds the rate.
+    host_us_per_record: float = 0.0
+    host_busy: float = 0.0
 
     @property
     def rate(self) -> float:

@@ -1,0 +1,39 @@
+"""The drain bench's CPU accounting (``bench/cpu.py``): the processor's own CPU
+per record, and the whole machine's beside it, over the window records arrived."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.cpu import CpuWindow, host_cpu_seconds
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc")
+
+
+def test_the_machine_is_counted_beside_the_tree() -> None:
+    """A child spinning for 0.4 s: its tree's CPU is in the machine's, and the
+    machine's counts this process's own spinning too, which the tree does not."""
+    busy_before, all_before = host_cpu_seconds()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"]
+    )
+    window = CpuWindow(child.pid, every=0.0)
+    count = 0
+    started = time.monotonic()
+    while child.poll() is None and time.monotonic() - started < 0.4:
+        count += 1
+        window.sample(count)
+        sum(range(20_000))  # this process is busy too: the machine's, not the tree's
+    window.sample(count + 1, final=True)
+    child.wait()
+    busy_after, all_after = host_cpu_seconds()
+    assert busy_after > busy_before and all_after - all_before >= busy_after - busy_before
+    tree, host = window.us_per_record(), window.host_us_per_record()
+    assert tree > 0
+    assert host > tree  # the child's CPU and this process's
+    assert 0.0 < window.host_busy() <= 1.0
