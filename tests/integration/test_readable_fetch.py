@@ -7,6 +7,8 @@ at its in-flight bound with most partitions' next fetch buffered, so a plain
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition as KafkaTP
@@ -58,5 +60,35 @@ async def test_a_paused_partitions_fetched_records_wait_for_the_resume(
                 assert got, f"only {len(offsets)} of {N - FIRST} fetched again"
                 offsets += [r.offset for r in got[tp]]
             assert offsets == list(range(FIRST, N))
+    finally:
+        await consumer.stop()
+
+
+async def test_a_partition_resumed_during_the_wait_is_read_in_that_wait(
+    broker: Broker, names: dict[str, str]
+) -> None:
+    """The partitions named are decided again as the wait goes on: records of a
+    partition resumed while it waits come back in that call (an urgent lane
+    resumed during its fetcher's wait), not after the wait ran out empty."""
+    topic = names["requests"]
+    await create_topics(broker.bootstrap, {topic: 1})
+    await produce_all(broker.bootstrap, topic, [(b"k", b"x" * 64) for _ in range(N)])
+    tp = KafkaTP(topic, 0)
+    consumer = AIOKafkaConsumer(
+        **connect_kwargs(broker.bootstrap), enable_auto_commit=False,
+        auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
+    )  # fmt: skip
+    consumer.assign([tp])
+    await started(consumer)
+    try:
+        first = await getmany_readable(consumer, 10_000, max_records=FIRST)
+        assert len(first[tp]) == FIRST
+        consumer.pause(tp)
+        waiting = asyncio.ensure_future(getmany_readable(consumer, 30_000))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing readable: it waits
+        consumer.resume(tp)
+        got = await asyncio.wait_for(waiting, 10)  # the rest, long before its 30 s
+        assert [r.offset for r in got[tp]] == list(range(FIRST, N))
     finally:
         await consumer.stop()
