@@ -8,6 +8,8 @@ at its in-flight bound with most partitions' next fetch buffered, so a plain
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -24,10 +26,12 @@ pytestmark = pytest.mark.integration
 N, FIRST = 300, 10
 
 
-@pytest.mark.parametrize("readable", [True, False], ids=["readable-only", "plain-getmany"])
-async def test_a_paused_partitions_fetched_records_wait_for_the_resume(
-    broker: Broker, names: dict[str, str], readable: bool
-) -> None:
+@asynccontextmanager
+async def buffered(
+    broker: Broker, names: dict[str, str]
+) -> AsyncIterator[tuple[AIOKafkaConsumer, KafkaTP]]:
+    """A consumer of a one-partition topic of N records that took the first
+    FIRST: one fetch brought all N (well under 1 MiB), the rest are buffered."""
     topic = names["requests"]
     await create_topics(broker.bootstrap, {topic: 1})
     await produce_all(broker.bootstrap, topic, [(b"k", b"x" * 64) for _ in range(N)])
@@ -39,9 +43,18 @@ async def test_a_paused_partitions_fetched_records_wait_for_the_resume(
     consumer.assign([tp])
     await started(consumer)
     try:
-        # One fetch brings all N (well under 1 MiB); FIRST are taken, the rest buffered.
         first = await getmany_readable(consumer, 10_000, max_records=FIRST)
         assert [r.offset for r in first[tp]] == list(range(FIRST))
+        yield consumer, tp
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.parametrize("readable", [True, False], ids=["readable-only", "plain-getmany"])
+async def test_a_paused_partitions_fetched_records_wait_for_the_resume(
+    broker: Broker, names: dict[str, str], readable: bool
+) -> None:
+    async with buffered(broker, names) as (consumer, tp):
         consumer.pause(tp)
         for timeout_ms in (0, 100, 0):  # polls while paused (the member's liveness)
             if readable:
@@ -60,8 +73,6 @@ async def test_a_paused_partitions_fetched_records_wait_for_the_resume(
                 assert got, f"only {len(offsets)} of {N - FIRST} fetched again"
                 offsets += [r.offset for r in got[tp]]
             assert offsets == list(range(FIRST, N))
-    finally:
-        await consumer.stop()
 
 
 async def test_a_partition_resumed_during_the_wait_is_read_in_that_wait(
@@ -70,19 +81,7 @@ async def test_a_partition_resumed_during_the_wait_is_read_in_that_wait(
     """The partitions named are decided again as the wait goes on: records of a
     partition resumed while it waits come back in that call (an urgent lane
     resumed during its fetcher's wait), not after the wait ran out empty."""
-    topic = names["requests"]
-    await create_topics(broker.bootstrap, {topic: 1})
-    await produce_all(broker.bootstrap, topic, [(b"k", b"x" * 64) for _ in range(N)])
-    tp = KafkaTP(topic, 0)
-    consumer = AIOKafkaConsumer(
-        **connect_kwargs(broker.bootstrap), enable_auto_commit=False,
-        auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
-    )  # fmt: skip
-    consumer.assign([tp])
-    await started(consumer)
-    try:
-        first = await getmany_readable(consumer, 10_000, max_records=FIRST)
-        assert len(first[tp]) == FIRST
+    async with buffered(broker, names) as (consumer, tp):
         consumer.pause(tp)
         waiting = asyncio.ensure_future(getmany_readable(consumer, 30_000))
         await asyncio.sleep(0.05)
@@ -90,5 +89,3 @@ async def test_a_partition_resumed_during_the_wait_is_read_in_that_wait(
         consumer.resume(tp)
         got = await asyncio.wait_for(waiting, 10)  # the rest, long before its 30 s
         assert [r.offset for r in got[tp]] == list(range(FIRST, N))
-    finally:
-        await consumer.stop()
