@@ -75,16 +75,21 @@ class CpuWindow:
             self.first = point
         self.last = point
 
-    def us_per_record(self, what: int = 1) -> float:
-        """CPU per record of the tree (``what`` 1) or the whole machine (2)."""
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
-            return 0.0
-        return (self.last[what] - self.first[what]) / (self.last[0] - self.first[0]) * 1e6
+    def us_per_record(self) -> float:
+        """The tree's CPU per record."""
+        return self._per_record(1)
 
     def host_us_per_record(self) -> float:
         """Every process's CPU per record (the broker's, the bench's): with the
         tree's, what the rest of the machine spent on each record."""
-        return self.us_per_record(2)
+        return self._per_record(2)
+
+    def _per_record(self, at: int) -> float:
+        """Microseconds per record of the CPU field ``at`` of a point (1 the tree, 2
+        the machine's busy time)."""
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return 0.0
+        return (self.last[at] - self.first[at]) / (self.last[0] - self.first[0]) * 1e6
 
     def host_busy(self) -> float:
         """The machine's busy share over the window (1.0: every core busy)."""

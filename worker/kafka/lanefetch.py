@@ -109,7 +109,7 @@ async def getmany_by_lane(
     consumer: AIOKafkaConsumer, k: KafkaConfig, timeout_ms: int, lower_records: int | None = None
 ) -> Fetched:
     """Records already fetched for the most urgent lane that has some, else a
-    wait on every partition (``getmany`` as without lanes). ``lower_records``:
+    wait on every readable partition (``getmany`` as without lanes). ``lower_records``:
     at most this many records of a lower lane at a time (``LOWER_LANE_RECORDS``)."""
     if not k.has_lanes:
         return await getmany_readable(consumer, timeout_ms)
