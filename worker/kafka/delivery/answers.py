@@ -202,14 +202,17 @@ class Answers:
         kinds: dict[tuple[str, str], int] = {}
         latencies: dict[str, list[float]] = {}
         ages: list[float] = []
+        pending, done = self._pending, self._tracker.done
         for out in acked:
             job = out.job
-            key = (job.tp, job.offset, job.epoch)
-            left = self._pending.pop(key, 1) - 1
-            if left:  # its answer or its state record is still unacknowledged
-                self._pending[key] = left
-            else:
-                self._tracker.done(job.tp, job.offset, job.epoch)
+            left = 0
+            if pending:  # jobs with two records (an answer and its state record)
+                key = (job.tp, job.offset, job.epoch)
+                left = pending.pop(key, 1) - 1
+                if left:  # its answer or its state record is still unacknowledged
+                    pending[key] = left
+            if not left:
+                done(job.tp, job.offset, job.epoch)
             if out.kind == "state":
                 metrics.STATE_RECORDS.inc()
                 continue

@@ -137,8 +137,12 @@ class AtLeastOnceWriter:
         try:
             # boundary: aiokafka's delivery errors
             failures = await self._producing.failures(sent, caught=(Exception,))
+            if not failures:  # the common case: the whole send acknowledged
+                self._answers.acknowledged([out for out, _ in sent])
+                self._committer.notify()
+                return
             for out, ack in sent:
-                failure = failures.get(id(ack)) if failures else None
+                failure = failures.get(id(ack))
                 if failure is None:
                     acked.append(out)
                     continue

@@ -118,7 +118,7 @@ class Producing:
         type in ``caught`` is collected, one in ``fatal`` raised at once, and so
         is a cancellation of this task (not of a send)."""
         failed: dict[int, BaseException] = {}
-        for ack in {id(ack): ack for _, ack in sent}.values():
+        for ack in _distinct(sent):
             try:
                 await self.watched(ack)
             except fatal:
@@ -188,3 +188,17 @@ class Producing:
         for producer in producers:
             if producer is not None:
                 await producer.stop()
+
+
+def _distinct(sent: Sent) -> list[asyncio.Future[object]]:
+    """The futures of ``sent`` once each, in order. A record batch's records
+    are consecutive and share its future, so comparing with the last one
+    suffices; a future seen again further on is awaited again, harmlessly
+    (it is done by then)."""
+    out: list[asyncio.Future[object]] = []
+    last = None
+    for _, ack in sent:
+        if ack is not last:
+            out.append(ack)
+            last = ack
+    return out
