@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -73,6 +74,10 @@ class Scenario:
     urgent_inside_p99_ms: float = 0.0
     urgent_before_p50_ms: float = 0.0
     urgent_before_p99_ms: float = 0.0
+    # Inside, by stage, [p50, p99] ms: "queue" arrival to its engine run,
+    # "engine" preprocessing and inference, "after" the engine done to the
+    # result encoded (the writer's order and the event loop).
+    urgent_stages_ms: dict[str, list[float]] | None = None
     bulk_rate: float = 0.0  # bulk results/s while the urgent lane was sent to
     drain_rate: float = 0.0  # capacity: first to last result
     # The worker's own: arrival to batch, mean per lane (infer_lane_queue_seconds).
@@ -83,6 +88,18 @@ class Scenario:
     loop_lag_p50_ms: float = 0.0
     loop_lag_p99_ms: float = 0.0
     loop_lag_over_10ms: float = 0.0
+
+
+def _stages(timings: Sequence[Mapping[str, int]]) -> dict[str, list[float]]:
+    """[p50, p99] ms of each stage of the time inside the worker (``Scenario``)."""
+
+    def ms(key: str) -> np.ndarray:
+        return np.array([t.get(key, 0) for t in timings], float) / 1000.0
+
+    queue, total = ms("queue"), ms("total")
+    engine = ms("preprocess") + ms("infer") + ms("decode")
+    stages = {"queue": queue, "engine": engine, "after": total - queue - engine}
+    return {k: [round(float(q), 1) for q in np.percentile(v, [50, 99])] for k, v in stages.items()}
 
 
 def _records(prefix: str, n: int) -> list[tuple[bytes | None, bytes]]:
@@ -218,6 +235,7 @@ async def run_scenario(
             out.urgent_inside_p50_ms, out.urgent_inside_p99_ms = round(i50, 1), round(i99, 1)
             b50, b99 = np.percentile(before, [50, 99])
             out.urgent_before_p50_ms, out.urgent_before_p99_ms = round(b50, 1), round(b99, 1)
+            out.urgent_stages_ms = _stages([r.result().timing_us for r in mine])
         out.urgent_sent, out.urgent_answered = len(urgent), len(lat)
         if len(lat):
             p50, p99 = np.percentile(lat, [50, 99])
@@ -317,7 +335,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                       f"max {s.urgent_max_ms:7.1f} ms ({s.urgent_answered}/{s.urgent_sent}); "
                       f"(inside the worker p50 {s.urgent_inside_p50_ms} p99 "
                       f"{s.urgent_inside_p99_ms}; before arrival p50 {s.urgent_before_p50_ms} "
-                      f"p99 {s.urgent_before_p99_ms}); "
+                      f"p99 {s.urgent_before_p99_ms}; stages [p50, p99] {s.urgent_stages_ms}); "
                       f"bulk {s.bulk_rate:,.0f} rec/s; queue ms {s.queue_ms}; loop lag p50 "
                       f"{s.loop_lag_p50_ms} p99 {s.loop_lag_p99_ms} ms", file=sys.stderr,
                       flush=True)  # fmt: skip
