@@ -1,56 +1,94 @@
-"""Throwaway: per-record cost of Answers.records on a 250-answer ok batch (digits outputs)."""
-import time, timeit, asyncio
+"""Throwaway probe: the writer's per-record cost on a 250-answer ok batch.
+
+    .venv/bin/python benchmarks/results/2026-11-27-s9/micro_records.py
+
+Times ``Answers.records`` (answers to records) and ``Answers.acknowledged`` (the
+offsets settled) for digits answers, and the pieces of ``record_for``.
+Benchmark code, not shipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo, Request, Tensor
+from worker.contract.ok_results import encode_ok_at
 from worker.flow.messages import Answer, Completed, Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.commit import Committer
 from worker.kafka.delivery.answers import Answers
+from worker.kafka.delivery.outgoing import Topics, _encoded, record_for
 from worker.kafka.delivery.writer import WriterParts
 
-class G:
-    async def commit(self, offsets): pass
+TP = TopicPartition("drain.requests", 3)
+MODEL = ModelInfo("digits", "0123456789abcdef")
+TIMING = {"queue": 1200, "preprocess": 30, "infer": 400}
 
-def main():
-    tracker = OffsetTracker()
-    tp = TopicPartition("drain.requests", 3)
-    parts = WriterParts(asyncio.Queue(), KafkaConfig(), ModelInfo("digits", "0123456789abcdef"), tracker, Committer(tracker, G()))
-    answers = Answers(parts)
+
+class _Group:
+    async def commit(self, offsets: Any) -> None:
+        pass
+
+
+def per_call_us(name: str, fn: Callable[[], object], n: int, per: int = 1) -> None:
+    best = min(timeit.repeat(fn, number=n, repeat=5))
+    print(f"{name}: {best / n / per * 1e6:.2f} us")
+
+
+def batch(tracker: OffsetTracker) -> Completed:
     img = np.zeros((16, 16, 1), np.uint8)
     req = Request(v=1, id="req-12345", inputs={"image": Tensor.from_numpy(img)}, meta={"i": 7})
-    outs = []
-    for off in range(250):
-        epoch = tracker.track(tp, off, 300)
-        job = Job(tp, off, b"12345", arrived=time.monotonic(), deadline=None, request=req,
-                  inputs={"image": img}, lengths={}, epoch=epoch, timestamp_ms=1, wire="msgpack")
-        o = {"probabilities": np.random.rand(1, 10).astype(np.float32)[0], "topk_indices": np.arange(3)}
-        outs.append(Answer(job, o, None, {"queue": 1200, "preprocess": 30, "infer": 400}))
-    c = Completed(seq=1, answers=tuple(outs), engine_rows=250)
-    n = 200
-    best = min(timeit.repeat(lambda: answers.records(c), number=n, repeat=5))
-    print(f"records: {best/n/250*1e6:.2f} us/record")
-    recs = answers.records(c)
-    # acknowledged: needs re-tracking each time; time a copy
-    def ack():
-        t2 = OffsetTracker()
-        for off in range(250): t2.track(tp, off, 300)
-        answers._tracker = t2
-        answers.acknowledged(recs)
-    def track_only():
-        t2 = OffsetTracker()
-        for off in range(250): t2.track(tp, off, 300)
-    a = min(timeit.repeat(ack, number=n, repeat=5)); b = min(timeit.repeat(track_only, number=n, repeat=5))
-    print(f"acknowledged: {(a-b)/n/250*1e6:.2f} us/record")
-    return c, tracker
-c, tracker = main()
-from worker.contract.ok_results import encode_ok_at
-from worker.kafka.delivery.outgoing import record_for, Topics, _encoded
-a = c.answers[0]; j = a.job; m = ModelInfo("digits", "0123456789abcdef")
-top = Topics("out", "dlq")
-def t(name, fn, n=100000):
-    best = min(timeit.repeat(fn, number=n, repeat=5)); print(f"{name}: {best/n*1e6:.2f} us")
-t("encode_ok_at", lambda: encode_ok_at("req-12345", a.outputs, m, j.tp.topic, j.tp.partition, j.offset, {"queue": 1200, "preprocess": 30, "infer": 400, "total": 5}, {"i": 7}))
-t("_encoded", lambda: _encoded(a, m, top, 1, 5.0))
-t("record_for", lambda: record_for(a, m, top, 1, 5.0, 1000000, None))
-t("owns", lambda: tracker.owns(j.tp, j.offset, j.epoch))
+    answers = []
+    for offset in range(250):
+        epoch = tracker.track(TP, offset, 300)
+        job = Job(TP, offset, b"12345", arrived=time.monotonic(), deadline=None, request=req,
+                  inputs={"image": img}, lengths={}, epoch=epoch, timestamp_ms=1,
+                  wire="msgpack")  # fmt: skip
+        outputs = {"probabilities": np.random.rand(10).astype(np.float32),
+                   "topk_indices": np.arange(3)}  # fmt: skip
+        answers.append(Answer(job, outputs, None, dict(TIMING)))
+    return Completed(seq=1, answers=tuple(answers), engine_rows=250)
+
+
+def main() -> None:
+    tracker = OffsetTracker()
+    parts = WriterParts(asyncio.Queue(), KafkaConfig(), MODEL, tracker,
+                        Committer(tracker, _Group()))  # fmt: skip
+    answers = Answers(parts)
+    completed = batch(tracker)
+    per_call_us("records, per record", lambda: answers.records(completed), 200, 250)
+    records = answers.records(completed)
+
+    def tracked() -> OffsetTracker:
+        fresh = OffsetTracker()
+        for offset in range(250):
+            fresh.track(TP, offset, 300)
+        return fresh
+
+    def acknowledged() -> None:
+        answers._tracker = tracked()
+        answers.acknowledged(records)
+
+    ack = min(timeit.repeat(acknowledged, number=200, repeat=5))
+    track = min(timeit.repeat(tracked, number=200, repeat=5))
+    print(f"acknowledged, per record: {(ack - track) / 200 / 250 * 1e6:.2f} us")
+    answer, topics = completed.answers[0], Topics("out", "dlq")
+    job = answer.job
+    assert answer.outputs is not None
+    outputs = answer.outputs
+    per_call_us("encode_ok_at", lambda: encode_ok_at(
+        "req-12345", outputs, MODEL, job.tp.topic, job.tp.partition, job.offset,
+        {**TIMING, "total": 5}, {"i": 7}), 100_000)  # fmt: skip
+    per_call_us("_encoded", lambda: _encoded(answer, MODEL, topics, 1, 5.0), 100_000)
+    per_call_us("record_for", lambda: record_for(answer, MODEL, topics, 1, 5.0, 10**6), 100_000)
+
+
+if __name__ == "__main__":
+    main()
