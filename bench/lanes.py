@@ -74,9 +74,12 @@ class Scenario:
     urgent_inside_p99_ms: float = 0.0
     urgent_before_p50_ms: float = 0.0
     urgent_before_p99_ms: float = 0.0
-    # Inside, by stage, [p50, p99] ms: "queue" arrival to its engine run,
-    # "engine" preprocessing and inference, "after" the engine done to the
-    # result encoded (the writer's order and the event loop).
+    # Inside, by stage, [p50, p99] ms: "queue" arrival to its batch being cut;
+    # "engine" the engine thread's timed steps (file decoding, preprocessing,
+    # inference, the device-to-host copy; with several groups in one batch, the
+    # last group's); "after" the rest until its result is encoded: the engine
+    # thread starting the batch (a free slot, the interpreter lock), the other
+    # groups' runs, the writer's order, the event loop.
     urgent_stages_ms: dict[str, list[float]] | None = None
     bulk_rate: float = 0.0  # bulk results/s while the urgent lane was sent to
     drain_rate: float = 0.0  # capacity: first to last result
@@ -97,7 +100,7 @@ def _stages(timings: Sequence[Mapping[str, int]]) -> dict[str, list[float]]:
         return np.array([t.get(key, 0) for t in timings], float) / 1000.0
 
     queue, total = ms("queue"), ms("total")
-    engine = ms("preprocess") + ms("infer") + ms("decode")
+    engine = ms("decode") + ms("preprocess") + ms("infer") + ms("d2h")
     stages = {"queue": queue, "engine": engine, "after": total - queue - engine}
     return {k: [round(float(q), 1) for q in np.percentile(v, [50, 99])] for k, v in stages.items()}
 
