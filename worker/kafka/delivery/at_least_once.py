@@ -138,26 +138,28 @@ class AtLeastOnceWriter:
             # boundary: aiokafka's delivery errors
             failures = await self._producing.failures(sent, caught=(Exception,))
             if not failures:  # the common case: the whole send acknowledged
-                self._answers.acknowledged([out for out, _ in sent])
-                self._committer.notify()
-                return
-            for out, ack in sent:
-                failure = failures.get(id(ack))
-                if failure is None:
-                    acked.append(out)
-                    continue
-                # Not acknowledged: the offset stays pending (never committed);
-                # _redeliver decides what is sent instead.
-                self._undelivered.append((out, failure, False))
-                self._delivery_failed.set()
-                # Per record, but held to a few lines per interval: one broker
-                # refusal fails every record in flight.
-                self._failure_lines(log.warning, "delivery_failed",
-                                    source=str(out.job.source), error=repr(failure))  # fmt: skip
+                acked = [out for out, _ in sent]
+            else:
+                for out, ack in sent:
+                    failure = failures.get(id(ack))
+                    if failure is None:
+                        acked.append(out)
+                    else:
+                        self._set_aside(out, failure)
             self._answers.acknowledged(acked)
             self._committer.notify()
         finally:
             self._ack_slots.release()
+
+    def _set_aside(self, out: OutRecord, failure: BaseException) -> None:
+        """A record not acknowledged: its offset stays pending (never committed);
+        ``_redeliver`` decides what is sent instead."""
+        self._undelivered.append((out, failure, False))
+        self._delivery_failed.set()
+        # Per record, but held to a few lines per interval: one broker refusal
+        # fails every record in flight.
+        self._failure_lines(log.warning, "delivery_failed",
+                            source=str(out.job.source), error=repr(failure))  # fmt: skip
 
     async def _settle(self) -> None:
         """Wait for every outstanding acknowledgement."""
