@@ -54,7 +54,7 @@ def test_int8_digits_from_files_record_names_the_served_version(tmp_path: Path) 
     assert logits["top1_agreement"] >= 0.95 and 0 < logits["max_abs_diff"] < 1.0
     proto = onnx.load(str(built.path))
     assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in proto.graph.node}
-    # Weights within +-64 (7 bits and the sign): no CPU's int8 kernel saturates on them, so the agreement
+    # Weights within +-64: no CPU's int8 kernel saturates on them, so the agreement
     # measured here holds on any x86 CPU (with VNNI or without; ARM never saturates).
     assert record["options"]["reduce_range"] is True
     weights = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer
