@@ -10,6 +10,10 @@ CONSTRAINTS ?= constraints.txt
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check \
           $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
+# Three test processes, each test to whichever is free (most tests wait on brokers
+# and workers rather than compute): `make test PYTEST_PARALLEL=` runs them in one.
+PYTEST_PARALLEL ?= -n 3 --dist worksteal
+
 .PHONY: demo test bench lock newest clean
 
 $(BIN)/python:
@@ -37,7 +41,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 bench: $(VENV)/.installed-demo
 	$(BIN)/infer-worker bench --repeat 20
