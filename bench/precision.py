@@ -53,7 +53,8 @@ from worker.ops.precision import PrecisionBuild, build_precision
 Feeds = dict[str, np.ndarray]
 VARIANTS: dict[str, dict[str, Any]] = {  # name -> PrecisionBuild fields
     "fp16": {"precision": "fp16"},
-    "int8": {"precision": "int8"},  # the default: weighted ops, per channel
+    "int8": {"precision": "int8"},  # the default: weighted ops, per channel, reduced range
+    "int8-full-range": {"precision": "int8", "reduce_range": False},
     "int8-per-tensor": {"precision": "int8", "per_channel": False},
     "int8-all-ops": {"precision": "int8", "quantize_ops": ()},
 }
@@ -246,12 +247,13 @@ def rows_per_s(engine: OnnxRuntimeEngine, batches: list[Feeds], seconds: float) 
             return rows / elapsed
 
 
-def measure(w: Workload, tmp: Path, threads: list[int], repeats: int, seconds: float
-            ) -> dict[str, Any]:  # fmt: skip
+def measure(w: Workload, tmp: Path, threads: list[int], repeats: int, seconds: float,
+            variants: list[str]) -> dict[str, Any]:  # fmt: skip
     settings = dataclasses.replace(Settings(), model=w.model)
     paths = {"fp32": resolve_model_path(w.model.path)}
     builds: dict[str, Any] = {}
-    for variant, fields in VARIANTS.items():
+    for variant in variants:
+        fields = VARIANTS[variant]
         int8 = fields["precision"] == "int8"
         built = build_precision(
             PrecisionBuild(
@@ -379,6 +381,10 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="digits,magika,ppocr-rec")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS),
+        help=f"builds to measure against fp32, of {', '.join(VARIANTS)}",
+    )  # fmt: skip
     parser.add_argument("--threads", default="1,2", help="intra_op_threads to time at")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0, help="per precision per repeat")
@@ -412,7 +418,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             w = WORKLOADS[name](Path(tmp))
-            doc["models"][name] = measure(w, Path(tmp), threads, args.repeats, args.seconds)
+            doc["models"][name] = measure(
+                w, Path(tmp), threads, args.repeats, args.seconds, args.variants.split(",")
+            )
     text = json.dumps(doc, indent=2)
     if args.json:
         args.json.write_text(text + "\n")

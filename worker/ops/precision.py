@@ -79,6 +79,9 @@ class PrecisionBuild:
     calibration_topic: str | None = None
     calibration_count: int = 256
     per_channel: bool = True
+    # Weights within +-64, so every x86 CPU computes the same answers (onnx_convert.
+    # quantize says why); False only to measure what full range would change.
+    reduce_range: bool = True
     # The op types int8 quantizes: WEIGHTED_OPS by default; () = every op type
     # ONNX Runtime's quantizer handles (elementwise, pooling, ... too).
     quantize_ops: tuple[str, ...] | None = None
@@ -149,7 +152,10 @@ def build_precision(req: PrecisionBuild) -> Built:
             prepared = tmp.with_name(tmp.name + ".prepared.onnx")
             try:
                 onnx.save(weights_as_initializers(onnx, proto, req.per_channel), str(prepared))
-                quantize(prepared, tmp, calibration, req.per_channel, _quantized_ops(req))
+                quantize(
+                    prepared, tmp, calibration, req.per_channel, _quantized_ops(req),
+                    req.reduce_range,
+                )  # fmt: skip
             finally:
                 prepared.unlink(missing_ok=True)
         else:
@@ -237,7 +243,7 @@ def _options(req: PrecisionBuild) -> dict[str, Any]:
         "quantizer": "quantize_static",
         "format": "QDQ",
         "weight_type": "QInt8",
-        "reduce_range": True,
+        "reduce_range": req.reduce_range,
         "activation_type": "QUInt8",
         "per_channel": req.per_channel,
         "calibrate_method": "MinMax",
