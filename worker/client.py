@@ -56,11 +56,22 @@ from worker.kafka.diagnose import explain
 
 
 def _as_image(image: np.ndarray | bytes | None) -> np.ndarray | bytes:
+    """An image as the worker takes it: a file's bytes, or uint8 pixels. Any other
+    array is refused, never cast: float pixels in [0, 1) cast to uint8 are all 0,
+    and the worker would answer that black image ``ok`` (it refuses the same array
+    sent through ``inputs=``: ``inputs.image.dtype: expected uint8``)."""
     if image is None:
         raise ValueError("give an image, or inputs by name")
     if isinstance(image, bytes):
         return image
-    return np.ascontiguousarray(image, dtype=np.uint8)
+    array = np.asarray(image)
+    if array.dtype != np.uint8:
+        raise TypeError(
+            f"image: expected uint8 pixels [H, W, C] or [H, W] (or a JPEG/PNG/WebP "
+            f"file's bytes), got {array.dtype}; the worker resizes and normalises "
+            "images itself, so send the pixels as 0-255 uint8 (not scaled to [0, 1])"
+        )
+    return np.ascontiguousarray(array)
 
 
 def _input(value: np.ndarray | bytes | str) -> Tensor | EncodedImage | str:
@@ -188,7 +199,8 @@ class InferenceClient:
     ) -> Result:
         """Send one request and return its result; an error result is returned, not
         raised. ``image``: a uint8 array or a JPEG/PNG/WebP file's bytes, sent as
-        the input named ``input_name``; or ``inputs``: every input by name (an
+        the input named ``input_name`` (any other dtype raises ``TypeError``:
+        nothing is cast); or ``inputs``: every input by name (an
         array is a tensor of its dtype, bytes an image file, a str a text). Raises
         ``TimeoutError`` when no result arrives within ``timeout`` seconds (the
         request's ``deadline_ms`` is set to the same moment, so a worker that
