@@ -89,6 +89,37 @@ async def test_missing_input_topic_exits_2_and_is_not_created(
         await admin.close()
 
 
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [("kafka.output_topic", "results"), ("kafka.dlq_topic", "dlq"),
+     ("kafka.crash_guard_topic", "guard")],
+)  # fmt: skip
+async def test_a_missing_output_dlq_or_named_crash_guard_topic_exits_2(
+    broker: Broker, names: dict[str, str], setting: str, key: str
+) -> None:
+    """Issue 56: a misspelt output topic let the worker start, report ready and
+    fail every delivery for a minute; each topic the worker writes is checked at
+    start-up as the input topics are, naming the setting, the topic and what exists."""
+    await create_topics(
+        broker.bootstrap, {names[k]: 1 for k in ("requests", "results", "dlq", "guard")}
+    )
+    misspelt = names[key] + "-typo"
+    env = {
+        "INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap,
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+        "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+        "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"],
+        "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC": names["guard"],
+        "INFER_WORKER_METRICS__PORT": "0",
+    }
+    env[f"INFER_WORKER_KAFKA__{setting.split('.')[1].upper()}"] = misspelt
+    proc = run_worker(env)
+    assert proc.returncode == 2, proc.stderr
+    line = f"{setting}: {misspelt} not found on {broker.bootstrap}"
+    assert line in proc.stderr and names["requests"] in proc.stderr, proc.stderr
+    assert "infer-worker topics create" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_broker_nothing_answers_at_exits_1_named_as_the_tools_name_it() -> None:
     """Issue 37: the worker says what the tools say (one line, naming
     kafka.bootstrap_servers), but exits 1: the broker may be starting, and a

@@ -24,8 +24,9 @@ from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
+from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
 from worker.flow.deadline import Deadline
-from worker.flow.errors import BrokerUnavailable, ConfigError
+from worker.flow.errors import BrokerUnavailable
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
@@ -33,6 +34,7 @@ from worker.kafka.crashguard import CrashGuard
 from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
+from worker.kafka.topiccheck import require_topics
 from worker.model.io import EngineInfo
 from worker.obs import metrics
 from worker.obs.tracing import OtelTracer, Tracer
@@ -112,7 +114,7 @@ class Worker:
                 assert stages.writer.producer is not None
                 guarded = s.limits.max_crash_attempts > 0 and s.kafka.crash_guard_topic in existing
                 await check_topics(stages.writer.producer.client, s.kafka, guarded)
-            self._check_input_topics(existing)
+            self._check_topics(existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
             await wire_states(s, self.plan, stages, existing, self.tracker)
             await stages.consumer.start()
@@ -163,22 +165,22 @@ class Worker:
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
-    def _check_input_topics(self, existing: set[str]) -> None:
-        """A misspelt input topic must stop the worker with a clear message: the
-        consumer would otherwise wait on it silently (or a broker that creates
-        topics on demand would create it, empty)."""
-        missing = [t for t in self.settings.kafka.input_topics if t not in existing]
-        if missing:
-            unseen = (
-                ""
-                if self.settings.kafka.security_protocol == "PLAINTEXT"
-                else ', or this principal may not Describe them (README "Secured Kafka")'
-            )
-            raise ConfigError(
-                f"kafka.input_topics: {', '.join(missing)} not found on "
-                f"{self.settings.kafka.bootstrap_servers} (create them first; "
-                f"existing topics: {', '.join(sorted(existing)[:20]) or 'none'}{unseen})"
-            )
+    def _check_topics(self, existing: set[str]) -> None:
+        """Every topic the worker reads or writes must exist, or it stops at once
+        with exit 2 naming the setting (``worker.kafka.topiccheck``): a misspelt
+        input topic would be waited on silently (or created empty by a broker that
+        creates topics on demand), a misspelt output or DLQ topic would let the
+        worker read, report ready, and fail every delivery. The crash-guard topic
+        is required only when one other than the default is named: without it
+        crash-loop protection is off, said at start (``crash_guard``)."""
+        k = self.settings.kafka
+        require_topics("kafka.input_topics", k.input_topics, existing, k)
+        require_topics("kafka.output_topic", [k.output_topic], existing, k)
+        if not k.shadow:  # a shadow writes no DLQ records
+            require_topics("kafka.dlq_topic", [k.dlq_topic], existing, k)
+        guarded = self.settings.limits.max_crash_attempts > 0 and not k.shadow
+        if guarded and k.crash_guard_topic != DEFAULT_CRASH_GUARD_TOPIC:
+            require_topics("kafka.crash_guard_topic", [k.crash_guard_topic], existing, k)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only

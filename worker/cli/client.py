@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from worker.cli.common import Subparsers, add_command, client_settings, kafka_flags
 
 
 def produce_command(args: argparse.Namespace) -> int:
-    from worker.ops.produce import parse_meta, run_produce
+    from worker.ops.produce import run_produce
+    from worker.ops.requests import parse_meta
 
     s = client_settings(args)
-    topic = args.topic or s.kafka.input_topics[0]
-    kafka = dataclasses.replace(s.kafka, input_topics=(topic,))
+    # The configuration as the worker reads it: --topic picks where to send,
+    # without rewriting kafka.input_topics (a lanes configuration names them all).
     return run_produce(
-        kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
-        texts=args.text, input_name=args.input, sample_model=args.model, oip=args.oip,
-        meta=parse_meta(args.meta),
+        s.kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
+        topic=args.topic, texts=args.text, input_name=args.input, sample_model=args.model,
+        oip=args.oip, meta=parse_meta(args.meta), count=args.count, rate=args.rate,
     )  # fmt: skip
 
 
@@ -37,7 +37,9 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg\n"
         '  infer-worker produce --text "The battery was great"\n'
         "  infer-worker produce --samples 3 --model sentiment\n"
-        "  infer-worker produce cat.jpg --meta label=281",
+        "  infer-worker produce cat.jpg --meta label=281\n"
+        "  infer-worker produce --samples 360 --count 50000 --no-wait   # a backlog\n"
+        "  infer-worker produce --samples 360 --count 6000 --rate 100   # a steady stream",
     )  # fmt: skip
     p.add_argument("files", nargs="*", metavar="IMAGE", help="image files or .npy arrays")
     p.add_argument(
@@ -47,7 +49,21 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "--input", default=None,
         help="the request input to send them as (default: image for files, text for texts)",
     )  # fmt: skip
-    p.add_argument("--samples", type=int, default=0, help="also send N bundled samples")
+    p.add_argument(
+        "--samples", type=int, default=0,
+        help="also send N bundled samples (past the held-out set they cycle, each copy "
+        "a request with its own id)",
+    )  # fmt: skip
+    p.add_argument(
+        "--count", type=int, default=None, metavar="N",
+        help="send N requests in all: what is given (files, texts, samples), cycled, each "
+        "copy with its own id; a backlog with --no-wait",
+    )  # fmt: skip
+    p.add_argument(
+        "--rate", type=float, default=0.0, metavar="R",
+        help="at most R requests a second, evenly spaced (default: as fast as the broker "
+        "acknowledges)",
+    )  # fmt: skip
     p.add_argument(
         "--oip", action="store_true",
         help="send Open Inference Protocol v2 JSON (content-type: application/json), not msgpack",

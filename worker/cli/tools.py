@@ -26,7 +26,48 @@ def build_engine_command(args: argparse.Namespace) -> int:
     return build_engine.run(args)
 
 
+def topics_command(args: argparse.Namespace) -> int:
+    from worker.cli.common import client_settings
+    from worker.flow.errors import ConfigError
+    from worker.ops import provision
+
+    s = client_settings(args)
+    if args.action == "check":
+        return provision.check(s)
+    if args.partitions < 1 or (args.replication_factor is not None and args.replication_factor < 1):
+        raise ConfigError("--partitions and --replication-factor must be >= 1")
+    return provision.create(s, args.partitions, args.replication_factor)
+
+
 def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
+    from worker.cli.common import kafka_flags
+    from worker.ops.provision import DEFAULT_PARTITIONS
+
+    top = add_command(
+        sub, "topics", "list, check or create the topics a configuration needs",
+        "check: list every topic the configuration names (input, output, DLQ, crash guard, "
+        "state changelog), where it is named and whether the cluster has it as needed; exit "
+        "0 all there, 1 some missing or wrong. create: make the missing ones (the worker "
+        "never creates topics), compacted where they must be, then list them as check does. "
+        "Existing topics are never changed. Any cluster the configuration's Kafka settings "
+        "reach, secured ones included.",
+        topics_command,
+        epilog="examples:\n  infer-worker topics check --config worker.toml\n"
+        "  infer-worker topics create --config worker.toml --partitions 12 "
+        "--replication-factor 3",
+    )  # fmt: skip
+    top.add_argument("action", choices=("check", "create"))
+    top.add_argument(
+        "--partitions", type=int, default=DEFAULT_PARTITIONS, metavar="N",
+        help=f"create: partitions of the input and output topics (default {DEFAULT_PARTITIONS}; "
+        "the DLQ and crash guard get 1, a state changelog the input topic's)",
+    )  # fmt: skip
+    top.add_argument(
+        "--replication-factor", type=int, default=None, metavar="R",
+        help="create: replicas of each new topic (default: the smaller of 3 and the brokers)",
+    )  # fmt: skip
+    kafka_flags(top)
+
     cfg = add_command(
         sub, "config", "print the effective configuration (secrets masked)",
         "Print the settings the worker would run with: defaults, then --config, then "

@@ -25,6 +25,11 @@ SASL_CREDENTIALS: Final[dict[str, SaslCredentials]] = {
 assert set(SASL_CREDENTIALS) == set(get_args(SaslMechanism))
 
 
+# Missing at start-up, this one turns crash-loop protection off with a warning;
+# any other name must exist (a typo is refused: worker.app.worker._check_topics).
+DEFAULT_CRASH_GUARD_TOPIC: Final = "infer.crash-guard"
+
+
 @dataclass(frozen=True)
 class KafkaConfig:
     bootstrap_servers: str = "localhost:9092"
@@ -40,7 +45,7 @@ class KafkaConfig:
     # worker: set it from the pod name (e.g. "$(POD_NAME)"); empty = dynamic.
     group_instance_id: str = ""
     # Where crash-loop marks live (compacted; one key per group and partition).
-    crash_guard_topic: str = "infer.crash-guard"
+    crash_guard_topic: str = DEFAULT_CRASH_GUARD_TOPIC
     # A stateful model's state changelog (compacted; as many partitions as each
     # input topic: README "Stateful models"). "" = states in memory only.
     state_topic: str = ""

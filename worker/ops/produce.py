@@ -14,11 +14,12 @@ group is disturbed, and no answer produced before the reader started is missed
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,7 @@ import numpy as np
 from aiokafka import AIOKafkaProducer
 
 from worker.config import KafkaConfig, LimitsConfig
-from worker.contract import (
-    EncodedImage,
-    Request,
-    Result,
-    Tensor,
-    decode_request,
-    decode_result,
-    encode_request,
-    sniff_format,
-)
+from worker.contract import Result, decode_request, decode_result
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import decode_oip_result, encode_oip_request
@@ -45,127 +37,86 @@ from worker.flow.errors import ConfigError
 from worker.kafka.clients import started
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
+from worker.kafka.topiccheck import existing_topics, require_topics
+from worker.ops.requests import (
+    OUTPUT_LABELS,
+    LabelledRequest,
+    cycled,
+    from_file,
+    from_samples,
+    from_text,
+    with_meta,
+)
 from worker.ops.topics import Collected, Collector
 
 # Room for the request envelope around the largest image the worker accepts.
 _ENVELOPE = 64 * 1024
 
 
-@dataclass(frozen=True)
-class LabelledRequest:
-    id: str
-    label: str  # what the person asked for: a file name or "sample 3 (a 7)"
-    value: bytes
-
-
-def with_meta(
-    requests: Sequence[LabelledRequest], meta: Mapping[str, Any]
-) -> list[LabelledRequest]:
-    """``requests`` with ``meta`` added to each one's (``produce --meta``: a label
-    ``compare --label-key`` reads, a trace id, anything the results should echo)."""
-    if not meta:
-        return list(requests)
-    out = []
-    for r in requests:
-        request = decode_request(r.value)
-        merged = {**(request.meta or {}), **meta}
-        value = encode_request(msgspec.structs.replace(request, meta=merged))
-        out.append(LabelledRequest(r.id, r.label, value))
-    return out
-
-
-def parse_meta(items: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` pairs; a value that reads as JSON (a number, true, a list)
-    is sent as that, anything else as a string (``label=7`` is the int 7)."""
-    meta: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--meta {item!r}: expected key=value")
-        try:
-            meta[key.strip()] = json.loads(text)
-        except ValueError:
-            meta[key.strip()] = text
-    return meta
-
-
-def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> LabelledRequest:
-    """A request for one file: image files as sent, ``.npy`` as a tensor (any
-    dtype the contract carries: the worker checks it against the model)."""
-    rid = f"{path.stem}-{uuid.uuid4().hex[:8]}"
-    if path.suffix.lower() == ".npy":
-        array = np.load(path, allow_pickle=False)
-        try:
-            image: Tensor | EncodedImage = Tensor.from_numpy(array)
-        except ValueError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-    else:
-        data = path.read_bytes()
-        fmt = sniff_format(data)
-        if fmt is None:
-            raise ConfigError(f"{path}: not a JPEG, PNG or WebP file (or a .npy array)")
-        if len(data) > limits.max_tensor_bytes:
-            raise ConfigError(
-                f"{path}: {len(data)} bytes; the worker takes files up to "
-                f"limits.max_tensor_bytes = {limits.max_tensor_bytes}"
-            )
-        image = EncodedImage(fmt, data)
-    request = Request(v=1, id=rid, inputs={input_name: image})
-    return LabelledRequest(rid, str(path), encode_request(request))
-
-
-def from_text(text: str, input_name: str = "text") -> LabelledRequest:
-    """A request for one text (a text input: the worker tokenizes it)."""
-    rid = f"text-{uuid.uuid4().hex[:8]}"
-    label = text if len(text) <= 40 else text[:37] + "..."
-    return LabelledRequest(
-        rid, repr(label), encode_request(Request(v=1, id=rid, inputs={input_name: text}))
-    )
-
-
-def from_samples(n: int, model: str = "digits") -> list[LabelledRequest]:
-    """``n`` labelled held-out samples of a bundled model: digits (8x8, grey) or
-    sentiment (review texts; 1 = positive)."""
-    out = []
-    run = uuid.uuid4().hex[:8]
-    if model == "sentiment":
-        from worker.ops.samples import sentiment_samples
-
-        for i, text in enumerate(sentiment_samples(1)[:n]):
-            rid = f"sample-{i}-{run}"
-            request = Request(v=1, id=rid, inputs={"text": text.text}, meta={"label": text.label})
-            label = f"sample {i} ({'positive' if text.label else 'negative'})"
-            out.append(LabelledRequest(rid, label, encode_request(request)))
-        return out
-    from worker.ops.samples import labelled_samples
-
-    for i, sample in enumerate(labelled_samples(1)[:n]):
-        rid = f"sample-{i}-{run}"
-        request = Request(v=1, id=rid, inputs={"image": Tensor.from_numpy(sample.image)},
-                          meta={"label": sample.label})  # fmt: skip
-        out.append(LabelledRequest(rid, f"sample {i} (a {sample.label})", encode_request(request)))
-    return out
+# Up to this many requests are printed one line each as they are sent; more are
+# a backlog or a stream, reported by a progress line a second.
+_LINE_EACH = 20
+# Records handed to the producer and not yet acknowledged, at most: memory stays
+# bounded however many are sent, and the producer still batches.
+_IN_FLIGHT = 1000
 
 
 async def send(
     kafka: KafkaConfig,
     topic: str,
-    requests: Sequence[LabelledRequest],
+    requests: Iterable[LabelledRequest],
     max_bytes: int,
     oip: bool = False,
-) -> None:
-    """Send ``requests``; with ``oip``, as Open Inference Protocol JSON (header
-    ``content-type: application/json``) instead of msgpack."""
-    producer = AIOKafkaProducer(**connection(kafka), acks="all", max_request_size=max_bytes)
+    *,
+    total: int | None = None,
+    rate: float = 0.0,
+    setting: str = "--topic",
+) -> int:
+    """Send ``requests`` (``total`` of them, when known, for the progress line),
+    at most ``rate`` a second when > 0, each acknowledged by the broker before
+    this returns; with ``oip``, as Open Inference Protocol JSON (header
+    ``content-type: application/json``) instead of msgpack. The topic is checked
+    first: a missing one is a ``ConfigError`` naming ``setting``, not a wait on
+    metadata that ends as "no broker answers". Returns how many were sent."""
+    producer = AIOKafkaProducer(
+        **connection(kafka), acks="all", max_request_size=max_bytes, linger_ms=5
+    )
     await started(producer)
     try:
+        require_topics(setting, [topic], await existing_topics(producer.client), kafka)
+        each = total is not None and total <= _LINE_EACH
+        pending: deque[asyncio.Future[Any]] = deque()
+        start = last = time.monotonic()
+        sent = 0
         for r in requests:
+            if rate > 0:
+                delay = start + sent / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             value = encode_oip_request(decode_request(r.value)) if oip else r.value
             headers = [("content-type", JSON.encode())] if oip else []
-            await producer.send_and_wait(topic, value, key=r.id.encode(), headers=headers)
-            print(f"sent {r.id}  ({r.label})", file=sys.stderr)
+            pending.append(await producer.send(topic, value, key=r.id.encode(), headers=headers))
+            while len(pending) > _IN_FLIGHT or (pending and pending[0].done()):
+                await pending.popleft()
+            sent += 1
+            if each:
+                print(f"sent {r.id}  ({r.label})", file=sys.stderr)
+            elif time.monotonic() - last >= 1.0:
+                last = time.monotonic()
+                print(_progress(sent, total, last - start), file=sys.stderr)
+        while pending:
+            await pending.popleft()
+        if not each:
+            print(_progress(sent, total, time.monotonic() - start, done=True), file=sys.stderr)
+        return sent
     finally:
         await producer.stop()
+
+
+def _progress(sent: int, total: int | None, seconds: float, done: bool = False) -> str:
+    of = f" of {total:,}" if total is not None and not done else ""
+    rate = f"{sent / seconds:,.0f}/s" if seconds > 0 else "-"
+    return f"{'sent' if done else 'sending'} {sent:,}{of} requests in {seconds:.1f} s ({rate})"
 
 
 def describe(result: Result) -> str:
@@ -182,12 +133,22 @@ def describe(result: Result) -> str:
         )
     else:
         parts.append("outputs: " + ", ".join(
-            f"{k} {t.dtype}{list(t.shape)}" for k, t in result.outputs.items()
+            _output(result.model.name, k, t.to_numpy()) for k, t in result.outputs.items()
         ))  # fmt: skip
     total = result.timing_us.get("total")
     if total is not None:
         parts.append(f"in {total / 1000:.1f} ms")
     return f"{result.id}  ok  " + "  ".join(parts)
+
+
+def _output(model: str, name: str, value: np.ndarray) -> str:
+    """An output as its dtype and shape, and, where the bundled model's classes
+    are known (``OUTPUT_LABELS``), the class it picks."""
+    text = f"{name} {value.dtype}{list(value.shape)}"
+    labels = OUTPUT_LABELS.get(model, {}).get(name)
+    if labels is not None and value.size == len(labels):
+        text += f" = {labels[int(np.argmax(value))]}"
+    return text
 
 
 def as_json(result: Result) -> str:
@@ -284,24 +245,45 @@ def run_produce(
     timeout: float,
     json_lines: bool,
     *,
+    topic: str | None = None,
     texts: Sequence[str] = (),
     input_name: str | None = None,
     sample_model: str = "digits",
     oip: bool = False,
     meta: Mapping[str, Any] | None = None,
+    count: int | None = None,
+    rate: float = 0.0,
 ) -> int:
+    """Send the files, texts and samples given (cycled to ``count`` requests when
+    set, ``rate`` a second when > 0) to ``topic`` (default: the configuration's
+    first input topic), then, with ``wait``, print each answer as it arrives."""
+    if rate < 0:
+        raise ConfigError(f"--rate must be >= 0 (requests a second; 0 = as fast as acked), "
+                          f"got {rate:g}")  # fmt: skip
     requests = [from_file(Path(f), limits, input_name or "image") for f in files]
     requests += [from_text(t, input_name or "text") for t in texts]
     requests += from_samples(samples, sample_model)
     requests = with_meta(requests, meta or {})
     if not requests:
         raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
+    total = len(requests) if count is None else count
+    stream = iter(requests) if count is None else cycled(requests, count)
+    ids: set[str] = set()
+
+    def noted(rs: Iterable[LabelledRequest]) -> Iterable[LabelledRequest]:
+        for r in rs:
+            if wait:
+                ids.add(r.id)
+            yield r
+
+    target = topic or kafka.input_topics[0]
+    setting = "--topic" if topic else "kafka.input_topics"
 
     async def go() -> int:
-        await send(kafka, kafka.input_topics[0], requests, request_size(limits), oip)
+        await send(kafka, target, noted(stream), request_size(limits), oip, total=total,
+                   rate=rate, setting=setting)  # fmt: skip
         if not wait:
             return 0
-        ids = {r.id for r in requests}
         missing = await watch(
             kafka, ids=ids, timeout=timeout, json_lines=json_lines, include_dlq=False
         )

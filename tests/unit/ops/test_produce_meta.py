@@ -7,7 +7,7 @@ import pytest
 
 from worker.contract import decode_request
 from worker.flow.errors import ConfigError
-from worker.ops.produce import from_samples, from_text, parse_meta, with_meta
+from worker.ops.requests import from_samples, from_text, parse_meta, with_meta
 
 
 def test_meta_values_read_as_json_where_they_are_json() -> None:

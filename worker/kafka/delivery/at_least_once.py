@@ -27,6 +27,7 @@ from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.sending import Sent
 from worker.kafka.delivery.writer import Completions, WriterParts
+from worker.kafka.topiccheck import MissingTopics
 from worker.obs import metrics
 from worker.obs.logs import RateLimited
 
@@ -62,6 +63,7 @@ class AtLeastOnceWriter:
         self._undelivered: list[tuple[OutRecord, BaseException | None, bool]] = []
         self._delivery_failed = asyncio.Event()  # set when an ack fails
         self._failure_lines = RateLimited(burst=10, interval=10.0)
+        self._missing = MissingTopics(parts.kafka)  # a topic gone: one line, not one a record
         # Taken from the queue behind a send's batches but not completed yet (or
         # the end of the stream): the next send's first.
         self._held: list[asyncio.Future[Completed] | None] = []
@@ -156,9 +158,11 @@ class AtLeastOnceWriter:
         ``_redeliver`` decides what is sent instead."""
         self._undelivered.append((out, failure, False))
         self._delivery_failed.set()
+        if self._missing.refused(out.topic, failure):
+            return
         # Per record, but held to a few lines per interval: one broker refusal
         # fails every record in flight.
-        self._failure_lines(log.warning, "delivery_failed",
+        self._failure_lines(log.warning, "delivery_failed", topic=out.topic,
                             source=str(out.job.source), error=repr(failure))  # fmt: skip
 
     async def _settle(self) -> None:
@@ -191,6 +195,7 @@ class AtLeastOnceWriter:
                 await asyncio.sleep(backoff.next())  # the broker is away: wait for it
             self._committer.notify()
         metrics.set_condition("delivery", True)
+        self._missing.delivered()
         log.info("delivery_recovered")
 
     async def _send_in_order(self, todo: list[tuple[OutRecord, Verdict]]) -> bool:

@@ -53,6 +53,7 @@ from worker.kafka.delivery.producing import ProducerFactory, Producing
 from worker.kafka.delivery.transaction import Txn, TxnState
 from worker.kafka.delivery.writer import Completions, WriterParts
 from worker.kafka.lease import GroupLease
+from worker.kafka.topiccheck import MissingTopics
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -91,6 +92,7 @@ class ExactlyOnceWriter:
         self._wake = asyncio.Event()  # records wait in _retry (after a fence)
         self._held: asyncio.Future[Completed] | None = None  # taken, not yet completed
         self._backoff = self._producing.backoff()
+        self._missing = MissingTopics(parts.kafka)  # a topic gone: one line, not one a record
         # Send each record in a record batch of its own until the next commit: some
         # were refused together with their neighbours (decide: RESEND_ALONE).
         self._alone = False
@@ -252,6 +254,7 @@ class ExactlyOnceWriter:
             self._committer.record(moved)
         self._committer.notify()
         metrics.TRANSACTIONS.labels(outcome="committed").inc()
+        self._missing.delivered()
         self._backoff.reset()
 
     async def _abort(self, exc: BaseException) -> None:
@@ -263,9 +266,11 @@ class ExactlyOnceWriter:
         redo = [record for record, _ in todo]
         renew = any(verdict.renew for _, verdict in todo)
         alone = any(verdict.action is Action.RESEND_ALONE for _, verdict in todo)
+        gone = {o.topic for o, failure, _ in failed if self._missing.refused(o.topic, failure)}
         self._open = []
         self._alone = self._alone or alone
-        log.warning("transaction_aborted", reason=str(exc) or repr(exc), records=len(redo))
+        log.warning("transaction_aborted", reason=str(exc) or repr(exc), records=len(redo),
+                    missing_topics=sorted(gone))  # fmt: skip
         metrics.TRANSACTIONS.labels(outcome="aborted").inc()
         # Not ready from now: the abort below can take up to the request timeout,
         # and the state says FAILED only after it.

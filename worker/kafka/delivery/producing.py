@@ -27,6 +27,7 @@ from worker.config import KafkaConfig
 from worker.flow.backoff import Backoff
 from worker.kafka.delivery.outgoing import OutRecord
 from worker.kafka.delivery.sending import Sent, send_grouped
+from worker.kafka.topiccheck import existing_topics
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -84,11 +85,9 @@ class Producing:
         return await self.producer.send_and_wait(topic, value, key=key)
 
     async def existing_topics(self) -> set[str]:
-        """Topics the cluster has, from one metadata request for all topics (which,
-        unlike a request naming a topic, never auto-creates one)."""
+        """Topics the cluster has (``topiccheck.existing_topics``)."""
         assert self.producer is not None, "start() first"
-        cluster = await self.producer.client.fetch_all_metadata()
-        return set(cluster.topics())
+        return await existing_topics(self.producer.client)
 
     async def send_grouped(self, outs: list[OutRecord]) -> Sent:
         """A completed batch's records to the producer (``sending.send_grouped``)."""

@@ -1,0 +1,89 @@
+"""Whether the topics a configuration names exist, asked once and answered in
+the settings' words: the worker at start-up and every tool (produce, topics
+check) use it, so a misspelt topic is never mistaken for an unreachable broker
+(aiokafka waits on a missing topic's metadata until its request timeout and then
+raises what a broker outage raises)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import structlog
+from aiokafka.errors import UnknownTopicOrPartitionError
+
+from worker.config import KafkaConfig
+from worker.flow.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+# Shown in the error: enough to spot a typo, not a cluster's whole listing.
+_SHOWN = 20
+
+
+async def existing_topics(client: Any) -> set[str]:
+    """The topics the cluster has, from one metadata request for all topics
+    (which, unlike a request naming a topic, never auto-creates one).
+    ``client``: an aiokafka producer's or consumer's ``client``."""
+    cluster = await client.fetch_all_metadata()
+    return set(cluster.topics())
+
+
+def missing(wanted: Iterable[str], existing: set[str]) -> list[str]:
+    """``wanted`` that ``existing`` lacks, in order, once each."""
+    return [t for t in dict.fromkeys(wanted) if t and t not in existing]
+
+
+def require_topics(setting: str, wanted: Sequence[str], existing: set[str], k: KafkaConfig) -> None:
+    """Raise ``ConfigError`` (exit 2) naming ``setting`` and the topics of ``wanted``
+    the cluster lacks, with the topics it has and how to create them."""
+    absent = missing(wanted, existing)
+    if not absent:
+        return
+    shown = sorted(existing)[:_SHOWN]
+    more = f" and {len(existing) - _SHOWN} more" if len(existing) > _SHOWN else ""
+    unseen = (
+        ""
+        if k.security_protocol == "PLAINTEXT"
+        else ', or this principal may not Describe them (README "Secured Kafka")'
+    )
+    raise ConfigError(
+        f"{setting}: {', '.join(absent)} not found on {k.bootstrap_servers} (create "
+        f"{'it' if len(absent) == 1 else 'them'} first: infer-worker topics create "
+        f"--config FILE; existing topics: {', '.join(shown) or 'none'}{more}{unseen})"
+    )
+
+
+class MissingTopics:
+    """Delivery to a topic the broker says does not exist (deleted while the worker
+    runs): logged once per topic, naming the setting that names it, instead of a
+    line per refused record that names neither. Logged again only after a
+    delivery to it succeeded (``delivered``)."""
+
+    def __init__(self, k: KafkaConfig) -> None:
+        self._settings = {
+            k.output_topic: "kafka.output_topic",
+            k.dlq_topic: "kafka.dlq_topic",
+            k.crash_guard_topic: "kafka.crash_guard_topic",
+        }
+        if k.state_topic:
+            self._settings[k.state_topic] = "kafka.state_topic"
+        self._logged: set[str] = set()
+
+    def refused(self, topic: str, failure: BaseException | None) -> bool:
+        """True when ``failure`` says ``topic`` does not exist (logged the first
+        time); False for any other failure, which the caller reports itself."""
+        if not isinstance(failure, UnknownTopicOrPartitionError):
+            return False
+        if topic not in self._logged:
+            self._logged.add(topic)
+            log.error(
+                "topic_missing", topic=topic, setting=self._settings.get(topic, "?"),
+                effect="its records are held unacknowledged (their offsets uncommitted) and "
+                "sent again until the topic exists; the worker reports not ready",
+                fix="create the topic (infer-worker topics create --config FILE)",
+            )  # fmt: skip
+        return True
+
+    def delivered(self) -> None:
+        self._logged.clear()
