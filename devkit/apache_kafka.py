@@ -37,7 +37,7 @@ from aiokafka.errors import KafkaError
 from devkit.kafka_runtime import KAFKA_VERSION, java_binary, kafka_libs
 from devkit.kafka_security import LISTENERS, PROTOCOL_MAP, Security
 from devkit.kafka_settings import JVM_OPTIONS, LOG4J2, cluster_id, server_properties
-from worker.ops.broker import BrokerError, BrokerKind, free_port
+from worker.ops.broker import BrokerError, BrokerKind, free_port, port_is_free
 
 
 @dataclass
@@ -75,9 +75,13 @@ class KafkaCluster:
         startup_timeout: float = 120.0,
         properties: Mapping[str, str] | None = None,
         security: Security | None = None,
+        port: int | None = None,
     ) -> None:
+        """``port``: the first node's client port (its controller listens on the next
+        one); None picks free loopback ports."""
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
+        self._port = port
         self.version = version
         self.size = nodes
         self._startup_timeout = startup_timeout
@@ -114,7 +118,8 @@ class KafkaCluster:
         self._dir = Path(tempfile.mkdtemp(prefix=f"kafka-{self.version}-"))
         self._keep_dir = False
         for i in range(1, self.size + 1):
-            port = free_port(2 + (len(LISTENERS) if security_on else 0))
+            ports = 2 + (len(LISTENERS) if security_on else 0)
+            port = self._port if i == 1 and self._port is not None else free_port(ports)
             home = self._dir / f"node-{i}"
             (home / "data").mkdir(parents=True)
             self._nodes[i] = _Node(i, port, port + 1, home)
@@ -362,17 +367,28 @@ def _accepts(port: int) -> bool:
 
 
 def main() -> None:
-    """``python -m devkit.apache_kafka [NODES]``: start a cluster, print its
-    bootstrap servers, and keep it up until interrupted (for trying things by hand)."""
-    import sys
+    """``python -m devkit.apache_kafka [NODES] [--port PORT]``: start a cluster, print
+    its bootstrap servers, and keep it up until interrupted (for trying things by
+    hand). One node listens on 9092 when 9092 and 9093 are free (every example's
+    address), else on free ports; ``--port`` asks for one."""
+    import argparse
 
-    size = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    parser = argparse.ArgumentParser(prog="python -m devkit.apache_kafka")
+    parser.add_argument("nodes", type=int, nargs="?", default=1)
+    parser.add_argument("--port", type=int, default=None,
+                        help="the first node's client port (default 9092 when free)")  # fmt: skip
+    args = parser.parse_args()
+    port = args.port
+    if port is None and args.nodes == 1 and port_is_free(9092) and port_is_free(9093):
+        port = 9092
     stop = {signal.SIGINT, signal.SIGTERM}
     t0 = time.monotonic()
-    with KafkaCluster(size) as cluster:
+    with KafkaCluster(args.nodes, port=port) as cluster:
         print(
-            f"Kafka {cluster.version}, {size} node(s), ready in {time.monotonic() - t0:.1f}s: "
-            f"{cluster.bootstrap}",
+            f"Kafka {cluster.version}, {args.nodes} node(s), ready in "
+            f"{time.monotonic() - t0:.1f}s: {cluster.bootstrap}\n"
+            f"  export INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS={cluster.bootstrap}\n"
+            "  (Ctrl-C stops it and deletes its data)",
             flush=True,
         )
         # Blocked only now, so the nodes (started above) do not inherit the mask.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,28 @@ def test_defaults_match_the_design() -> None:
 def test_example_config_in_repo_loads() -> None:
     s = load_settings(EXAMPLE, env={})
     assert s.kafka.output_topic
+
+
+def test_the_example_file_holds_the_defaults_and_says_them_as_readme_does() -> None:
+    """worker.example.toml's values are the configuration types' defaults, and a
+    derived default is written the same in the example, in README and in the code
+    (issue 56: the example said 8 MiB where the code derives 1 MiB)."""
+    import re
+
+    from worker.config import KafkaConfig, LaneConfig
+
+    example, defaults = load_settings(EXAMPLE, env={}), load_settings(env={})
+    # [model] spells out the digits classifier's preprocessing, which the default derives.
+    for section in (f.name for f in dataclasses.fields(defaults) if f.name != "model"):
+        assert getattr(example, section) == getattr(defaults, section), section
+    plain = KafkaConfig().max_partition_fetch_bytes
+    lanes = KafkaConfig(input_topics=("a", "b"),
+                        lanes=(LaneConfig(("a",)), LaneConfig(("b",), 1))).max_partition_fetch_bytes
+    assert (plain, lanes) == (1 << 20, 64 << 10)
+    said = "0 = 1 MiB, or 64 KiB with"
+    assert re.search(r"^max_partition_fetch_bytes = 0 +# " + said, EXAMPLE.read_text(), re.M)
+    readme = (EXAMPLE.parent / "README.md").read_text()
+    assert "`max_partition_fetch_bytes` (" + said in readme
 
 
 def test_file_then_env_override(tmp_path: Path) -> None:

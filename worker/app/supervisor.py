@@ -29,6 +29,7 @@ unnoticed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -110,8 +111,15 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
         )
         for overrides in planned
     ]
-    topics = [m.get("INFER_WORKER_KAFKA__INPUT_TOPICS", "all") for m in planned]
-    log.info("supervising", procs=procs, pids=[c.pid for c in children], topics=topics)
+    every = list(settings.kafka.input_topics)
+    held = [
+        {"member": m["INFER_WORKER_KAFKA__CLIENT_ID"], "pid": c.pid,
+         # a lane's member: its topics as strings_literal wrote them (a JSON array)
+         "topics": json.loads(m["INFER_WORKER_KAFKA__INPUT_TOPICS"])
+         if "INFER_WORKER_KAFKA__INPUT_TOPICS" in m else every}
+        for m, c in zip(planned, children, strict=True)
+    ]  # fmt: skip
+    log.info("supervising", procs=procs, members=held)
     signals: list[int] = []
 
     def forward(signum: int, _: FrameType | None) -> None:

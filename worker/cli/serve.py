@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 import structlog
 
@@ -32,7 +33,8 @@ names the setting) or a stop without draining."""
 
 def run_command(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    logs.configure(settings.logging)
+    # kafka.client_id names the member: run --procs N gives member i "<client_id>-i".
+    logs.configure(settings.logging, pid=os.getpid(), member=settings.kafka.client_id)
     log.info("starting", version=__version__, config=args.config, embedded=args.embedded)
     if args.procs < 1:
         raise ConfigError(f"--procs: must be >= 1, got {args.procs}")

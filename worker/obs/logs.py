@@ -13,8 +13,12 @@ import structlog
 from worker.config import LoggingConfig
 
 
-def configure(cfg: LoggingConfig) -> None:
+def configure(cfg: LoggingConfig, **every_line: Any) -> None:
+    """``every_line``: fields added to every line, the libraries' too (``run`` adds
+    ``pid`` and ``member``, so the lines of ``run --procs N``'s members, which share
+    one stream, say whose they are)."""
     level = getattr(logging, cfg.level.upper())
+    stamp = _fields(every_line)
     fmt = cfg.format
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
@@ -26,6 +30,7 @@ def configure(cfg: LoggingConfig) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            stamp,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -42,6 +47,7 @@ def configure(cfg: LoggingConfig) -> None:
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[
+                stamp,
                 structlog.stdlib.add_log_level,
                 structlog.stdlib.add_logger_name,
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -53,6 +59,15 @@ def configure(cfg: LoggingConfig) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+
+
+def _fields(fields: dict[str, Any]) -> structlog.types.Processor:
+    def add(_: Any, __: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+        for key, value in fields.items():
+            event.setdefault(key, value)
+        return event
+
+    return add
 
 
 # Library messages that say the group is still forming (a fresh cluster, a new

@@ -117,8 +117,9 @@ PREPROCESS_SECONDS = Histogram(
 )
 REQUEST_SECONDS = Histogram(
     "infer_request_seconds",
-    "Time from a record's arrival in the worker to its result's acknowledgement",
-    _MODEL,
+    "Time from a record's arrival in the worker to its result's acknowledgement, per lane "
+    "(without lanes, the one lane named after the first input topic)",
+    [*_MODEL, "lane"],
     buckets=_LATENCY_BUCKETS,
 )
 BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on", _MODEL)
@@ -235,7 +236,7 @@ class ModelMetrics:
         self.preprocess_seconds = PREPROCESS_SECONDS.labels(model, version)
         self.engine_seconds = INFER_SECONDS.labels(model, version)
         self.d2h_seconds = D2H_SECONDS.labels(model, version)
-        self.request_seconds = REQUEST_SECONDS.labels(model, version)
+        self._requests: dict[str, Histogram] = {}
         self.batch_size = BATCH_SIZE.labels(model, version)
         self.batch_failures = BATCH_FAILURES.labels(model, version)
         self.isolation_runs = ISOLATION_RUNS.labels(model, version)
@@ -256,16 +257,24 @@ class ModelMetrics:
 
     def remove(self) -> None:
         """Drop this version's series from the exposition (``model_metrics``)."""
-        plain = (QUEUE_SECONDS, PREPROCESS_SECONDS, INFER_SECONDS, D2H_SECONDS, REQUEST_SECONDS,
+        plain = (QUEUE_SECONDS, PREPROCESS_SECONDS, INFER_SECONDS, D2H_SECONDS,
                  BATCH_SIZE, BATCH_FAILURES, ISOLATION_RUNS, GPU_SLOTS, GPU_SLOTS_BUSY)  # fmt: skip
         for metric in plain:
             metric.remove(*self._labels)
+        for lane in self._requests:
+            REQUEST_SECONDS.remove(*self._labels, lane)
         for kind in ("data", "padding"):
             PADDED_ELEMENTS.remove(*self._labels, kind)
         for reason in self._batches:
             BATCHES.remove(*self._labels, reason)
         for status in self._results:
             RESULTS_PRODUCED.remove(*self._labels, status)
+
+    def request_seconds(self, lane: str) -> Histogram:
+        """Arrival to acknowledgement of the requests of ``lane`` (its label)."""
+        if (found := self._requests.get(lane)) is None:
+            found = self._requests[lane] = REQUEST_SECONDS.labels(*self._labels, lane)
+        return found
 
     def batches(self, reason: str) -> Counter:
         if (found := self._batches.get(reason)) is None:

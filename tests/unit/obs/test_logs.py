@@ -52,6 +52,33 @@ def test_library_log_records_come_out_as_json_lines(capsys: object) -> None:
     assert "timestamp" in foreign and own["event"] == "own_event"
 
 
+def test_every_line_carries_the_process_and_member_fields(capsys: object) -> None:
+    """Issue 56: ``run --procs N``'s members share one stream; every line, the
+    libraries' too, says which process and member wrote it."""
+    import json
+
+    import pytest
+    import structlog
+
+    from worker.config import LoggingConfig
+    from worker.obs.logs import configure
+
+    assert isinstance(capsys, pytest.CaptureFixture)
+    try:
+        configure(LoggingConfig(format="json", level="info"), pid=4242, member="infer-worker-1")
+        structlog.get_logger("worker").info("own_event")
+        logging.getLogger("aiokafka.consumer").warning("heartbeat failed")
+        structlog.get_logger("worker").info("bound", member="explicit")  # a field given wins
+        lines = capsys.readouterr().err.strip().splitlines()
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers.clear()
+    events = [json.loads(line) for line in lines]
+    assert [(e["pid"], e["member"]) for e in events] == [
+        (4242, "infer-worker-1"), (4242, "infer-worker-1"), (4242, "explicit"),
+    ]  # fmt: skip
+
+
 def test_liveness_fails_once_the_loop_stops_ticking() -> None:
     import time
 

@@ -60,13 +60,19 @@ def test_model_metrics_keep_the_serving_version_and_the_one_before() -> None:
         }  # fmt: skip
 
     first = model_metrics("swapped", "v1")
-    first.request_seconds.observe(0.01)
+    first.request_seconds("urgent").observe(0.01)
+    first.request_seconds("bulk").observe(0.01)
     first.results("ok").inc()
     assert model_metrics("swapped", "v1") is first
-    model_metrics("swapped", "v2").request_seconds.observe(0.02)
+    model_metrics("swapped", "v2").request_seconds("bulk").observe(0.02)
     assert versions() == {"v1", "v2"}
-    model_metrics("swapped", "v3")
+    model_metrics("swapped", "v3").request_seconds("bulk").observe(0.03)
     assert versions() == {"v2", "v3"}
+    # Per lane (issue 56: the urgent lane's end-to-end latency, apart).
+    v1_urgent = {"model": "swapped", "version": "v1", "lane": "urgent"}
+    assert REGISTRY.get_sample_value("infer_request_seconds_count", v1_urgent) is None
+    v3_bulk = {"model": "swapped", "version": "v3", "lane": "bulk"}
+    assert REGISTRY.get_sample_value("infer_request_seconds_count", v3_bulk) == 1
     assert (
         REGISTRY.get_sample_value(
             "infer_results_produced_total", {"model": "swapped", "version": "v1", "status": "ok"}

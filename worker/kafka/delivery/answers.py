@@ -62,6 +62,8 @@ class Answers:
         self._rejections = RateLimited(burst=10, interval=10.0)
         self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic)
         self._shadow = kafka.shadow  # a shadow writes no DLQ records
+        # The request latency's lane label, by input topic (one lane without lanes).
+        self._lane_of = {t: lane.label for lane in kafka.ranked_lanes for t in lane.topics}
         # Records still unacknowledged of jobs that have more than one (an answer
         # and its state record), by (partition, offset, epoch).
         self._pending: dict[tuple[TopicPartition, int, int], int] = {}
@@ -200,7 +202,7 @@ class Answers:
         now, wall_ms = time.monotonic(), time.time() * 1000.0
         # Per answering model version (one, but for the batches around a swap).
         kinds: dict[tuple[str, str], int] = {}
-        latencies: dict[str, list[float]] = {}
+        latencies: dict[tuple[str, str], list[float]] = {}  # by version and lane
         ages: list[float] = []
         pending, done = self._pending, self._tracker.done
         for out in acked:
@@ -217,16 +219,17 @@ class Answers:
                 metrics.STATE_RECORDS.inc()
                 continue
             version = out.model_version or self._model.version
-            if (seen := latencies.get(version)) is None:
-                seen = latencies[version] = []
+            lane = (version, self._lane_of[job.tp.topic])
+            if (seen := latencies.get(lane)) is None:
+                seen = latencies[lane] = []
             seen.append(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
                 ages.append(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
             kinds[version, out.kind] = kinds.get((version, out.kind), 0) + 1
-        for version, seconds in latencies.items():
+        for (version, lane_label), seconds in latencies.items():
             m = metrics.model_metrics(self._model.name, version)
-            metrics.observe_all(m.request_seconds, seconds)
+            metrics.observe_all(m.request_seconds(lane_label), seconds)
         metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
         if self._kafka.state_topic:
             metrics.STATE_PENDING.set(len(self._pending))
