@@ -219,7 +219,7 @@ class Answers:
                 metrics.STATE_RECORDS.inc()
                 continue
             version = out.model_version or self._model.version
-            lane = (version, self._lane_of[job.tp.topic])
+            lane = (version, self._lane_of.get(job.tp.topic, job.tp.topic))
             if (seen := latencies.get(lane)) is None:
                 seen = latencies[lane] = []
             seen.append(now - job.arrived)
