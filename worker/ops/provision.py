@@ -175,8 +175,8 @@ def create(s: Settings, partitions: int, replication: int | None) -> int:
         ]  # fmt: skip
         await _create(s, new)
         for topic in new:
-            print(f"created {topic.name}: {topic.num_partitions} partitions, "
-                  f"replication {factor}", file=sys.stderr)  # fmt: skip
+            n = topic.num_partitions
+            print(f"created {topic.name}: {n} partition{'s' * (n != 1)}, replication {factor}")
         # Metadata is eventually consistent: a topic just created may be listed
         # without partitions for a moment.
         wait = Deadline(10.0)
