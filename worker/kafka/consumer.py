@@ -320,6 +320,12 @@ class Consumer:
                 guarded = self._guarded.get(tp)
                 if guarded is not None and guarded.mode is Mode.ONE_BY_ONE and self._settled:
                     await self._settled(tp)  # everything before it answered and committed
+                    if guarded.armed is not None and record.offset >= guarded.head:
+                        # The head record runs next: only now does a death count
+                        # against it (crashguard.decide).
+                        assert self.guard is not None
+                        await self.guard.claim(tp, guarded.head, guarded.armed)
+                        guarded.armed = None
                     guarded.left -= 1
                     if guarded.left <= 0:
                         del self._guarded[tp]
