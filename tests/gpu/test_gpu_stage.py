@@ -283,23 +283,34 @@ async def test_batches_larger_than_staging_are_split_and_huge_images_rejected(cp
 
 
 async def test_nvml_gauges_report_the_device() -> None:
-    """The monitor publishes the CUDA device's memory and utilisation (NVML)."""
+    """The monitor publishes the CUDA device's memory and utilisation (NVML),
+    labelled with the device's uuid (one series per physical device however many
+    processes publish it), and this process's own memory on it."""
     pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (gpu extra)")
+    import cupy
     from prometheus_client import REGISTRY
 
-    from worker.compute.gpu.monitor import watch_gpu
+    from worker.compute.gpu.monitor import NvmlDevice, watch_gpu
 
+    cupy.zeros(2**20, dtype=cupy.uint8)  # this process holds device memory
+    nvml = NvmlDevice(0)
+    labels = {"device": "0", "uuid": nvml.uuid}
+    nvml.close()
+    assert labels["uuid"].startswith("GPU-")
     task = asyncio.create_task(watch_gpu(0, interval=0.05))
     try:
         for _ in range(100):
             await asyncio.sleep(0.05)
-            total = REGISTRY.get_sample_value("infer_gpu_memory_total_bytes", {"device": "0"})
+            total = REGISTRY.get_sample_value("infer_gpu_memory_total_bytes", labels)
             if total:
                 break
     finally:
         task.cancel()
     assert total is not None and total > 2**30
-    used = REGISTRY.get_sample_value("infer_gpu_memory_used_bytes", {"device": "0"})
-    util = REGISTRY.get_sample_value("infer_gpu_utilization_ratio", {"device": "0"})
+    used = REGISTRY.get_sample_value("infer_gpu_memory_used_bytes", labels)
+    util = REGISTRY.get_sample_value("infer_gpu_utilization_ratio", labels)
+    mine = REGISTRY.get_sample_value("infer_gpu_process_memory_bytes", labels)
     assert used is not None and 0 < used <= total
+    # Unset where NVML lists processes by pids of another namespace (containers).
+    assert mine is None or 0 < mine <= used
     assert util is not None and 0.0 <= util <= 1.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from worker.compute.engines import is_gpu_backend
+from worker.compute.gpu.budget import resolve_fraction
 from worker.config import Settings
 from worker.flow.errors import ConfigError, WorkerError
 from worker.kafka.clients import exactly_once
@@ -58,6 +59,8 @@ class RunPlan:
     # Whether the model file is watched and swapped while serving (the CPU stage
     # only: refused on the GPU path above).
     reloads: bool = False
+    # GPU: the share of the device's memory this process holds (budget.py); 0 on the CPU.
+    gpu_memory_fraction: float = 0.0
 
     @classmethod
     def of(cls, s: Settings) -> RunPlan:
@@ -84,6 +87,7 @@ class RunPlan:
             probe_timeout_s=min(2.0, request_timeout),
             revoke_timeout_s=k.session_timeout_ms / 2000.0,
             reloads=s.model.reload_interval_s > 0,
+            gpu_memory_fraction=resolve_fraction(s.gpu.memory_fraction, 1) if gpu else 0.0,
         )  # fmt: skip
 
 

@@ -136,16 +136,27 @@ async def _inference_stage(
             max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
             owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch), room=room,
         )  # fmt: skip
+    from worker.compute.gpu.budget import DeviceShare
     from worker.compute.gpu.stage import GpuStage
 
-    return await asyncio.to_thread(
-        lambda: GpuStage(
+    def build() -> GpuStage:
+        # The process's share of the device's memory, capped before the slots and
+        # the warm-up allocate, and checked after them (run --procs N on one GPU).
+        share = DeviceShare(s.gpu.device, plan.gpu_memory_fraction, s.model.backend == "torch")
+        stage = GpuStage(
             batches, completed, cast(GpuEngine, engine), binding,
             max_batch_size=b.max_batch_size, num_slots=plan.inflight, gpu=s.gpu,
             preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,
-            on_service_time=policy.observe_service_time, room=room,
-        )
-    )  # fmt: skip
+            on_service_time=policy.observe_service_time, room=room, budget=share.budget,
+        )  # fmt: skip
+        try:
+            share.check_used()
+        except BaseException:
+            stage.close()
+            raise
+        return stage
+
+    return await asyncio.to_thread(build)
 
 
 def crash_guard(

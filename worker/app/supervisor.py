@@ -28,6 +28,7 @@ unnoticed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -39,9 +40,14 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 import structlog
+from aiokafka.errors import KafkaError
 
+from worker.compute.engines import is_gpu_backend
+from worker.compute.gpu.budget import resolve_fraction
 from worker.config import LaneConfig, Settings
 from worker.config.lanes import lanes_literal, strings_literal
+from worker.flow.errors import ConfigError
+from worker.kafka.topiccheck import idle_members, partition_counts
 
 log = structlog.get_logger("worker")
 
@@ -85,6 +91,12 @@ def members(settings: Settings, procs: int) -> list[dict[str, str]]:
             if member and k.transactional_id:
                 env["INFER_WORKER_KAFKA__TRANSACTIONAL_ID"] = f"{k.transactional_id}-{member}"
             out.append(env)
+    if is_gpu_backend(settings.model.backend):
+        # Every member on one device (gpu.device): each gets an equal share of its
+        # memory unless one is set (worker.compute.gpu.budget).
+        share = resolve_fraction(settings.gpu.memory_fraction, len(out))
+        for env in out:
+            env["INFER_WORKER_GPU__MEMORY_FRACTION"] = repr(share)
     return out
 
 
@@ -100,6 +112,7 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
     if config:
         argv = [*argv, "--config", config]
     planned = members(settings, procs)
+    _check_partitions(settings, planned)
     children = [
         # Own sessions: Ctrl-C in a terminal reaches the supervisor alone, which
         # passes it on once (twice would abandon every drain).
@@ -111,12 +124,12 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
         )
         for overrides in planned
     ]
-    every = list(settings.kafka.input_topics)
     held = [
         {"member": m["INFER_WORKER_KAFKA__CLIENT_ID"], "pid": c.pid,
-         # a lane's member: its topics as strings_literal wrote them (a JSON array)
-         "topics": json.loads(m["INFER_WORKER_KAFKA__INPUT_TOPICS"])
-         if "INFER_WORKER_KAFKA__INPUT_TOPICS" in m else every}
+         "topics": _topics_of(settings, m), "metrics_port": int(m["INFER_WORKER_METRICS__PORT"]),
+         **({"gpu": f"cuda:{settings.gpu.device}",
+             "gpu_memory_fraction": float(m["INFER_WORKER_GPU__MEMORY_FRACTION"])}
+            if "INFER_WORKER_GPU__MEMORY_FRACTION" in m else {})}
         for m, c in zip(planned, children, strict=True)
     ]  # fmt: skip
     log.info("supervising", procs=procs, members=held)
@@ -142,6 +155,34 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
             signal.signal(s, handler)
     log.info("supervisor_stopped", statuses=codes)
     return max(codes, key=_severity)
+
+
+def _topics_of(settings: Settings, member: Mapping[str, str]) -> list[str]:
+    """The input topics a member reads: its lane's (a JSON array, as
+    ``strings_literal`` writes it), else the configuration's."""
+    own = member.get("INFER_WORKER_KAFKA__INPUT_TOPICS")
+    return json.loads(own) if own is not None else list(settings.kafka.input_topics)
+
+
+def _check_partitions(settings: Settings, planned: Sequence[Mapping[str, str]]) -> None:
+    """Refuse to start members that would hold no partition (``idle_members``).
+    Asked of the cluster once, briefly: a broker that does not answer is left to
+    the members, which name it as the worker does."""
+    groups: dict[tuple[str, ...], int] = {}
+    for member in planned:
+        key = tuple(_topics_of(settings, member))
+        groups[key] = groups.get(key, 0) + 1
+    if all(n <= 1 for n in groups.values()):
+        return
+    k = dataclasses.replace(settings.kafka, request_timeout_ms=5000)
+    try:
+        counts = asyncio.run(partition_counts(k, {t for key in groups for t in key}))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        log.warning("partitions_not_checked", reason=repr(exc))
+        return
+    problem = idle_members(list(groups.items()), counts)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _severity(code: int) -> int:

@@ -138,9 +138,15 @@ class GpuConfig:
     decode: Literal["host", "nvjpeg"] = "host"
     poll_interval_ms: float = 50.0  # safety net behind the completion callback
     batch_timeout_ms: int = 60000  # a batch still running after this: device hung
+    # The share of the device's memory this process may hold (torch's and CuPy's
+    # allocators are capped at it; its slot ring and its warm-up are checked
+    # against it at start-up); 0 = the whole device for one process, an equal
+    # share for each of run --procs N's members (worker.compute.gpu.budget).
+    memory_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         check(self.device >= 0, "gpu.device", "must be >= 0")
+        check(0.0 <= self.memory_fraction <= 1.0, "gpu.memory_fraction", "must be in [0, 1]")
         check(self.num_slots >= 0, "gpu.num_slots", "must be >= 0")
         check(self.max_input_bytes > 0, "gpu.max_input_bytes", "must be > 0")
         check(self.poll_interval_ms > 0, "gpu.poll_interval_ms", "must be > 0")

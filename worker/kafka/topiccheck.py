@@ -87,3 +87,37 @@ class MissingTopics:
 
     def delivered(self) -> None:
         self._logged.clear()
+
+
+async def partition_counts(k: KafkaConfig, topics: Iterable[str]) -> dict[str, int]:
+    """Each of ``topics``' partition count (0 where it does not exist), from one
+    metadata request made with ``k``'s connection (security included)."""
+    from aiokafka import AIOKafkaConsumer
+
+    from worker.kafka.clients import started
+    from worker.kafka.credentials import connection
+
+    consumer = await started(AIOKafkaConsumer(**connection(k), enable_auto_commit=False))
+    try:
+        cluster = await consumer._client.fetch_all_metadata()  # as clients.topic_partitions
+        return {t: len(cluster.partitions_for_topic(t) or ()) for t in topics}
+    finally:
+        await consumer.stop()
+
+
+def idle_members(groups: Sequence[tuple[Sequence[str], int]], counts: dict[str, int]) -> str | None:
+    """Why some of a group's members would hold no partition, or None. ``groups``:
+    (the topics some members read, how many members read them), as ``run --procs
+    N`` starts them; a member without a partition idles (a hot standby, at best),
+    which on one GPU is a process holding memory for nothing."""
+    for topics, members in groups:
+        have = sum(counts.get(t, 0) for t in topics)
+        if 0 < have < members:
+            named = ", ".join(f"{t} ({counts.get(t, 0)})" for t in topics)
+            return (
+                f"--procs: {members} members read {named}: {have} partition"
+                f"{'s' * (have != 1)} in all, so {members - have} would hold none and idle; "
+                f"give the topics at least {members} partitions (kafka-topics.sh --alter "
+                "--partitions adds them) or start fewer members"
+            )
+    return None

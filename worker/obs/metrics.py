@@ -210,18 +210,27 @@ GPU_SLOTS_BUSY = Gauge(
     "GPU: slots holding a batch now (all busy and batches waiting: the device is the limit)",
     _MODEL,
 )
+# Device-wide GPU gauges carry the device's uuid: several processes on one device
+# each publish them, and max by (uuid) takes one series per device (monitor.py).
+_DEVICE = ["device", "uuid"]
 GPU_MEMORY_USED = Gauge(
     "infer_gpu_memory_used_bytes",
-    "GPU memory in use on the worker's device, all processes (NVML)",
-    ["device"],
+    "GPU memory in use on the worker's device, all processes (NVML; max by uuid)",
+    _DEVICE,
 )
 GPU_MEMORY_TOTAL = Gauge(
-    "infer_gpu_memory_total_bytes", "GPU memory of the worker's device (NVML)", ["device"]
+    "infer_gpu_memory_total_bytes", "GPU memory of the worker's device (NVML)", _DEVICE
+)
+GPU_PROCESS_MEMORY = Gauge(
+    "infer_gpu_process_memory_bytes",
+    "GPU memory this process holds on the device (NVML; sums across processes)",
+    _DEVICE,
 )
 GPU_UTILIZATION = Gauge(
     "infer_gpu_utilization_ratio",
-    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1)",
-    ["device"],
+    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1; "
+    "max by uuid)",
+    _DEVICE,
 )
 
 

@@ -44,3 +44,19 @@ def test_a_topic_gone_while_serving_is_one_line_per_topic_naming_its_setting() -
     lines = [(e["topic"], e["setting"]) for e in logs if e["event"] == "topic_missing"]
     assert lines == [("out", "kafka.output_topic"), ("dlq", "kafka.dlq_topic"),
                      ("out", "kafka.output_topic")]  # fmt: skip
+
+
+def test_members_that_would_hold_no_partition_are_named() -> None:
+    from worker.kafka.topiccheck import idle_members
+
+    counts = {"req": 2, "urgent": 1, "bulk": 6}
+    assert idle_members([(("req",), 2)], counts) is None
+    problem = idle_members([(("req",), 4)], counts)
+    assert problem is not None
+    assert problem.startswith("--procs: 4 members read req (2): 2 partitions in all, so 2 ")
+    assert "at least 4 partitions" in problem
+    # Lanes of their own: each group of members is held to its own topics.
+    lanes = [(("bulk",), 2), (("urgent",), 2)]
+    assert "urgent (1): 1 partition in all, so 1 would" in str(idle_members(lanes, counts))
+    assert idle_members([(("req", "urgent"), 3)], counts) is None  # 3 partitions, 3 members
+    assert idle_members([(("gone",), 3)], counts) is None  # missing: the members name it

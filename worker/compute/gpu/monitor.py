@@ -6,11 +6,19 @@ later stops the sampling, never the worker (a gauge is not worth a request).
 
 NVML numbers devices in its own order, which ``CUDA_VISIBLE_DEVICES`` does not
 change, so the worker's CUDA device is found in NVML by its PCI bus id.
+
+Several processes on one device (``run --procs N``) each publish the device's
+gauges: they carry the device's ``uuid``, so a dashboard takes one series per
+physical device (``max by (uuid)``) instead of adding N copies, and each process
+publishes its own memory (``infer_gpu_process_memory_bytes``), which does add up.
+NVML lists processes by their host pid: inside a container with a pid namespace
+of its own this process is not found there, and that gauge is left unset.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -28,9 +36,10 @@ class NvmlUnavailable(Exception):
 
 @dataclass(frozen=True)
 class GpuSample:
-    memory_used_bytes: int
+    memory_used_bytes: int  # every process's
     memory_total_bytes: int
     utilization_ratio: float  # fraction of the driver's last sample period a kernel ran
+    process_memory_bytes: int | None = None  # this process's, where NVML lists it
 
 
 class NvmlDevice:
@@ -53,16 +62,23 @@ class NvmlDevice:
                 if pci_bus_id
                 else pynvml.nvmlDeviceGetHandleByIndex(device)
             )
+            uuid = pynvml.nvmlDeviceGetUUID(self._handle)  # str, or bytes in older bindings
         except pynvml.NVMLError as exc:
             pynvml.nvmlShutdown()
             where = f"PCI bus id {pci_bus_id}" if pci_bus_id else f"index {device}"
             raise NvmlUnavailable(f"no NVML device at {where}: {exc}") from exc
+        self.uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
     def sample(self) -> GpuSample:
         nvml = self._nvml
         memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
         rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
-        return GpuSample(int(memory.used), int(memory.total), float(rates.gpu) / 100.0)
+        mine = [
+            int(p.usedGpuMemory) for p in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+            if p.pid == os.getpid() and p.usedGpuMemory is not None
+        ]  # fmt: skip
+        return GpuSample(int(memory.used), int(memory.total), float(rates.gpu) / 100.0,
+                         sum(mine) if mine else None)  # fmt: skip
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
@@ -94,9 +110,12 @@ async def watch_gpu(device: int, interval: float = 2.0) -> None:
             except nvml.error as exc:
                 log.warning("gpu_metrics_stopped", device=device, reason=str(exc))
                 return
-            metrics.GPU_MEMORY_USED.labels(label).set(s.memory_used_bytes)
-            metrics.GPU_MEMORY_TOTAL.labels(label).set(s.memory_total_bytes)
-            metrics.GPU_UTILIZATION.labels(label).set(s.utilization_ratio)
+            labels = (label, nvml.uuid)
+            metrics.GPU_MEMORY_USED.labels(*labels).set(s.memory_used_bytes)
+            metrics.GPU_MEMORY_TOTAL.labels(*labels).set(s.memory_total_bytes)
+            metrics.GPU_UTILIZATION.labels(*labels).set(s.utilization_ratio)
+            if s.process_memory_bytes is not None:
+                metrics.GPU_PROCESS_MEMORY.labels(*labels).set(s.process_memory_bytes)
             await asyncio.sleep(interval)
     finally:
         nvml.close()

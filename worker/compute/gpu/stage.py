@@ -14,19 +14,16 @@ slot's pinned twins and copied in. Rows run together as the binding groups them
 (``ModelInputs.groups``): a padded dimension at the smallest warmed bucket that
 holds the group's longest row, any other at the rows' own (equal) length.
 
-Encoded images: PNG and WebP files are decoded on the host (Pillow, on the
-stage's threads), like JPEGs with ``gpu.decode = "host"``. With ``"nvjpeg"`` a
-batch's JPEGs are decoded on the device in one call per chunk (``nvjpeg``)
-while the slot's stream is idle; a JPEG nvJPEG refuses is decoded on the host,
-and a file neither can decode is answered ``invalid_request`` alone. The
-staging byte budget counts a JPEG by its decoded size, read from its header.
+Encoded images: decoded on the host (Pillow, on the stage's threads), or with
+``gpu.decode = "nvjpeg"`` a batch's JPEGs on the device in one call per chunk
+(``nvjpeg``; what it refuses on the host, what neither decodes is answered
+``invalid_request`` alone), counted by their decoded size from the header.
 
 Failures: out of memory or an engine failure raises ``InferenceFailed`` from
 ``run_rows``, which runs any subset of a batch's answers again on the same slot
-(returning only once that slot is idle), so the shared bisection isolates the
-poison requests. An unrecoverable device error raises ``EngineDead``: the
-batch's future fails, downstream stops committing, and every later batch fails
-the same way.
+(returning once that slot is idle), so the shared bisection isolates the poison
+requests. An unrecoverable device error raises ``EngineDead``: the batch's
+future fails, downstream stops committing, and so does every later batch.
 """
 
 from __future__ import annotations
@@ -44,6 +41,7 @@ import structlog
 from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import import_cupy, translate_gpu_error
 from worker.compute.gpu import nvjpeg
+from worker.compute.gpu.budget import MemoryBudget
 from worker.compute.gpu.completion import SlotWatch
 from worker.compute.gpu.launch import Chunk, Launcher
 from worker.compute.gpu.plan import (
@@ -89,11 +87,13 @@ class GpuStage(Stage):
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
         (kernel compilation, engine contexts): construct it off the event loop.
         ``binding``: the model's inputs and outputs as the worker bound them;
-        ``preferred_batch_sizes``: the batch buckets."""
+        ``preferred_batch_sizes``: the batch buckets; ``budget``: the process's
+        share of the device, which the slot ring must fit (checked first)."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time, room=room,
@@ -138,6 +138,8 @@ class GpuStage(Stage):
             max_input_bytes=gpu.max_input_bytes if image is not None else 0,
             host_inputs=tuple(f.name for k in (*self._host, *inputs.constants) for f in k.feeds),
         )
+        if budget is not None:
+            budget.check_slots(self.layout.device_bytes, num_slots)
         self.allocations = Allocations()
         self._metrics.gpu_slots.set(num_slots)
         self._ring: SlotRing[Slot] = SlotRing(
