@@ -32,6 +32,14 @@
 # py-spy (--subprocesses: the bench, the worker and its threads; raw collapsed
 # stacks in $OUT/profile.txt; its summary JSON stays out of $OUT, which returns
 # 8 files at most).
+# Issue 55 (several processes on one GPU), named only, in two calls:
+#   run(command="bash scripts/gpu_session.sh scale.jpeg scale.raw", carry=[".whl"], timeout_s=400)
+#   run(command="bash scripts/gpu_session.sh scale.mps profile.procs", carry=[".whl"], ...)
+# scale.jpeg, the JPEG benchmark at --procs 1, 2 and 4 (a results JSON each, with
+# gpu_busy over the device and gpu_memory_mib_per_process); scale.raw, raw tensors
+# at --procs 4; scale.mps, --procs 2 and 4 with CUDA MPS started for the step and
+# quit after it (skipped, saying so, where the host has no nvidia-cuda-mps-control);
+# profile.procs, --procs 4 under py-spy --subprocesses (every member's stacks).
 # The warm-up is kept small: two batch buckets (16 and 64), compiled once
 # (dynamic in the batch), so the first compilation is the only long wait.
 #
@@ -66,9 +74,14 @@ declare -A BUDGET=(
     [profile.jpeg]=160 # bench.jpeg under py-spy (carried in .whl)
     [micro.place]=20   # 5 alternating rounds of 40 placements, batches of 16 and 64
     [ab.jpeg]=200      # two 24k-JPEG runs (83 s on an H100 with a cold compile, less warm)
+    # Issue 55, several processes on one GPU (not run yet: no device since they were written):
+    [scale.jpeg]=230   # ResNet-50 JPEGs at --procs 1, 2 and 4, 40k each; one compile, then the cache
+    [scale.raw]=90     # raw 256x256x3 at --procs 4, 6k records (broker-bound: 1.2 GB)
+    [scale.mps]=200    # scale.jpeg at --procs 2 and 4 under CUDA MPS, started and stopped here
+    [profile.procs]=150  # --procs 4 JPEGs under py-spy: the bench, the supervisor, every member
 )
 STEPS=(tests.gpu bench.jpeg bench.raw)
-OPTIONAL=(profile.jpeg micro.place ab.jpeg)
+OPTIONAL=(profile.jpeg micro.place ab.jpeg scale.jpeg scale.raw scale.mps profile.procs)
 
 total_of() {  # the worst case of running these steps: set-up and steps, each with its kill grace
     local total=0 key
@@ -155,8 +168,32 @@ python3 -c 'import sys, torch, cupy; print(sys.version.split()[0], "torch", torc
 "cuda", torch.version.cuda, "cupy", cupy.__version__)' >>"$OUT/setup.txt" 2>&1
 cat "$OUT/setup.txt"
 
-BENCH=(python3 -m worker bench --model resnet50 --procs 1 --partitions 8 --duration 5
+SCALE=(python3 -m worker bench --model resnet50 --partitions 8 --duration 5
     --set 'batching.preferred_batch_sizes=[16, 64]')
+BENCH=("${SCALE[@]}" --procs 1)
+# scale PROCS... -- BENCH-ARGS: one run per process count, each its own results JSON
+# (they carry procs, gpu_busy and gpu_memory_mib_per_process).
+scale() {
+    local procs=() p
+    while [ "$1" != -- ]; do procs+=("$1"); shift; done
+    shift
+    for p in "${procs[@]}"; do
+        echo "--- --procs $p"
+        "${SCALE[@]}" --procs "$p" "$@" || return
+    done
+}
+# CUDA MPS for the steps that ask for it: one server per call, its pipes in /tmp,
+# quit on the way out however the step ends. Where the host has no MPS the step
+# says so and runs nothing.
+with_mps() {
+    command -v nvidia-cuda-mps-control >/dev/null || {
+        echo "no nvidia-cuda-mps-control on this host: MPS not measured"; return 0; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || return
+    trap 'echo quit | nvidia-cuda-mps-control' RETURN
+    "$@"
+}
 bench() {  # bench STEP PAYLOAD RECORDS [RESULTS]: one ResNet-50 benchmark run, one process
     step "$1" "$OUT/bench.txt" "${BENCH[@]}" --payload "$2" --records "$3" \
         --results-dir "${4:-$OUT/results}"
@@ -193,6 +230,27 @@ for s in "${steps[@]}"; do
         tail -n 4 "$OUT/bench.txt"
         ;;
     bench.raw) bench bench.raw raw 4000 ;;  # 6000 overran 80 s in its paced phase (second H100 session)
+    scale.jpeg)
+        step scale.jpeg "$OUT/bench.txt" bash -c "$(declare -p SCALE; declare -f scale)"'
+            scale 1 2 4 -- --payload jpeg --records 40000 --results-dir "$OUT/results"'
+        tail -n 40 "$OUT/bench.txt"
+        ;;
+    scale.raw)
+        step scale.raw "$OUT/bench.txt" bash -c "$(declare -p SCALE; declare -f scale)"'
+            scale 4 -- --payload raw --records 6000 --results-dir "$OUT/results"'
+        tail -n 30 "$OUT/bench.txt"
+        ;;
+    scale.mps)
+        step scale.mps "$OUT/bench.txt" bash -c "$(declare -p SCALE; declare -f scale with_mps)"'
+            with_mps scale 2 4 -- --payload jpeg --records 40000 --results-dir "$OUT/results/mps"'
+        tail -n 30 "$OUT/bench.txt"
+        ;;
+    profile.procs)
+        step profile.procs "$OUT/bench.txt" py-spy record --subprocesses --rate 50 \
+            --format raw -o "$OUT/profile.txt" -- "${SCALE[@]}" --procs 4 --payload jpeg \
+            --records 40000 --results-dir /tmp/profile-results
+        tail -n 30 "$OUT/bench.txt"
+        ;;
     profile.jpeg)
         step profile.jpeg "$OUT/bench.txt" py-spy record --subprocesses --rate 50 \
             --format raw -o "$OUT/profile.txt" -- "${BENCH[@]}" --payload jpeg \

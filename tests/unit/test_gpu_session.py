@@ -13,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 KILL_GRACE_S = 5
+NAMED_ONLY = ["profile.jpeg", "micro.place", "ab.jpeg", "scale.jpeg", "scale.raw", "scale.mps",
+              "profile.procs"]  # fmt: skip
 
 
 def _budgets() -> dict[str, int]:
@@ -36,8 +38,7 @@ def test_every_step_fits_one_seven_minute_call_with_room_to_spare() -> None:
     found = re.search(r"^all: (\d+) s of (\d+) \(spare (\d+) s", proc.stdout, re.M)
     assert found is not None, proc.stdout
     total, call, spare = map(int, found.groups())
-    named_only = ("profile.jpeg", "micro.place", "ab.jpeg")
-    budgets = {k: v for k, v in _budgets().items() if k not in named_only}
+    budgets = {k: v for k, v in _budgets().items() if k not in NAMED_ONLY}
     assert total == sum(budgets.values()) + KILL_GRACE_S * len(budgets)
     assert call <= 7 * 60 and spare >= 20 and total + spare <= call
 
@@ -65,10 +66,9 @@ def test_every_step_has_a_budget_and_a_branch() -> None:
     names = steps.group(1).split()
     assert names == ["tests.gpu", "bench.jpeg", "bench.raw"]
     optional = re.search(r"^OPTIONAL=\((.*)\)$", text, re.M)
-    named_only = ["profile.jpeg", "micro.place", "ab.jpeg"]
-    assert optional is not None and optional.group(1).split() == named_only
-    assert set(_budgets()) == {"setup.wheels", "setup.gpu", *names, *named_only}
-    for name in [*names, *named_only]:  # each runs under step() with its own name
+    assert optional is not None and optional.group(1).split() == NAMED_ONLY
+    assert set(_budgets()) == {"setup.wheels", "setup.gpu", *names, *NAMED_ONLY}
+    for name in [*names, *NAMED_ONLY]:  # each runs under step() with its own name
         assert re.search(rf"^\s*{re.escape(name)}\)", text, re.M), name
         assert re.search(rf"(step|bench) {re.escape(name)} ", text), name
 
@@ -100,3 +100,33 @@ def test_one_compile_cache_for_every_process_of_a_call() -> None:
         assert line in text, line
     # Exported before the first step that starts Python processes.
     assert text.index("export TORCHINDUCTOR_CACHE_DIR=") < text.index("step tests.gpu")
+
+
+def test_the_several_processes_call_and_its_rerun_each_fit_one_call() -> None:
+    """Issue 55: --procs 1, 2, 4 on JPEGs and 4 on raw in one call; MPS and the
+    profile of every process in the rerun."""
+    b = _budgets()
+    for steps in (("scale.jpeg", "scale.raw"), ("scale.mps", "profile.procs")):
+        total = sum(b[k] + KILL_GRACE_S for k in ("setup.wheels", "setup.gpu", *steps))
+        assert total <= 7 * 60 - 20, (steps, total)
+
+
+def test_scale_runs_one_benchmark_per_process_count(tmp_path: Path) -> None:
+    """``scale`` (as the steps run it, in a bash -c of its own) starts the bench
+    once per count with the arguments given, and stops at the first failure."""
+    text = SCRIPT.read_text()
+    body = re.search(r"^scale\(\) \{\n.*?^\}$", text, re.M | re.S)
+    assert body is not None
+    fake = tmp_path / "bench"
+    fake.write_text('#!/bin/sh\necho "bench $*"\n[ "$3" != 3 ]\n')
+    fake.chmod(0o755)
+    script = f"SCALE=({fake} x)\n{body.group(0)}\nscale 1 2 4 -- --payload jpeg\n"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("bench ")]
+    assert runs == [f"bench x --procs {p} --payload jpeg" for p in (1, 2, 4)]
+    failing = script.replace("scale 1 2 4", "scale 1 3 4")
+    proc = subprocess.run(["bash", "-c", failing], capture_output=True, text=True, timeout=30,
+                          check=False)  # fmt: skip
+    assert proc.returncode != 0 and "--procs 4" not in proc.stdout

@@ -52,6 +52,9 @@ class Sample:
     batch_sum: float  # infer_batch_size_sum over the members
     batch_count: float
     gpu_busy: float | None  # NVML utilisation, 0..1; None without NVML
+    # Per member, the GPU memory it holds (its infer_gpu_process_memory_bytes);
+    # None where it publishes none (a CPU model, no NVML, not listed by NVML).
+    gpu_memory: tuple[float | None, ...] = ()
 
 
 def joined_at(samples: Sequence[Sample], partitions: int) -> Sample | None:
@@ -77,27 +80,49 @@ class GroupMonitor:
 
     def sample(self) -> Sample:
         assigned, batch_sum, batch_count = [], 0.0, 0.0
+        memory: list[float | None] = []
         for i in range(self.procs):
             try:
                 m = scrape(self.worker.metrics_port + i, timeout=1.0)
             except OSError:
                 assigned.append(0)
+                memory.append(None)
                 continue
             assigned.append(int(m.get("infer_assigned_partitions", 0)))
             batch_sum += m.get("infer_batch_size_sum", 0.0)
             batch_count += m.get("infer_batch_size_count", 0.0)
+            memory.append(process_gpu_memory(m))
         busy = None
         if self.nvml is not None:
             try:
                 busy = self.nvml.sample().utilization_ratio
             except self.nvml.error:
                 self.nvml = None  # stop asking; the fraction uses what was sampled
-        return Sample(time.monotonic(), tuple(assigned), batch_sum, batch_count, busy)
+        return Sample(time.monotonic(), tuple(assigned), batch_sum, batch_count, busy,
+                      tuple(memory))  # fmt: skip
 
     async def run(self) -> None:
         while True:
             self.samples.append(await asyncio.to_thread(self.sample))
             await asyncio.sleep(SAMPLE_INTERVAL)
+
+
+def process_gpu_memory(metrics: Mapping[str, float]) -> float | None:
+    """A member's own GPU memory from its scraped metrics (every device's series)."""
+    held = [v for k, v in metrics.items() if k.startswith("infer_gpu_process_memory_bytes")]
+    return sum(held) if held else None
+
+
+def peak_gpu_memory(samples: Sequence[Sample]) -> list[float | None]:
+    """Per member, the most GPU memory it held in any sample (None: never published)."""
+    members = max((len(s.gpu_memory) for s in samples), default=0)
+    peaks: list[float | None] = [None] * members
+    for s in samples:
+        for i, held in enumerate(s.gpu_memory):
+            if held is not None:
+                current = peaks[i]
+                peaks[i] = held if current is None else max(current, held)
+    return peaks
 
 
 def open_nvml(settings: Settings) -> tuple[Any, str | None]:
@@ -122,6 +147,8 @@ class WorkerDrain:
     mean_batch: float
     gpu_busy: float | None
     join_seconds: float  # first result -> the whole group holding its partitions
+    # Per member, the most GPU memory it held during the drain (bytes; None: unknown).
+    gpu_memory_per_process: tuple[float | None, ...] = ()
 
 
 def steady_window(times: Sequence[float], start: float) -> tuple[float, float, int]:
@@ -183,6 +210,7 @@ def score_drain(
         mean_batch=rows / batches if batches > 0 else 0.0,
         gpu_busy=busy_fraction(samples, lo, hi),
         join_seconds=start - first,
+        gpu_memory_per_process=tuple(peak_gpu_memory([*samples, final])),
     )
 
 

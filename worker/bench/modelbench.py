@@ -133,6 +133,10 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
         "mean_batch": round(drain.mean_batch, 2),
         "gpu_busy": drain.gpu_busy,
         "gpu_busy_note": nvml_reason,
+        # Per process, the most GPU memory it held while draining (run --procs N).
+        "gpu_memory_mib_per_process": [
+            None if b is None else round(b / 2**20, 1) for b in drain.gpu_memory_per_process
+        ],
         "drain_note": short,
         "paced": paced_run,
         "worker_exit": exit_code,

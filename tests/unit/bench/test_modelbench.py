@@ -165,6 +165,26 @@ def test_a_backlog_gone_before_the_group_formed_is_refused() -> None:
         score_drain(results, samples, 2, 4, samples[-1])
 
 
+def test_each_process_gpu_memory_is_its_peak_over_the_drain() -> None:
+    """``run --procs N`` on one GPU: what each member held, from its own gauge
+    (a device-wide figure would count every process N times)."""
+    from worker.bench.drain import peak_gpu_memory, process_gpu_memory
+
+    scraped = {'infer_gpu_process_memory_bytes{device="0",uuid="GPU-1"}': 3e9,
+               "infer_assigned_partitions": 2.0}  # fmt: skip
+    assert process_gpu_memory(scraped) == 3e9
+    assert process_gpu_memory({"infer_assigned_partitions": 2.0}) is None
+    samples = [
+        Sample(1.0, (2, 2), 0, 0, None, (1e9, None)),
+        Sample(2.0, (2, 2), 0, 0, None, (3e9, None)),
+        Sample(3.0, (2, 2), 0, 0, None, (2e9, None)),
+    ]
+    assert peak_gpu_memory(samples) == [3e9, None]
+    results = _results([1.0 + i / 10 for i in range(21)])
+    drain = score_drain(results, samples, 2, 4, samples[-1])
+    assert drain.gpu_memory_per_process == (3e9, None)
+
+
 def test_busy_fraction_is_none_without_samples_in_the_span() -> None:
     no_nvml = [Sample(t, (1,), 0, 0, None) for t in (1.0, 2.0)]
     assert busy_fraction(no_nvml, 0.0, 3.0) is None
