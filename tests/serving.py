@@ -24,14 +24,20 @@ async def serve(
     env: dict[str, str],
     partitions: int = 2,
     metrics: dict[str, float] | None = None,
+    backlog: bool = False,
 ) -> dict[str, Result]:
     """Start a worker with ``env``, send ``requests`` (id, value), and return every
     result by id once all are answered; checks nothing went to the DLQ and that
     the commits cover every request. ``metrics``: filled with the worker's metrics
-    once everything is answered."""
+    once everything is answered. ``backlog``: the requests are all in the topic
+    before the worker starts, so its first fetch holds them together (sent to a
+    running worker, they arrive as the sender manages, which on a loaded machine
+    can be further apart than any batching delay)."""
     await create_topics(
         broker.bootstrap, {names["requests"]: partitions, names["results"]: 1, names["dlq"]: 1}
     )
+    records = [(rid.encode(), v) for rid, v in requests]
+    produced = await produce_all(broker.bootstrap, names["requests"], records) if backlog else []
     w: WorkerProcess = spawn_worker(
         broker.bootstrap,
         input_topics=[names["requests"]],
@@ -47,9 +53,8 @@ async def serve(
             60.0,
             "partition assignment",
         )
-        produced = await produce_all(
-            broker.bootstrap, names["requests"], [(rid.encode(), v) for rid, v in requests]
-        )
+        if not backlog:
+            produced = await produce_all(broker.bootstrap, names["requests"], records)
         c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
         await c.start()
         try:

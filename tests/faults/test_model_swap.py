@@ -81,7 +81,9 @@ async def test_a_new_version_is_swapped_in_under_load_and_a_broken_one_refused(
         await asyncio.to_thread(w.wait_until, lambda m: swaps(m, "refused") >= 1, 30.0, "refusal")
         await producing
         assert await results.collect(lambda c: c.count() >= N, 60.0), w.log_tail()
-        answered = lambda m: m.get("infer_request_seconds_count", 0) >= N  # noqa: E731
+        def answered(m: dict[str, float]) -> bool:  # one series per lane, summed
+            return sum(v for k, v in m.items() if k.startswith("infer_request_seconds_count")) >= N
+
         m = await asyncio.to_thread(w.wait_until, answered, 30.0, "every answer's latency")
         latencies = await asyncio.to_thread(request_counts_by_version, w.metrics_port)
         assert w.terminate() == 0, w.log_tail()
@@ -119,4 +121,7 @@ def request_counts_by_version(port: int) -> dict[str, int]:
         text = resp.read().decode()
     found = re.findall(r'^infer_request_seconds_count\{[^}]*version="([^"]+)"[^}]*\} (\S+)$',
                        text, re.MULTILINE)  # fmt: skip
-    return {version: int(float(count)) for version, count in found}
+    counts: Counter[str] = Counter()
+    for version, count in found:  # one series per lane, summed
+        counts[version] += int(float(count))
+    return dict(counts)

@@ -29,7 +29,8 @@ async def test_a_real_model_answers_every_request_as_alone(
     requests = real_models.requests(name, np.random.default_rng(26), n)
     env = {
         "INFER_WORKER_MODEL__PATH": str(path),
-        # Wait for the whole backlog, so that requests of several sizes share batches.
+        # Requests of several sizes share batches: sent as a backlog before the
+        # worker starts (serve's backlog), and a batch waits for all of one fetch.
         "INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS": "200",
         **model.env,
     }
@@ -38,7 +39,7 @@ async def test_a_real_model_answers_every_request_as_alone(
         (f"{name}-{i}", wire(f"{name}-{i}", {k: Tensor.from_numpy(v) for k, v in r.items()}))
         for i, r in enumerate(requests)
     ]
-    results = await serve(broker, names, wired, env, partitions=1, metrics=metrics)
+    results = await serve(broker, names, wired, env, partitions=1, metrics=metrics, backlog=True)
     batches = sum(v for k, v in metrics.items() if k.startswith("infer_batches_total"))
     assert batches < n, f"{n} requests in {batches} batches: the sizes were not mixed"
     for i, request in enumerate(requests):

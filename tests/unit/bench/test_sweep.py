@@ -188,3 +188,29 @@ def test_plot_is_drawn_and_without_matplotlib_the_points_still_are_written(
     assert "pip install matplotlib" in out and not (tmp_path / "again.png").exists()
     written = json.loads((tmp_path / "again.json").read_text())
     assert len(written["points"]) == 4 and written["recommendation"]["meets_slo"]
+
+
+def test_a_worker_that_keeps_up_is_sustained_whatever_its_latency() -> None:
+    """The answered rate is taken over the answers' own span: 200 requests sent
+    evenly over 2 s and each answered 0.3 s later is 100/s answered, sustained
+    (over first send to last answer it read 87/s, not sustained)."""
+    from worker.bench.openloop import SweepPoint, _score
+    from worker.contract import ModelInfo, Result, Source, encode_result
+    from worker.ops.topics import Collected, Produced
+
+    n, latency = 200, 0.3
+    produced = [Produced(b"k%d" % i, b"", i * 2.0 / (n - 1), 0, i) for i in range(n)]
+    value = encode_result(Result(id="r", status="ok", source=Source("t", 0, 0),
+                                 model=ModelInfo("m", "v")))  # fmt: skip
+    answers = [Collected(p.key, value, {}, 0, i, p.sent_at + latency)
+               for i, p in enumerate(produced)]  # fmt: skip
+
+    class Tally:
+        def answers(self, collector: object, topic: str) -> list[Collected]:
+            return answers if topic == "results" else []
+
+    point = SweepPoint(64, 0.0, rate=100.0, sent=n)
+    _score(point, Tally(), None, {"results": "results", "dlq": "dlq"}, produced)  # type: ignore[arg-type]
+    assert point.offered == pytest.approx(100, rel=0.01)
+    assert point.throughput == pytest.approx(point.offered) and point.sustained
+    assert point.seconds == pytest.approx(2.0 + latency)
