@@ -115,7 +115,11 @@ async def restart_one_member(
             await wait_assigned(list(live.values()), PARTS)
         await producing
         done = await results.collect(lambda c: answered(c) >= len(records), 120.0)
-        assert done, f"{answered(results)} of {len(records)}\n{live['w1'].log_tail()}"
+        if not done:
+            dlq = await dead_letters(broker, names)
+            logs = "\n".join(w.log_tail() for w in gone[-2:])
+            raise AssertionError(f"{answered(results)} of {len(records)}; DLQ {dlq}\n"
+                                 f"{logs}\n{live['w1'].log_tail()}")  # fmt: skip
         restarted.append(await asyncio.to_thread(live["w1"].metrics))
         for w in live.values():
             assert w.terminate() == 0, w.log_tail()
@@ -133,6 +137,22 @@ async def restart_one_member(
     print(f"per restart: partition resets {resets}, redeliveries dropped {redelivered}")
     assert sum(resets) == 0 and sum(redelivered) == 0, (resets, redelivered)
     return results, restarted
+
+
+async def dead_letters(broker: Broker, names: dict[str, str]) -> list[str]:
+    """The DLQ's records, as "code topic:partition@offset" (for a failure's message)."""
+    c = Collector(broker.bootstrap, [names["dlq"]])
+    await c.start()
+    try:
+        await c.collect(lambda c: False, 1.0)
+    finally:
+        await c.stop()
+    return [
+        f"{r.headers.get('error.code', b'?').decode()} "
+        f"{r.headers.get('source.partition', b'?').decode()}@"
+        f"{r.headers.get('source.offset', b'?').decode()}"
+        for r in c.records[names["dlq"]]
+    ]
 
 
 async def exactly_once_report(
