@@ -32,13 +32,21 @@ DEFAULT_CRASH_GUARD_TOPIC: Final = "infer.crash-guard"
 
 @dataclass(frozen=True)
 class KafkaConfig:
+    # Where the Kafka cluster is: host:port[,host:port...] of one or more brokers.
     bootstrap_servers: str = "localhost:9092"
+    # The topics requests are read from (each must exist: the worker refuses to start
+    # without them); a TOML list, or comma-separated in the environment variable.
     input_topics: tuple[str, ...] = ("infer.requests",)
     # Priority lanes over the input topics ([[kafka.lanes]], README "Priority
     # lanes"); () = every input topic in one lane.
     lanes: tuple[LaneConfig, ...] = ()
+    # Where every result goes, keyed like its request (must exist).
     output_topic: str = "infer.results"
+    # Where records that cannot be read as requests go, bytes unchanged, with the reason in
+    # headers (must exist; a shadow writes none).
     dlq_topic: str = "infer.dlq"
+    # The consumer group: workers of one group share the input partitions; its committed
+    # offsets are where a restart resumes.
     group_id: str = "infer-worker"
     # Static membership (KIP-345): a member restarting within session_timeout_ms
     # keeps its partitions, so a rolling restart causes no rebalances. Unique per
@@ -54,8 +62,15 @@ class KafkaConfig:
     # counted in infer_requests_rejected_total) and neither writes nor reads
     # crash-guard marks. It needs a group_id and an output_topic of its own.
     shadow: bool = False
+    # Names this worker's clients on the broker (its logs, quotas); run --procs N suffixes
+    # member i's with -i; every log line carries it as member.
     client_id: str = "infer-worker"
+    # How clients connect: plaintext, TLS, SASL over plaintext or SASL over TLS (README
+    # "Secured Kafka").
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    # SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (sasl_plain_username and a
+    # password), GSSAPI (Kerberos, needs the gssapi package) or OAUTHBEARER (a token,
+    # below).
     sasl_mechanism: SaslMechanism = "PLAIN"
     # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
     # factory returning an aiokafka AbstractTokenProvider (see README).
@@ -64,23 +79,36 @@ class KafkaConfig:
     # authentication (a sidecar or a projected volume keeps it fresh), or a
     # command that prints one (run again before the token's "exp").
     sasl_oauth_token_file: str | None = None
+    # OAUTHBEARER: a command whose output is the token, run again before the token's exp.
     sasl_oauth_token_command: str | None = None
+    # The SASL user (PLAIN and SCRAM).
     sasl_plain_username: str | None = None
     # The password, or a file holding it (a mounted secret; read when a client
     # is built, so a rotated secret is used by the next connection's client).
     # A Secret (a str given in code is wrapped): never printed or logged.
     sasl_plain_password: Secret | None = None
+    # A file holding the SASL password (a mounted secret), instead of sasl_plain_password.
     sasl_plain_password_file: str | None = None
+    # TLS: the certificate authority (PEM) that signed the brokers' certificates; unset =
+    # the system's.
     ssl_cafile: str | None = None
+    # TLS client authentication (mTLS): this worker's certificate (PEM).
     ssl_certfile: str | None = None
+    # TLS client authentication: the private key of ssl_certfile (PEM).
     ssl_keyfile: str | None = None
     # The password of an encrypted ssl_keyfile, or a file holding it.
     ssl_password: Secret | None = None
+    # A file holding the password of an encrypted ssl_keyfile, instead of ssl_password.
     ssl_password_file: str | None = None
+    # How long the group waits for a silent member before giving its partitions to others (a
+    # crashed worker's partitions move after this).
     session_timeout_ms: int = 10000
     heartbeat_interval_ms: int = 0  # 0 = min(3000, session_timeout_ms / 3), Kafka's advice
+    # The longest a member may go between reads before the group considers it stuck.
     max_poll_interval_ms: int = 300000
+    # The most records one read hands over.
     max_poll_records: int = 500
+    # The most bytes one fetch response holds, all partitions together.
     fetch_max_bytes: int = 52428800
     # How long the broker may hold a fetch waiting for data: an upper bound on the
     # latency an idle partition adds to a new request.
@@ -96,7 +124,9 @@ class KafkaConfig:
     max_partition_fetch_bytes: int = 0
     # Producer side: results can carry tensors, so allow more than Kafka's 1 MB default.
     max_request_size: int = 16777216
+    # Compression of the result records the worker produces.
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
+    # How long the producer waits to fill a record batch before sending it.
     linger_ms: int = 2
     # At-least-once: the most often acknowledged offsets are committed (a commit
     # carries every partition's watermark that moved since the last). Each
@@ -105,10 +135,14 @@ class KafkaConfig:
     # the stream. Revocation, shutdown and the crash guard commit at once.
     # 0 = after every acknowledgement. Exactly-once commits in its transactions.
     commit_interval_ms: int = 100
+    # How long a client waits for a broker's answer to one request before it counts as
+    # failed.
     request_timeout_ms: int = 30000
     # Producer: how long to wait between redelivery attempts of unacknowledged
     # results (doubling up to 10 s) while the broker is unreachable.
     retry_backoff_ms: int = 200
+    # How often clients refresh the cluster's metadata (new partitions, moved leaders) even
+    # when nothing failed.
     metadata_max_age_ms: int = 300000
     # Idempotent producer (the producer's own retries never duplicate a result):
     # "auto" tries it and, where the broker refuses InitProducerId (the embedded
@@ -139,6 +173,8 @@ class KafkaConfig:
     # ([kafka.consumer_options] in TOML, INFER_WORKER_KAFKA__CONSUMER_OPTIONS__<ARG>).
     # Arguments the worker sets itself are refused: they carry its guarantees.
     consumer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
+    # Any other aiokafka producer argument, passed through the same way
+    # ([kafka.producer_options]).
     producer_options: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     @property

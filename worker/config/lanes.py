@@ -16,6 +16,8 @@ from worker.config.checks import check
 
 @dataclass(frozen=True)
 class LaneConfig:
+    # The lane's input topics (each also in kafka.input_topics; a topic belongs to one
+    # lane).
     topics: tuple[str, ...] = ()
     # Lower is served first; unique across lanes.
     priority: int = 0

@@ -29,12 +29,19 @@ class PreprocessConfig:
     channel (pixels scaled to [-1, 1])."""
 
     size: tuple[int, int] | None = None  # model input (height, width)
+    # Channels the model input takes (1 grey, 3 colour); unset = the model input's.
     channels: int | None = None
     scale: float = 1.0 / 255.0  # applied to uint8 before mean/std
+    # Per-channel mean subtracted after scaling; unset = 0.5 per channel.
     mean: tuple[float, ...] | None = None
+    # Per-channel standard deviation divided by after the mean; unset = 0.5 per channel.
     std: tuple[float, ...] | None = None
+    # Channels first (NCHW) or last (NHWC); unset = the model input's.
     layout: Literal["NCHW", "NHWC"] | None = None
+    # The model input's float type; unset = the model input's.
     dtype: Literal["float32", "float16"] | None = None
+    # Where images are resized and normalised: NumPy on the host, or the CUDA kernels of
+    # kernels/ (a GPU backend).
     device: Literal["cpu", "gpu"] = "cpu"
 
     def __post_init__(self) -> None:
@@ -72,6 +79,7 @@ class TensorInput:
     run, and every output that follows a padded dimension is cut back to each
     request's length (start-up refuses a model whose outputs cannot be)."""
 
+    # What the request input is: "tensor", passed through as sent.
     kind: Literal["tensor"] = "tensor"
     feed: str = ""  # the model input it feeds; "" = the one of the request input's name
     # None: derived (true when pad_value is set, as before padding had to be asked for).
@@ -102,7 +110,9 @@ class ConstantInput:
     dimension, such as a scalar); for a batched input, ``value`` is one row,
     repeated for every row of the batch."""
 
+    # "constant": the same value every run, set here, never sent.
     kind: Literal["constant"] = "constant"
+    # The constant's value (a number, a list, nested lists).
     value: TomlValue | None = None
     feed: str = ""  # the model input it feeds; "" = the one of its own name
 
@@ -116,6 +126,8 @@ class ImageInput(PreprocessConfig):
     and normalised as ``[model.preprocess]`` describes (same keys; what is left
     unset comes from the model input it feeds)."""
 
+    # "image": pixels or an image file, resized and normalised (the keys of
+    # [model.preprocess]).
     kind: Literal["image"] = "image"
     feed: str = ""  # the model input it feeds; "" = the one of the request input's name
 
@@ -129,11 +141,14 @@ class TextInput:
     ``tokenizers``, one call per batch) into the model inputs ``ids``, ``mask`` and,
     when the model has it, ``type_ids``; padded per batch."""
 
+    # "text": a string, tokenized per batch.
     kind: Literal["text"] = "text"
     # A tokenizer.json file (Hugging Face tokenizers), or builtin:NAME.
     tokenizer: str = ""
     max_length: int = 128  # tokens, special ones included; longer texts are truncated
+    # The model input fed the token ids.
     ids: str = "input_ids"
+    # The model input fed the attention mask.
     mask: str = "attention_mask"
     type_ids: str = "token_type_ids"  # fed only when the model has this input
 
@@ -230,7 +245,10 @@ class ModelConfig:
     # Results' model.name and metric labels; "" = derived from path (builtin:NAME
     # gives NAME, a file its stem).
     name: str = ""
+    # The model: builtin:digits, builtin:sentiment, an .onnx file, a TensorRT .plan, or for
+    # torch a TorchScript file or an exported .pt2 program.
     path: str = "builtin:digits"
+    # The engine: ONNX Runtime on the CPU (the default), TensorRT or torch on a GPU.
     backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
     # The shorthand for a classifier's one image input: the request input's name
     # (fed to the model's only image-shaped input) and its [model.preprocess].
@@ -249,6 +267,8 @@ class ModelConfig:
     # axis: the whole output is the row). The file's shape for it is then not
     # held against what the engine returns; the rows on that axis still are.
     output_axes: dict[str, str | int | float | bool] = field(default_factory=dict)
+    # ONNX Runtime's threads inside one engine run (batches already run side by side,
+    # batching.max_inflight_batches).
     intra_op_threads: int = 1
     # The model file has no batch axis at all (a recurrent model of input
     # [seq_len, 576] and state [1, 1, 128]): each engine run is one request,
@@ -260,7 +280,9 @@ class ModelConfig:
     # models"); a sequence idle this long is dropped, and at most max_sequences
     # are kept (a new one beyond is answered with an error, never by evicting one).
     state: dict[str, StateConfig] = field(default_factory=dict)
+    # Stateful models: a sequence idle this long is dropped.
     state_ttl_s: float = 3600.0
+    # Stateful models: the most sequences kept; a new one beyond is answered with an error.
     max_sequences: int = 100_000
     # How often to look for a new version of the model file (its content hash)
     # and swap it in between batches, checked first (README "Rolling out a model

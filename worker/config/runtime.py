@@ -26,6 +26,8 @@ class BatchingConfig:
     # Sizes the engine is tuned for; a batch of one of these is sent without waiting.
     # Empty (Triton's default): batches flush when full, on the delay or a deadline.
     preferred_batch_sizes: tuple[int, ...] = ()
+    # Batches run at once: CPU threads each with its own buffers (GPU: slots, unless
+    # gpu.num_slots is set).
     max_inflight_batches: int = 4
     # Decoded requests waiting for a batch; consumption blocks beyond this.
     # 0 = max(2048, 2 * max_batch_size).
@@ -34,6 +36,8 @@ class BatchingConfig:
     # read but not yet answered, and resumed at half of it.
     # 0 = max(1024, 2 * max_batch_size * max_inflight_batches).
     max_inflight_records: int = 0
+    # Backpressure in bytes: fetching pauses while this many request bytes are read but not
+    # answered.
     max_inflight_bytes: int = 268435456
     # A failing batch is split in halves until the failing request is alone; a lone
     # failing request is run this many times before it is answered inference_failed.
@@ -51,6 +55,7 @@ class BatchingConfig:
     # upper bounds; () = powers of two. On a GPU they are also the lengths
     # compiled and captured at start-up, for every free dimension.
     split_by_length: bool = True
+    # The length buckets of split_by_length (ascending upper bounds; () = powers of two).
     length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -125,6 +130,7 @@ class BatchingConfig:
 class GpuConfig:
     """Provisioning of the GPU stage (backends ``tensorrt`` and ``torch``)."""
 
+    # The CUDA device of the GPU path (its index as CUDA numbers devices).
     device: int = 0
     # Batches in flight on the device (one CUDA stream + buffers each);
     # 0 = batching.max_inflight_batches. TensorRT plans need one profile per slot.
@@ -155,8 +161,12 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
+    # The largest input record read; a larger one goes to the DLQ as too_large, unread.
     max_record_bytes: int = 8 * 1024 * 1024
+    # The largest tensor or image file in a request; larger is answered too_large.
     max_tensor_bytes: int = 4 * 1024 * 1024
+    # The most pixels an image may have (checked from its header before decoding); more is
+    # answered too_large.
     max_image_pixels: int = 4096 * 4096
     # UTF-8 bytes of one text input. msgpack's string limit is raised to it, so a
     # longer string anywhere in a record makes the record undecodable (DLQ).
@@ -183,6 +193,7 @@ class DlqConfig:
 
     max_consecutive: int = 1000  # 0 disables
     max_ratio: float = 0.5  # failures / records over the last ``window`` records
+    # The records max_ratio is taken over.
     window: int = 2000
 
     def __post_init__(self) -> None:
@@ -203,6 +214,7 @@ class ShutdownConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     port: int = 9108  # 0 disables the HTTP endpoint
+    # The address /metrics and the health endpoints listen on.
     host: str = "0.0.0.0"
     # /livez fails once the event loop has not ticked for this long.
     liveness_timeout_ms: int = 10000
@@ -214,7 +226,10 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    # Log lines as JSON (one object a line) or for a console; auto = console in a terminal,
+    # JSON otherwise.
     format: Literal["auto", "json", "console"] = "auto"
+    # The least severe level logged (libraries at warning and above whatever this says).
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
@@ -224,10 +239,12 @@ class TracingConfig:
     ``enabled`` the worker also emits one span per request (OpenTelemetry SDK,
     the ``tracing`` extra) over OTLP/HTTP."""
 
+    # One span per request, exported over OTLP/HTTP (the tracing extra).
     enabled: bool = False
     # OTLP/HTTP traces endpoint, e.g. "http://collector:4318/v1/traces"; "" = the
     # SDK's (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else localhost:4318).
     endpoint: str = ""
+    # The spans' service.name.
     service_name: str = "infer-worker"
     # Share of traces recorded: a request whose traceparent says sampled (or not)
     # is recorded (or not) as its caller decided; a request without one starts a

@@ -70,6 +70,9 @@ def _fields(fields: dict[str, Any]) -> structlog.types.Processor:
     return add
 
 
+# aiokafka's warning for a topic its metadata does not have (format string).
+_MISSING_TOPIC = "Topic %s not found in cluster metadata"
+
 # Library messages that say the group is still forming (a fresh cluster, a new
 # group, a coordinator moving): retried by the client, nothing to act on.
 _FORMING = ("CoordinatorNotAvailable", "NotCoordinator", "CoordinatorLoadInProgress")
@@ -83,7 +86,8 @@ class LibraryLogFilter(logging.Filter):
     - a message repeated (same logger, level and text before its arguments) is
       let through at most ``burst`` times per ``interval`` seconds; the first
       let through after a spell says how many were held back. A revoked ACL
-      made aiokafka log 302 lines for 20 requests.
+      made aiokafka log 302 lines for 20 requests;
+    - "Topic X not found in cluster metadata" once per topic.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class LibraryLogFilter(logging.Filter):
         super().__init__()
         self._shown = shown
         self._limits: dict[tuple[str, int, str], RateLimited] = {}
+        self._missing_topics: set[str] = set()
         self._burst, self._interval, self._clock = burst, interval, clock
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -106,6 +111,15 @@ class LibraryLogFilter(logging.Filter):
         if record.levelno < self._shown:
             return False
         key = (record.name, record.levelno, str(record.msg))
+        if str(record.msg).startswith(_MISSING_TOPIC) and record.args:
+            # Once per topic, naming it: aiokafka repeats it for every metadata
+            # refresh while a topic is missing (300 lines from one produce).
+            topic = str(record.args[0] if isinstance(record.args, tuple) else record.args)
+            if topic in self._missing_topics:
+                return False
+            self._missing_topics.add(topic)
+            record.msg = f"{record.msg} (said once per topic; the worker and the tools name it)"
+            return True
         limit = self._limits.get(key)
         if limit is None:
             if len(self._limits) >= 1024:  # bounded: forget the oldest spells

@@ -137,3 +137,18 @@ def test_a_coordinator_still_forming_is_info_not_error() -> None:
                       "[Error 30] GroupAuthorizationFailedError")  # fmt: skip
     assert LibraryLogFilter(shown=logging.WARNING).filter(refused)
     assert refused.levelname == "ERROR"
+
+
+def test_a_missing_topic_is_said_once_per_topic_naming_it() -> None:
+    """aiokafka logs "Topic X not found in cluster metadata" at every metadata
+    refresh while X is missing (about 300 lines from one produce to a misspelt
+    topic, issue 56): once per topic, then the worker's or the tool's own message."""
+    from worker.obs.logs import LibraryLogFilter
+
+    f = LibraryLogFilter()
+    fmt = "Topic %s not found in cluster metadata"
+    passed = [r for r in (_record("aiokafka.cluster", logging.ERROR, fmt, t)
+                          for t in ["a.typo"] * 300 + ["b.typo"] * 5) if f.filter(r)]  # fmt: skip
+    assert [r.getMessage().split(" (")[0] for r in passed] == [
+        "Topic a.typo not found in cluster metadata", "Topic b.typo not found in cluster metadata",
+    ]  # fmt: skip
