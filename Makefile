@@ -14,7 +14,7 @@ PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check \
 # and workers rather than compute): `make test PYTEST_PARALLEL=` runs them in one.
 PYTEST_PARALLEL ?= -n 3 --dist worksteal
 
-.PHONY: demo test bench lock newest clean
+.PHONY: demo test docs bench lock newest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,13 @@ test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
+
+# The documentation site into site/ (strict: a warning, a broken link or a missing
+# page fails it); the reference pages are generated from the code as it builds.
+docs: $(VENV)/.installed-test
+	$(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.installed-demo
 	$(BIN)/infer-worker bench --repeat 20
@@ -60,4 +66,4 @@ newest:
 	$(MAKE) VENV=.venv-newest CONSTRAINTS= test
 
 clean:
-	rm -rf $(VENV) .venv-newest .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .venv-newest site .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -86,6 +86,15 @@ def _input(value: np.ndarray | bytes | str) -> Tensor | EncodedImage | str:
 
 
 class InferenceClient:
+    """Request/response over Kafka from asyncio code: ``infer`` sends one request
+    and returns its result. Start it with ``async with`` (or ``start()`` and
+    ``stop()``): a producer for the requests and a reader of the output topic
+    (every partition, from the beginning, no consumer group) that hands each
+    result to the call waiting for its id. Calls may overlap freely; an error
+    result is returned, not raised. ``from_settings`` builds one from a worker's
+    ``[kafka]`` settings, so a failed start is diagnosed as the worker would
+    diagnose it (a ``ConfigError`` naming the setting)."""
+
     def __init__(
         self,
         bootstrap_servers: str,

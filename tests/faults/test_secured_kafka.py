@@ -355,3 +355,36 @@ async def test_a_read_acl_revoked_while_serving_makes_the_worker_not_ready_until
         assert w.terminate() == 0, w.log_tail()
     finally:
         w.kill()
+
+
+async def test_topics_create_and_check_reach_a_secured_cluster(
+    secured: KafkaCluster, pki: Pki, names: dict[str, str]
+) -> None:
+    """``infer-worker topics`` connects as the worker does (SASL_SSL, a client
+    principal allowed to create and describe its own topics, nothing else):
+    check finds them missing, create makes them, check then passes (issue 56)."""
+    client = "User:client"
+    prefix = names["requests"].rsplit(".", 1)[0] + "."
+    await grant(secured.bootstrap, [
+        Acl(client, "Create", "topic", prefix + "*"),
+        Acl(client, "Describe", "topic", prefix + "*"),
+        Acl(client, "DescribeConfigs", "topic", prefix + "*"),
+    ])  # fmt: skip
+    env = client_env(secured, pki, names) | {
+        "INFER_WORKER_KAFKA__CRASH_GUARD_TOPIC": names["guard"],
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "worker", "topics", *args], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+    before = await asyncio.to_thread(cli, "check")
+    assert before.returncode == 1 and before.stdout.count("MISSING") == 4, before.stdout
+    made = await asyncio.to_thread(cli, "create", "--partitions", "2")
+    assert made.returncode == 0, made.stdout + made.stderr[-2000:]
+    assert "replication 1" in made.stdout  # the smaller of 3 and the brokers
+    after = await asyncio.to_thread(cli, "check")
+    assert after.returncode == 0, after.stdout + after.stderr[-2000:]
+    assert "compact" not in after.stdout  # the crash-guard topic is compacted as needed
+    for run in (before, made, after):
+        assert_no_secret(run.stdout + run.stderr)

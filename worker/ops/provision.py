@@ -29,13 +29,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 
 from worker.config import Settings
 from worker.flow.deadline import Deadline
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_PARTITIONS = 6
 COMPACTED = {"cleanup.policy": "compact"}
@@ -69,7 +76,7 @@ class Found:
 
     topic: NeededTopic
     partitions: int
-    configs: dict[str, str]
+    configs: dict[str, str] | None  # None: this principal may not read them
 
     @property
     def exists(self) -> bool:
@@ -81,7 +88,7 @@ class Found:
             return []
         out = []
         for key, value in self.topic.configs.items():
-            if self.configs.get(key) != value:
+            if self.configs is not None and self.configs.get(key) != value:
                 out.append(f"{key} is {self.configs.get(key) or 'unset'}, needs {value}")
         if (
             self.topic.partitions is None
@@ -98,14 +105,19 @@ async def survey(s: Settings, topics: Sequence[NeededTopic]) -> tuple[list[Found
     admin = AIOKafkaAdminClient(**connection(s.kafka))
     await admin.start()
     try:
-        names = set(await admin.list_topics())  # all topics: creates none
-        present = [t.name for t in topics if t.name in names]
-        described = await admin.describe_topics(present) if present else []
-        counts = {d["topic"]: len(d["partitions"]) for d in described if d["error_code"] == 0}
-        configs = await _configs(admin, present)
-        brokers = len((await admin.describe_cluster())["brokers"])
-        found = [Found(t, counts.get(t.name, 0), configs.get(t.name, {})) for t in topics]
-        return found, brokers
+        # One metadata request for every topic (it creates none): the topics this
+        # principal may Describe, their partitions, and the brokers.
+        cluster = await admin._client.fetch_all_metadata()
+        counts = {t: len(cluster.partitions_for_topic(t) or ()) for t in cluster.topics()}
+        present = [t.name for t in topics if counts.get(t.name)]
+        try:
+            configs = await _configs(admin, present)
+        except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
+            configs = {}  # not allowed DescribeConfigs: compaction cannot be checked
+            log.warning("topic_configs_unreadable", topics=present,
+                        fix="grant DescribeConfigs on them to check cleanup.policy")  # fmt: skip
+        found = [Found(t, counts.get(t.name, 0), configs.get(t.name)) for t in topics]
+        return found, len(cluster.brokers())
     finally:
         await admin.close()
 
@@ -120,8 +132,9 @@ async def _configs(admin: AIOKafkaAdminClient, names: Sequence[str]) -> dict[str
     )
     out: dict[str, dict[str, str]] = {}
     for response in responses:
-        for _code, _message, _type, name, entries in response.resources:
-            out[name] = {entry[0]: entry[1] for entry in entries}
+        for code, _message, _type, name, entries in response.resources:
+            if code == 0:  # else (not allowed, say): unknown, not "unset"
+                out[name] = {entry[0]: entry[1] for entry in entries}
     return out
 
 
