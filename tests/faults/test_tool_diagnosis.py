@@ -18,6 +18,7 @@ import pytest
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_pki import Pki
 from devkit.kafka_security import Acl, grant
+from tests.documentation import documentation
 from worker.ops.broker import create_topics
 from worker.ops.samples import encode_samples, labelled_samples
 from worker.ops.topics import Collector, produce_all
@@ -148,7 +149,7 @@ async def test_a_tool_runs_with_exactly_the_acls_readme_lists_for_it(
 
 
 def test_the_readme_lists_what_each_tool_is_run_with_here() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = documentation()
     for row in (
         "| a producing client (`produce --no-wait`, your application) | Write | topic, each "
         "input topic it sends to |",
@@ -157,7 +158,7 @@ def test_the_readme_lists_what_each_tool_is_run_with_here() -> None:
         "| `verify` | Read | every input topic, `kafka.output_topic`, `kafka.dlq_topic` |",
         "| `compare` | Read | both result topics (and `--input-topic` for labels) |",
         "| `build-engine --calibration-topic` | Read | that topic |",
-        "| a shadow worker ([Rolling out a model safely](#rolling-out-a-model-safely)) | as "
+        "| a shadow worker ([Rolling out a model safely](rollout.md)) | as "
         "the worker above, on its own group and output topic | no DLQ and no crash-guard "
         "topic: a shadow writes neither |",
     ):

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from tests.documentation import documentation
 from tests.images import encode
 from tests.onnx_models import ranker, run_alone
 from tests.required_tools import binary
@@ -251,7 +252,6 @@ README_KCAT = (
 )
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 async def test_the_readme_kcat_one_liner_gets_an_answer(
@@ -262,7 +262,7 @@ async def test_the_readme_kcat_one_liner_gets_an_answer(
     if broker.kind != "kafka":
         pytest.skip("kcat's librdkafka 1.9 fails ApiVersionRequest against Tansu")
     binary("kcat", "apt-get install kcat (Debian/Ubuntu)")
-    readme = await asyncio.to_thread(README.read_text)
+    readme = await asyncio.to_thread(documentation)
     shown = {"BOOTSTRAP": "localhost:9092", "REQUESTS": "infer.requests",
              "RESULTS": "infer.results"}  # fmt: skip
     here = {"BOOTSTRAP": broker.bootstrap, "REQUESTS": names["requests"],

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from devkit.apache_kafka import KafkaCluster
+from tests.documentation import documentation
 from tests.images import encode
 from worker.bench.demo import labelled_samples
 from worker.ops.broker import create_topics
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_example(name: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = documentation()
     marker = text.index(f"<!-- example: {name}")
     start = text.index("```python\n", marker) + len("```python\n")
     return text[start : text.index("```\n", start)]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.documentation import documentation
 from worker.__main__ import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def _examples(text: str) -> list[str]:
 
 
 def _readme_examples() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = documentation()
     blocks = re.findall(r"```(?:sh|bash|console)\n(.*?)```", text, re.S)
     return [e for block in blocks for e in _examples(block)]
 

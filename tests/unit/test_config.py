@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.documentation import documentation
 from worker.config import load_settings, redacted
 from worker.flow.errors import ConfigError
 
@@ -53,7 +54,7 @@ def test_the_example_file_holds_the_defaults_and_says_them_as_readme_does() -> N
     assert (plain, lanes) == (1 << 20, 64 << 10)
     said = "0 = 1 MiB, or 64 KiB with"
     assert re.search(r"^max_partition_fetch_bytes = 0 +# " + said, EXAMPLE.read_text(), re.M)
-    readme = (EXAMPLE.parent / "README.md").read_text()
+    readme = documentation()
     assert "`max_partition_fetch_bytes` (" + said in readme
 
 

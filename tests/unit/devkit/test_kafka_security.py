@@ -11,6 +11,7 @@ from pathlib import Path
 
 from devkit.kafka_pki import make_pki
 from devkit.kafka_security import Acl, unsecured_token, worker_acls
+from tests.documentation import documentation
 from worker.kafka.credentials import token_expiry
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,7 +22,7 @@ KIND = {"topic": "topic", "group": "group", "transactional id": "transactional_i
 
 
 def readme_acls() -> set[tuple[str, str, str]]:
-    text = (ROOT / "README.md").read_text()
+    text = documentation()
     table = text[text.index("| operation | resource | for |") :].split("\n\n")[0]
     rows = set()
     for line in table.splitlines()[2:]:
