@@ -232,7 +232,7 @@ async def grant_everything(bootstrap: str, principal: str) -> None:
 
 
 def listener_variants(cluster: KafkaCluster, pki: Pki, password: str) -> dict[str, dict[str, str]]:
-    """Worker settings per secured listener (``bench.drain --broker kafka-secured``)."""
+    """Worker settings per secured listener (``benchmarks.drain --broker kafka-secured``)."""
     return {
         "sasl_ssl": client_settings(
             "SASL_SSL", cluster.listener("SASL_SSL"), pki, user="worker", password=password

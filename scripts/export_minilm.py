@@ -13,7 +13,7 @@ attention mask, L2 normalisation::
 exported with ``torch.onnx.export`` (opset 17, ``batch`` and ``sequence``
 dynamic), checked against ``SentenceTransformer.encode`` on the same sentences.
 The reference embeddings (``reference.json``) are what the worker's answers are
-held to (tests/integration/test_minilm.py, bench/minilm.py).
+held to (tests/integration/test_minilm.py, benchmarks/minilm.py).
 
 Writes to ``--out-dir`` (default: ``$INFER_WORKER_CACHE/models/all-minilm-l6-v2``,
 ``~/.cache/infer-worker/...``): ``model.onnx``, ``tokenizer.json``,

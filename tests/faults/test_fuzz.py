@@ -1,10 +1,10 @@
 """A seeded corpus of mutated requests through a real worker (issue 10; the
-100,000-payload run is ``bench/fuzz.py``, figures in BENCHMARKS.md): every
+100,000-payload run is ``benchmarks/fuzz.py``, figures in BENCHMARKS.md): every
 payload answered, by the same process, in bounded memory."""
 
 from __future__ import annotations
 
-from bench.fuzz import run
+from benchmarks.fuzz import run
 
 
 async def test_mutated_records_and_image_files_are_all_answered_without_a_crash() -> None:

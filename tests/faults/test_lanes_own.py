@@ -58,7 +58,7 @@ async def test_a_lane_of_its_own_is_served_apart_and_a_sigkill_loses_nothing(
         await until(lambda: _dispatched(alone, "urgent") >= URGENT, 60, "urgent dispatched")
         # Each process holds its own lane only: no urgent request is batched in
         # the bulk lane's process, whatever it has waiting. How soon the urgent
-        # lane answers beside a drain is bench.lanes' measure (``lanes-own``):
+        # lane answers beside a drain is benchmarks.lanes' measure (``lanes-own``):
         # the bulk lane's process, without lanes, drains this backlog on Kafka
         # before a test could time an order.
         assert _dispatched(w, "urgent") == 0 and _dispatched(alone, "bulk") == 0

@@ -136,10 +136,10 @@ def test_bench_model_with_two_processes(signum: int, via_timeout: bool, tmp_path
         [PY, "-m", "worker", "demo", "--repeat", "10", "--rate", "50"],
         [PY, "-m", "worker", "bench", "--sweep", "--delays", "0", "--rates", "50",
          "--duration", "60", "--plot", ""],
-        [PY, "-m", "bench.drain", "--records", "100000", "--repeat", "1", "--peers"],
-        [PY, "-m", "bench.latency", "--rate", "50", "--records", "3000", "--peers"],
+        [PY, "-m", "benchmarks.drain", "--records", "100000", "--repeat", "1", "--peers"],
+        [PY, "-m", "benchmarks.latency", "--rate", "50", "--records", "3000", "--peers"],
     ],
-    ids=["demo", "sweep", "bench.drain", "bench.latency"],
+    ids=["demo", "sweep", "benchmarks.drain", "benchmarks.latency"],
 )  # fmt: skip
 def test_other_tools_on_sigterm(argv: list[str], tmp_path: Path) -> None:
     _stop_and_check(argv, 1, signal.SIGTERM, tmp_path)

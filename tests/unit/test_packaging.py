@@ -65,7 +65,7 @@ def test_wheel_from_docker_build_context_has_kernels_and_model(tmp_path: Path) -
         if "__pycache__" not in p.parts
     }
     assert source <= names, sorted(source - names)
-    assert not [n for n in names if n.startswith(("bench/", "tests/", "devkit/"))]
+    assert not [n for n in names if n.startswith(("benchmarks/", "tests/", "devkit/"))]
     # No test harness in it: nothing that fetches Apache Kafka's jars or starts a
     # broker from them (devkit/ holds that, outside the wheel).
     with zipfile.ZipFile(wheel) as whl:

@@ -13,5 +13,5 @@
 - ``sweep``: ``bench --sweep`` from start to end; ``sweep_report``: its outputs
 
 The ingest ceiling (a bare consumer) is ``worker.bench.ceiling``, shared with the
-repository's ``bench/`` scripts.
+repository's ``benchmarks/`` scripts.
 """

@@ -37,7 +37,7 @@ PROCESS_RATE: Final[dict[tuple[str, str], float]] = {
     ("resnet50", "jpeg"): 8_000.0,
     ("resnet50", "png"): 2_000.0,
     ("resnet50", "raw"): 8_000.0,
-    # sentiment (onnxruntime, tokenized in the worker): bench.drain --payload text
+    # sentiment (onnxruntime, tokenized in the worker): benchmarks.drain --payload text
     # measured 5.2k-5.9k texts/s here; x1.5 as above.
     ("sentiment", "text"): 8_500.0,
 }

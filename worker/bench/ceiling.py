@@ -2,7 +2,7 @@
 
 A bare aiokafka consumer that decodes each value with msgpack and discards it.
 No processor of the same records can beat it, so a worker's drain rate is read
-against it (``infer-worker bench --model``, ``python -m bench.drain``).
+against it (``infer-worker bench --model``, ``python -m benchmarks.drain``).
 """
 
 from __future__ import annotations

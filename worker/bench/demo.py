@@ -8,7 +8,7 @@ the accuracy over the stream equals the offline accuracy of the same ONNX model
 on the same inputs (``worker.ops.samples``). ``bench`` then runs the same
 requests through the naive one-request-at-a-time baseline on the same broker
 and reports the ratio. The baseline is benchmark code, not part of the worker:
-it lives in the repository's ``bench/`` folder, and ``bench`` runs it when
+it lives in the repository's ``benchmarks/`` folder, and ``bench`` runs it when
 started from a checkout.
 """
 
@@ -71,7 +71,7 @@ class DemoOptions:
 
 def naive_baseline() -> Path | None:
     """The naive baseline script of the repository checkout we run from, if any."""
-    path = Path.cwd() / "bench" / "naive.py"
+    path = Path.cwd() / "benchmarks" / "naive.py"
     return path if path.is_file() else None
 
 
@@ -305,7 +305,7 @@ async def _demo(opts: DemoOptions) -> int:
             runs.append(await _run_once(broker, "naive", samples, opts))
         elif opts.baseline:
             print(
-                "  naive baseline: skipped (it lives in bench/naive.py of a repository "
+                "  naive baseline: skipped (it lives in benchmarks/naive.py of a repository "
                 "checkout; run bench from there)",
                 file=sys.stderr,
             )

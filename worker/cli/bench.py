@@ -135,9 +135,9 @@ def add_demo_and_bench(sub: Subparsers[argparse.ArgumentParser]) -> None:
             "bench",
             "throughput and latency of the worker against a naive baseline",
             "The demo's run, then the same requests through a naive one-at-a-time loop "
-            "(bench/naive.py of a repository checkout: run this from there), and the ratio. "
+            "(benchmarks/naive.py of a repository checkout: run this from there), and the ratio. "
             "For the backlog drain against the ingest ceiling and the peers see "
-            "python -m bench.drain and python -m bench.latency.\n\n"
+            "python -m benchmarks.drain and python -m benchmarks.latency.\n\n"
             + SWEEP_DESCRIPTION
             + "\n\n"
             + MODEL_DESCRIPTION,

@@ -8,7 +8,7 @@ raw tensor. A file that fails to decode (corrupt, truncated) is answered
 ``invalid_request`` with the decoder's complaint; the rest of the batch runs.
 
 Pillow was chosen over OpenCV by measurement and by what it can do first: OpenCV
-decodes JPEG about 18% faster on one core (bench/decode.py, BENCHMARKS.md), but
+decodes JPEG about 18% faster on one core (benchmarks/decode.py, BENCHMARKS.md), but
 cannot read an image's dimensions without decoding it, and the pixel limit must
 be enforced before any pixel is allocated. EXIF orientation is not applied: the
 pixels are used as stored, as a tensor's would be.

@@ -1,4 +1,4 @@
-"""The drain bench's CPU accounting (``bench/cpu.py``): the processor's own CPU
+"""The drain bench's CPU accounting (``benchmarks/cpu.py``): the processor's own CPU
 per record, and the whole machine's beside it, over the window records arrived."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench.cpu import CpuWindow, host_cpu_seconds
+from benchmarks.cpu import CpuWindow, host_cpu_seconds
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc")
 

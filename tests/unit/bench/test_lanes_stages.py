@@ -1,8 +1,8 @@
-"""``bench.lanes``' split of an urgent request's time inside the worker."""
+"""``benchmarks.lanes``' split of an urgent request's time inside the worker."""
 
 from __future__ import annotations
 
-from bench.lanes import _stages
+from benchmarks.lanes import _stages
 
 
 def test_the_stages_split_the_total_and_after_is_what_the_engine_left() -> None:

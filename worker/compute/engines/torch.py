@@ -318,7 +318,7 @@ class TorchEngine:
         # maybe_: a model whose code specialises a marked dimension compiles for
         # that size (dynamo then recompiles dynamic at the next bucket) instead of
         # failing. torch 2.9 on the CPU does so for ResNet-18 in channels_last at
-        # batch 16 (not at 8, 4, 2): bench/torch_start.py.
+        # batch 16 (not at 8, 4, 2): benchmarks/torch_start.py.
         mark = self._torch._dynamo.maybe_mark_dynamic
         if len(self.shapes.batches) > 1:
             mark(x, 0)

@@ -1,8 +1,8 @@
 """Per-record costs of the worker's own Python on the hot path, in microseconds.
 
-    .venv/bin/python -m bench.record_budget [--json out.json]
+    .venv/bin/python -m benchmarks.record_budget [--json out.json]
     # the code of another commit, same interpreter and packages:
-    (cd ../base && PYTHONPATH=$PWD ../main/.venv/bin/python -m bench.record_budget)
+    (cd ../base && PYTHONPATH=$PWD ../main/.venv/bin/python -m benchmarks.record_budget)
 
 Times, with ``timeit``, what every record costs on the event loop: decoding a
 16x16 digits request (as the drain and the demo send it, with a small meta),

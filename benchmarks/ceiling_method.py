@@ -1,7 +1,7 @@
 """The ingest ceiling, timed two ways on the same backlog, alternating.
 
     git show 35c236e:worker/bench/ceiling.py > /tmp/old_drain.py
-    .venv/bin/python -m bench.ceiling_method /tmp/old_drain.py --records 30000 --repeat 4
+    .venv/bin/python -m benchmarks.ceiling_method /tmp/old_drain.py --records 30000 --repeat 4
 
 ``old``: ``drain_ceiling`` from the given file (before 2026-11-23's change: a
 consumer group, the clock started when the first fetch returned, every record
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=30000)
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--repeat", type=int, default=4)
-    with children_die_with_this_process("bench.ceiling_method"):
+    with children_die_with_this_process("benchmarks.ceiling_method"):
         summary = asyncio.run(run(p.parse_args()))
     print(json.dumps(summary, indent=2))
 

@@ -1,7 +1,7 @@
 """INT8 and FP16 on the CPU path (issue 30): engine-alone speed, agreement with
 float32 and accuracy, for the bundled digits model and a real OCR recogniser.
 
-    .venv/bin/python -m bench.precision [--models digits,ppocr-rec] [--threads 1,2]
+    .venv/bin/python -m benchmarks.precision [--models digits,ppocr-rec] [--threads 1,2]
         [--repeats 5] [--seconds 2] [--json out.json]
 
 Each model is built at fp16 and int8 (per output channel, and per tensor) by
@@ -404,13 +404,13 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory() as tmp, children_die_with_this_process("precision"):
             report = asyncio.run(shadow_compare(Path(tmp), args.compare, args.compare_repeat))
-        report["command"] = "python -m bench.precision " + " ".join(sys.argv[1:])
+        report["command"] = "python -m benchmarks.precision " + " ".join(sys.argv[1:])
         args.compare.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2))
         return 0
     threads = [int(t) for t in args.threads.split(",")]
     doc: dict[str, Any] = {
-        "command": "python -m bench.precision " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.precision " + " ".join(sys.argv[1:]),
         "onnxruntime": ort.__version__,
         "cpus": os.cpu_count(),
         "models": {},

@@ -1,7 +1,7 @@
 """Stateful models per Kafka key (issue 28): throughput by number of streams, and
 restore time.
 
-    .venv/bin/python -m bench.stateful [--records 20000] [--streams 1,100,10000]
+    .venv/bin/python -m benchmarks.stateful [--records 20000] [--streams 1,100,10000]
         [--restore 100000] [--json out.json]
 
 silero-vad (the real voice-activity detector of tests/real_models.py, 512-sample
@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-from bench.drain import drain_worker
-from bench.summary import emit
+from benchmarks.drain import drain_worker
+from benchmarks.summary import emit
 from tests import real_models
 from worker.config import KafkaConfig
 from worker.contract import Request, Tensor, encode_request
@@ -136,7 +136,7 @@ def main() -> int:
     parser.add_argument("--restore", type=int, default=100_000, help="states to restore (0: skip)")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args()
-    with children_die_with_this_process("bench.stateful"):
+    with children_die_with_this_process("benchmarks.stateful"):
         summary = asyncio.run(run(args))
     emit(summary, args.json)
     return 0

@@ -2,7 +2,7 @@
 before) against ``header_problem`` (frame header read without Pillow), per file;
 and, for scale, the whole host decode (``decode_image``) of the same files.
 
-    .venv/bin/python -m bench.header
+    .venv/bin/python -m benchmarks.header
 
 Best of 7 passes over 200 digit JPEGs (8x8) and, where scikit-image is
 installed, its photographs at 256x256. Benchmark code: not shipped.

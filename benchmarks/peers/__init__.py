@@ -1,6 +1,6 @@
 """Peers: what a Python team would pick instead of the worker, each written as
 its users would, on the worker's model, payloads and wire contract. Each is a
-module started as ``python -m bench.peers.NAME`` with the worker's
+module started as ``python -m benchmarks.peers.NAME`` with the worker's
 ``INFER_WORKER_*`` environment. Benchmark code, not shipped."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def argv(name: str) -> list[str]:
     """The command that starts peer ``name`` (run from the repository root)."""
     if name not in NAMES:
         raise ValueError(f"unknown peer {name!r} (known: {', '.join(NAMES)})")
-    return [sys.executable, "-m", f"bench.peers.{name}", *_ARGS.get(name, ())]
+    return [sys.executable, "-m", f"benchmarks.peers.{name}", *_ARGS.get(name, ())]
 
 
 def package_argv(package_dir: str) -> list[str]:

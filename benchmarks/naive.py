@@ -78,7 +78,7 @@ async def serve_naive(settings: Settings, expect: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python bench/naive.py --expect N``: settings from ``INFER_WORKER_*``,
+    """``python benchmarks/naive.py --expect N``: settings from ``INFER_WORKER_*``,
     like the worker (``infer-worker bench`` starts it that way)."""
     import argparse
     import asyncio

@@ -1,11 +1,11 @@
-"""The host load of a bulk drain, without the worker doing the drain (bench.lanes'
+"""The host load of a bulk drain, without the worker doing the drain (benchmarks.lanes'
 ``urgent-loaded`` scenario, issue 39).
 
-    python -m bench.lanes_load BOOTSTRAP SOURCE SINK RATE
+    python -m benchmarks.lanes_load BOOTSTRAP SOURCE SINK RATE
 
 Copies SOURCE's records to SINK at RATE records/s (a token bucket), keyed
 ``b<n>`` like the bulk lane's results. The broker then appends, serves and
-replicates a bulk lane's traffic, and bench.lanes' reader reads it from the
+replicates a bulk lane's traffic, and benchmarks.lanes' reader reads it from the
 results topic as it reads bulk results, while the worker itself serves only
 the urgent lane. Urgent latency under this load, against the lanes scenario's,
 separates what the host's shared cores cost the urgent lane from what the

@@ -1,6 +1,6 @@
 """Group a py-spy profile's event-loop samples into the per-record buckets of issue 36.
 
-    .venv/bin/python -m bench.pyspy_buckets before.txt after.txt [--json out.json]
+    .venv/bin/python -m benchmarks.pyspy_buckets before.txt after.txt [--json out.json]
 
 Reads ``py-spy record --format raw`` files (collapsed stacks) of worker processes
 (``benchmarks/results/2026-11-26-pyspy-drain.sh`` makes them during a drain),

@@ -6,7 +6,7 @@
 librdkafka fetches, batches and decodes the protocol in C on its own threads, so
 what Python spends per record is the decode, the model and the encode: the
 strongest peer a Python team would pick (issue 36). Same model, preprocessing
-and wire contract as the worker (``bench.peers.common``); no pipelining, no
+and wire contract as the worker (``benchmarks.peers.common``); no pipelining, no
 deadline batching, no backpressure, no DLQ. Benchmark code, not shipped.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from bench.peers.common import Model
+from benchmarks.peers.common import Model
 
 
 def main() -> None:

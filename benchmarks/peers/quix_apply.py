@@ -9,7 +9,7 @@ import tempfile
 
 from quixstreams import Application, message_context
 
-from bench.peers.common import Model
+from benchmarks.peers.common import Model
 
 model = Model()
 k = model.settings.kafka

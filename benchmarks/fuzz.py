@@ -1,6 +1,6 @@
 """Fuzzing at scale: mutated requests through a real worker (issue 10).
 
-    .venv/bin/python bench/fuzz.py --payloads 100000 [--seed 1] [--json out.json]
+    .venv/bin/python benchmarks/fuzz.py --payloads 100000 [--seed 1] [--json out.json]
 
 Valid requests (uint8 tensors, JPEG and PNG files, with and without meta and
 deadlines) are mutated by a seeded byte mutator, either the whole msgpack record
@@ -182,7 +182,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the outcome here")
     args = parser.parse_args()
-    with children_die_with_this_process("bench.fuzz"):
+    with children_die_with_this_process("benchmarks.fuzz"):
         outcome = asyncio.run(run(args.payloads, args.seed))
     doc = vars(outcome)
     print(json.dumps(doc, indent=2))

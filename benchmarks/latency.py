@@ -1,8 +1,8 @@
 """Open-loop latency: the worker and its peers at the same Poisson request rate.
 
-    .venv/bin/python -m bench.latency --rate 500 --records 5000 \\
+    .venv/bin/python -m benchmarks.latency --rate 500 --records 5000 \\
         --peers tight_loop faust_take quix_apply [--json out.json]
-    .venv/bin/python -m bench.latency --broker kafka --rate 1000 --records 10000 \\
+    .venv/bin/python -m benchmarks.latency --broker kafka --rate 1000 --records 10000 \\
         --peers --baseline-path ../base --repeat 3     # two versions, same broker
 
 One broker (embedded, or a single-node Apache Kafka with ``--broker kafka``);
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.peers import NAMES as PEERS
-from bench.peers import argv as peer_argv
-from bench.peers import package_argv
-from bench.summary import emit
+from benchmarks.peers import NAMES as PEERS
+from benchmarks.peers import argv as peer_argv
+from benchmarks.peers import package_argv
+from benchmarks.summary import emit
 from devkit.apache_kafka import KafkaCluster
 from worker.bench.demo import encode_samples, labelled_samples
 from worker.ops.broker import EmbeddedBroker
@@ -203,7 +203,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.baseline_path:
         args.baseline_path = str(Path(args.baseline_path).resolve())
-    with children_die_with_this_process("bench.latency"):
+    with children_die_with_this_process("benchmarks.latency"):
         results = asyncio.run(run(args))
     summary = {
         "rate": args.rate,

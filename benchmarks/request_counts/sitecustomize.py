@@ -28,7 +28,7 @@ _conn.AIOKafkaConnection.send = _counting_send  # type: ignore[method-assign]
 
 
 def _every_second() -> None:
-    """A process killed with SIGKILL (bench.lanes' workers) never runs atexit."""
+    """A process killed with SIGKILL (benchmarks.lanes' workers) never runs atexit."""
     while True:
         time.sleep(1.0)
         _dump()

@@ -18,7 +18,7 @@ import asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from bench.peers.common import Model
+from benchmarks.peers.common import Model
 
 
 async def main() -> None:

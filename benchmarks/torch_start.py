@@ -1,7 +1,7 @@
 """Start-up of the torch engine on CPU torch: cold and warm compile cache, against
 compiling each batch bucket on its own (what the engine did before issue 22).
 
-    python -m bench.torch_start --model resnet18 --max-batch 16
+    python -m benchmarks.torch_start --model resnet18 --max-batch 16
 
 One child process per measurement, so nothing compiled stays in memory between
 them; all children share one ``TORCHINDUCTOR_CACHE_DIR`` made for this run:
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    with children_die_with_this_process("bench.torch_start"), tempfile.TemporaryDirectory() as tmp:
+    stopping = children_die_with_this_process("benchmarks.torch_start")
+    with stopping, tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         path = _export(args.model, args.max_batch, base / "export")
         runs: dict[str, dict[str, Any]] = {}

@@ -1,6 +1,6 @@
 """Which CPU decoder the worker uses for encoded images: Pillow vs OpenCV.
 
-    .venv/bin/python bench/decode.py [--size 256] [--n 200]
+    .venv/bin/python benchmarks/decode.py [--size 256] [--n 200]
 
 Real photographs from scikit-image's bundled data (no download), resized to
 ``--size`` square, encoded as JPEG q90 and PNG; each decoder turns the bytes

@@ -1,7 +1,7 @@
 """Priority lanes under overload: an urgent lane at a fixed rate while a bulk
 lane holds a backlog, with lanes and without (issue 39).
 
-    .venv/bin/python -m bench.lanes --broker kafka --backlog 100000 \\
+    .venv/bin/python -m benchmarks.lanes --broker kafka --backlog 100000 \\
         --share 0.2 --seconds 10 [--json out.json]
 
 One broker (a single-node Apache Kafka with ``--broker kafka``), the bundled
@@ -20,7 +20,7 @@ digits model, one worker process per scenario, each on fresh topics and group:
    ``lanes-own``, the bulk lane held to ``--bulk-cap`` x the capacity the urgent
    lane leaves (its ``max_records_per_s``).
 7. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
-   ``bench.lanes_load`` copies the backlog to the results topic at the bulk
+   ``benchmarks.lanes_load`` copies the backlog to the results topic at the bulk
    lane's rate (``--load-rate``): the broker's and this reader's share of a
    drain on a shared host, without the worker's own bulk work.
 
@@ -42,7 +42,7 @@ from typing import Literal
 
 import numpy as np
 
-from bench.summary import emit
+from benchmarks.summary import emit
 from devkit.apache_kafka import KafkaCluster
 from worker.ops.broker import EmbeddedBroker, create_topics
 from worker.ops.children import children_die_with_this_process
@@ -162,7 +162,7 @@ def _start(
 
 
 def _start_load(bootstrap: str, t: dict[str, str], rate: float) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "bench.lanes_load", bootstrap, t["load"], t["results"]]
+    argv = [sys.executable, "-m", "benchmarks.lanes_load", bootstrap, t["load"], t["results"]]
     return subprocess.Popen([*argv, str(rate)])
 
 
@@ -187,7 +187,7 @@ async def run_scenario(
     load_rate: float = 0.0,
     bulk_rate: float = 0.0,
 ) -> Scenario:
-    """``load_rate`` > 0: the backlog is not the worker's but ``bench.lanes_load``'s,
+    """``load_rate`` > 0: the backlog is not the worker's but ``benchmarks.lanes_load``'s,
     copied to the results topic at that rate while the urgent lane is sent;
     ``bulk_rate`` > 0: the bulk lane's ``max_records_per_s``."""
     t = await _topics(bootstrap, name)
@@ -380,7 +380,7 @@ def main() -> int:
     EXTRA_ENV.update(item.split("=", 1) for item in args.env)
     if args.broker == "kafka":
         BROKER_STAMPS.add("yes")
-    with children_die_with_this_process("bench.lanes"):
+    with children_die_with_this_process("benchmarks.lanes"):
         summary = asyncio.run(run(args))
     emit(summary, args.json)
     return 0

@@ -1,7 +1,7 @@
 """all-MiniLM-L6-v2 through the worker against plain loops over the same ONNX
 Runtime model, same run:
 
-    .venv/bin/python -m bench.minilm --texts 2000 [--repeat 3] [--json out.json]
+    .venv/bin/python -m benchmarks.minilm --texts 2000 [--repeat 3] [--json out.json]
 
 Needs the export of ``scripts/export_minilm.py`` (its default directory, or
 ``--model-dir``). The texts are the bundled text model's held-out reviews joined
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.summary import emit
+from benchmarks.summary import emit
 from worker.bench.ceiling import Drain
 from worker.contract import Request, encode_request
 from worker.ops.broker import EmbeddedBroker, create_topics
@@ -235,7 +235,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (Path(args.model_dir) / "model.onnx").is_file():
         parser.error(f"no export in {args.model_dir}: run scripts/export_minilm.py first")
-    with children_die_with_this_process("bench.minilm"):
+    with children_die_with_this_process("benchmarks.minilm"):
         summary = asyncio.run(run(args))
     emit(summary, args.json)
     return 0

@@ -11,7 +11,7 @@ import tempfile
 
 import faust
 
-from bench.peers.common import Model
+from benchmarks.peers.common import Model
 
 model = Model()
 s = model.settings

@@ -1,7 +1,8 @@
 """Backlog drain on the CPU: the worker against the ingest ceiling, same run.
 
-    .venv/bin/python -m bench.drain --records 30000 [--repeat 3] [--peers ...] [--json out.json]
-    .venv/bin/python -m bench.drain --payload text|tensor --peers   # the other input kinds
+    .venv/bin/python -m benchmarks.drain --records 30000 [--repeat 3] [--peers ...]
+        [--json out.json]
+    .venv/bin/python -m benchmarks.drain --payload text|tensor --peers   # the other input kinds
 
 Starts the embedded broker, produces a backlog over ``--partitions`` and drains
 the same records several times, one after the other, on the same machine. The
@@ -29,7 +30,7 @@ INFER_WORKER_BATCHING__SPLIT_BY_LENGTH=false`` gives the unsplit figure. Drains:
   commit), so two versions are compared on the same backlog in the same run.
 
 Each drain reports its processor's CPU per record and, over the same window,
-the whole machine's and its busy share (``bench/cpu.py``): the machine's minus
+the whole machine's and its busy share (``benchmarks/cpu.py``): the machine's minus
 the processor's is what the broker and the bench spent on each record, and a
 machine near 100% busy bounds the rate whatever the processor spends.
 
@@ -49,11 +50,11 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.backlogs import otlp_sink, payload
-from bench.cpu import CpuWindow
-from bench.peers import NAMES as PEERS
-from bench.peers import argv as peer_argv
-from bench.peers import package_argv
+from benchmarks.backlogs import otlp_sink, payload
+from benchmarks.cpu import CpuWindow
+from benchmarks.peers import NAMES as PEERS
+from benchmarks.peers import argv as peer_argv
+from benchmarks.peers import package_argv
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
@@ -280,7 +281,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if args.baseline_path
             else {}
         ),
-        # The processors' own cost, apart from the machine they share (bench/cpu.py),
+        # The processors' own cost, apart from the machine they share (benchmarks/cpu.py),
         # and how many times that of the worker each one's is (median of rounds).
         "cpu_us_per_record": {
             k: [d.cpu_us_per_record for d in v] for k, v in runs.items() if k != "ceiling"
@@ -321,7 +322,7 @@ def main() -> int:
         nargs="*",
         default=["tight_loop"],
         choices=PEERS,
-        help="bench/peers/NAME.py contenders (install the bench extra for faust and quix)",
+        help="benchmarks/peers/NAME.py contenders (install the bench extra for faust and quix)",
     )
     parser.add_argument("--procs", type=int, default=1, help="worker processes (run --procs)")
     parser.add_argument(
@@ -352,7 +353,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.baseline_path:
         args.baseline_path = os.path.abspath(args.baseline_path)
-    with children_die_with_this_process("bench.drain"):
+    with children_die_with_this_process("benchmarks.drain"):
         summary = asyncio.run(run(args))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
     if args.json:
