@@ -25,7 +25,7 @@
 # and, named only (not in the default run): micro.place, NvJpeg.place per image
 # against per run (benchmarks/results/2026-11-27-s6/place_micro.py);
 # ab.jpeg, bench.jpeg on 24,000 JPEGs run from .base/, an export of the commit to
-# compare with (`git archive BASE worker kernels schemas bench tests
+# compare with (`git archive BASE worker kernels schemas benchmarks tests
 # pyproject.toml | tar -x -C .base`, ignored by git, carried; its JSON in
 # results/base/), then from the checkout: an A/B on one machine in one call;
 # profile.jpeg, bench.jpeg under
