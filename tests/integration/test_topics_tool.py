@@ -113,3 +113,35 @@ async def test_topics_create_makes_the_changelog_compacted_and_co_partitioned(
     assert check.returncode == 1
     line = next(x for x in check.stdout.splitlines() if x.startswith(bad))
     assert "cleanup.policy is" in line and "needs compact" in line and "co-partitioned" in line
+
+
+def test_the_dev_kit_listens_where_it_is_told_and_says_where() -> None:
+    """Issue 56: the dev kit's broker was on a random port while every example
+    says localhost:9092; ``python -m devkit.apache_kafka`` takes a port (9092
+    when free, by default) and prints the address and the variable to export."""
+    import select
+    import signal
+
+    from tests.conftest import require_kafka
+    from worker.ops.broker import free_port
+
+    require_kafka()
+    port = free_port(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    kit = subprocess.Popen(
+        [sys.executable, "-m", "devkit.apache_kafka", "--port", str(port)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert kit.stdout is not None
+        ready, _, _ = select.select([kit.stdout], [], [], 180)  # Kafka starts, or fails
+        assert ready, "the dev kit said nothing in 180 s"
+        first = kit.stdout.readline()
+        said = first + kit.stdout.readline()
+        assert "ready in" in first and f"127.0.0.1:{port}" in first, said
+        assert f"export INFER_WORKER_KAFKA__BOOTSTRAP_SERVERS=127.0.0.1:{port}" in said
+        check = tool("topics", "check", "--bootstrap-servers", f"127.0.0.1:{port}")
+        assert check.returncode == 1 and "MISSING" in check.stdout, check.stderr  # it answers
+    finally:
+        kit.send_signal(signal.SIGTERM)
+        kit.wait(60)
