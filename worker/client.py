@@ -111,7 +111,7 @@ class InferenceClient:
         either format. ``security``: aiokafka's security arguments for a secured
         cluster (``security_protocol``, ``ssl_context``, ``sasl_*``); the worker's
         own settings give them with ``worker.kafka.credentials.security_kwargs``
-        (README "Secured Kafka")."""
+        (docs/guides/secure.md)."""
         self._wire = wire
         self._bootstrap = bootstrap_servers
         self._security = dict(security or {})

@@ -194,13 +194,14 @@ def configuration_md(settings_cls: type | None = None) -> str:
         key = k.path.split(".", 1)[1] if "." in k.path else k.path
         if "[]" in k.path:  # an array of tables: the whole array is one variable
             whole = k.path.split("[]")[0]
-            env = f"(in {ENV_PREFIX}{whole.replace('.', '__').upper()})"
+            env = f"part of `{ENV_PREFIX}{whole.replace('.', '__').upper()}`"
         else:
-            env = ENV_PREFIX + "__".join(
+            env = "`" + ENV_PREFIX + "__".join(
                 "<NAME>" if p == "NAME" else p.upper() for p in k.path.split(".")
-            )
-        cell = k.meaning.replace("|", "\\|")
-        out.append(f"| `{key}`<br>`{env}` | {k.type.replace('|', chr(92) + '|')} | "
+            ) + "`"
+        # The variable goes under the meaning: a narrow first column keeps the key readable.
+        cell = f"{k.meaning}<br>Environment: {env}".replace("|", "\\|")
+        out.append(f"| `{key}` | {k.type.replace('|', chr(92) + '|')} | "
                    f"`{k.default}` | {cell} |\n")  # fmt: skip
     return "".join(out)
 

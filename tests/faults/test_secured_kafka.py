@@ -1,7 +1,7 @@
 """The worker on a secured Apache Kafka (issue 29): TLS with SASL (SCRAM-SHA-512,
 PLAIN), mutual TLS, and OAUTHBEARER, with ACLs enforced
 (``allow.everyone.if.no.acl.found=false``) and the worker given exactly the ACLs
-README "Secured Kafka" lists. Certificates are made for the run
+docs/guides/secure.md lists. Certificates are made for the run
 (``devkit/kafka_pki.py``), the cluster is ``devkit/kafka_security.py``'s.
 
 The harness (topic creation, producing requests, reading answers, granting and

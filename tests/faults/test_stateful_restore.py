@@ -8,7 +8,7 @@ answer equals the model file run on its stream alone, its state threaded from
 chunk to chunk, across the kill. At-least-once: nothing is lost; requests the
 killed worker answered but had not committed are answered again against a
 state that already includes them, so some answers differ from the stream run
-alone: counted and reported (FAULT_REPORT), as README "Stateful models" says."""
+alone: counted and reported (FAULT_REPORT), as docs/guides/stateful.md says."""
 
 from __future__ import annotations
 

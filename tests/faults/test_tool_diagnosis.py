@@ -110,7 +110,7 @@ async def test_a_tool_names_what_to_fix_and_exits_2(
     assert_no_secret(out)
 
 
-# README "Secured Kafka", the other principals: each tool with exactly its row.
+# docs/guides/secure.md, the other principals: each tool with exactly its row.
 SUFFICIENT = {
     "produce": (["produce", "--samples", "1", "--no-wait"], [("Write", "requests")]),
     "consume": (["consume", "--timeout", "2"], [("Read", "results"), ("Read", "dlq")]),

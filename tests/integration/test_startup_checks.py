@@ -123,7 +123,7 @@ async def test_a_missing_output_dlq_or_named_crash_guard_topic_exits_2(
 def test_a_broker_nothing_answers_at_exits_1_named_as_the_tools_name_it() -> None:
     """Issue 37: the worker says what the tools say (one line, naming
     kafka.bootstrap_servers), but exits 1: the broker may be starting, and a
-    restart retries it (README "Secured Kafka")."""
+    restart retries it (docs/guides/secure.md)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]

@@ -51,8 +51,9 @@ class _Undocumented:
 
 def test_a_key_added_to_the_configuration_types_is_in_the_reference() -> None:
     page = reference.configuration_md(_Settings)
-    assert "| `widgets`<br>`INFER_WORKER_KAFKA__WIDGETS` | int | `3` | How many widgets" in page
-    assert "| `colour`<br>`INFER_WORKER_KAFKA__COLOUR` | str | `'blue'` | The colour" in page
+    assert "| `widgets` | int | `3` | How many widgets" in page
+    assert "a batch holds.<br>Environment: `INFER_WORKER_KAFKA__WIDGETS` |" in page
+    assert "| `colour` | str | `'blue'` | The colour" in page
     with pytest.raises(reference.Undocumented, match="shiny"):
         reference.configuration_md(_Undocumented)
 
@@ -64,10 +65,12 @@ def test_every_key_of_the_worker_is_in_the_reference_with_its_meaning() -> None:
     keys = list(reference.keys(Settings))
     assert len(keys) > 100 and all(k.meaning for k in keys)
     for f in dataclasses.fields(KafkaConfig):
-        assert f"| `{f.name}`<br>`INFER_WORKER_KAFKA__{f.name.upper()}`" in page, f.name
-    assert "`lanes[].priority`<br>`(in INFER_WORKER_KAFKA__LANES)`" in page
-    assert "`inputs.NAME.tokenizer`<br>`INFER_WORKER_MODEL__INPUTS__<NAME>__TOKENIZER`" in page
-    assert "| `memory_fraction`<br>`INFER_WORKER_GPU__MEMORY_FRACTION` | float | `0.0` |" in page
+        assert f"| `{f.name}` |" in page, f.name
+        assert f"Environment: `INFER_WORKER_KAFKA__{f.name.upper()}` |" in page, f.name
+    assert "| `lanes[].priority` | int |" in page
+    assert "Environment: part of `INFER_WORKER_KAFKA__LANES` |" in page
+    assert "Environment: `INFER_WORKER_MODEL__INPUTS__<NAME>__TOKENIZER` |" in page
+    assert "| `memory_fraction` | float | `0.0` |" in page
 
 
 def test_every_metric_and_every_command_is_in_its_reference() -> None:

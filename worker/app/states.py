@@ -36,7 +36,7 @@ async def wire_states(
         log.warning(
             "states_in_memory_only",
             effect="a sequence's state is lost when its partition moves or the worker stops",
-            fix="set kafka.state_topic (README 'Stateful models')",
+            fix="set kafka.state_topic (docs/guides/stateful.md)",
         )
         return
     await _check_changelog(s, stages, existing)

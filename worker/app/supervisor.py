@@ -8,7 +8,7 @@ more members of the same group; this starts them and stops them together.
 A lane with ``own_process = true`` is served by members of its own: each of the
 N members is then one process for the lanes that share (their batches, in
 priority order) and one per lane of its own, whose requests wait behind no other
-lane's Python (README "Priority lanes"). Members of one group may subscribe to
+lane's Python (docs/guides/lanes.md). Members of one group may subscribe to
 different topics; each partition still has one owner, which keeps its order,
 its commits and its transactions.
 

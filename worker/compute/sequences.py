@@ -16,7 +16,7 @@ to make room). The states of a partition are dropped when it is revoked: its
 next owner starts them afresh.
 
 This version keeps states in memory only: a worker that stops or loses a
-partition loses its sequences' states (README "Stateful models").
+partition loses its sequences' states (docs/guides/stateful.md).
 """
 
 from __future__ import annotations

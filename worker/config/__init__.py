@@ -1,6 +1,6 @@
 """Settings: a frozen dataclass tree built from one TOML file plus environment overrides.
 
-The key names are a public surface (see README "Configuration"): every key can be
+The key names are a public surface (see docs/guides/configure.md): every key can be
 overridden by ``INFER_WORKER_<SECTION>__<KEY>`` (nested sections add more ``__``
 parts, e.g. ``INFER_WORKER_MODEL__PREPROCESS__MEAN``). Unknown keys, in the file or
 in the environment, are errors, so a typo never silently falls back to a default.

@@ -37,8 +37,8 @@ class KafkaConfig:
     # The topics requests are read from (each must exist: the worker refuses to start
     # without them); a TOML list, or comma-separated in the environment variable.
     input_topics: tuple[str, ...] = ("infer.requests",)
-    # Priority lanes over the input topics ([[kafka.lanes]], README "Priority
-    # lanes"); () = every input topic in one lane.
+    # Priority lanes over the input topics ([[kafka.lanes]], docs/guides/lanes.md); () = every input
+    # topic in one lane.
     lanes: tuple[LaneConfig, ...] = ()
     # Where every result goes, keyed like its request (must exist).
     output_topic: str = "infer.results"
@@ -55,25 +55,24 @@ class KafkaConfig:
     # Where crash-loop marks live (compacted; one key per group and partition).
     crash_guard_topic: str = DEFAULT_CRASH_GUARD_TOPIC
     # A stateful model's state changelog (compacted; as many partitions as each
-    # input topic: README "Stateful models"). "" = states in memory only.
+    # input topic: docs/guides/stateful.md). "" = states in memory only.
     state_topic: str = ""
-    # A shadow deployment (a candidate read beside production, README "Rolling
-    # out a model safely"): it writes no DLQ records (one is only logged, and
-    # counted in infer_requests_rejected_total) and neither writes nor reads
-    # crash-guard marks. It needs a group_id and an output_topic of its own.
+    # A shadow deployment (a candidate read beside production, docs/guides/rollout.md): it writes no
+    # DLQ records (one is only logged, and counted in infer_requests_rejected_total) and neither
+    # writes nor reads crash-guard marks. It needs a group_id and an output_topic of its own.
     shadow: bool = False
     # Names this worker's clients on the broker (its logs, quotas); run --procs N suffixes
     # member i's with -i; every log line carries it as member.
     client_id: str = "infer-worker"
-    # How clients connect: plaintext, TLS, SASL over plaintext or SASL over TLS (README
-    # "Secured Kafka").
+    # How clients connect: plaintext, TLS, SASL over plaintext or SASL over TLS
+    # (docs/guides/secure.md).
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     # SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (sasl_plain_username and a
     # password), GSSAPI (Kerberos, needs the gssapi package) or OAUTHBEARER (a token,
     # below).
     sasl_mechanism: SaslMechanism = "PLAIN"
     # OAUTHBEARER (OAuth clusters, MSK IAM): "module:callable", a zero-argument
-    # factory returning an aiokafka AbstractTokenProvider (see README).
+    # factory returning an aiokafka AbstractTokenProvider (docs/guides/secure.md).
     sasl_oauth_token_provider: str | None = None
     # OAUTHBEARER without code: a file holding the token, read at every
     # authentication (a sidecar or a projected volume keeps it fresh), or a

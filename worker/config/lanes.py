@@ -1,4 +1,4 @@
-"""``[[kafka.lanes]]``: priority lanes over the input topics (README "Priority lanes").
+"""``[[kafka.lanes]]``: priority lanes over the input topics (docs/guides/lanes.md).
 
 Each lane names some of ``kafka.input_topics`` and a priority (0 is served
 first). Without lanes every input topic is one lane, as before lanes existed.
@@ -39,7 +39,7 @@ class LaneConfig:
     own_process: bool = False
     # At most this many of the lane's requests a second go into batches (a
     # backfill's throttle); 0 = no cap. What it leaves is headroom for the lanes
-    # above on a shared host (README "Priority lanes"). Requests held back wait in
+    # above on a shared host (docs/guides/lanes.md). Requests held back wait in
     # their lane, in order; their deadlines still apply. Per worker process: N
     # processes reading the lane take up to N times it.
     max_records_per_s: float = 0.0

@@ -276,17 +276,16 @@ class ModelConfig:
     unbatched: bool = False
     # Request inputs by name, each with its kind (tensor, image, text).
     inputs: dict[str, InputConfig] = field(default_factory=dict)
-    # Stateful models: the inputs that carry a sequence's state (README "Stateful
-    # models"); a sequence idle this long is dropped, and at most max_sequences
-    # are kept (a new one beyond is answered with an error, never by evicting one).
+    # Stateful models: the inputs that carry a sequence's state (docs/guides/stateful.md); a
+    # sequence idle this long is dropped, and at most max_sequences are kept (a new one beyond is
+    # answered with an error, never by evicting one).
     state: dict[str, StateConfig] = field(default_factory=dict)
     # Stateful models: a sequence idle this long is dropped.
     state_ttl_s: float = 3600.0
     # Stateful models: the most sequences kept; a new one beyond is answered with an error.
     max_sequences: int = 100_000
-    # How often to look for a new version of the model file (its content hash)
-    # and swap it in between batches, checked first (README "Rolling out a model
-    # safely"); 0 = never. CPU path only.
+    # How often to look for a new version of the model file (its content hash) and swap it in
+    # between batches, checked first (docs/guides/rollout.md); 0 = never. CPU path only.
     reload_interval_s: float = 0.0
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)

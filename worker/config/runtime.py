@@ -137,7 +137,8 @@ class GpuConfig:
     num_slots: int = 0
     # Packed uint8 image bytes one slot stages for GPU preprocessing.
     max_input_bytes: int = 32 * 1024 * 1024
-    cuda_graphs: bool = False  # TensorRT: a CUDA graph per slot for full batches (README)
+    # TensorRT: a CUDA graph per slot for full batches (docs/guides/gpu.md)
+    cuda_graphs: bool = False
     # Where encoded JPEGs are decoded: "host" (Pillow on the stage's threads) or
     # "nvjpeg" (torchvision's batched nvJPEG on the slot's stream, straight into
     # device memory; PNG, WebP and JPEGs nvJPEG refuses are decoded on the host).

@@ -6,7 +6,7 @@ fails its first answer. Both look like a healthy worker until traffic comes.
 So, on a secured connection, start-up asks the broker which operations the
 principal has on each topic it uses (a Metadata request, version 8, with
 ``include_topic_authorized_operations``: KIP-430, Kafka 2.3+) and stops with
-exit 2 naming every missing permission at once (README "Secured Kafka").
+exit 2 naming every missing permission at once (docs/guides/secure.md).
 
 aiokafka's protocol layer stops at Metadata version 5, so the version 8 request
 and response are declared here, from Kafka's ``MetadataRequest.json`` and
@@ -52,7 +52,7 @@ _NOT_ASKED = -(2**31)  # what the broker answers when operations were not reques
 _TOPIC_AUTHORIZATION_FAILED = 29
 _UNKNOWN_TOPIC = 3
 
-ACL_HINT = 'README "Secured Kafka" lists every ACL a worker needs'
+ACL_HINT = 'docs/guides/secure.md lists every ACL a worker needs'
 
 
 class _MetadataResponseV8(Response):  # type: ignore[misc]

@@ -45,7 +45,7 @@ def require_topics(setting: str, wanted: Sequence[str], existing: set[str], k: K
     unseen = (
         ""
         if k.security_protocol == "PLAINTEXT"
-        else ', or this principal may not Describe them (README "Secured Kafka")'
+        else ', or this principal may not Describe them (docs/guides/secure.md)'
     )
     raise ConfigError(
         f"{setting}: {', '.join(absent)} not found on {k.bootstrap_servers} (create "

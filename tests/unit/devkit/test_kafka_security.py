@@ -1,4 +1,4 @@
-"""The ACLs README "Secured Kafka" lists are the ones the secured-Kafka tests
+"""The ACLs docs/guides/secure.md lists are the ones the secured-Kafka tests
 grant the worker (``devkit.kafka_security.worker_acls``), and only those; the
 test-time certificates are what the broker and the clients are told they are."""
 

@@ -161,7 +161,7 @@ class Answers:
             self._rejections(
                 log.error, "not_authorised", error=repr(f), effect="answers wait, "
                 "offsets stay uncommitted, delivery is not ready until the ACL is back",
-                fix='README "Secured Kafka" lists every ACL a worker needs',
+                fix='docs/guides/secure.md lists every ACL a worker needs',
             )  # fmt: skip
         todo = []
         for record, failure, alone in sorted(failed, key=lambda t: t[0].seq):

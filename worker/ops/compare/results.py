@@ -24,7 +24,7 @@ SIDES: Final[tuple[Side, Side]] = ("baseline", "candidate")
 #: clients and need not be unique, so they are never joined on.
 Key = tuple[str, int, int]
 
-#: The contract's top-k outputs (README "Wire contract"): ``topk_indices`` ranks
+#: The contract's top-k outputs (docs/reference/wire-contract.md): ``topk_indices`` ranks
 #: classes, best first; ``topk_scores`` are their scores, sorted, so they rank
 #: nothing (their arg-max is always 0) and are compared as plain tensors.
 TOPK_INDICES: Final = "topk_indices"

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from worker.flow.codes import ErrorCode
 from worker.ops.compare.results import ResultRow, Side, ranking
 
-#: The stages a result's ``timing_us`` names (README "Wire contract"), in
+#: The stages a result's ``timing_us`` names (docs/reference/wire-contract.md), in
 #: pipeline order; any other key a worker adds follows, sorted.
 STAGES: Final = ("queue", "decode", "preprocess", "infer", "d2h", "total")
 PERCENTILES: Final = (50, 95, 99)
