@@ -158,6 +158,12 @@ def keys(cls: type, prefix: str = "") -> Iterator[Key]:
                 for k in keys(kind, f"{path}.NAME."):
                     yield dataclasses.replace(k, meaning=f"(kind {label!r}) {k.meaning}")
             continue
+        siblings = (hints[g.name] for g in dataclasses.fields(cls) if g is not f)  # type: ignore[arg-type]
+        if inner is not None and inner in siblings:
+            # A table of sections another key already is ([models.NAME], each a
+            # [model]): one row, its keys are that section's.
+            yield Key(path, _type_name(tp), _default(f), meaning)
+            continue
         if inner is not None:  # a list or table of sections: [[kafka.lanes]], [model.inputs.X]
             yield Key(path, _type_name(tp), _default(f), meaning)
             many = "[]" if typing.get_origin(tp) is tuple else ".NAME"

@@ -11,8 +11,9 @@ stream (``None``) flows down the same queues, so shutdown drains stage by stage.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import structlog
 
@@ -23,11 +24,13 @@ from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.compute.stage import Stage
 from worker.config import Settings
+from worker.config.models import settings_named
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
 from worker.flow.room import Room
+from worker.flow.streams import merge_done
 from worker.flow.values import ModelInfo
 from worker.kafka.clients import client_kwargs
 from worker.kafka.commit import Committer
@@ -36,7 +39,7 @@ from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import ResultWriter, WriterParts
-from worker.kafka.intake import JobFactory
+from worker.kafka.intake import JobFactory, Route
 from worker.kafka.lease import GroupLease
 from worker.kafka.listener import RevokeHook
 from worker.model.inputs import Binding, bind_model
@@ -55,6 +58,31 @@ class Stages:
     infer: Stage
     writer: ResultWriter
     committer: Committer
+    # The worker's other models ([models.NAME]), each with a batcher and a stage of
+    # its own, and the task that hands all their completed batches to the writer.
+    others: list[ModelStages] = field(default_factory=list)
+    merge: Coroutine[Any, Any, None] | None = None
+
+
+@dataclass
+class ModelStages:
+    """One more model's own stages: its batches never mix with another model's."""
+
+    name: str
+    engine: Engine
+    batcher: MicroBatcher[Job]
+    infer: Stage
+    completed: asyncio.Queue[asyncio.Future[Completed] | None]
+
+
+@dataclass(frozen=True)
+class OtherModel:
+    """A model of the worker besides [model]: the settings it runs with (as if alone),
+    its loaded engine and the input topics it answers."""
+
+    settings: Settings
+    engine: Engine
+    topics: tuple[str, ...]
 
 
 async def build_stages(
@@ -64,15 +92,12 @@ async def build_stages(
     tracker: OffsetTracker,
     tracer: Tracer,
     on_revoke: RevokeHook,
+    others: Sequence[OtherModel] = (),
 ) -> Stages:
-    """The stages, wired; the binding decided once (exit 2 on a mismatch, before
-    Kafka is contacted), shared by the intake and the inference stage."""
+    """The stages, wired; each model's binding decided once (exit 2 on a mismatch,
+    before Kafka is contacted), shared by its intake and its inference stage."""
     b = s.batching
-    binding = bind_model(s.model, engine.info.io, s.limits, b)
-    if plan.device == "cpu":  # the GPU stage's engines run per slot, after start-up
-        await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
-    log.info("model_inputs", inputs=summary(binding.inputs), outputs=list(engine.info.output_names))
-    limits = fit_limits(s.limits, binding.inputs)
+    binding = await _bound(s, plan, engine)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
     batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
     completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
@@ -81,13 +106,15 @@ async def build_stages(
     policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
     # A batch is cut when a thread or slot can start it (worker.flow.room).
     room = Room(plan.inflight)
+    more = [await _model_stages(m, plan, tracker) for m in others]
     consumer = Consumer(
         s.kafka,
-        JobFactory(binding.inputs, limits, b.max_record_age_ms, s.kafka.content_type),
+        _intake(s, binding),
         jobs,
         tracker,
         on_revoke,
         backpressure(s),
+        routes={t: route for (_, route, topics) in more for t in topics},
     )
     committer = Committer(
         tracker,
@@ -102,7 +129,13 @@ async def build_stages(
     )
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-    parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer)
+    merge = None
+    if more:  # each model's completed batches in its own order, none waiting on another's
+        sources = [completed, *(m.completed for (m, _, _) in more)]
+        completed = asyncio.Queue(b.max_inflight_batches)
+        merge = merge_done(sources, completed)
+    routed = {t: ModelInfo(m.name, m.engine.info.version) for (m, _, ts) in more for t in ts}
+    parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer, routed)
     writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(
@@ -112,7 +145,48 @@ async def build_stages(
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
     batcher = MicroBatcher(jobs, batches, policy, room=room)
-    return Stages(consumer, batcher, infer, writer, committer)
+    return Stages(
+        consumer, batcher, infer, writer, committer, [m for (m, _, _) in more], merge
+    )
+
+
+async def _bound(s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Binding:
+    """The model's binding, probed on the CPU path (the GPU stage's engines run
+    per slot, after start-up)."""
+    binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
+    if plan.device == "cpu":
+        await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
+    log.info("model_inputs", model=s.model.name, inputs=summary(binding.inputs),
+             outputs=list(engine.info.output_names))  # fmt: skip
+    return binding
+
+
+def _intake(s: Settings, binding: Binding) -> JobFactory:
+    limits = fit_limits(s.limits, binding.inputs)
+    return JobFactory(binding.inputs, limits, s.batching.max_record_age_ms, s.kafka.content_type)
+
+
+async def _model_stages(
+    other: OtherModel, plan: RunPlan, tracker: OffsetTracker
+) -> tuple[ModelStages, Route, tuple[str, ...]]:
+    """Another model's stages (the CPU path: ``worker.config.models`` refuses the
+    rest): its own jobs queue, batching and threads, fed by its topics' route."""
+    s, engine, b = other.settings, other.engine, other.settings.batching
+    with settings_named(f"models.{s.model.name}"):
+        binding = await _bound(s, plan, engine)
+    jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
+    batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
+    completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
+        b.max_inflight_batches
+    )
+    policy = batch_policy(s)
+    room = Room(b.max_inflight_batches)
+    infer = await _inference_stage(
+        s, plan, batches, completed, engine, policy, binding, tracker, room
+    )
+    batcher = MicroBatcher(jobs, batches, policy, room=room)
+    stages = ModelStages(s.model.name, engine, batcher, infer, completed)
+    return stages, Route(_intake(s, binding), jobs), other.topics
 
 
 async def _inference_stage(

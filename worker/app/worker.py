@@ -10,6 +10,7 @@ never hang silently.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
@@ -19,12 +20,13 @@ from aiokafka.errors import KafkaError
 from worker import __version__
 from worker.app.plan import RunPlan, sized_for
 from worker.app.reload import watch_model
-from worker.app.stages import Stages, build_stages, crash_guard
+from worker.app.stages import OtherModel, Stages, build_stages, crash_guard
 from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
+from worker.config.models import named, settings_named
 from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
 from worker.flow.messages import TopicPartition
@@ -55,6 +57,7 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started = False
         self._guard: CrashGuard | None = None
+        self._others: list[OtherModel] = []  # the models besides [model], loaded at start
         # Span ids for answers carrying a trace context; with tracing.enabled, an
         # OpenTelemetry tracer that also exports a span per request (exit 2 here
         # if its SDK is missing, before anything starts).
@@ -101,10 +104,18 @@ class Worker:
                 buckets=self.plan.batch_buckets,
             )
         engine = self._engine
+        others = named(self.settings)[1:]  # as configured: each sizes its batches itself
         s = self._sized(engine.info)
         try:
+            for served, alone in others:
+                self._others.append(await _load_other(alone, served.topics))
+            if self._others:  # a partition's head window: the largest model's batches
+                window = max(RunPlan.of(o.settings).crash_guard_window for o in self._others)
+                self.plan = dataclasses.replace(
+                    self.plan, crash_guard_window=max(self.plan.crash_guard_window, window)
+                )
             stages = self._stages = await build_stages(
-                s, self.plan, engine, self.tracker, self._tracer, self._on_revoke
+                s, self.plan, engine, self.tracker, self._tracer, self._on_revoke, self._others
             )
             await stages.writer.start()
             existing = await stages.writer.existing_topics()
@@ -136,17 +147,28 @@ class Worker:
             version=engine.info.version,
             topics=list(s.kafka.input_topics),
             group=s.kafka.group_id,
-        )
+            **({"models": {m.settings.model.name: list(m.topics) for m in self._others}}
+               if self._others else {}),
+        )  # fmt: skip
         metrics.set_condition("started", True)
         labels = {"version": __version__, "model": engine.info.name,
                   "backend": engine.info.backend, "device": self.plan.device_name}  # fmt: skip
         metrics.BUILD_INFO.labels(**labels, model_version=engine.info.version).set(1)
+        for other in self._others:
+            info = other.engine.info
+            metrics.BUILD_INFO.labels(**{**labels, "model": info.name, "backend": info.backend},
+                                      model_version=info.version).set(1)  # fmt: skip
         self._pipeline = [
             self._spawn(stages.consumer.run(), "consume"),
             self._spawn(stages.batcher.run(), "batch"),
             self._spawn(stages.infer.run(), "infer"),
-            self._spawn(stages.writer.run(), "produce"),
         ]
+        for m in stages.others:  # each model's batches its own (worker.config.models)
+            self._pipeline.append(self._spawn(m.batcher.run(), f"batch-{m.name}"))
+            self._pipeline.append(self._spawn(m.infer.run(), f"infer-{m.name}"))
+        if stages.merge is not None:
+            self._pipeline.append(self._spawn(stages.merge, "merge"))
+        self._pipeline.append(self._spawn(stages.writer.run(), "produce"))  # last: the end
         self._support = [
             self._spawn(stages.committer.run(), "commit"),
             self._spawn(watch_broker(stages.consumer, self.plan.probe_timeout_s), "probe"),
@@ -284,10 +306,17 @@ class Worker:
             ):
                 await _close_within(name, closer, limit)
             await asyncio.to_thread(stages.infer.close)
+            for m in stages.others:
+                await asyncio.to_thread(m.infer.close)
+            if stages.merge is not None:
+                stages.merge.close()  # never started where start() failed
             self._stages = None
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+        others, self._others = self._others, []
+        for other in others:
+            other.engine.close()
         self._tracer.close()  # exports the spans still buffered
 
     async def __aenter__(self) -> Worker:
@@ -312,11 +341,25 @@ class Worker:
         # After their in-flight batches settled: the next owner starts their
         # sequences afresh (this version keeps states in memory only).
         self._stages.infer.forget(revoked)
+        for m in self._stages.others:
+            m.infer.forget(revoked)
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer
             heads = {tp: committer.last_offsets.get(tp) for tp in revoked}
             await self._guard.release(heads, timeout=budget.left(floor=0.5))
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
+
+
+async def _load_other(alone: Settings, topics: tuple[str, ...]) -> OtherModel:
+    """A model besides [model] (``worker.config.models``), loaded as it would be
+    alone, its batch size derived from it where the default's is."""
+    plan = RunPlan.of(alone)
+    with settings_named(f"models.{alone.model.name}"):
+        engine = await asyncio.to_thread(
+            load_engine, alone.model, max_batch_size=alone.batching.max_batch_size,
+            buckets=plan.batch_buckets,
+        )  # fmt: skip
+    return OtherModel(sized_for(alone, engine.info), engine, topics)
 
 
 async def _close_within(

@@ -18,6 +18,7 @@ from worker.config.kafka import KafkaConfig
 from worker.config.lanes import LaneConfig
 from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
 from worker.config.model import ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
+from worker.config.models import check_models
 from worker.config.runtime import (
     BatchingConfig,
     DlqConfig,
@@ -36,6 +37,10 @@ class Settings:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    # More models in the same worker, each a [models.NAME] with every key [model] has and the
+    # input topics it answers (models.NAME.topics; [model] answers the rest), each key also
+    # INFER_WORKER_MODELS__<NAME>__<KEY>: docs/guides/models.md.
+    models: dict[str, ModelConfig] = field(default_factory=dict)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     dlq: DlqConfig = field(default_factory=DlqConfig)
@@ -43,6 +48,9 @@ class Settings:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+
+    def __post_init__(self) -> None:
+        check_models(self)  # every input topic answered by exactly one model
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

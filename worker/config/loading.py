@@ -191,7 +191,10 @@ def _tagged(tp: Any, value: Any, name: str) -> Any:
     try:
         return _build(cls, value, f"{name}.")
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace(f"{parent}.*", name)) from None
+        message = str(exc).replace(f"{parent}.*", name)
+        if parent == "models":  # a [model] section's checks name it model.KEY
+            message = message.replace("model.", f"{name}.")
+        raise ConfigError(message) from None
 
 
 def _toml_value(value: Any, name: str) -> TomlValue:

@@ -248,6 +248,9 @@ class ModelConfig:
     # The model: builtin:digits, builtin:sentiment, an .onnx file, a TensorRT .plan, or for
     # torch a TorchScript file or an exported .pt2 program.
     path: str = "builtin:digits"
+    # The input topics this model answers when a worker serves several models ([models.NAME],
+    # docs/guides/models.md); () in [model] = every input topic no [models.NAME] names.
+    topics: tuple[str, ...] = ()
     # The engine: ONNX Runtime on the CPU (the default), TensorRT or torch on a GPU.
     backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
     # The shorthand for a classifier's one image input: the request input's name

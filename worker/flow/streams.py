@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 Item = TypeVar("Item")
@@ -77,3 +77,30 @@ async def end_of_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[None]:
         await queue.put(None)
         raise
     await queue.put(None)
+
+
+@contextlib.asynccontextmanager
+async def end_of_streams(queues: Sequence[asyncio.Queue[Any]]) -> AsyncIterator[None]:
+    """``end_of_stream`` for each of ``queues`` (one producer feeding several)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for queue in queues:
+            await stack.enter_async_context(end_of_stream(queue))
+        yield
+
+
+async def merge_done(
+    sources: Sequence[asyncio.Queue[asyncio.Future[Item] | None]],
+    out: asyncio.Queue[asyncio.Future[Item] | None],
+) -> None:
+    """Futures from several queues into one, each source's in its own order, a
+    future passed on once it is done: a slow source never holds a fast one's
+    results back (several models' completed batches into one writer). One
+    ``None`` goes out once every source has ended."""
+
+    async def forward(source: asyncio.Queue[asyncio.Future[Item] | None]) -> None:
+        while (fut := await source.get()) is not None:
+            await asyncio.wait({fut})
+            await out.put(fut)
+
+    async with end_of_stream(out):
+        await asyncio.gather(*(forward(s) for s in sources))

@@ -10,7 +10,7 @@ never raises: bad records flow on, in order, carrying their failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import structlog
@@ -24,10 +24,10 @@ from worker.flow.backoff import Backoff
 from worker.flow.lanes import LaneBackpressure
 from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
-from worker.flow.streams import end_of_stream, first_of
+from worker.flow.streams import end_of_streams, first_of
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.crashguard import CrashGuard, Guarded, Mode, quarantined
-from worker.kafka.intake import JobFactory
+from worker.kafka.intake import JobFactory, Route
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
     apply_backpressure,
@@ -62,11 +62,17 @@ class Consumer:
         tracker: OffsetTracker,
         on_revoke: RevokeHook,
         backpressure: LaneBackpressure,
+        routes: Mapping[str, Route] | None = None,
     ) -> None:
+        """``make_job`` and ``jobs_out``: every input topic's records, except the
+        topics ``routes`` sends to other models' stages (several models in one
+        worker: ``worker.config.models``)."""
         self._kafka = kafka
         self._backpressure = backpressure
         self._make_job = make_job
         self._jobs_out = jobs_out
+        self._routes = dict(routes or {})
+        self._queues = [jobs_out, *{id(r.jobs): r.jobs for r in self._routes.values()}.values()]
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
@@ -204,7 +210,7 @@ class Consumer:
         consumer = self.client
         failures = 0
         backoff = fetch_backoff()
-        async with end_of_stream(self._jobs_out):
+        async with end_of_streams(self._queues):
             while not self._stopping.is_set():
                 self._apply_backpressure()
                 if self._backpressure.all_paused:
@@ -301,6 +307,9 @@ class Consumer:
                 "redelivery_dropped", partition=f"{tp.topic}:{tp.partition}",
                 records=redelivered, first=records[0].offset, highwater=highwater,
             )  # fmt: skip
+        route = self._routes.get(tp.topic)
+        make_job, jobs_out = (route.make_job, route.jobs) if route else (
+            self._make_job, self._jobs_out)  # fmt: skip
         queued = 0
         try:
             for record in records[redelivered:]:
@@ -329,26 +338,26 @@ class Consumer:
                     guarded.left -= 1
                     if guarded.left <= 0:
                         del self._guarded[tp]
-                job = self._job(record)
-                if self._jobs_out.full():
-                    await self._jobs_out.put(job)
+                job = self._job(record, make_job)
+                if jobs_out.full():
+                    await jobs_out.put(job)
                 else:
-                    self._jobs_out.put_nowait(job)  # no coroutine per record while there is room
+                    jobs_out.put_nowait(job)  # no coroutine per record while there is room
                 queued += 1
         finally:
             # Per fetch, not per record: metric updates are a measurable share of
             # the per-record cost on the consume path.
             metrics.RECORDS_CONSUMED.inc(queued)
-            metrics.QUEUE_DEPTH.set(self._jobs_out.qsize())
+            metrics.QUEUE_DEPTH.set(sum(q.qsize() for q in self._queues))
 
-    def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
+    def _job(self, record: ConsumerRecord[Any, Any], make_job: JobFactory) -> Job:
         """Track the record's offset (before it is queued), then make its Job."""
         resets = self._tracker.resets
         tp = TopicPartition(record.topic, record.partition)
         epoch = self._tracker.track(tp, record.offset, len(record.value or b""))
         if self._tracker.resets != resets:
             metrics.PARTITION_RESETS.inc()
-        job = self._make_job(
+        job = make_job(
             record.topic,
             record.partition,
             record.offset,

@@ -7,8 +7,10 @@ pipeline in order, so per-partition result order equals request order.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from worker.config import LimitsConfig
@@ -121,3 +123,12 @@ class JobFactory:
             if deadline is None or stale_at < deadline:
                 deadline, expiry = stale_at, "max_record_age"
         return deadline, expiry
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one input topic's records go in a worker serving several models:
+    the model's intake (its inputs, checked per request) and its jobs queue."""
+
+    make_job: JobFactory
+    jobs: asyncio.Queue[Job | None]

@@ -54,6 +54,7 @@ class Answers:
         kafka = parts.kafka
         self._kafka = kafka
         self._model = parts.model
+        self._routed = parts.routed
         self._tracker = parts.tracker
         self._committer = parts.committer
         self._budget = parts.budget
@@ -94,8 +95,8 @@ class Answers:
             out = record_for(
                 answer, model, self._topics, self._seq, now, self._kafka.max_request_size, trace
             )
-            if model is not self._model:
-                out.model_version = model.version  # its latency is that version's
+            if model is not self._model:  # its latency is that model's and version's
+                out.model_name, out.model_version = model.name, model.version
             counted.append(job)
             failed.append(out.kind == "dlq" or (
                 answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
@@ -131,6 +132,10 @@ class Answers:
     def _model_of(self, completed: Completed) -> ModelInfo:
         """The model that answered ``completed``: the start-up one, or the version
         swapped in since (results carry it)."""
+        if self._routed and completed.answers:  # a batch is of one model, so of its topics'
+            routed = self._routed.get(completed.answers[0].job.tp.topic)
+            if routed is not None:
+                return routed
         version = completed.model_version
         if version is None or version == self._model.version:
             return self._model
@@ -201,8 +206,8 @@ class Answers:
         """Mark offsets done and count what was delivered, per batch."""
         now, wall_ms = time.monotonic(), time.time() * 1000.0
         # Per answering model version (one, but for the batches around a swap).
-        kinds: dict[tuple[str, str], int] = {}
-        latencies: dict[tuple[str, str], list[float]] = {}  # by version and lane
+        kinds: dict[tuple[str, str, str], int] = {}
+        latencies: dict[tuple[str, str, str], list[float]] = {}  # by model, version and lane
         ages: list[float] = []
         pending, done = self._pending, self._tracker.done
         for out in acked:
@@ -218,23 +223,24 @@ class Answers:
             if out.kind == "state":
                 metrics.STATE_RECORDS.inc()
                 continue
+            name = out.model_name or self._model.name
             version = out.model_version or self._model.version
-            lane = (version, self._lane_of.get(job.tp.topic, job.tp.topic))
+            lane = (name, version, self._lane_of.get(job.tp.topic, job.tp.topic))
             if (seen := latencies.get(lane)) is None:
                 seen = latencies[lane] = []
             seen.append(now - job.arrived)
             if job.timestamp_ms is not None and job.timestamp_ms > 0:
                 # Wall clocks of two hosts: clamped at 0 when the producer's runs ahead.
                 ages.append(max(0.0, wall_ms - job.timestamp_ms) / 1000.0)
-            kinds[version, out.kind] = kinds.get((version, out.kind), 0) + 1
-        for (version, lane_label), seconds in latencies.items():
-            m = metrics.model_metrics(self._model.name, version)
+            kinds[name, version, out.kind] = kinds.get((name, version, out.kind), 0) + 1
+        for (name, version, lane_label), seconds in latencies.items():
+            m = metrics.model_metrics(name, version)
             metrics.observe_all(m.request_seconds(lane_label), seconds)
         metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
         if self._kafka.state_topic:
             metrics.STATE_PENDING.set(len(self._pending))
-        for (version, kind), count in kinds.items():  # counters per batch, not per record
+        for (name, version, kind), count in kinds.items():  # counters per batch, not per record
             if kind == "dlq":
                 metrics.DLQ_PRODUCED.inc(count)
             else:
-                metrics.model_metrics(self._model.name, version).results(kind).inc(count)
+                metrics.model_metrics(name, version).results(kind).inc(count)

@@ -56,6 +56,7 @@ class OutRecord(msgspec.Struct):
     error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
     partition: int | None = None  # set: this partition (a state record's); else by key
     model_version: str = ""  # the version that answered ("": the one the worker started with)
+    model_name: str = ""  # the model that answered ("": the worker's [model])
 
     @property
     def size(self) -> int:

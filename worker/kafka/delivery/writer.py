@@ -15,7 +15,8 @@ producer). ``ResultWriter`` is what the worker calls on either.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
@@ -62,6 +63,9 @@ class WriterParts:
     committer: Committer
     budget: FailureBudget | None = None
     tracer: Tracer | None = None
+    # The models besides ``model`` that answer some input topics, by topic (several
+    # models in one worker); a topic not here is ``model``'s.
+    routed: Mapping[str, ModelInfo] = field(default_factory=dict)
 
 
 class Completions:
