@@ -26,7 +26,8 @@ from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_streams, first_of
 from worker.kafka.clients import group_consumer_kwargs
-from worker.kafka.crashguard import CrashGuard, Guarded, Mode, quarantined
+from worker.kafka.crashguard import CrashGuard
+from worker.kafka.guarded import Protection
 from worker.kafka.intake import JobFactory, Route
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
@@ -83,12 +84,7 @@ class Consumer:
         self._positioned_at: dict[TopicPartition, int] = {}
         self._positioning: set[KafkaTP] = set()  # paused until positioned
         # Crash-loop protection (set by the worker when the guard topic exists).
-        self.guard: CrashGuard | None = None
-        self._max_crashes = 0
-        self._cautious_window = 0
-        self._settled: Callable[[TopicPartition], Awaitable[None]] | None = None
-        # Partitions a previous owner died in, and how they are read meanwhile.
-        self._guarded: dict[TopicPartition, Guarded] = {}
+        self.protection: Protection | None = None
         self.client: AIOKafkaConsumer | None = None
         # With lanes, the most urgent lane's partitions are read by a consumer of
         # their own (``worker.kafka.urgentfetch``), waited on beside this one.
@@ -171,12 +167,11 @@ class Consumer:
                 self.client.seek(tp, committed)
         if fresh:
             await self.client.seek_to_beginning(*fresh)
-        if self.guard is not None and tps:
+        if self.protection is not None and tps:
             heads = {
                 TopicPartition(t.topic, t.partition): await self.client.position(t) for t in tps
             }
-            claimed = await self.guard.claim_heads(heads, self._max_crashes, self._cautious_window)
-            self._guarded.update(claimed)
+            await self.protection.claim(heads)
 
     def protect(
         self,
@@ -186,8 +181,7 @@ class Consumer:
         settled: Callable[[TopicPartition], Awaitable[None]],
     ) -> None:
         """Turn on crash-loop protection (before ``start``)."""
-        self.guard, self._max_crashes, self._cautious_window = guard, max_crashes, window
-        self._settled = settled
+        self.protection = Protection(guard, max_crashes, window, settled)
 
     def restore_with(self, restore: Callable[[list[TopicPartition]], Awaitable[None]]) -> None:
         """Have each assignment's partitions restored (a stateful model's states)
@@ -326,18 +320,8 @@ class Consumer:
                     # (start_at_committed), so whoever owns these offsets next
                     # reads them again.
                     return
-                guarded = self._guarded.get(tp)
-                if guarded is not None and guarded.mode is Mode.ONE_BY_ONE and self._settled:
-                    await self._settled(tp)  # everything before it answered and committed
-                    if guarded.armed is not None and record.offset >= guarded.head:
-                        # The head record runs next: only now does a death count
-                        # against it (crashguard.decide).
-                        assert self.guard is not None
-                        await self.guard.claim(tp, guarded.head, guarded.armed)
-                        guarded.armed = None
-                    guarded.left -= 1
-                    if guarded.left <= 0:
-                        del self._guarded[tp]
+                if self.protection is not None:  # a cautious partition: one by one
+                    await self.protection.before(tp, record.offset)
                 job = self._job(record, make_job)
                 if jobs_out.full():
                     await jobs_out.put(job)
@@ -367,11 +351,7 @@ class Consumer:
             record.headers,
             epoch=epoch,
         )
-        guarded = self._guarded.get(tp)
-        if guarded is not None and (guarded.mode, guarded.head) == (Mode.QUARANTINE, record.offset):
-            del self._guarded[tp]
-            job = quarantined(job, record.value, self._max_crashes)
-        return job
+        return job if self.protection is None else self.protection.job(job, record.value)
 
     @property
     def input_topics(self) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ while its work was in flight keeps the slot until that work has finished.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -26,6 +26,8 @@ from worker.compute.engines.cuda import event_completed, translate_gpu_error
 from worker.compute.gpu.slots import Slot, SlotRing
 from worker.flow.deadline import Deadline
 from worker.flow.errors import EngineDead, WorkerError
+
+Done = TypeVar("Done")
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +97,26 @@ class SlotWatch:
                         f"slot {slot.index}: batch still running after {self._batch_timeout_s}s"
                     )
                 )
+
+    async def hold(self, slot: Slot, work: asyncio.Future[Done]) -> Done:
+        """``work`` on a stage thread that leaves nothing queued on ``slot``'s
+        stream (an nvJPEG decode): the slot is marked busy until it returns (a
+        cancelled batch releases it only once it has); an ``EngineDead`` kills
+        the stage."""
+        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        idle.set_result(None)  # nothing queued on the slot's stream to wait for
+        slot.pending = (work, idle)
+        try:
+            result = await asyncio.shield(work)
+        except EngineDead as exc:
+            slot.pending = None
+            raise self.die(exc) from None
+        except BaseException:
+            if work.done():
+                slot.pending = None
+            raise
+        slot.pending = None
+        return result
 
     def die(self, error: WorkerError) -> WorkerError:
         """Record a dead device (the first ``EngineDead``) and close the ring;

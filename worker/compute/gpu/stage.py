@@ -296,27 +296,12 @@ class GpuStage(Stage):
     async def _decode_on_device(
         self, slot: Slot, answers: list[Row], on_device: dict[int, DeviceImage]
     ) -> tuple[list[Row], float]:
-        """nvJPEG on a stage thread, the slot marked busy meanwhile (a cancelled
-        batch releases it only once the decode has returned)."""
-        loop = asyncio.get_running_loop()
+        """nvJPEG on a stage thread, the slot marked busy meanwhile."""
         assert self._nvjpeg is not None and self._image is not None
-        decoding = loop.run_in_executor(
+        decoding = asyncio.get_running_loop().run_in_executor(
             self._pool, self._nvjpeg.decode_answers, slot, answers, on_device, self._image.name
         )
-        idle: asyncio.Future[None] = loop.create_future()
-        idle.set_result(None)  # the decode leaves nothing queued on the slot's stream
-        slot.pending = (decoding, idle)
-        try:
-            result = await asyncio.shield(decoding)
-        except EngineDead as exc:
-            slot.pending = None
-            raise self._watch.die(exc) from None
-        except BaseException:
-            if decoding.done():
-                slot.pending = None
-            raise
-        slot.pending = None
-        return result
+        return await self._watch.hold(slot, decoding)
 
     async def run_rows(
         self,
