@@ -69,7 +69,7 @@ class ModelStages:
     """One more model's own stages: its batches never mix with another model's."""
 
     name: str
-    engine: Engine
+    engine: Engine | GpuEngine
     batcher: MicroBatcher[Job]
     infer: Stage
     completed: asyncio.Queue[asyncio.Future[Completed] | None]
@@ -97,20 +97,15 @@ async def build_stages(
     """The stages, wired; each model's binding decided once (exit 2 on a mismatch,
     before Kafka is contacted), shared by its intake and its inference stage."""
     b = s.batching
-    binding = await _bound(s, plan, engine)
-    jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
-    batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
-    completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
-        b.max_inflight_batches
-    )
-    policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
-    # A batch is cut when a thread or slot can start it (worker.flow.room).
-    room = Room(plan.inflight)
-    more = [await _model_stages(m, plan, tracker) for m in others]
+    main, main_route = await _model_stages("model", s, plan, engine, tracker)
+    more: list[tuple[ModelStages, Route, tuple[str, ...]]] = []
+    for m in others:
+        key = f"models.{m.settings.model.name}"
+        more.append((*await _model_stages(key, m.settings, plan, m.engine, tracker), m.topics))
     consumer = Consumer(
         s.kafka,
-        _intake(s, binding),
-        jobs,
+        main_route.make_job,
+        main_route.jobs,
         tracker,
         on_revoke,
         backpressure(s),
@@ -124,12 +119,9 @@ async def build_stages(
         interval=s.kafka.commit_interval_ms / 1000.0,
     )
     consumer.wake_on(committer.progress)
-    infer = await _inference_stage(
-        s, plan, batches, completed, engine, policy, binding, tracker, room
-    )
     model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-    merge = None
+    completed, merge = main.completed, None
     if more:  # each model's completed batches in its own order, none waiting on another's
         sources = [completed, *(m.completed for (m, _, _) in more)]
         completed = asyncio.Queue(b.max_inflight_batches)
@@ -144,9 +136,8 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    batcher = MicroBatcher(jobs, batches, policy, room=room)
     return Stages(
-        consumer, batcher, infer, writer, committer, [m for (m, _, _) in more], merge
+        consumer, main.batcher, main.infer, writer, committer, [m for (m, _, _) in more], merge
     )
 
 
@@ -167,26 +158,27 @@ def _intake(s: Settings, binding: Binding) -> JobFactory:
 
 
 async def _model_stages(
-    other: OtherModel, plan: RunPlan, tracker: OffsetTracker
-) -> tuple[ModelStages, Route, tuple[str, ...]]:
-    """Another model's stages (the CPU path: ``worker.config.models`` refuses the
-    rest): its own jobs queue, batching and threads, fed by its topics' route."""
-    s, engine, b = other.settings, other.engine, other.settings.batching
-    with settings_named(f"models.{s.model.name}"):
+    key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngine, tracker: OffsetTracker
+) -> tuple[ModelStages, Route]:
+    """One model's stages (``key``: where it is configured): its own jobs queue,
+    batching and threads or slots, fed by its topics' route."""
+    b = s.batching
+    with settings_named(key):  # a [models.NAME]'s errors name its keys as written
         binding = await _bound(s, plan, engine)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
     batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
     completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
         b.max_inflight_batches
     )
-    policy = batch_policy(s)
-    room = Room(b.max_inflight_batches)
+    policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
+    # A batch is cut when a thread or slot can start it (worker.flow.room).
+    room = Room(plan.inflight)
     infer = await _inference_stage(
         s, plan, batches, completed, engine, policy, binding, tracker, room
     )
     batcher = MicroBatcher(jobs, batches, policy, room=room)
     stages = ModelStages(s.model.name, engine, batcher, infer, completed)
-    return stages, Route(_intake(s, binding), jobs), other.topics
+    return stages, Route(_intake(s, binding), jobs)
 
 
 async def _inference_stage(
