@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from worker.flow.errors import ConfigError
 
 
@@ -13,3 +15,9 @@ def derive(section: object, name: str, value: object) -> None:
 def check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {message}")
+
+
+def as_written(message: str, key: str) -> str:
+    """``message`` of a model section's checks (which say ``model.KEY``) with the
+    section named as the user wrote it (``models.NAME.KEY``)."""
+    return re.sub(r"\bmodel\.(?=\w)", f"{key}.", message)  # model.KEY, not "the model."

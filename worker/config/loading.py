@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NewType, TypeVar, get_args, get_origin, get_type_hints
 
+from worker.config.checks import as_written
 from worker.config.secret import MASK, Secret
 from worker.flow.errors import ConfigError
 
@@ -193,7 +194,7 @@ def _tagged(tp: Any, value: Any, name: str) -> Any:
     except ConfigError as exc:
         message = str(exc).replace(f"{parent}.*", name)
         if parent == "models":  # a [model] section's checks name it model.KEY
-            message = message.replace("model.", f"{name}.")
+            message = as_written(message, name)
         raise ConfigError(message) from None
 
 

@@ -297,8 +297,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check(bool(self.path), "model.path", "must not be empty")
         if not self.name:
-            stem = self.path.removeprefix("builtin:").replace("\\", "/").rsplit("/", 1)[-1]
-            derive(self, "name", stem.rsplit(".", 1)[0] if "." in stem else stem)
+            derive(self, "name", name_of(self.path))
         check(bool(self.name), "model.name", "must not be empty")
         for name, cfg in [("model.preprocess", self.preprocess)] + [
             (f"model.inputs.{n}", i) for n, i in self.inputs.items() if isinstance(i, ImageInput)
@@ -324,3 +323,9 @@ class ModelConfig:
         check(self.state_ttl_s > 0, "model.state_ttl_s", "must be > 0")
         check(self.max_sequences >= 1, "model.max_sequences", "must be >= 1")
         check(self.reload_interval_s >= 0, "model.reload_interval_s", "must be >= 0")
+
+
+def name_of(path: str) -> str:
+    """A model's name when model.name is not set: builtin:NAME gives NAME, a file its stem."""
+    stem = path.removeprefix("builtin:").replace("\\", "/").rsplit("/", 1)[-1]
+    return stem.rsplit(".", 1)[0] if "." in stem else stem

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from worker.config.checks import check
+from worker.config.checks import as_written, check
+from worker.config.model import name_of
 from worker.flow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,15 +89,10 @@ def _within(at: str, topics: tuple[str, ...], inputs: tuple[str, ...]) -> None:
 
 def _check_names(default: ModelConfig, models: Mapping[str, ModelConfig]) -> None:
     for name, m in models.items():
-        check(m.name == name or m.name == _derived(m.path), f"models.{name}.name",
+        check(m.name == name or m.name == name_of(m.path), f"models.{name}.name",
               f"{m.name!r}: a [models.NAME] model is named by its table ({name!r})")  # fmt: skip
     check(default.name not in models, "model.name", f"{default.name!r} is also a "
           "[models.NAME]: every model needs a name of its own")  # fmt: skip
-
-
-def _derived(path: str) -> str:
-    stem = path.removeprefix("builtin:").replace("\\", "/").rsplit("/", 1)[-1]
-    return stem.rsplit(".", 1)[0] if "." in stem else stem
 
 
 def named(s: Settings) -> tuple[tuple[Served, Settings], ...]:
@@ -138,4 +133,5 @@ def settings_named(key: str) -> Iterator[None]:
     except ConfigError as exc:
         if key == "model":
             raise
-        raise ConfigError(re.sub(r"\bmodel\.", f"{key}.", str(exc))) from exc
+        raise ConfigError(as_written(str(exc), key)) from exc
+
