@@ -19,7 +19,11 @@ digits model, one worker process per scenario, each on fresh topics and group:
 6. ``lanes-cap`` and ``lanes-own-cap`` (only with ``--only``): as ``lanes`` and
    ``lanes-own``, the bulk lane held to ``--bulk-cap`` x the capacity the urgent
    lane leaves (its ``max_records_per_s``).
-7. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
+7. ``models-alone`` and ``models`` (only with ``--only``): no lanes, the bulk
+   topic served by a second model of the same worker (``[models.bulk]``, the
+   digits model again), the urgent topic by ``[model]``: the urgent p99 alone,
+   then while the other model drains the backlog (several models in one worker).
+8. ``urgent-loaded`` (only with ``--only``): the urgent lane alone again, while
    ``benchmarks.lanes_load`` copies the backlog to the results topic at the bulk
    lane's rate (``--load-rate``): the broker's and this reader's share of a
    drain on a shared host, without the worker's own bulk work.
@@ -53,7 +57,7 @@ from worker.ops.topics import Collector, produce_all
 PARTS = 4
 # The worker's lanes in a scenario: none (both topics in kafka.input_topics), two
 # lanes in one process, or the urgent lane in a process of its own.
-Lanes = Literal["off", "shared", "own"]
+Lanes = Literal["off", "shared", "own", "models"]
 DEFAULT_SCENARIOS = ("urgent-alone", "lanes", "no-lanes", "lanes-own")
 
 
@@ -153,9 +157,11 @@ def _start(
             **EXTRA_ENV,
             **(
                 _lanes_env(t["urgent"], t["bulk"], lanes == "own", bulk_rate)
-                if lanes != "off"
+                if lanes in ("shared", "own")
                 else {}
             ),
+            **({"INFER_WORKER_MODELS__BULK__PATH": "builtin:digits",
+                "INFER_WORKER_MODELS__BULK__TOPICS": t["bulk"]} if lanes == "models" else {}),
         },
         members=2 if lanes == "own" else 1,
     )
@@ -327,6 +333,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 ("lanes-own", args.backlog, "own", 0.0, 0.0),
                 ("lanes-cap", args.backlog, "shared", 0.0, bulk_cap),
                 ("lanes-own-cap", args.backlog, "own", 0.0, bulk_cap),
+                ("models-alone", 0, "models", 0.0, 0.0),
+                ("models", args.backlog, "models", 0.0, 0.0),
                 ("urgent-loaded", args.backlog, "shared", load_rate, 0.0)]  # fmt: skip
             order = [o for o in order if o[0] in (args.only or DEFAULT_SCENARIOS)]
             for name, backlog, lanes, load, bulk_rate in order if i % 2 == 0 else order[::-1]:
@@ -361,8 +369,8 @@ def main() -> int:
         "--only",
         nargs="*",
         help="scenarios to run after the capacity one: "
-        f"{', '.join(DEFAULT_SCENARIOS)} (the default), lanes-cap, lanes-own-cap and "
-        "urgent-loaded",
+        f"{', '.join(DEFAULT_SCENARIOS)} (the default), lanes-cap, lanes-own-cap, "
+        "models-alone, models and urgent-loaded",
     )
     parser.add_argument("--env", action="append", default=[], metavar="INFER_WORKER_X=V",
                         help="worker environment for every scenario")  # fmt: skip

@@ -5,6 +5,8 @@ the backpressure per lane, and the per-lane metrics of each batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from worker.config import Settings
 from worker.flow.batching import BatchPolicy, Policy
 from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy
@@ -57,8 +59,17 @@ def batch_policy(s: Settings) -> Policy[Job]:
     )
 
 
-def backpressure(s: Settings) -> LaneBackpressure:
+def backpressure(s: Settings, others: Sequence[Settings] = ()) -> LaneBackpressure:
+    """Pausing per lane over the worker's in-flight counts; with several models
+    (``others``: the [models.NAME] besides [model]), per model over each model's
+    own, at its own bounds: one model's backlog pauses only its topics."""
     b = s.batching
+    if others:
+        models = [s, *others]
+        return LaneBackpressure.per_model(
+            [(m.batching.max_inflight_records, m.batching.max_inflight_bytes) for m in models],
+            [m.model.name for m in models],
+        )
     return LaneBackpressure(
         b.max_inflight_records, b.max_inflight_bytes, lanes=len(s.kafka.ranked_lanes)
     )

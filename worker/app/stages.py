@@ -97,18 +97,19 @@ async def build_stages(
     """The stages, wired; each model's binding decided once (exit 2 on a mismatch,
     before Kafka is contacted), shared by its intake and its inference stage."""
     b = s.batching
-    main, main_route = await _model_stages("model", s, plan, engine, tracker)
+    main, main_route = await _model_stages("model", s, plan, engine, tracker, 0)
     more: list[tuple[ModelStages, Route, tuple[str, ...]]] = []
-    for m in others:
+    for rank, m in enumerate(others, 1):
         key = f"models.{m.settings.model.name}"
-        more.append((*await _model_stages(key, m.settings, plan, m.engine, tracker), m.topics))
+        built = await _model_stages(key, m.settings, plan, m.engine, tracker, rank)
+        more.append((*built, m.topics))
     consumer = Consumer(
         s.kafka,
         main_route.make_job,
         main_route.jobs,
         tracker,
         on_revoke,
-        backpressure(s),
+        backpressure(s, [m.settings for m in others]),
         routes={t: route for (_, route, topics) in more for t in topics},
     )
     committer = Committer(
@@ -158,10 +159,16 @@ def _intake(s: Settings, binding: Binding) -> JobFactory:
 
 
 async def _model_stages(
-    key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngine, tracker: OffsetTracker
+    key: str,
+    s: Settings,
+    plan: RunPlan,
+    engine: Engine | GpuEngine,
+    tracker: OffsetTracker,
+    rank: int,
 ) -> tuple[ModelStages, Route]:
-    """One model's stages (``key``: where it is configured): its own jobs queue,
-    batching and threads or slots, fed by its topics' route."""
+    """One model's stages (``key``: where it is configured; ``rank``: its place
+    in the backpressure): its own jobs queue, batching and threads or slots, fed
+    by its topics' route."""
     b = s.batching
     with settings_named(key):  # a [models.NAME]'s errors name its keys as written
         binding = await _bound(s, plan, engine)
@@ -178,7 +185,7 @@ async def _model_stages(
     )
     batcher = MicroBatcher(jobs, batches, policy, room=room)
     stages = ModelStages(s.model.name, engine, batcher, infer, completed)
-    return stages, Route(_intake(s, binding), jobs)
+    return stages, Route(_intake(s, binding), jobs, rank)
 
 
 async def _inference_stage(

@@ -213,6 +213,21 @@ class LaneBackpressure:
             Backpressure(int(max_records * scale(r)), int(max_bytes * scale(r)), resume_ratio)
             for r in range(lanes)
         ]
+        # Several models in one worker: one decision per model over that model's own
+        # in-flight counts (``apart``), so one model's backlog pauses only its topics.
+        self.apart = False
+        self.labels: list[str] = []
+
+    @classmethod
+    def per_model(
+        cls, bounds: Sequence[tuple[int, int]], labels: Sequence[str], resume_ratio: float = 0.5
+    ) -> LaneBackpressure:
+        """One ``Backpressure`` per model, each at its own bounds (records, bytes),
+        decided on its own counts (``update_each``)."""
+        bp = cls(1, 1)
+        bp.lanes = [Backpressure(r, b, resume_ratio) for r, b in bounds]
+        bp.apart, bp.labels = True, list(labels)
+        return bp
 
     @property
     def paused(self) -> bool:
@@ -230,5 +245,10 @@ class LaneBackpressure:
     def update(self, records: int, nbytes: int) -> list[tuple[int, Action]]:
         """Each lane whose state changes now, lowest lane first (paused first,
         resumed last)."""
-        changes = [(r, b.update(records, nbytes)) for r, b in enumerate(self.lanes)]
+        return self.update_each([(records, nbytes)] * len(self.lanes))
+
+    def update_each(self, counts: Sequence[tuple[int, int]]) -> list[tuple[int, Action]]:
+        """``update`` with each lane's (or model's) own in-flight records and bytes."""
+        pairs = zip(self.lanes, counts, strict=True)
+        changes = [(r, b.update(*c)) for r, (b, c) in enumerate(pairs)]
         return [(r, a) for r, a in reversed(changes) if a is not None]

@@ -15,7 +15,7 @@ exactly-once writer, ``worker.kafka.delivery.exactly_once``); ``forget`` and ``i
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -30,6 +30,7 @@ class _PartitionState:
     epoch: int  # changes whenever the partition is forgotten or reset
     pending: deque[int] = field(default_factory=deque)  # tracked, in read order
     sizes: dict[int, int] = field(default_factory=dict)  # bytes of offsets not yet done
+    nbytes: int = 0  # the sum of sizes
     done: set[int] = field(default_factory=set)  # done but not yet below the watermark
     watermark: int | None = None  # next offset to commit (all below are done)
     committed: int | None = None  # last watermark handed to the broker
@@ -98,6 +99,7 @@ class OffsetTracker:
             state = self._parts[tp] = self._new_state()
         state.pending.append(offset)
         state.sizes[offset] = nbytes
+        state.nbytes += nbytes
         self._bytes += nbytes
         return state.epoch
 
@@ -112,7 +114,9 @@ class OffsetTracker:
         state = self._parts.get(tp)
         if state is None or state.epoch != epoch or offset not in state.sizes:
             return
-        self._bytes -= state.sizes.pop(offset)
+        size = state.sizes.pop(offset)
+        state.nbytes -= size
+        self._bytes -= size
         state.done.add(offset)
         while state.pending and state.pending[0] in state.done:
             first = state.pending.popleft()
@@ -130,6 +134,17 @@ class OffsetTracker:
     def in_flight_bytes(self) -> int:
         """Bytes of records read whose results are not yet acknowledged."""
         return self._bytes
+
+    def in_flight_by(
+        self, group: Callable[[TopicPartition], int], groups: int
+    ) -> list[tuple[int, int]]:
+        """Records and bytes in flight per group of partitions (a model's topics)."""
+        counts = [[0, 0] for _ in range(groups)]
+        for tp, state in self._parts.items():
+            c = counts[group(tp)]
+            c[0] += len(state.pending)
+            c[1] += state.nbytes
+        return [(r, b) for r, b in counts]
 
     def committable(
         self, owned: Iterable[TopicPartition] | None = None
@@ -195,7 +210,7 @@ class OffsetTracker:
     def _drop(self, tp: TopicPartition) -> None:
         state = self._parts.pop(tp, None)
         if state is not None:
-            self._bytes -= sum(state.sizes.values())
+            self._bytes -= state.nbytes
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)

@@ -73,6 +73,8 @@ class Consumer:
         self._make_job = make_job
         self._jobs_out = jobs_out
         self._routes = dict(routes or {})
+        # Where several models share the consumer, each is paused on its own counts.
+        self._rank_of = {t: r.rank for t, r in self._routes.items()}
         self._queues = [jobs_out, *{id(r.jobs): r.jobs for r in self._routes.values()}.values()]
         self._tracker = tracker
         self._on_revoke = on_revoke
@@ -262,18 +264,25 @@ class Consumer:
         returns at the next acknowledgement) before deciding again."""
         self._progress = progress
 
+    def _rank(self, tp: KafkaTP | TopicPartition) -> int:
+        """The partition's lane, or its model's place where several models are served."""
+        return self._rank_of.get(tp.topic, 0) if self._rank_of else lane_of(self._kafka, tp)
+
     def _lane_paused(self, tp: KafkaTP) -> bool:
-        return self._backpressure.is_paused(lane_of(self._kafka, tp))
+        return self._backpressure.is_paused(self._rank(tp))
 
     def _apply_backpressure(self) -> None:
         assert self.client is not None
         records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
         metrics.INFLIGHT_RECORDS.set(records)
         metrics.INFLIGHT_BYTES.set(nbytes)
-        apply_backpressure(
-            self.client, self._kafka, self._backpressure, records, nbytes, self._positioning,
-            self._urgent,
+        bp = self._backpressure
+        counts = (
+            self._tracker.in_flight_by(self._rank, len(bp.lanes)) if bp.apart
+            else [(records, nbytes)]
         )  # fmt: skip
+        apply_backpressure(self.client, self._kafka, bp, counts, self._positioning,
+                           self._urgent, self._rank)  # fmt: skip
 
     async def _enqueue(
         self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int

@@ -132,3 +132,4 @@ class Route:
 
     make_job: JobFactory
     jobs: asyncio.Queue[Job | None]
+    rank: int  # the model's place in the backpressure (LaneBackpressure.per_model); [model] 0

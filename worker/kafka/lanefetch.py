@@ -19,6 +19,7 @@ old (p50) when ``getmany`` returned it while a bulk lane drained
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import structlog
@@ -62,34 +63,41 @@ def apply_backpressure(
     consumer: AIOKafkaConsumer,
     k: KafkaConfig,
     bp: LaneBackpressure,
-    records: int,
-    nbytes: int,
+    counts: list[tuple[int, int]],
     positioning: set[KafkaTP],
     urgent: UrgentFetcher | None = None,
+    rank_of: Callable[[KafkaTP], int] | None = None,
 ) -> None:
-    """Pause or resume each lane's partitions for what is in flight; partitions
+    """Pause or resume each lane's partitions for what is in flight (``counts``:
+    the records and bytes, one pair for every lane, or one per model where
+    ``bp.apart``, whose ``rank_of`` says each partition's model); partitions
     still being positioned stay paused (their positioning resumes them), and
     those the ``urgent`` fetcher reads stay paused in the group consumer (the
     fetcher follows the most urgent lane's state instead)."""
-    lanes = k.ranked_lanes
-    for rank, action in bp.update(records, nbytes):
-        lane = lanes[rank].label
-        metrics.LANE_PAUSED.labels(lane=lane).set(1 if action == "pause" else 0)
+    rank_of = rank_of or (lambda t: lane_of(k, t))
+    changes = bp.update_each(counts) if bp.apart else bp.update(*counts[0])
+    for rank, action in changes:
+        records, nbytes = counts[rank] if bp.apart else counts[0]
+        if bp.apart:  # a model's partitions: not a lane
+            who = {"model": bp.labels[rank]}
+        else:
+            who = {"lane": k.ranked_lanes[rank].label}
+            metrics.LANE_PAUSED.labels(**who).set(1 if action == "pause" else 0)
         if rank == 0 and urgent is not None:
             urgent.pause(action == "pause")
         if action == "pause":
             metrics.PAUSES.inc()
-            log.info("fetch_paused", lane=lane, inflight_records=records, inflight_bytes=nbytes)
+            log.info("fetch_paused", **who, inflight_records=records, inflight_bytes=nbytes)
         else:
             held = set() if urgent is None else urgent.held()
             consumer.resume(
-                *(t for t in consumer.paused() - positioning - held if lane_of(k, t) == rank)
+                *(t for t in consumer.paused() - positioning - held if rank_of(t) == rank)
             )
             metrics.RESUMES.inc()
-            log.info("fetch_resumed", lane=lane, inflight_records=records, inflight_bytes=nbytes)
+            log.info("fetch_resumed", **who, inflight_records=records, inflight_bytes=nbytes)
     if bp.paused:
         # Also covers partitions assigned by a rebalance while paused.
-        consumer.pause(*(t for t in consumer.assignment() if bp.is_paused(lane_of(k, t))))
+        consumer.pause(*(t for t in consumer.assignment() if bp.is_paused(rank_of(t))))
 
 
 def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:

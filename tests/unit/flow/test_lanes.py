@@ -193,6 +193,18 @@ def test_one_lane_pauses_exactly_as_before_lanes() -> None:
     assert bp.update(0, 1000) == [(0, "pause")]
 
 
+def test_several_models_pause_each_on_its_own_counts_at_its_own_bounds() -> None:
+    bp = LaneBackpressure.per_model([(100, 1000), (10, 1000)], ["scores", "reviews"])
+    assert bp.apart and bp.labels == ["scores", "reviews"]
+    # A backlog of the first model pauses it alone, whatever the worker holds in all.
+    assert bp.update_each([(100, 0), (3, 0)]) == [(0, "pause")]
+    assert bp.is_paused(0) and not bp.is_paused(1) and not bp.all_paused
+    assert bp.update_each([(100, 0), (10, 0)]) == [(1, "pause")]  # the second's own bound
+    assert bp.all_paused
+    assert bp.update_each([(50, 0), (5, 0)]) == [(1, "resume"), (0, "resume")]
+    assert bp.update_each([(0, 1000), (0, 0)]) == [(0, "pause")]  # bytes too
+
+
 def test_lanes_from_settings_rank_by_priority_and_default_to_one_lane() -> None:
     k = KafkaConfig(
         input_topics=("bulk", "urgent"),

@@ -191,3 +191,18 @@ def test_an_offset_read_again_while_the_log_reaches_past_it_is_a_redelivery() ->
     t.done(A, 7, epoch)
     t.done(A, 8, epoch)  # answered: nothing pending, the watermark remembers
     assert t.redelivered(A, 8, highwater=9) and not t.redelivered(A, 9, highwater=9)
+
+
+def test_in_flight_by_group_counts_each_groups_records_and_bytes() -> None:
+    t = OffsetTracker()
+    a0, a1, b0 = TopicPartition("a", 0), TopicPartition("a", 1), TopicPartition("b", 0)
+    epochs = {tp: t.track(tp, 0, 10) for tp in (a0, a1, b0)}
+    t.track(a0, 1, 5)
+    t.track(b0, 1, 7)
+    group = {"a": 0, "b": 1}
+    assert t.in_flight_by(lambda tp: group[tp.topic], 2) == [(3, 25), (2, 17)]
+    t.done(b0, 1, epochs[b0])  # done above the watermark: no bytes, still a record in flight
+    assert t.in_flight_by(lambda tp: group[tp.topic], 2) == [(3, 25), (2, 10)]
+    t.forget([a0])
+    assert t.in_flight_by(lambda tp: group[tp.topic], 2) == [(1, 10), (2, 10)]
+    assert t.in_flight_bytes == 20
