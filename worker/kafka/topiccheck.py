@@ -90,17 +90,16 @@ class MissingTopics:
 
 
 async def partition_counts(k: KafkaConfig, topics: Iterable[str]) -> dict[str, int]:
-    """Each of ``topics``' partition count (0 where it does not exist), from one
-    metadata request made with ``k``'s connection (security included)."""
+    """Each of ``topics``' partition count (0 where it does not exist), asked with
+    ``k``'s connection (security included)."""
     from aiokafka import AIOKafkaConsumer
 
-    from worker.kafka.clients import started
+    from worker.kafka.clients import started, topic_partitions
     from worker.kafka.credentials import connection
 
     consumer = await started(AIOKafkaConsumer(**connection(k), enable_auto_commit=False))
     try:
-        cluster = await consumer._client.fetch_all_metadata()  # as clients.topic_partitions
-        return {t: len(cluster.partitions_for_topic(t) or ()) for t in topics}
+        return {t: len(await topic_partitions(consumer, t)) for t in topics}
     finally:
         await consumer.stop()
 
