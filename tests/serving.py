@@ -7,14 +7,14 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from worker.contract import Request, Result, encode_request
+from worker.contract import ModelRef, Request, Result, encode_request
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
 from worker.ops.topics import Collector, committed_offsets, produce_all
 
 
-def wire(rid: str, inputs: Mapping[str, Any]) -> bytes:
-    return encode_request(Request(v=1, id=rid, inputs=dict(inputs)))
+def wire(rid: str, inputs: Mapping[str, Any], model: ModelRef | None = None) -> bytes:
+    return encode_request(Request(v=1, id=rid, inputs=dict(inputs), model=model))
 
 
 async def serve(

@@ -40,6 +40,7 @@ from aiokafka.structs import TopicPartition
 from worker.config import KafkaConfig
 from worker.contract import (
     EncodedImage,
+    ModelRef,
     Request,
     Result,
     Tensor,
@@ -205,6 +206,8 @@ class InferenceClient:
         timeout: float = 30.0,
         meta: Mapping[str, Any] | None = None,
         key: bytes | None = None,
+        model: str | None = None,
+        version: str | None = None,
     ) -> Result:
         """Send one request and return its result; an error result is returned, not
         raised. ``image``: a uint8 array or a JPEG/PNG/WebP file's bytes, sent as
@@ -213,7 +216,10 @@ class InferenceClient:
         array is a tensor of its dtype, bytes an image file, a str a text). Raises
         ``TimeoutError`` when no result arrives within ``timeout`` seconds (the
         request's ``deadline_ms`` is set to the same moment, so a worker that
-        gets to it later answers ``deadline_exceeded`` without computing it)."""
+        gets to it later answers ``deadline_exceeded`` without computing it).
+        ``model``: the model to answer it, where the worker serves several (on
+        the default model's topics; docs/guides/models.md), and ``version`` the
+        version it must be (else the result is ``unknown_model``)."""
         assert self._producer is not None, "start() first"
         request_id = uuid.uuid4().hex
         given: Mapping[str, np.ndarray | bytes | str] = (
@@ -223,6 +229,7 @@ class InferenceClient:
         request = Request(
             v=1, id=request_id, inputs={n: _input(v) for n, v in given.items()},
             deadline_ms=deadline_ms, meta=meta,
+            model=None if model is None else ModelRef(model, version),
         )  # fmt: skip
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut

@@ -1,9 +1,12 @@
-"""Several models in one worker process (``[models.NAME]``, routed by input topic):
-a two-input tensor model as [model], a scikit-learn table of four inputs and the
-bundled text model beside it, each on topics of its own. Every answer equals its
-model run on that request alone and names the model that gave it; a request that
-fits another model's inputs but not its topic's model is that model's typed
-error; each model's latency and results are its own series in /metrics."""
+"""Several models in one worker process (``[models.NAME]``): a two-input tensor
+model as [model], a scikit-learn table of four inputs and the bundled text model
+beside it, each on topics of its own, and routed by the request's ``model`` field
+on [model]'s topic (msgpack and OIP JSON). Every answer equals its model run on
+that request alone and names the model that gave it; a request that fits another
+model's inputs but not its topic's model is that model's typed error; a request
+naming a model or version the worker does not serve is answered
+``unknown_model``; each model's latency and results are its own series in
+/metrics."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import pytest
 
 from tests.onnx_models import ranker, run_alone, sklearn_pipeline
 from tests.serving import wire
-from worker.contract import Tensor
+from worker.contract import ModelRef, Request, Tensor
+from worker.contract.oip import encode_oip_request
+from worker.model.files import content_version
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker
 from worker.ops.samples import sentiment_samples
@@ -61,6 +66,27 @@ async def test_three_models_in_one_worker_routed_by_topic(
     # which names the input it does not take.
     stray = ("stray", wire("stray", {k: Tensor.from_numpy(v) for k, v in ranked["r-0"].items()}))
     sent[topic["sentiment"]].append((b"stray", stray[1]))
+    # On [model]'s topic, requests naming the other two (msgpack and OIP JSON), one
+    # pinned to the serving version, and requests naming what the worker does not serve.
+    churn_version = content_version(churn_path)
+    named = [(f"n-{i}", wire(f"n-{i}", _churn_inputs(row), ModelRef("churn")))
+             for i, row in enumerate(rows[:10])]  # fmt: skip
+    named.append(("pinned", wire("pinned", _churn_inputs(rows[0]),
+                                 ModelRef("churn", churn_version))))  # fmt: skip
+    named += [
+        ("unknown", wire("unknown", {"text": texts[0].text}, ModelRef("translator"))),
+        ("old", wire("old", _churn_inputs(rows[0]), ModelRef("churn", "sha256:0ld"))),
+        ("ranker", wire("ranker", {k: Tensor.from_numpy(v) for k, v in ranked["r-1"].items()},
+                        ModelRef("ranker"))),
+    ]  # fmt: skip
+    sent[topic["ranker"]] += [(rid.encode(), value) for rid, value in named]
+    as_json = [(f"j-{i}".encode(), encode_oip_request(Request(
+        v=1, id=f"j-{i}", inputs={"text": s.text}, model=ModelRef("sentiment"))))
+        for i, s in enumerate(texts[:10])]  # fmt: skip
+    # On the text model's own topic, a request naming another served model.
+    sent[topic["sentiment"]].append(
+        (b"elsewhere", wire("elsewhere", _churn_inputs(rows[0]), ModelRef("churn")))
+    )
     env = {
         "INFER_WORKER_MODEL__PATH": str(rank_path),
         "INFER_WORKER_MODEL__INPUTS__IDS__MAX_LENGTH": "16",
@@ -72,7 +98,7 @@ async def test_three_models_in_one_worker_routed_by_topic(
     w = spawn_worker(broker.bootstrap, input_topics=list(topic.values()),
                      output_topic=names["results"], dlq_topic=names["dlq"],
                      group_id=names["group"], extra_env=env)  # fmt: skip
-    total = sum(len(v) for v in sent.values())
+    total = sum(len(v) for v in sent.values()) + len(as_json)
     try:
         await asyncio.to_thread(
             w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0,
@@ -80,6 +106,8 @@ async def test_three_models_in_one_worker_routed_by_topic(
         )  # fmt: skip
         for t, records in sent.items():
             await produce_all(broker.bootstrap, t, records)
+        await produce_all(broker.bootstrap, topic["ranker"], as_json,
+                          headers=[("content-type", b"application/json")])  # fmt: skip
         c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
         await c.start()
         try:
@@ -118,10 +146,39 @@ async def test_three_models_in_one_worker_routed_by_topic(
     assert stray_result.error.code == "invalid_request"
     assert stray_result.error.message == "inputs.features: unknown input; the model takes text"
 
+    for i in range(10):  # routed by the request's model field, on [model]'s topic
+        r = results[f"n-{i}"]
+        assert (r.status, r.model.name, r.source.topic) == ("ok", "churn", topic["ranker"])
+        np.testing.assert_allclose(r.outputs["probabilities"].to_numpy(), expected[i], atol=1e-5)
+        j, alone = results[f"j-{i}"], results[f"t-{i}"]
+        assert (j.status, j.model.name) == ("ok", "sentiment"), j.error
+        np.testing.assert_allclose(j.outputs["logits"].to_numpy(),
+                                   alone.outputs["logits"].to_numpy(), rtol=1e-5)  # fmt: skip
+    pinned = results["pinned"]
+    assert (pinned.status, pinned.model.name, pinned.model.version) == (
+        "ok", "churn", churn_version)  # fmt: skip
+    named_ranker = results["ranker"]
+    assert (named_ranker.status, named_ranker.model.name) == ("ok", "ranker")
+    np.testing.assert_allclose(named_ranker.outputs["score"].to_numpy(),
+                               run_alone(rank_path, ranked["r-1"])["score"], rtol=1e-5)  # fmt: skip
+    unknown, old, elsewhere = results["unknown"], results["old"], results["elsewhere"]
+    assert unknown.error is not None and unknown.error.code == "unknown_model"
+    assert unknown.error.message == (
+        "model: 'translator' is not served here; this worker serves 'ranker', 'churn', "
+        "'sentiment'"
+    )
+    assert old.error is not None and old.error.code == "unknown_model", old.error
+    assert old.model.name == "churn" and churn_version in old.error.message
+    assert elsewhere.error is not None and elsewhere.error.code == "invalid_request"
+    assert "carries 'sentiment'" in elsewhere.error.message, elsewhere.error
+
     for t, records in sent.items():
         committed = await committed_offsets(broker.bootstrap, names["group"], t, 2)
-        assert sum(committed.values()) == len(records), (t, committed)
-    for model, count in (("ranker", 60), ("churn", 60), ("sentiment", 61)):
+        extra = len(as_json) if t == topic["ranker"] else 0
+        assert sum(committed.values()) == len(records) + extra, (t, committed)
+    # Each request counted under the model that answered it (a request naming no
+    # served model: its topic's).
+    for model, count in (("ranker", 62), ("churn", 72), ("sentiment", 72)):
         found = re.search(rf'infer_request_seconds_count\{{[^}}]*model="{model}"[^}}]*\}} (\S+)',
                           exposition)  # fmt: skip
         assert found and float(found.group(1)) == count, (model, found)

@@ -103,6 +103,12 @@ async def build_stages(
         key = f"models.{m.settings.model.name}"
         built = await _model_stages(key, m.settings, plan, m.engine, tracker, rank)
         more.append((*built, m.topics))
+    if more:
+        names = [main.name, *(m.name for (m, _, _) in more)]
+        # A request on [model]'s topics may name any model; on another's, only that one.
+        main_route.make_job.route(names, {m.name: r.make_job for (m, r, _) in more})
+        for _, route, _ in more:
+            route.make_job.route(names)
     consumer = Consumer(
         s.kafka,
         main_route.make_job,
@@ -127,7 +133,7 @@ async def build_stages(
         sources = [completed, *(m.completed for (m, _, _) in more)]
         completed = asyncio.Queue(b.max_inflight_batches)
         merge = merge_done(sources, completed)
-    routed = {t: ModelInfo(m.name, m.engine.info.version) for (m, _, ts) in more for t in ts}
+    routed = {m.name: ModelInfo(m.name, m.engine.info.version) for (m, _, _) in more}
     parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer, routed)
     writer: ResultWriter
     if plan.exactly_once:
@@ -155,7 +161,9 @@ async def _bound(s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Bind
 
 def _intake(s: Settings, binding: Binding) -> JobFactory:
     limits = fit_limits(s.limits, binding.inputs)
-    return JobFactory(binding.inputs, limits, s.batching.max_record_age_ms, s.kafka.content_type)
+    return JobFactory(
+        binding.inputs, limits, s.batching.max_record_age_ms, s.kafka.content_type, s.model.name
+    )
 
 
 async def _model_stages(

@@ -18,6 +18,7 @@ def produce_command(args: argparse.Namespace) -> int:
         s.kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
         topic=args.topic, texts=args.text, input_name=args.input, sample_model=args.model,
         oip=args.oip, meta=parse_meta(args.meta), count=args.count, rate=args.rate,
+        model_name=args.model_name, model_version=args.model_version,
     )  # fmt: skip
 
 
@@ -76,6 +77,15 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "--meta", action="append", default=[], metavar="KEY=VALUE",
         help="add to every request's meta (repeatable; JSON values as such: label=7 is "
         "the number 7); samples carry their true class as meta.label already",
+    )  # fmt: skip
+    p.add_argument(
+        "--model-name", default=None, metavar="NAME",
+        help="the model to answer them, where the worker serves several (each request "
+        "names it; docs/guides/models.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model-version", default=None, metavar="VERSION",
+        help="with --model-name: the version that must answer (else unknown_model)",
     )  # fmt: skip
     p.add_argument("--topic", help="input topic (default: the config's first input topic)")
     p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")

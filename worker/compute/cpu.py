@@ -31,6 +31,7 @@ from worker.compute.triage import (
     ServiceTimeHook,
     completed,
     micros,
+    pinned,
     run_isolating,
     triage,
 )
@@ -165,6 +166,9 @@ class CpuStage(Stage):
         buffers = await self._buffers.get()
         version = self.version  # the model this batch runs on, swaps notwithstanding
         try:
+            runnable = pinned(runnable, version or self._engine.info.version)
+            if not runnable:
+                return completed(batch, rows, 0)
             # Every log line of this batch (failures, isolation) names it; the
             # binding is local to this batch's task.
             with structlog.contextvars.bound_contextvars(

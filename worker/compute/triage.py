@@ -64,6 +64,29 @@ def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list
     return answers, runnable
 
 
+def pinned(runnable: list[Row], version: str) -> list[Row]:
+    """The rows ``version`` may answer: a request pinning another version of its
+    model (``model.version``) is answered ``unknown_model`` naming the one that
+    serves; checked where the batch runs, so a model swapped since intake cannot
+    answer a request pinned to the version before."""
+    kept = runnable
+    for i, row in enumerate(runnable):
+        request = row.job.request
+        pin = None if request is None or request.model is None else request.model.version
+        if pin is None or pin == version:
+            if kept is not runnable:
+                kept.append(row)
+            continue
+        if kept is runnable:
+            kept = runnable[:i]
+        row.error = ErrorInfo(
+            ErrorCode.UNKNOWN_MODEL,
+            f"model.version: {pin[:64]!r} is not served; {row.job.model or 'the model'!r} "
+            f"serves version {version!r}",
+        )
+    return kept
+
+
 def completed(
     batch: Batch[Job],
     rows: list[Row],

@@ -4,7 +4,9 @@ speak, for producers that cannot write msgpack (kcat, Kafka Connect, ksqlDB, a
 web backend). A record with header ``content-type: application/json`` is one.
 
 Request: ``{"id", "parameters"?, "inputs": [{"name", "shape", "datatype",
-"data", "parameters"?}], "outputs"?: [{"name"}]}``, one record one request.
+"data", "parameters"?}], "outputs"?: [{"name"}], "model_name"?, "model_version"?}``,
+one record one request (the model named as OIP's gRPC request names it; over HTTP
+the path does).
 ``data`` is the flat row-major list (nested lists are accepted and flattened);
 a leading batch dimension of 1 in ``shape`` is allowed (the intake drops it
 where the model's row has one dimension fewer). ``BYTES`` carries texts (UTF-8
@@ -35,7 +37,7 @@ from typing import Any, Final
 import numpy as np
 
 from worker.contract.limits import DEFAULT_LIMITS, Limits
-from worker.contract.requests import decode_encoded, decode_text
+from worker.contract.requests import decode_encoded, decode_text, name_problem
 from worker.contract.wire import kind, short_name
 from worker.flow.codes import ErrorCode
 from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
@@ -44,6 +46,7 @@ from worker.flow.values import (
     ErrorInfo,
     InputValue,
     ModelInfo,
+    ModelRef,
     Request,
     Result,
     Source,
@@ -71,7 +74,7 @@ _TO_OIP: Final = {v: k for k, v in DATATYPES.items()}
 # By dtype object, for each output row: numpy computes ``dtype.name`` per call
 # (2 us); a byte order other than the native one is looked up by name.
 _TO_OIP_BY_DTYPE: Final = {np.dtype(name): oip for name, oip in _TO_OIP.items()}
-REQUEST_KEYS: Final = ("id", "parameters", "inputs", "outputs")
+REQUEST_KEYS: Final = ("id", "parameters", "inputs", "outputs", "model_name", "model_version")
 INPUT_KEYS: Final = ("name", "shape", "datatype", "data", "parameters")
 
 
@@ -121,6 +124,7 @@ def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> 
             )
         deadline = _deadline(params, meta, limits)
         start, end = (_flag(params, f) for f in ("sequence_start", "sequence_end"))
+        model = _model(obj, limits)
         inputs = _inputs(obj.get("inputs"), limits)
         outputs = _outputs(obj.get("outputs"))
     except InvalidRequest as exc:
@@ -128,9 +132,26 @@ def decode_oip_request(value: bytes | None, limits: Limits = DEFAULT_LIMITS) -> 
         raise
     request = Request(
         v=1, id=request_id, inputs=inputs, deadline_ms=deadline, meta=meta or None,
-        sequence_start=start, sequence_end=end,
+        sequence_start=start, sequence_end=end, model=model,
     )  # fmt: skip
     return OipRequest(request, outputs)
+
+
+def _model(obj: Mapping[str, Any], limits: Limits) -> ModelRef | None:
+    """The model the request names (``model_name``) and the version it pins."""
+    found: list[str | None] = []
+    for field in ("model_name", "model_version"):
+        raw = obj.get(field)
+        problem = name_problem(raw, limits) if field in obj else None
+        if problem is not None:
+            raise InvalidRequest(f"{field}: {problem}")
+        found.append(raw)
+    name, version = found
+    if name is None:
+        if version is not None:
+            raise InvalidRequest("model_version: names a version of the model in model_name")
+        return None
+    return ModelRef(name, version)
 
 
 _JSON_KINDS: Final[dict[type, str]] = {dict: "an object", list: "an array", str: "a string"}
@@ -344,6 +365,10 @@ def encode_oip_request(request: Request, outputs: tuple[str, ...] | None = None)
         body["parameters"] = params
     if outputs is not None:
         body["outputs"] = [{"name": n} for n in outputs]
+    if request.model is not None:
+        body["model_name"] = request.model.name
+        if request.model.version is not None:
+            body["model_version"] = request.model.version
     return json.dumps(body, default=_plain).encode()
 
 

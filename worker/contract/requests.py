@@ -29,6 +29,7 @@ from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.tensors import decode_tensor, tensor_from_fields
 from worker.contract.wire import (
     MISSING,
+    MODEL_FIELDS,
     REQUEST_FIELDS,
     kind,
     pack,
@@ -42,6 +43,7 @@ from worker.flow.values import (
     SUPPORTED_VERSIONS,
     EncodedImage,
     InputValue,
+    ModelRef,
     Request,
     is_int,
     sniff_format,
@@ -71,6 +73,11 @@ class _WireTensor(msgspec.Struct, forbid_unknown_fields=True):
     data: bytes
 
 
+class _WireModel(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    version: str | msgspec.UnsetType = msgspec.UNSET
+
+
 class _WireRequest(msgspec.Struct, forbid_unknown_fields=True):
     """The request's wire types. Optional fields are UNSET when absent, so an
     explicit nil is not taken for "absent" (it is refused, as by ``_explain``);
@@ -85,6 +92,7 @@ class _WireRequest(msgspec.Struct, forbid_unknown_fields=True):
     meta: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     sequence_start: bool = False
     sequence_end: bool = False
+    model: _WireModel | msgspec.UnsetType = msgspec.UNSET
 
 
 _TYPED = msgspec.msgpack.Decoder(_WireRequest, ext_hook=reject_ext)
@@ -121,6 +129,12 @@ def _accept(value: bytes, limits: Limits) -> Request | None:
             return None
     if not 1 <= len(wire.inputs) <= limits.max_inputs:
         return None
+    model = None
+    if wire.model is not msgspec.UNSET:
+        version = None if wire.model.version is msgspec.UNSET else wire.model.version
+        model = ModelRef(wire.model.name, version)
+        if any(name_problem(x, limits) for x in (model.name, version) if x is not None):
+            return None
     if len(value) > limits.max_string_bytes and not _strings_within(wire, limits.max_string_bytes):
         return None  # a string longer than msgpack's limit: undecodable, as read field by field
     inputs: dict[str, InputValue] = {}
@@ -138,6 +152,7 @@ def _accept(value: bytes, limits: Limits) -> Request | None:
     return Request(
         v=wire.v, id=wire.id, inputs=inputs, deadline_ms=deadline, meta=meta,
         sequence_start=wire.sequence_start, sequence_end=wire.sequence_end,
+        model=model,
     )  # fmt: skip
 
 
@@ -145,6 +160,8 @@ def _strings_within(wire: _WireRequest, limit: int) -> bool:
     """Every string of the request within ``limit`` UTF-8 bytes (msgpack's
     ``max_str_len``, which the field-by-field reading unpacks under)."""
     strings = [wire.id, *wire.inputs]
+    if wire.model is not msgspec.UNSET:
+        strings.append(wire.model.name)
     for raw in wire.inputs.values():
         if isinstance(raw, str):
             strings.append(raw)
@@ -177,6 +194,7 @@ def _explain(value: bytes, limits: Limits) -> Request:
         start, end = (_decode_flag(obj, f) for f in ("sequence_start", "sequence_end"))
         if meta_problem is not None:
             raise InvalidRequest(meta_problem)
+        model = _decode_model(obj, limits)
         inputs = _decode_inputs(obj, limits)
     except InvalidRequest as exc:
         exc.request_id = request_id
@@ -184,7 +202,7 @@ def _explain(value: bytes, limits: Limits) -> Request:
         raise
     return Request(
         v=obj["v"], id=request_id, inputs=inputs, deadline_ms=deadline_ms, meta=meta,
-        sequence_start=start, sequence_end=end,
+        sequence_start=start, sequence_end=end, model=model,
     )  # fmt: skip
 
 
@@ -202,6 +220,10 @@ def encode_request(req: Request) -> bytes:
     for flag in ("sequence_start", "sequence_end"):
         if getattr(req, flag):
             wire[flag] = True
+    if req.model is not None:
+        wire["model"] = {"name": req.model.name}
+        if req.model.version is not None:
+            wire["model"]["version"] = req.model.version
     return pack(wire)
 
 
@@ -237,6 +259,35 @@ def _decode_flag(obj: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequest(f"{name}: expected true or false, got {kind(value)}")
     return value
+
+
+def _decode_model(obj: dict[str, Any], limits: Limits) -> ModelRef | None:
+    """The model the request names and the version it pins (``{"name", "version"?}``,
+    as a result's ``model``), or None when it names none."""
+    if "model" not in obj:
+        return None
+    raw = obj["model"]
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"model: expected a map {{name, version?}}, got {kind(raw)}")
+    for key in raw:
+        if key not in MODEL_FIELDS:
+            raise InvalidRequest(f"model.{short_name(key)}: unknown field; model has name, version")
+    if "name" not in raw:
+        raise InvalidRequest("model.name: missing")
+    for field in (f for f in MODEL_FIELDS if f in raw):  # a nil version is refused too
+        problem = name_problem(raw[field], limits)
+        if problem is not None:
+            raise InvalidRequest(f"model.{field}: {problem}")
+    return ModelRef(raw["name"], raw.get("version"))
+
+
+def name_problem(raw: object, limits: Limits) -> str | None:
+    """Why ``raw`` is not a model's name or version, or None when it is."""
+    if not isinstance(raw, str):
+        return f"expected str, got {kind(raw)}"
+    if not 1 <= len(raw) <= limits.max_id_chars:
+        return f"length must be 1 to {limits.max_id_chars}, got {len(raw)}"
+    return None
 
 
 def _decode_deadline(obj: dict[str, Any]) -> int | None:

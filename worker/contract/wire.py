@@ -17,8 +17,9 @@ from worker.flow.errors import UndecodableRecord
 from worker.flow.values import SUPPORTED_VERSIONS
 
 REQUEST_FIELDS: Final = (
-    "v", "id", "inputs", "deadline_ms", "meta", "sequence_start", "sequence_end",
+    "v", "id", "inputs", "deadline_ms", "meta", "sequence_start", "sequence_end", "model",
 )  # fmt: skip
+MODEL_FIELDS: Final = ("name", "version")
 TENSOR_FIELDS: Final = ("dtype", "shape", "data")
 
 # A client-chosen name in an error message is cut to this many characters.

@@ -22,6 +22,8 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
     # A stateful model holds model.max_sequences sequences: a new one waits.
     TOO_MANY_SEQUENCES = "too_many_sequences"
+    # A request names a model (or a model's version) the worker does not serve.
+    UNKNOWN_MODEL = "unknown_model"
 
 
 # Error messages end up in results and Kafka headers; a client-chosen name or

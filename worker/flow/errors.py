@@ -73,6 +73,13 @@ class InvalidRequest(RecordError):
         self.key = key
 
 
+class UnknownModel(InvalidRequest):
+    """The request names a model, or a version of one, the worker does not serve;
+    the message names what it does serve."""
+
+    code = ErrorCode.UNKNOWN_MODEL
+
+
 class TensorTooLarge(InvalidRequest):
     """A tensor is larger than the configured limit (e.g. image pixels)."""
 

@@ -81,6 +81,9 @@ class Job(msgspec.Struct, frozen=True):
     wire: Wire = "msgpack"
     outputs_wanted: tuple[str, ...] | None = None
     trace: TraceContext | None = None  # the record's W3C trace context, if it had one
+    # The model that answers it (several models in one worker: its topic's, or the
+    # one its request names); "": the worker's only model.
+    model: str = ""
 
     @property
     def source(self) -> Source:

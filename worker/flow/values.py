@@ -149,6 +149,13 @@ InputValue = Tensor | EncodedImage | str
 UTF-8 string (a text input, tokenized by the worker)."""
 
 
+class ModelRef(msgspec.Struct, frozen=True):
+    """The model a request names, and the version it pins (None: whichever serves)."""
+
+    name: str
+    version: str | None = None
+
+
 class Request(msgspec.Struct, frozen=True):
     """A validated request. ``inputs`` are checked against the limits it was
     decoded with; ``meta`` is echoed back untouched. A msgspec Struct: made per
@@ -163,6 +170,9 @@ class Request(msgspec.Struct, frozen=True):
     # state before answering, and drop it after. Ignored by stateless models.
     sequence_start: bool = False
     sequence_end: bool = False
+    # The model the request names (several models in one worker); None: its
+    # topic's model, whichever version serves.
+    model: ModelRef | None = None
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class Consumer:
     ) -> None:
         """``make_job`` and ``jobs_out``: every input topic's records, except the
         topics ``routes`` sends to other models' stages (several models in one
-        worker: ``worker.config.models``)."""
+        worker: ``worker.config.models``); a job whose request names one of those
+        models (``Job.model``) goes to that model's stages."""
         self._kafka = kafka
         self._backpressure = backpressure
         self._make_job = make_job
@@ -75,7 +76,8 @@ class Consumer:
         self._routes = dict(routes or {})
         # Where several models share the consumer, each is paused on its own counts.
         self._rank_of = {t: r.rank for t, r in self._routes.items()}
-        self._queues = [jobs_out, *{id(r.jobs): r.jobs for r in self._routes.values()}.values()]
+        self._jobs_of = {r.make_job.model: r.jobs for r in self._routes.values()}
+        self._queues = [jobs_out, *self._jobs_of.values()]
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
@@ -332,10 +334,11 @@ class Consumer:
                 if self.protection is not None:  # a cautious partition: one by one
                     await self.protection.before(tp, record.offset)
                 job = self._job(record, make_job)
-                if jobs_out.full():
-                    await jobs_out.put(job)
+                out = self._jobs_of.get(job.model, jobs_out) if self._jobs_of else jobs_out
+                if out.full():
+                    await out.put(job)
                 else:
-                    jobs_out.put_nowait(job)  # no coroutine per record while there is room
+                    out.put_nowait(job)  # no coroutine per record while there is room
                 queued += 1
         finally:
             # Per fetch, not per record: metric updates are a measurable share of

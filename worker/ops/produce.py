@@ -253,17 +253,22 @@ def run_produce(
     meta: Mapping[str, Any] | None = None,
     count: int | None = None,
     rate: float = 0.0,
+    model_name: str | None = None,
+    model_version: str | None = None,
 ) -> int:
     """Send the files, texts and samples given (cycled to ``count`` requests when
     set, ``rate`` a second when > 0) to ``topic`` (default: the configuration's
-    first input topic), then, with ``wait``, print each answer as it arrives."""
+    first input topic), then, with ``wait``, print each answer as it arrives;
+    ``model_name``: the model each request names (several models in one worker)."""
     if rate < 0:
         raise ConfigError(f"--rate must be >= 0 (requests a second; 0 = as fast as acked), "
                           f"got {rate:g}")  # fmt: skip
+    if model_version is not None and model_name is None:
+        raise ConfigError("--model-version names a version of the model --model-name names")
     requests = [from_file(Path(f), limits, input_name or "image") for f in files]
     requests += [from_text(t, input_name or "text") for t in texts]
     requests += from_samples(samples, sample_model)
-    requests = with_meta(requests, meta or {})
+    requests = with_meta(requests, meta or {}, model_name, model_version)
     if not requests:
         raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
     total = len(requests) if count is None else count

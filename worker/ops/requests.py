@@ -18,6 +18,7 @@ import numpy as np
 from worker.config import LimitsConfig
 from worker.contract import (
     EncodedImage,
+    ModelRef,
     Request,
     Tensor,
     decode_request,
@@ -35,18 +36,23 @@ class LabelledRequest:
 
 
 def with_meta(
-    requests: Sequence[LabelledRequest], meta: Mapping[str, Any]
+    requests: Sequence[LabelledRequest],
+    meta: Mapping[str, Any],
+    model: str | None = None,
+    version: str | None = None,
 ) -> list[LabelledRequest]:
     """``requests`` with ``meta`` added to each one's (``produce --meta``: a label
-    ``compare --label-key`` reads, a trace id, anything the results should echo)."""
-    if not meta:
+    ``compare --label-key`` reads, a trace id, anything the results should echo),
+    naming ``model`` at ``version`` when given (``produce --model-name``)."""
+    if not meta and model is None:
         return list(requests)
     out = []
     for r in requests:
         request = decode_request(r.value)
-        merged = {**(request.meta or {}), **meta}
-        value = encode_request(msgspec.structs.replace(request, meta=merged))
-        out.append(LabelledRequest(r.id, r.label, value))
+        merged = {**(request.meta or {}), **meta} or None
+        ref = None if model is None else ModelRef(model, version)
+        named = msgspec.structs.replace(request, meta=merged, model=ref)
+        out.append(LabelledRequest(r.id, r.label, encode_request(named)))
     return out
 
 

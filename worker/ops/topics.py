@@ -43,9 +43,10 @@ async def produce_all(
     partition_of: Any = None,
     rate: float = 0.0,
     seed: int = 0,
+    headers: Sequence[tuple[str, bytes]] | None = None,
 ) -> list[Produced]:
-    """Produce records and wait for all acks; returns each record's partition/offset
-    and the time it was handed over.
+    """Produce records (each with ``headers``) and wait for all acks; returns each
+    record's partition/offset and the time it was handed over.
 
     With ``rate`` > 0 the records are sent open-loop as a Poisson process of that
     mean rate (exponential gaps, seeded), whatever the answers do: a sender that
@@ -71,7 +72,9 @@ async def produce_all(
                     await asyncio.sleep(delay)
             part = partition_of(i) if partition_of is not None else None
             sent_at = time.monotonic()
-            fut = await producer.send(topic, value=value, key=key, partition=part)
+            fut = await producer.send(
+                topic, value=value, key=key, partition=part, headers=list(headers or [])
+            )
             pending.append((key, value, sent_at, fut))
         out = []
         for key, value, sent_at, fut in pending:

@@ -16,6 +16,7 @@ from worker.compute.engines import load_engine
 from worker.compute.triage import completed as answered
 from worker.compute.triage import run_isolating, triage
 from worker.config import ModelConfig
+from worker.contract import ModelRef, Request
 from worker.flow.errors import EngineDead, InferenceFailed, InvalidRequest
 from worker.flow.messages import Batch, Job, TopicPartition
 from worker.model.io import EngineInfo
@@ -218,3 +219,29 @@ async def test_a_batch_of_many_lengths_runs_in_one_hand_over_and_isolates_its_po
         ids = given["ids"].to_numpy()
         alone = inner.run({"features": given["features"].to_numpy()[None], "ids": ids[None]})
         np.testing.assert_allclose(answer.outputs["score"], alone["score"][0], rtol=1e-6)
+
+
+async def test_a_request_pinned_to_another_version_is_answered_unknown_model() -> None:
+    """``model.version`` is checked where the batch runs, against the version that
+    runs it: the pinned-to-it and the unpinned are answered, the other refused."""
+    engine = load_engine(ModelConfig())
+    version = engine.info.version
+    stage = cpu_stage(ModelConfig(), engine)
+    pins = [None, ModelRef("digits"), ModelRef("digits", version), ModelRef("digits", "sha256:0")]
+    batch = [
+        msgspec.structs.replace(
+            job, request=Request(v=1, id=f"r{i}", inputs={}, model=pin), model="digits"
+        )
+        for i, (job, pin) in enumerate(zip(jobs(len(pins), set()), pins, strict=True))
+    ]
+    try:
+        done = await stage.run_batch(Batch(batch, time.monotonic(), "full"))
+    finally:
+        stage.close()
+    assert [a.error is None for a in done.answers] == [True, True, True, False]
+    refused = done.answers[3].error
+    assert refused is not None and refused.code == "unknown_model"
+    assert refused.message == (
+        f"model.version: 'sha256:0' is not served; 'digits' serves version {version!r}"
+    )
+    assert done.engine_rows == 3

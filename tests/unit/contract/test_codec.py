@@ -5,6 +5,7 @@ behaviour on hostile bytes (bombs, fuzz)."""
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 import tracemalloc
@@ -27,6 +28,7 @@ from worker.contract import (
     ErrorInfo,
     Limits,
     ModelInfo,
+    ModelRef,
     Request,
     Result,
     Source,
@@ -677,6 +679,15 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     (image_wire(shape=[3, 3, 1]), "inputs.image.data: uint8 [3, 3, 1] needs 9 bytes, got 6"),
     (image_wire(dtype="float32"), "inputs.image.data: float32 [2, 3, 1] needs 24 bytes, got 6"),
     (image_wire(dtype="bool"), "inputs.image.data: bool values must be 0 or 1"),
+    # model
+    (request_wire(model="digits"), "model: expected a map {name, version?}, got str"),
+    (request_wire(model={}), "model.name: missing"),
+    (request_wire(model={"version": "a"}), "model.name: missing"),
+    (request_wire(model={"name": "d", "tag": 1}), "model.tag: unknown field; model has name"),
+    (request_wire(model={"name": 7}), "model.name: expected str, got int"),
+    (request_wire(model={"name": ""}), "model.name: length must be 1 to 256, got 0"),
+    (request_wire(model={"name": "d", "version": None}), "model.version: expected str, got nil"),
+    (request_wire(model={"name": "d", "version": "v" * 257}), "model.version: length must be"),
 ]
 
 
@@ -809,3 +820,26 @@ def test_a_sequence_flag_that_is_not_a_boolean_is_refused() -> None:
         np.zeros(1, np.float32)).to_wire()}, "sequence_end": 1})  # fmt: skip
     with pytest.raises(InvalidRequest, match="sequence_end: expected true or false"):
         decode_request(raw)
+
+
+@pytest.mark.parametrize("version", [None, "sha256:0a1b"])
+def test_the_model_a_request_names_round_trips_in_both_encodings(version: str | None) -> None:
+    from worker.contract.oip import decode_oip_request, encode_oip_request
+
+    t = Tensor.from_numpy(np.zeros(3, np.float32))
+    request = Request(v=1, id="m", inputs={"x": t}, model=ModelRef("churn", version))
+    assert decode_request(encode_request(request)).model == ModelRef("churn", version)
+    oip = decode_oip_request(encode_oip_request(request)).request
+    assert oip.model == ModelRef("churn", version) and oip.meta is None
+    assert decode_request(encode_request(Request(v=1, id="m", inputs={"x": t}))).model is None
+
+
+def test_an_oip_version_without_a_model_name_is_refused() -> None:
+    from worker.contract.oip import decode_oip_request
+
+    body = {"id": "m", "model_version": "1",
+            "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    with pytest.raises(InvalidRequest, match="model_version: names a version of the model"):
+        decode_oip_request(json.dumps(body).encode())
+    with pytest.raises(InvalidRequest, match="model_name: expected str, got int"):
+        decode_oip_request(json.dumps({**body, "model_name": 3}).encode())

@@ -20,6 +20,7 @@ from worker.contract import (
     EncodedImage,
     ErrorInfo,
     ModelInfo,
+    ModelRef,
     Request,
     Result,
     Source,
@@ -81,6 +82,12 @@ REQUESTS = {
         v=1, id="f", inputs={"image": EncodedImage("jpeg", b"\xff\xd8\xff\xe0 a jpeg file")}
     ),
     "text": Request(v=1, id="t", inputs={"text": "How do I reset my password?"}),
+    "naming a model": Request(
+        v=1, id="n", inputs={"text": "a review"}, model=ModelRef("sentiment", "sha256:0a1b")
+    ),
+    "naming a model, any version": Request(
+        v=1, id="n", inputs={"text": "a review"}, model=ModelRef("sentiment")
+    ),
     "several inputs": Request(
         v=1,
         id="m",
@@ -185,6 +192,10 @@ def test_broken_results_fail_validation(change: Any) -> None:
         lambda r: r["inputs"]["image"].update(shape=[2, -1]),
         lambda r: r["inputs"]["image"].update(layout="HWC"),
         lambda r: r["inputs"]["image"].pop("data"),
+        lambda r: r.update(model="digits"),
+        lambda r: r.update(model={"version": "sha256:0a"}),
+        lambda r: r.update(model={"name": "digits", "tag": "x"}),
+        lambda r: r.update(model={"name": ""}),
     ],
 )
 def test_broken_requests_fail_validation(change: Any) -> None:

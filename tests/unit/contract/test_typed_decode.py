@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from worker.contract import Request, Tensor, decode_request, encode_request
+from worker.contract import ModelRef, Request, Tensor, decode_request, encode_request
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.requests import _accept, _explain
 from worker.flow.errors import RecordError
@@ -94,6 +94,10 @@ def request_map(draw: st.DrawFn) -> dict[Any, Any]:
         "meta": meta,
         "sequence_start": broken(st.booleans()),
         "sequence_end": broken(st.booleans()),
+        "model": broken(st.fixed_dictionaries(
+            {"name": broken(st.text(min_size=1, max_size=8))},
+            optional={"version": broken(st.text(max_size=8)), "tag": anything},
+        )),
         "unknown": anything,
     }
     for key, values in optional.items():
@@ -137,6 +141,8 @@ def test_the_common_requests_take_the_typed_path() -> None:
         Request(v=1, id="a", inputs={"image": img}),
         Request(v=1, id="b", inputs={"image": img}, meta={"i": 3, "tag": "x"}, deadline_ms=5),
         Request(v=1, id="c", inputs={"text": "a review"}, sequence_start=True),
+        Request(v=1, id="d", inputs={"text": "a review"}, model=ModelRef("sentiment")),
+        Request(v=1, id="e", inputs={"image": img}, model=ModelRef("digits", "sha256:0a")),
     ):
         value = encode_request(request)
         assert _accept(value, DEFAULT_LIMITS) == request == decode_request(value)

@@ -61,7 +61,7 @@ from worker.compute.gpu.staging import (
     staged_bytes,
 )
 from worker.compute.stage import Stage, internal_errors_fail_the_run
-from worker.compute.triage import ServiceTimeHook, completed, run_isolating, triage
+from worker.compute.triage import ServiceTimeHook, completed, pinned, run_isolating, triage
 from worker.config import GpuConfig
 from worker.flow.errors import EngineDead
 from worker.flow.messages import Batch, Completed, Job
@@ -234,6 +234,7 @@ class GpuStage(Stage):
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
             rows, runnable = triage(batch, time.monotonic(), self._metrics)
+            runnable = pinned(runnable, self._engine.info.version)
             on_device: dict[int, DeviceImage] = {}
             if runnable and needs_host_work(runnable, self._host, self._image):
                 # Files for the host decoder are decoded and texts tokenized now, on

@@ -132,8 +132,8 @@ class Answers:
     def _model_of(self, completed: Completed) -> ModelInfo:
         """The model that answered ``completed``: the start-up one, or the version
         swapped in since (results carry it)."""
-        if self._routed and completed.answers:  # a batch is of one model, so of its topics'
-            routed = self._routed.get(completed.answers[0].job.tp.topic)
+        if self._routed and completed.answers:  # a batch is of one model
+            routed = self._routed.get(completed.answers[0].job.model)
             if routed is not None:
                 return routed
         version = completed.model_version

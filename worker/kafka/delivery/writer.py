@@ -63,8 +63,8 @@ class WriterParts:
     committer: Committer
     budget: FailureBudget | None = None
     tracer: Tracer | None = None
-    # The models besides ``model`` that answer some input topics, by topic (several
-    # models in one worker); a topic not here is ``model``'s.
+    # The models besides ``model`` (several models in one worker), by name
+    # (``Job.model``); a job of a model not here is ``model``'s.
     routed: Mapping[str, ModelInfo] = field(default_factory=dict)
 
 
