@@ -11,7 +11,9 @@ naming a model or version the worker does not serve is answered
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -116,6 +118,12 @@ async def test_three_models_in_one_worker_routed_by_topic(
         finally:
             await c.stop()
         exposition = _metrics_text(w.metrics_port)
+        listed = json.loads(_get(w.metrics_port, "/v2/models")[1])
+        churn_card = json.loads(_get(w.metrics_port, "/v2/models/churn")[1])
+        probes = {path: _get(w.metrics_port, path)[0] for path in (
+            "/v2/models/churn/ready", f"/v2/models/churn/versions/{churn_version}/ready",
+            "/v2/models/churn/versions/sha256:0ld/ready", "/v2/models/translator/ready",
+            "/v2/health/ready")}  # fmt: skip
     finally:
         assert w.terminate() == 0, w.log_tail()
     assert not c.records.get(names["dlq"]), "a readable request went to the DLQ"
@@ -172,6 +180,14 @@ async def test_three_models_in_one_worker_routed_by_topic(
     assert elsewhere.error is not None and elsewhere.error.code == "invalid_request"
     assert "carries 'sentiment'" in elsewhere.error.message, elsewhere.error
 
+    # Each model on the metrics port as OIP servers show them, ready with the worker.
+    assert [(m["name"], m["state"]) for m in listed["models"]] == [
+        ("ranker", "READY"), ("churn", "READY"), ("sentiment", "READY")]  # fmt: skip
+    assert churn_card["versions"] == [churn_version] and churn_card["platform"] == "onnxruntime"
+    assert {i["name"]: (i["datatype"], i["shape"]) for i in churn_card["inputs"]} == {
+        "age": ("FP32", [-1, 1]), "income": ("FP32", [-1, 1]), "tenure": ("FP32", [-1, 1]),
+        "plan": ("INT64", [-1, 1])}  # fmt: skip
+    assert list(probes.values()) == [200, 200, 404, 404, 200], probes
     for t, records in sent.items():
         committed = await committed_offsets(broker.bootstrap, names["group"], t, 2)
         extra = len(as_json) if t == topic["ranker"] else 0
@@ -197,3 +213,11 @@ def _churn_inputs(row: np.ndarray) -> dict[str, Tensor]:
 def _metrics_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()

@@ -52,6 +52,31 @@ def test_rules_and_dashboard_query_only_exported_metrics() -> None:
     assert used and used <= exported, sorted(used - exported)
 
 
+def test_the_dashboard_s_model_selector_filters_every_per_model_series() -> None:
+    """Several models in one worker: each panel over a metric with ``model`` and
+    ``version`` labels shows the models the selector picks."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    per_model = set()
+    for value in vars(metrics).values():
+        if isinstance(value, MetricWrapperBase) and {"model", "version"} <= set(
+            value._labelnames
+        ):
+            base = value.describe()[0].name
+            per_model |= {base, f"{base}_total", f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+    dashboard = json.loads((DEPLOY / "grafana" / "infer-worker.json").read_text())
+    (selector,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert selector["definition"] == "label_values(infer_build_info, model)"
+    assert selector["includeAll"] and selector["allValue"] == ".*"
+    filtered = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in queried(target["expr"]) & per_model:
+                assert f'{name}{{model=~"$model"}}' in target["expr"], (panel["title"], name)
+                filtered += 1
+    assert filtered >= 8
+
+
 def test_deployment_env_is_valid_configuration_and_grace_outlasts_the_drain() -> None:
     deployment = yaml.safe_load((DEPLOY / "kubernetes" / "worker.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]

@@ -26,6 +26,7 @@ from typing import cast
 
 import structlog
 
+from worker.app import cards
 from worker.app.probe import self_test
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, load_engine
@@ -87,6 +88,7 @@ async def _swap(s: Settings, stage: CpuStage, version: str) -> str | None:
         return problem
     old = await stage.swap(engine, binding, version)
     old.close()
+    cards.publish(engine.info)  # /v2/models/NAME names the version now serving
     return None
 
 

@@ -18,6 +18,7 @@ import structlog
 from aiokafka.errors import KafkaError
 
 from worker import __version__
+from worker.app import cards
 from worker.app.plan import RunPlan, sized_for
 from worker.app.reload import watch_model
 from worker.app.stages import OtherModel, Stages, build_stages, crash_guard
@@ -38,7 +39,7 @@ from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
 from worker.kafka.topiccheck import require_topics
 from worker.model.io import EngineInfo
-from worker.obs import metrics
+from worker.obs import metrics, served
 from worker.obs.tracing import OtelTracer, Tracer
 
 log = structlog.get_logger(__name__)
@@ -154,6 +155,7 @@ class Worker:
         labels = {"version": __version__, "model": engine.info.name,
                   "backend": engine.info.backend, "device": self.plan.device_name}  # fmt: skip
         metrics.BUILD_INFO.labels(**labels, model_version=engine.info.version).set(1)
+        cards.publish(engine.info, *(o.engine.info for o in self._others))
         for other in self._others:
             info = other.engine.info
             metrics.BUILD_INFO.labels(**{**labels, "model": info.name, "backend": info.backend},
@@ -318,6 +320,7 @@ class Worker:
         for other in others:
             other.engine.close()
         self._tracer.close()  # exports the spans still buffered
+        served.withdraw_all()
 
     async def __aenter__(self) -> Worker:
         await self.start()

@@ -321,11 +321,17 @@ def encode_oip_result(
 
 def _tensor(name: str, arr: np.ndarray) -> dict[str, Any]:
     row = np.asarray(arr)
-    datatype = _TO_OIP_BY_DTYPE.get(row.dtype) or _TO_OIP.get(row.dtype.name)
     data = row.reshape(-1).tolist()
-    if datatype is None:  # float widths numpy may hand back: reported as FP32/FP64
-        datatype = "FP64" if row.dtype.itemsize == 8 else "FP32"
-    return {"name": name, "shape": [1, *row.shape], "datatype": datatype, "data": data}
+    return {"name": name, "shape": [1, *row.shape], "datatype": datatype_of(row.dtype),
+            "data": data}  # fmt: skip
+
+
+def datatype_of(dtype: np.dtype[Any]) -> str:
+    """The OIP datatype of a numpy dtype (``FP32``, ``INT64``, ``BOOL``...)."""
+    found = _TO_OIP_BY_DTYPE.get(dtype) or _TO_OIP.get(dtype.name)
+    if found is None:  # float widths numpy may hand back: reported as FP32/FP64
+        return "FP64" if dtype.itemsize == 8 else "FP32"
+    return found
 
 
 def _plain(value: object) -> object:

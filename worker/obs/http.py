@@ -1,6 +1,7 @@
 """The metrics port's HTTP server: ``/metrics`` (Prometheus text format),
 ``/livez`` and ``/readyz`` (``worker.obs.metrics`` keeps the metrics, the
-readiness conditions and the loop's liveness tick; see its docstring)."""
+readiness conditions and the loop's liveness tick; see its docstring), and the
+Open Inference Protocol's ``/v2`` model endpoints (``worker.obs.served``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from worker.flow.errors import ConfigError
-from worker.obs import metrics
+from worker.obs import metrics, served
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -26,6 +27,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, b"ok\n")
             else:
                 self._reply(503, f"event loop has not ticked for {stale:.1f}s\n".encode())
+        elif path == "/v2" or path.startswith("/v2/"):
+            code, body = served.answer(path)
+            self._reply(code, body, served.JSON)
         elif path in ("/readyz", "/ready"):
             ok = metrics.is_ready()
             failing = ", ".join(k for k, v in metrics.conditions().items() if not v)
