@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app import cards
+from worker.app.memory import check_budget, measured
 from worker.app.plan import RunPlan, sized_for
 from worker.app.reload import watch_model
 from worker.app.stages import OtherModel, Stages, build_stages, crash_guard
@@ -95,21 +97,24 @@ class Worker:
             from worker.compute.gpu import nvjpeg
 
             nvjpeg.check_available(s.gpu.decode, s.model.preprocess)
-        if self._engine is None:
-            self._engine = await asyncio.to_thread(
-                load_engine,
-                s.model,
-                device=s.gpu.device,
-                max_batch_size=s.batching.max_batch_size,
-                cuda_graphs=s.gpu.cuda_graphs,
-                buckets=self.plan.batch_buckets,
-            )
         engine = self._engine
+        size = 0  # an engine handed in was loaded elsewhere: not measured
+        if engine is None:
+            loaded, size = await measured(functools.partial(
+                load_engine, s.model, device=s.gpu.device,
+                max_batch_size=s.batching.max_batch_size, cuda_graphs=s.gpu.cuda_graphs,
+                buckets=self.plan.batch_buckets,
+            ))  # fmt: skip
+            engine = self._engine = loaded
+        sizes = {engine.info.name: (engine.info.version, size)}
         others = named(self.settings)[1:]  # as configured: each sizes its batches itself
         s = self._sized(engine.info)
         try:
             for served, alone in others:
-                self._others.append(await _load_other(alone, served.topics))
+                other, size = await _load_other(alone, served.topics)
+                self._others.append(other)
+                sizes[other.engine.info.name] = (other.engine.info.version, size)
+            check_budget(sizes, s.limits.max_models_memory_mb)  # before joining the group
             if self._others:  # a partition's head window: the largest model's batches
                 window = max(RunPlan.of(o.settings).crash_guard_window for o in self._others)
                 self.plan = dataclasses.replace(
@@ -353,16 +358,16 @@ class Worker:
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
 
 
-async def _load_other(alone: Settings, topics: tuple[str, ...]) -> OtherModel:
+async def _load_other(alone: Settings, topics: tuple[str, ...]) -> tuple[OtherModel, int]:
     """A model besides [model] (``worker.config.models``), loaded as it would be
-    alone, its batch size derived from it where the default's is."""
+    alone, its batch size derived from it where the default's is; and its size."""
     plan = RunPlan.of(alone)
     with settings_named(f"models.{alone.model.name}"):
-        engine = await asyncio.to_thread(
+        engine, size = await measured(functools.partial(
             load_engine, alone.model, max_batch_size=alone.batching.max_batch_size,
             buckets=plan.batch_buckets,
-        )  # fmt: skip
-    return OtherModel(sized_for(alone, engine.info), engine, topics)
+        ))  # fmt: skip
+    return OtherModel(sized_for(alone, engine.info), engine, topics), size
 
 
 async def _close_within(

@@ -176,9 +176,14 @@ class LimitsConfig:
     # before that record is quarantined to the DLQ (crash_loop); 0 disables.
     # Needs kafka.crash_guard_topic to exist.
     max_crash_attempts: int = 3
+    # The most memory the worker's models may hold together, in MiB: each model is
+    # measured as it loads (the process's resident memory before and after), and a
+    # configuration over the budget stops start-up naming each model's size. 0: no budget.
+    max_models_memory_mb: int = 0
 
     def __post_init__(self) -> None:
         check(self.max_crash_attempts >= 0, "limits.max_crash_attempts", "must be >= 0")
+        check(self.max_models_memory_mb >= 0, "limits.max_models_memory_mb", "must be >= 0")
         check(self.max_record_bytes > 0, "limits.max_record_bytes", "must be > 0")
         check(self.max_tensor_bytes > 0, "limits.max_tensor_bytes", "must be > 0")
         check(self.max_image_pixels > 0, "limits.max_image_pixels", "must be > 0")

@@ -66,6 +66,11 @@ BUILD_INFO = Gauge(
     "Always 1; the labels say what runs (join other series on it for model and version)",
     ["version", "model", "model_version", "backend", "device"],
 )
+MODEL_MEMORY = Gauge(
+    "infer_model_memory_bytes",
+    "Resident memory each model added as it loaded (limits.max_models_memory_mb)",
+    _MODEL,
+)
 QUEUE_SECONDS = Histogram(
     "infer_queue_seconds",
     "Per request: from its arrival in the worker to its batch being formed",
