@@ -70,7 +70,7 @@ def test_one_model_configurations_are_unchanged(tmp_path: Path) -> None:
         ({"INFER_WORKER_MODELS__SENTIMENT__RELOAD_INTERVAL_S": "5"},
          "models.sentiment.reload_interval_s: a model swapped while serving is served alone"),
         ({"INFER_WORKER_KAFKA__STATE_TOPIC": "states"},
-         "kafka.state_topic: several models in one worker: stateless models only"),
+         "kafka.state_topic: durable states need a worker of one model and one input topic"),
     ],
 )  # fmt: skip
 def test_refused_with_the_key_as_written(tmp_path: Path, env: dict[str, str], message: str) -> None:

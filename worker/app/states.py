@@ -52,7 +52,7 @@ async def wire_states(
         metrics.STATE_RESTORES.inc(len(tps))
         metrics.STATE_RESTORE_SECONDS.observe(seconds)
         metrics.RESTORED_SEQUENCES.inc(restored)
-        metrics.LIVE_SEQUENCES.set(len(sequences))
+        metrics.LIVE_SEQUENCES.labels(s.model.name).set(len(sequences))
         log.info("states_restored", partitions=len(tps), sequences=restored, seconds=seconds)
 
     stages.consumer.restore_with(restore)

@@ -199,12 +199,12 @@ class CpuStage(Stage):
             for row in loaded:
                 if row.error is None and row.outputs is not None:
                     self.sequences.store(row)
-        metrics.LIVE_SEQUENCES.set(len(self.sequences))
+        metrics.LIVE_SEQUENCES.labels(self._metrics.model).set(len(self.sequences))
 
     def forget(self, revoked: set[TopicPartition]) -> None:
         if self.sequences is not None:
             self.sequences.forget(revoked)
-            metrics.LIVE_SEQUENCES.set(len(self.sequences))
+            metrics.LIVE_SEQUENCES.labels(self._metrics.model).set(len(self.sequences))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -6,10 +6,11 @@ names a model's topics, and ``[model]`` answers the input topics no other model
 names (or those its own ``topics`` lists). Every input topic is answered by
 exactly one model, decided here once, before anything loads.
 
-What several models cannot do yet is refused by name (priority lanes, stateful
-models, a model reloaded while serving, the GPU engines): each would need its
-own design for models that share one consumer, and a refusal is better than a
-worker that half does it.
+What several models cannot do yet is refused by name (priority lanes, durable
+states in a changelog, a model reloaded while serving, the GPU engines): each
+would need its own design for models that share one consumer, and a refusal is
+better than a worker that half does it. A stateful model keeps its states in
+memory, per model: each model's sequences are its own.
 """
 
 from __future__ import annotations
@@ -113,14 +114,13 @@ def _refuse_unsupported(s: Settings) -> None:
         check(m.backend in _CPU_BACKENDS, f"{model.key}.backend",
               f"{m.backend!r}: several models in one worker run on the CPU path "
               "(onnxruntime) for now")  # fmt: skip
-        check(not m.state, f"{model.key}.state", "a stateful model is served alone for now "
-              "(several models in one worker: stateless models)")  # fmt: skip
         check(m.reload_interval_s == 0, f"{model.key}.reload_interval_s",
               "a model swapped while serving is served alone for now")  # fmt: skip
     check(not k.lanes, "kafka.lanes", "priority lanes and several models in one worker do "
           "not go together yet (one model per worker with lanes)")  # fmt: skip
-    check(not k.state_topic, "kafka.state_topic", "several models in one worker: stateless "
-          "models only for now")  # fmt: skip
+    check(not k.state_topic, "kafka.state_topic", "durable states need a worker of one "
+          "model and one input topic (the changelog is co-partitioned with it); with several "
+          "models a stateful model keeps its states in memory")  # fmt: skip
 
 
 @contextlib.contextmanager

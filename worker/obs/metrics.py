@@ -130,7 +130,9 @@ REQUEST_SECONDS = Histogram(
 BATCH_FAILURES = Counter("infer_batch_failures_total", "Batches the engine failed on", _MODEL)
 QUEUE_DEPTH = Gauge("infer_queue_depth", "Decoded requests waiting to be batched")
 INFLIGHT_BATCHES = Gauge("infer_inflight_batches", "Batches between dispatch and acknowledgement")
-LIVE_SEQUENCES = Gauge("infer_live_sequences", "Sequences whose state a stateful model keeps")
+LIVE_SEQUENCES = Gauge(
+    "infer_live_sequences", "Sequences whose state a stateful model keeps", ["model"]
+)
 MODEL_SWAPS = Counter(
     "infer_model_swaps_total", "New model versions swapped in, or refused", ["outcome"]
 )
