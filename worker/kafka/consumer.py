@@ -118,7 +118,8 @@ class Consumer:
             await consumer.stop()
             await self._close_urgent()
             raise
-        if k.has_lanes and not fetch_for_lanes(consumer, k):
+        apart = bool(self._rank_of)  # several models, each paused on its own
+        if (k.has_lanes or apart) and not fetch_for_lanes(consumer, k, apart):
             log.warning("lanes_prefetch_unchanged", reason="aiokafka has no _prefetch_backoff")
 
     async def start_at_committed(self, tps: list[KafkaTP]) -> None:

@@ -100,14 +100,16 @@ def apply_backpressure(
         consumer.pause(*(t for t in consumer.assignment() if bp.is_paused(rank_of(t))))
 
 
-def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig) -> bool:
-    """With lanes, a node's next fetch waits at most 5 ms for another partition's
-    records to be taken. aiokafka does not take ``prefetch_backoff`` as a
-    consumer argument, so it is set on the started consumer's fetcher (an
-    attribute since aiokafka 0.5; a unit test holds it in the installed
-    version). False where the attribute is missing (nothing changed)."""
+def fetch_for_lanes(consumer: AIOKafkaConsumer, k: KafkaConfig, apart: bool = False) -> bool:
+    """With lanes, or several models paused apart (``apart``), a node's next fetch
+    waits at most 5 ms for another partition's records to be taken: one model's
+    backlog, buffered, must not hold back the fetch of another's new records.
+    aiokafka does not take ``prefetch_backoff`` as a consumer argument, so it is
+    set on the started consumer's fetcher (an attribute since aiokafka 0.5; a
+    unit test holds it in the installed version). False where the attribute is
+    missing (nothing changed)."""
     fetcher = getattr(consumer, "_fetcher", None)
-    if not k.has_lanes or not hasattr(fetcher, "_prefetch_backoff"):
+    if not (k.has_lanes or apart) or not hasattr(fetcher, "_prefetch_backoff"):
         return False
     fetcher._prefetch_backoff = LANES_PREFETCH_BACKOFF_S  # type: ignore[union-attr]
     return True

@@ -269,6 +269,23 @@ def test_the_aiokafka_fetcher_still_has_the_backoff_lanes_shorten() -> None:
     assert "self._prefetch_backoff = prefetch_backoff" in inspect.getsource(Fetcher.__init__)
 
 
+def test_several_models_shorten_the_prefetch_backoff_as_lanes_do() -> None:
+    """One model's buffered backlog must not hold a fetch of another's records for
+    aiokafka's 100 ms: the worker's consumer shortens it where models are paused
+    apart (BENCHMARKS.md, several models)."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from worker.kafka.lanefetch import LANES_PREFETCH_BACKOFF_S, fetch_for_lanes
+
+    fetcher = SimpleNamespace(_prefetch_backoff=0.1)
+    consumer = cast(Any, SimpleNamespace(_fetcher=fetcher))
+    plain = KafkaConfig(input_topics=("a", "b"))
+    assert not fetch_for_lanes(consumer, plain) and fetcher._prefetch_backoff == 0.1
+    assert fetch_for_lanes(consumer, plain, apart=True)
+    assert fetcher._prefetch_backoff == LANES_PREFETCH_BACKOFF_S
+
+
 def test_with_lanes_a_partition_fetch_is_small_unless_set() -> None:
     lanes = (LaneConfig(("a",)), LaneConfig(("b",), priority=1))
     assert KafkaConfig(input_topics=("a", "b")).max_partition_fetch_bytes == 1 << 20
