@@ -11,19 +11,22 @@ stream (``None``) flows down the same queues, so shutdown drains stage by stage.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+import dataclasses
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import structlog
 
 from worker.app.lanes import backpressure, batch_policy
+from worker.app.pipelines import StepModel, build_steps, pipeline_info
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
+from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
-from worker.config import Settings
+from worker.config import PipelineConfig, Settings
 from worker.config.models import settings_named
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
@@ -47,6 +50,12 @@ from worker.model.inputs.binding import fit_limits, summary
 from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
+
+StageBuilder = Callable[
+    [asyncio.Queue[Batch[Job] | None], asyncio.Queue[asyncio.Future[Completed] | None],
+     Policy[Job], Binding, Room],
+    Awaitable[Stage],
+]  # fmt: skip
 
 
 @dataclass
@@ -100,9 +109,18 @@ async def build_stages(
     main, main_route = await _model_stages("model", s, plan, engine, tracker, 0)
     more: list[tuple[ModelStages, Route, tuple[str, ...]]] = []
     for rank, m in enumerate(others, 1):
+        if not m.topics:  # run only by a pipeline (its own stage there)
+            continue
         key = f"models.{m.settings.model.name}"
         built = await _model_stages(key, m.settings, plan, m.engine, tracker, rank)
         more.append((*built, m.topics))
+    alone = dataclasses.replace(s, models={}, pipelines={})  # [model] as if served alone
+    models = {s.model.name: (alone, engine), **{o.settings.model.name: (o.settings, o.engine)
+                                                for o in others}}  # fmt: skip
+    flows = [pipeline_settings(name, p, models) for name, p in s.pipelines.items()]
+    for rank, (name, p) in enumerate(s.pipelines.items(), len(others) + 1):
+        built = await _pipeline_stages(name, p, plan, models, tracker, rank)
+        more.append((*built, p.topics))
     if more:
         names = [main.name, *(m.name for (m, _, _) in more)]
         # A request on [model]'s topics may name any model; on another's, only that one.
@@ -115,7 +133,7 @@ async def build_stages(
         main_route.jobs,
         tracker,
         on_revoke,
-        backpressure(s, [m.settings for m in others]),
+        backpressure(s, [*(m.settings for m in others), *flows]),
         routes={t: route for (_, route, topics) in more for t in topics},
     )
     committer = Committer(
@@ -133,7 +151,7 @@ async def build_stages(
         sources = [completed, *(m.completed for (m, _, _) in more)]
         completed = asyncio.Queue(b.max_inflight_batches)
         merge = merge_done(sources, completed)
-    routed = {m.name: ModelInfo(m.name, m.engine.info.version) for (m, _, _) in more}
+    routed = {m.name: ModelInfo(m.name, m.infer.info.version) for (m, _, _) in more}
     parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer, routed)
     writer: ResultWriter
     if plan.exactly_once:
@@ -173,10 +191,12 @@ async def _model_stages(
     engine: Engine | GpuEngine,
     tracker: OffsetTracker,
     rank: int,
+    build: StageBuilder | None = None,
 ) -> tuple[ModelStages, Route]:
     """One model's stages (``key``: where it is configured; ``rank``: its place
     in the backpressure): its own jobs queue, batching and threads or slots, fed
-    by its topics' route."""
+    by its topics' route; ``build``: its stage, where it is not the model's own
+    (a pipeline's)."""
     b = s.batching
     with settings_named(key):  # a [models.NAME]'s errors name its keys as written
         binding = await _bound(s, plan, engine)
@@ -188,12 +208,65 @@ async def _model_stages(
     policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
     # A batch is cut when a thread or slot can start it (worker.flow.room).
     room = Room(plan.inflight)
-    infer = await _inference_stage(
-        s, plan, batches, completed, engine, policy, binding, tracker, room
-    )
+    if build is None:
+        infer = await _inference_stage(
+            s, plan, batches, completed, engine, policy, binding, tracker, room
+        )
+    else:
+        infer = await build(batches, completed, policy, binding, room)
     batcher = MicroBatcher(jobs, batches, policy, room=room)
     stages = ModelStages(s.model.name, engine, batcher, infer, completed)
     return stages, Route(_intake(s, binding), jobs, rank)
+
+
+def pipeline_settings(
+    name: str, p: PipelineConfig, models: Mapping[str, tuple[Settings, Engine | GpuEngine]]
+) -> Settings:
+    """The settings a pipeline's intake and batching run with: its first model's,
+    named as the pipeline (results and metrics name it)."""
+    first = models[p.steps[0].model][0]
+    return dataclasses.replace(first, model=dataclasses.replace(first.model, name=name))
+
+
+async def _pipeline_stages(
+    name: str,
+    p: PipelineConfig,
+    plan: RunPlan,
+    models: Mapping[str, tuple[Settings, Engine | GpuEngine]],
+    tracker: OffsetTracker,
+    rank: int,
+) -> tuple[ModelStages, Route]:
+    """A pipeline's stages: its intake (the first model's checks), its batcher, and
+    a stage that runs each batch through the steps, each model step on a stage of
+    its own over the model's engine (``worker.compute.pipeline``)."""
+    s = pipeline_settings(name, p, models)
+    first = models[p.steps[0].model]
+    steps: dict[str, StepModel] = {}
+    for model in {step.model for step in p.steps if step.model}:
+        ms, engine = models[model]
+        key = "model" if ms is models[next(iter(models))][0] else f"models.{model}"
+        with settings_named(key):
+            bound = await _bound(ms, plan, engine)
+        step_stage = CpuStage(
+            asyncio.Queue(), asyncio.Queue(), engine, bound,
+            max_batch_size=ms.batching.max_batch_size, max_inflight=plan.inflight,
+            max_attempts=ms.batching.max_attempts,
+            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
+        )  # fmt: skip
+        steps[model] = StepModel(engine.info, bound, step_stage)
+    built = build_steps(name, p, steps)
+    info = pipeline_info(name, first[1].info, p, {m: sm.info for m, sm in steps.items()})
+
+    async def stage(
+        batches: asyncio.Queue[Batch[Job] | None],
+        completed: asyncio.Queue[asyncio.Future[Completed] | None],
+        policy: Policy[Job], binding: Binding, room: Room,
+    ) -> Stage:  # fmt: skip
+        return PipelineStage(batches, completed, info, binding, built, p.outputs,
+                             max_inflight=plan.inflight,
+                             on_service_time=policy.observe_service_time, room=room)  # fmt: skip
+
+    return await _model_stages(f"pipelines.{name}", s, plan, first[1], tracker, rank, stage)
 
 
 async def _inference_stage(

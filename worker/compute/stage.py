@@ -42,6 +42,7 @@ class Stage(ABC):
     ) -> None:
         """``room``: the batcher's (``worker.flow.room``), given back as each
         batch is done, so the next batch is cut when it can start."""
+        self.info = info  # what the stage serves, as results name it
         self._batches_in = batches_in
         self._room = room
         self._completed_out = completed_out

@@ -19,6 +19,7 @@ from worker.config.lanes import LaneConfig
 from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
 from worker.config.model import ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
 from worker.config.models import check_models
+from worker.config.pipelines import PipelineConfig, StepConfig
 from worker.config.runtime import (
     BatchingConfig,
     DlqConfig,
@@ -41,6 +42,10 @@ class Settings:
     # input topics it answers (models.NAME.topics; [model] answers the rest), each key also
     # INFER_WORKER_MODELS__<NAME>__<KEY>: docs/guides/models.md.
     models: dict[str, ModelConfig] = field(default_factory=dict)
+    # Models run one after another, one answer per request: each a [pipelines.NAME] with its
+    # input topics, its steps (models of the worker, functions between them) and its outputs:
+    # docs/guides/pipelines.md.
+    pipelines: dict[str, PipelineConfig] = field(default_factory=dict)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     dlq: DlqConfig = field(default_factory=DlqConfig)
@@ -74,11 +79,13 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "ModelConfig",
+    "PipelineConfig",
     "PostprocessConfig",
     "PreprocessConfig",
     "Secret",
     "Settings",
     "ShutdownConfig",
+    "StepConfig",
     "TorchConfig",
     "TracingConfig",
     "load_settings",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from worker.config.checks import as_written, check
 from worker.config.model import name_of
+from worker.config.pipelines import check_pipelines
 from worker.flow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,8 +43,10 @@ class Served:
 
 
 def served(s: Settings) -> tuple[Served, ...]:
-    """The worker's models, the default (``[model]``) first, each with its topics."""
+    """The worker's models, the default (``[model]``) first, each with its topics
+    (a model only a pipeline runs has none)."""
     named = {t for m in s.models.values() for t in m.topics}
+    named |= {t for p in s.pipelines.values() for t in p.topics}
     default_topics = s.model.topics or tuple(t for t in s.kafka.input_topics if t not in named)
     out = [Served("model", s.model, default_topics)]
     for name, m in s.models.items():
@@ -56,7 +59,7 @@ def check_models(s: Settings) -> None:
     table's; several models only where the worker can serve them (see the
     module's docstring)."""
     inputs = s.kafka.input_topics
-    if not s.models:
+    if not s.models and not s.pipelines:
         if s.model.topics:
             _within("model.topics", s.model.topics, inputs)
             left = [t for t in inputs if t not in s.model.topics]
@@ -64,20 +67,29 @@ def check_models(s: Settings) -> None:
                   "model (leave model.topics empty to serve every input topic)")  # fmt: skip
         return
     _check_names(s.model, s.models)
+    check_pipelines(s, {m.model.name if m.key == "model" else m.key.removeprefix("models."):
+                        m.key for m in served(s)})  # fmt: skip
+    in_pipelines = {step.model for p in s.pipelines.values() for step in p.steps}
     owner: dict[str, str] = {}
-    for model in served(s):
-        at = f"{model.key}.topics"
-        if model.key != "model" or s.model.topics:
-            check(bool(model.topics), at, "names the input topics this model answers")
-        _within(at, model.topics, inputs)
-        for topic in model.topics:
+    owners = [(m.key, m.topics) for m in served(s)]
+    owners += [(f"pipelines.{name}", p.topics) for name, p in s.pipelines.items()]
+    for key, topics in owners:
+        at = f"{key}.topics"
+        if key.startswith("models.") and key.removeprefix("models.") not in in_pipelines:
+            check(bool(topics), at, "names the input topics this model answers (a model only "
+                  "a pipeline runs needs none)")  # fmt: skip
+        elif key == "model" and s.model.topics:
+            check(bool(topics), at, "names the input topics this model answers")
+        _within(at, topics, inputs)
+        for topic in topics:
             check(topic not in owner, at, f"{topic!r} is also {owner.get(topic)}'s: a topic "
-                  "belongs to one model")  # fmt: skip
-            owner[topic] = model.key
+                  "belongs to one model or pipeline")  # fmt: skip
+            owner[topic] = key
     left = [t for t in inputs if t not in owner]
     check(not left, "kafka.input_topics", f"{left} answered by no model (name them in a "
           "model's topics)")  # fmt: skip
-    check(bool(served(s)[0].topics), "model.topics", "[model] answers no input topic: "
+    check(bool(served(s)[0].topics) or s.model.name in in_pipelines, "model.topics",
+          "[model] answers no input topic: "
           "every one is named by a [models.NAME] (give [model] one, or make one of them "
           "[model])")  # fmt: skip
     _refuse_unsupported(s)
@@ -103,7 +115,7 @@ def named(s: Settings) -> tuple[tuple[Served, Settings], ...]:
     for model in served(s):
         name = model.key.removeprefix("models.") if model.key != "model" else model.model.name
         m = dataclasses.replace(model.model, name=name, topics=())
-        out.append((model, dataclasses.replace(s, model=m, models={})))
+        out.append((model, dataclasses.replace(s, model=m, models={}, pipelines={})))
     return tuple(out)
 
 

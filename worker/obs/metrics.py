@@ -66,6 +66,17 @@ BUILD_INFO = Gauge(
     "Always 1; the labels say what runs (join other series on it for model and version)",
     ["version", "model", "model_version", "backend", "device"],
 )
+PIPELINE_STEP_SECONDS = Histogram(
+    "infer_pipeline_step_seconds",
+    "Per batch: the time a pipeline's step took ([pipelines.NAME])",
+    ["pipeline", "step"],
+    buckets=_LATENCY_BUCKETS,
+)
+PIPELINE_STEP_FAILURES = Counter(
+    "infer_pipeline_step_failures_total",
+    "Requests a pipeline's step failed (answered inference_failed naming it)",
+    ["pipeline", "step"],
+)
 MODEL_MEMORY = Gauge(
     "infer_model_memory_bytes",
     "Resident memory each model added as it loaded (limits.max_models_memory_mb)",

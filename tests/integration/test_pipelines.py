@@ -1,0 +1,122 @@
+"""A pipeline of real models in one worker (issue 59): openWakeWord's
+melspectrogram model, a function between (the spectrogram scaled as
+openWakeWord scales it, its last 76 frames), and openWakeWord's embedding model,
+declared as ``[pipelines.wakeword]``. Requests of several audio lengths share
+batches; every answer equals the same files run one after another by hand on
+that request alone (onnxruntime, the function in numpy), carries the
+intermediate the pipeline names, and a request a step fails is answered naming
+the step. On both brokers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import real_models
+from tests.pipeline_functions import mel_window
+from tests.serving import wire
+from worker.contract import Tensor
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import spawn_worker
+from worker.ops.topics import Collector, produce_all
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+[model]
+name = "melspec"
+path = "{melspec}"
+[models.embedding]
+path = "{embedding}"
+[pipelines.wakeword]
+topics = ["{topic}"]
+outputs = {{ embedding = "embed.conv2d_19", mel = "mel.output" }}
+[[pipelines.wakeword.steps]]
+name = "mel"
+model = "melspec"
+[[pipelines.wakeword.steps]]
+name = "window"
+function = "tests.pipeline_functions:mel_window"
+inputs = {{ mel = "mel.output" }}
+outputs = {{ frames = "float32 [76, 32, 1]" }}
+[[pipelines.wakeword.steps]]
+name = "embed"
+model = "embedding"
+inputs = {{ input_1 = "window.frames" }}
+"""
+
+
+def by_hand(audio: np.ndarray) -> dict[str, np.ndarray]:
+    """The two model files and the function, one after another, on one request."""
+    mel_session = real_models._session(str(real_models.model_path("oww-melspectrogram")))
+    embed_session = real_models._session(str(real_models.model_path("oww-embedding")))
+    mel = mel_session.run(None, {"input": audio[None]})[0][0]
+    frames = mel_window(mel)["frames"]
+    embedding = embed_session.run(None, {"input_1": frames[None]})[0][0]
+    return {"mel": mel, "embedding": embedding}
+
+
+async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    topic = names["requests"]
+    config = tmp_path / "worker.toml"
+    config.write_text(CONFIG.format(
+        melspec=real_models.model_path("oww-melspectrogram"),
+        embedding=real_models.model_path("oww-embedding"), topic=topic,
+    ))  # fmt: skip
+    await create_topics(broker.bootstrap, {topic: 2, names["results"]: 1, names["dlq"]: 1})
+    rng = np.random.default_rng(59)
+    audio = {f"a-{i}": rng.normal(0, 3000, n).astype(np.float32)
+             for i, n in enumerate([13000, 16000, 20000] * 5)}  # fmt: skip
+    requests = [(rid.encode(), wire(rid, {"input": Tensor.from_numpy(a)}))
+                for rid, a in audio.items()]  # fmt: skip
+    short = rng.normal(0, 3000, 8000).astype(np.float32)  # 47 mel frames: the window refuses
+    requests.append((b"short", wire("short", {"input": Tensor.from_numpy(short)})))
+    requests.append((b"ints", wire("ints", {"input": Tensor.from_numpy(short.astype(np.int64))})))
+    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=names["results"],
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)),
+                     extra_env={"INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS": "100"})  # fmt: skip
+    c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0,
+            "partition assignment",
+        )  # fmt: skip
+        await produce_all(broker.bootstrap, topic, requests)
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= len(requests), 90.0), (
+            f"{c.count()} of {len(requests)}\n{w.log_tail()}"
+        )
+        m = w.metrics()
+        assert w.terminate() == 0, w.log_tail()
+    finally:
+        w.kill()
+        await c.stop()
+    assert not c.records.get(names["dlq"])
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    for rid, samples in audio.items():
+        r = results[rid]
+        assert (r.status, r.model.name) == ("ok", "wakeword"), r.error
+        assert r.model.version.startswith("pipeline:")
+        want = by_hand(samples)
+        assert set(r.outputs) == {"embedding", "mel"}
+        for name, value in want.items():
+            np.testing.assert_allclose(r.outputs[name].to_numpy(), value, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{rid} {name}")  # fmt: skip
+    failed, invalid = results["short"], results["ints"]
+    assert failed.error is not None and failed.error.code == "inference_failed"
+    assert failed.error.message == (
+        "step 'window': ValueError: 47 mel frames; the embedding takes 76"
+    ), failed.error
+    assert invalid.error is not None and invalid.error.code == "invalid_request"
+    assert "inputs.input" in invalid.error.message
+    failures = {k.partition("step=")[2].strip('"}'): v for k, v in m.items()
+                if k.startswith("infer_pipeline_step_failures_total")}  # fmt: skip
+    assert failures == {"mel": 0.0, "window": 1.0, "embed": 0.0}, failures
+    steps = {k for k in m if k.startswith("infer_pipeline_step_seconds_count")}
+    assert len(steps) == 3, steps

@@ -1,0 +1,149 @@
+"""A pipeline's steps checked against its models and built, once, at start-up
+(``[pipelines.NAME]``; the settings' shape is checked as they load,
+``worker.config.pipelines``).
+
+Checked here, with the models loaded: the first step is a model and the request
+is its request; every later model step's request inputs are fed, each from a
+tensor of the same dtype and rank whose fixed dimensions agree (an image input
+from uint8 pixels, ``[H, W, C]`` or ``[H, W]``; a text input from nothing: no
+step outputs text); every source names a tensor that exists (a request's tensor
+input, a model's output as its stage returns it, a function's declared output).
+A wrong pipeline stops start-up with exit 2 naming the step and the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from worker.compute.cpu import CpuStage
+from worker.compute.pipeline import FunctionStep, ModelStep, Step, import_function
+from worker.config.checks import check
+from worker.config.pipelines import REQUEST, PipelineConfig, parse_spec, source_of
+from worker.flow.errors import ConfigError
+from worker.model.inputs import Binding
+from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
+from worker.model.io import EngineInfo
+
+Desc = tuple[str, tuple[int | str | None, ...]]  # dtype name, one request's shape
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What a model step is built from: the model's engine and binding, and a
+    stage factory (its own threads and buffers for this pipeline)."""
+
+    info: EngineInfo
+    binding: Binding
+    stage: CpuStage
+
+
+def pipeline_info(name: str, first: EngineInfo, cfg: PipelineConfig,
+                  infos: Mapping[str, EngineInfo]) -> EngineInfo:  # fmt: skip
+    """The pipeline as results name it: its name, and a version that changes
+    with any step's (the models' content hashes, the functions' names)."""
+    parts = [f"{s.name}={infos[s.model].version if s.model else s.function}" for s in cfg.steps]
+    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return EngineInfo("pipeline", name, f"pipeline:{digest}", first.io, None)
+
+
+def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]) -> list[Step]:
+    """The pipeline's steps, checked (see the module docstring); ``models``: the
+    model steps' by model name."""
+    at = f"pipelines.{name}"
+    first = cfg.steps[0]
+    check(bool(first.model), f"{at}.steps[0]", "the first step is a model: the request is "
+          "its request")  # fmt: skip
+    for tensor, text in first.inputs.items():
+        check(text == f"{REQUEST}.{tensor}", f"{at}.steps[0].inputs.{tensor}",
+              f"{text!r}: the first step takes the request as it is (request.{tensor})")
+    binding = models[first.model].binding
+    known: dict[str, Desc | None] = {
+        f"{REQUEST}.{k.name}": _desc(k.desc.dtype.name, k.desc.shape)
+        for k in binding.inputs.kinds if isinstance(k, BoundTensor)
+    }  # fmt: skip
+    steps: list[Step] = []
+    for i, step in enumerate(cfg.steps):
+        where = f"{at}.steps[{i}]"
+        if step.model:
+            model = models[step.model]
+            sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
+            steps.append(ModelStep(step.name, model.stage, sources))
+            for out in model.binding.outputs.used:
+                declared = model.binding.outputs.declared.get(out)
+                known[f"{step.name}.{out}"] = (
+                    None if declared is None else _desc(declared.dtype.name, declared.shape)
+                )
+        else:
+            for arg, text in step.inputs.items():
+                _exists(f"{where}.inputs.{arg}", text, known)
+            specs = {o: parse_spec(t, f"{where}.outputs.{o}") for o, t in step.outputs.items()}
+            function = import_function(step.function, f"{where}.function")
+            steps.append(FunctionStep(step.name, function, dict(step.inputs), specs))
+            for out, spec in specs.items():
+                known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
+    for out, text in cfg.outputs.items():
+        _exists(f"{at}.outputs.{out}", text, known)
+    return steps
+
+
+def _model_sources(
+    where: str, given: Mapping[str, str], binding: Binding, known: Mapping[str, Desc | None],
+    first: bool,
+) -> dict[str, str]:  # fmt: skip
+    """Each of the model's request inputs -> its source, every one checked."""
+    names = [k.name for k in binding.inputs.kinds]
+    extra = [t for t in given if t not in names]
+    check(not extra, f"{where}.inputs.{extra[0] if extra else ''}",
+          f"not an input of the model, which takes {', '.join(names)}")  # fmt: skip
+    sources: dict[str, str] = {}
+    for kind in binding.inputs.kinds:
+        text = given.get(kind.name, f"{REQUEST}.{kind.name}")
+        sources[kind.name] = text
+        if first:
+            continue
+        at = f"{where}.inputs.{kind.name}"
+        found = _exists(at, text, known)
+        if isinstance(kind, BoundTensor):
+            want = _desc(kind.desc.dtype.name, kind.desc.shape)
+            if found is not None:
+                _agrees(at, text, found, want)
+        elif isinstance(kind, BoundImage):
+            check(found is None or (found[0] == "uint8" and len(found[1]) in (2, 3)), at,
+                  f"{text!r} is {_shown(found)}: an image input takes uint8 pixels "
+                  "[H, W, C] or [H, W]")  # fmt: skip
+        else:
+            raise ConfigError(f"{at}: a {kind.kind} input is fed by the request only; no step "
+                              "returns one")  # fmt: skip
+    return sources
+
+
+def _exists(at: str, text: str, known: Mapping[str, Desc | None]) -> Desc | None:
+    source, _ = source_of(text, at)
+    if text not in known:
+        have = sorted(k.partition(".")[2] for k in known if k.startswith(f"{source}."))
+        what = "the request's tensor inputs" if source == REQUEST else f"step {source!r}'s outputs"
+        raise ConfigError(f"{at}: {text!r} does not exist; {what}: {', '.join(have) or 'none'}")
+    return known[text]
+
+
+def _agrees(at: str, text: str, found: Desc, want: Desc) -> None:
+    fixed = all(
+        not (isinstance(a, int) and isinstance(b, int)) or a == b
+        for a, b in zip(found[1], want[1], strict=False)
+    )
+    check(found[0] == want[0] and len(found[1]) == len(want[1]) and fixed, at,
+          f"{text!r} is {_shown(found)}, the model takes {_shown(want)}")  # fmt: skip
+
+
+def _desc(dtype: str, shape: tuple[int | str | None, ...]) -> Desc:
+    return dtype, tuple(shape)
+
+
+def _shown(desc: Desc | None) -> str:
+    if desc is None:
+        return "a postprocessed output"
+    dims = ", ".join("?" if d is None else str(d) for d in desc[1])
+    return f"{desc[0]} [{dims}]"

@@ -1,0 +1,139 @@
+"""``[pipelines.NAME]``: models run one after another in the worker, each step fed
+by the request or by the steps before it, one answer per request
+(docs/guides/pipelines.md).
+
+A pipeline answers its input topics as a model does (a topic belongs to one
+model or one pipeline). Its steps are the worker's models (``[model]`` or a
+``[models.NAME]``, which then need no topics of their own) and Python
+functions between them (``module:function``: numpy arrays in, a dict of numpy
+arrays out, one request at a time). Each step's inputs are mapped by name from
+``request.NAME`` (an input of the request) or ``STEP.OUTPUT`` (an output of an
+earlier step); the pipeline's outputs are named from any step. What can be
+checked without the model files is checked here, as the settings load; the
+tensors' dtypes and shapes are checked once the models are loaded
+(``worker.app.pipelines``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from worker.config.checks import check
+
+if TYPE_CHECKING:
+    from worker.config import Settings
+
+REQUEST = "request"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+_SPEC = re.compile(r"\s*([a-z0-9]+)\s*\[([^\]]*)\]\s*")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    # The step's name: what later steps and the pipeline's outputs call its outputs by
+    # (STEP.OUTPUT), and its label in metrics and errors.
+    name: str = ""
+    # A model the worker serves: [model]'s name, or the NAME of a [models.NAME].
+    model: str = ""
+    # Or a Python function, as module:function (importable by the worker): called once per
+    # request with the step's inputs as keyword arguments (numpy arrays), returning a dict
+    # of numpy arrays, its outputs.
+    function: str = ""
+    # The step's inputs: each input's name -> where it comes from, "request.NAME" or
+    # "STEP.OUTPUT". A model step's inputs not named here come from the request input of
+    # the same name.
+    inputs: dict[str, str] = field(default_factory=dict)
+    # A function step's outputs: each output's name -> its dtype and one request's shape,
+    # as "float32 [76, 32, 1]" (a free dimension by a name: "float32 [frames, 32]"),
+    # checked against the steps that read it at start-up and against what it returns.
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    # The input topics the pipeline answers (each also in kafka.input_topics; a topic
+    # belongs to one model or pipeline).
+    topics: tuple[str, ...] = ()
+    # The steps, in the order they run.
+    steps: tuple[StepConfig, ...] = ()
+    # The pipeline's outputs, the answer's: each output's name -> "STEP.OUTPUT".
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A declared tensor: dtype and one request's shape (a str: a free dimension)."""
+
+    dtype: str
+    shape: tuple[int | str, ...]
+
+
+def parse_spec(text: str, at: str) -> Spec:
+    """``"float32 [76, 32, 1]"`` as a ``Spec``; a ConfigError naming ``at`` if not one."""
+    found = _SPEC.fullmatch(text)
+    check(found is not None, at, f"{text!r}: expected a dtype and a shape, as \"float32 [76, "
+          "32, 1]\"")  # fmt: skip
+    assert found is not None
+    dims: list[int | str] = []
+    for raw in (d.strip() for d in found[2].split(",") if d.strip()):
+        dims.append(int(raw) if raw.isdigit() else raw)
+    return Spec(found[1], tuple(dims))
+
+
+def source_of(text: str, at: str) -> tuple[str, str]:
+    """``"STEP.OUTPUT"`` or ``"request.NAME"`` as (step or "request", tensor)."""
+    step, dot, tensor = text.partition(".")
+    check(bool(dot and step and tensor), at, f"{text!r}: expected request.NAME or STEP.OUTPUT")
+    return step, tensor
+
+
+def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
+    """Each pipeline's shape, as the settings load (``served``: the worker's models
+    by name, each to where it is configured): topics; steps named once, each a
+    model the worker serves or a function, never both; every source a request
+    input or an earlier step's; outputs named from a step."""
+    for name, p in s.pipelines.items():
+        at = f"pipelines.{name}"
+        check(bool(_NAME.fullmatch(name)), at, "a pipeline's name: letters, digits, _ and -")
+        check(name not in served, at, f"{name!r} is also a model's name: every model and "
+              "pipeline needs a name of its own")  # fmt: skip
+        check(bool(p.topics), f"{at}.topics", "names the input topics the pipeline answers")
+        check(bool(p.steps), f"{at}.steps", "a pipeline has one step or more")
+        check(bool(p.outputs), f"{at}.outputs", "names the answer's outputs, as "
+              "{name = \"STEP.OUTPUT\"}")  # fmt: skip
+        earlier: set[str] = set()
+        for i, step in enumerate(p.steps):
+            where = f"{at}.steps[{i}]"
+            check(bool(_NAME.fullmatch(step.name)) and step.name != REQUEST, f"{where}.name",
+                  f"{step.name!r}: every step is named (letters, digits, _ and -; not "
+                  f"{REQUEST!r})")  # fmt: skip
+            check(step.name not in earlier, f"{where}.name", f"{step.name!r} names an "
+                  "earlier step too")  # fmt: skip
+            check(bool(step.model) != bool(step.function), where,
+                  "a step is a model (model = ...) or a function (function = ...)")
+            if step.model:
+                check(step.model in served, f"{where}.model", f"{step.model!r} is not a model "
+                      f"this worker serves ({', '.join(served)})")  # fmt: skip
+                check(not step.outputs, f"{where}.outputs", "a model's outputs are its file's")
+            else:
+                check(bool(_FUNCTION.fullmatch(step.function)), f"{where}.function",
+                      f"{step.function!r}: expected module:function")  # fmt: skip
+                check(bool(step.outputs), f"{where}.outputs", "a function step declares "
+                      "its outputs, as {name = \"float32 [76, 32, 1]\"}")  # fmt: skip
+                check(bool(step.inputs), f"{where}.inputs", "a function step names its inputs")
+                for out, spec in step.outputs.items():
+                    parse_spec(spec, f"{where}.outputs.{out}")
+            for tensor, text in step.inputs.items():
+                source, _ = source_of(text, f"{where}.inputs.{tensor}")
+                check(source == REQUEST or source in earlier, f"{where}.inputs.{tensor}",
+                      f"{text!r}: {source!r} is not an earlier step (the steps before it: "
+                      f"{', '.join(sorted(earlier)) or 'none'})")  # fmt: skip
+            earlier.add(step.name)
+        for out, text in p.outputs.items():
+            source, _ = source_of(text, f"{at}.outputs.{out}")
+            check(source in earlier, f"{at}.outputs.{out}", f"{text!r}: {source!r} is not a "
+                  "step of the pipeline")  # fmt: skip
