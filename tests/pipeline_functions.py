@@ -16,3 +16,9 @@ def mel_window(mel: np.ndarray) -> dict[str, np.ndarray]:
     if frames.shape[0] < WINDOW:
         raise ValueError(f"{frames.shape[0]} mel frames; the embedding takes {WINDOW}")
     return {"frames": np.ascontiguousarray(frames[-WINDOW:, :, None], dtype=np.float32)}
+
+
+def doubled(x: np.ndarray) -> dict[str, np.ndarray]:
+    """The smallest function step: its input, doubled (a pipeline over the bundled
+    digits model in the fault tests)."""
+    return {"y": x * 2}

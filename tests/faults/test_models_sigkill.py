@@ -1,7 +1,9 @@
-"""Several models in one worker (``[models.NAME]``), SIGKILLed mid-stream and
-restarted: at-least-once loses nothing on either model's topic; exactly-once
-(Apache Kafka) answers each request of both once, as read_committed readers see
-it, and each answer names the model its topic belongs to."""
+"""Several models in one worker (``[models.NAME]``) and a pipeline over one of
+them (``[pipelines.NAME]``: the digits model, then a function), SIGKILLed
+mid-stream and restarted: at-least-once loses nothing on any topic; exactly-once
+(Apache Kafka) answers each request once, as read_committed readers see it, the
+pipeline's as one answer of the whole pipeline, and each answer names the model
+or pipeline its topic belongs to."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ async def test_a_sigkill_of_a_two_model_worker(
     broker: Broker, names: dict[str, str], guarantee: str
 ) -> None:
     first, second = f"{names['requests']}.first", f"{names['requests']}.second"
-    await create_topics(broker.bootstrap, {first: PARTS, second: PARTS,
+    third = f"{names['requests']}.third"
+    topics = (first, second, third)
+    await create_topics(broker.bootstrap, {**{t: PARTS for t in topics},
                                            names["results"]: PARTS, names["dlq"]: 1})  # fmt: skip
     env = {
         **FAST_GROUP,
@@ -41,10 +45,15 @@ async def test_a_sigkill_of_a_two_model_worker(
         "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "m1",  # the restart takes its partitions back
         "INFER_WORKER_MODELS__SECOND__PATH": "builtin:digits",
         "INFER_WORKER_MODELS__SECOND__TOPICS": second,
+        "INFER_WORKER_PIPELINES__CHAIN__TOPICS": third,
+        "INFER_WORKER_PIPELINES__CHAIN__STEPS": '[{name = "d", model = "digits"}, {name = "f", '
+        'function = "tests.pipeline_functions:doubled", inputs = {x = "d.topk_scores"}, '
+        'outputs = {y = "float32 [3]"}}]',
+        "INFER_WORKER_PIPELINES__CHAIN__OUTPUTS": '{scores = "f.y", classes = "d.topk_indices"}',
     }
 
     def worker() -> WorkerProcess:
-        return spawn_worker(broker.bootstrap, input_topics=[first, second],
+        return spawn_worker(broker.bootstrap, input_topics=list(topics),
                             output_topic=names["results"], dlq_topic=names["dlq"],
                             group_id=names["group"], extra_env=env)  # fmt: skip
 
@@ -53,11 +62,11 @@ async def test_a_sigkill_of_a_two_model_worker(
     killed: WorkerProcess | None = None
     try:
         await asyncio.to_thread(w.wait_until, lambda m: m.get("infer_assigned_partitions", 0)
-                                >= 2 * PARTS, 90.0, "assignment")  # fmt: skip
+                                >= 3 * PARTS, 90.0, "assignment")  # fmt: skip
         producing = asyncio.gather(*(
             produce_all(broker.bootstrap, t, [(None, request(i)) for i in range(N)],
                         partition_of=lambda i: i % PARTS, rate=300)
-            for t in (first, second)
+            for t in topics
         ))  # fmt: skip
         await reads_more(w, N // 2, within=30.0)  # mid-stream: both models have work in flight
         w.kill()
@@ -69,8 +78,8 @@ async def test_a_sigkill_of_a_two_model_worker(
             distinct = lambda c: len({(r.result().source.topic, r.result().source.offset,  # noqa: E731
                                        r.result().source.partition)
                                       for r in c.records.get(names["results"], [])})  # fmt: skip
-            done = await c.collect(lambda c: distinct(c) >= 2 * N, 180.0)
-            assert done, f"{distinct(c)} of {2 * N} answered\n{w.log_tail()}"
+            done = await c.collect(lambda c: distinct(c) >= 3 * N, 180.0)
+            assert done, f"{distinct(c)} of {3 * N} answered\n{w.log_tail()}"
         finally:
             await c.stop()
         assert w.terminate() == 0, w.log_tail()
@@ -79,15 +88,17 @@ async def test_a_sigkill_of_a_two_model_worker(
         for p in (w, killed):
             if p is not None:
                 p.kill()
-    by_model = {first: "digits", second: "second"}
+    by_model = {first: "digits", second: "second", third: "chain"}
     for r in c.records[names["results"]]:
         result = r.result()
         assert (result.status, result.model.name) == ("ok", by_model[result.source.topic])
-    inputs, seen = await read_topics(broker.bootstrap, [first, second], names["results"],
+        if result.source.topic == third:
+            assert set(result.outputs) == {"scores", "classes"}
+    inputs, seen = await read_topics(broker.bootstrap, list(topics), names["results"],
                                      names["dlq"], idle_timeout=1.5,
                                      isolation_level=isolation)  # fmt: skip
     report = check(inputs, list(seen.answers), unparseable=seen.unparseable,
                    strict=guarantee == "exactly-once")  # fmt: skip
-    assert report.totals.requests == 2 * N and report.totals.lost == 0, report.format()
+    assert report.totals.requests == 3 * N and report.totals.lost == 0, report.format()
     if guarantee == "exactly-once":
         assert report.totals.surplus_answers == 0 and report.ok, report.format()

@@ -71,11 +71,8 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
             model = models[step.model]
             sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
             steps.append(ModelStep(step.name, model.stage, sources))
-            for out in model.binding.outputs.used:
-                declared = model.binding.outputs.declared.get(out)
-                known[f"{step.name}.{out}"] = (
-                    None if declared is None else _desc(declared.dtype.name, declared.shape)
-                )
+            for out, desc in answer_outputs(model.binding).items():
+                known[f"{step.name}.{out}"] = desc
         else:
             for arg, text in step.inputs.items():
                 _exists(f"{where}.inputs.{arg}", text, known)
@@ -87,6 +84,32 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
     return steps
+
+
+def answer_outputs(binding: Binding) -> dict[str, Desc | None]:
+    """What a model's stage answers a request with (the outputs passed as they
+    are, and the postprocessed forms: ``OutputPlan.scatter``), each as declared."""
+    plan = binding.outputs
+    raw = plan.declared.get(plan.raw_name) if plan.raw_name else None
+
+    def declared(name: str) -> Desc | None:
+        d = plan.declared.get(name)
+        return None if d is None else _desc(d.dtype.name, d.shape)
+
+    out = {name: declared(name) for name in plan.passed}
+    if not plan.active:
+        return out
+    cfg = plan.post.resolved(classifier=True)
+    assert cfg.top_k is not None and plan.raw_name is not None
+    if cfg.include_raw or cfg.normalize:
+        out[plan.raw_name] = None if raw is None else _desc(
+            "float32" if cfg.normalize else raw.dtype.name, raw.shape)  # fmt: skip
+    if cfg.top_k > 0:
+        out["topk_indices"] = ("int64", (cfg.top_k,))
+        out["topk_scores"] = ("float32", (cfg.top_k,))
+    elif cfg.softmax:
+        out["probabilities"] = None if raw is None else _desc("float32", raw.shape)
+    return out
 
 
 def _model_sources(

@@ -1,0 +1,117 @@
+"""``[pipelines.NAME]``: a pipeline's shape refused as the settings load, and its
+tensors refused once its models load, before Kafka is contacted; each refusal
+names the step and the tensor (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import real_models
+from worker.app.worker import Worker
+from worker.config import Settings, load_settings
+from worker.flow.errors import ConfigError
+
+BASE = """
+[kafka]
+bootstrap_servers = "127.0.0.1:1"  # nothing listens: every refusal comes first
+input_topics = ["audio"]
+[model]
+name = "melspec"
+path = "{melspec}"
+[models.embedding]
+path = "{embedding}"
+[pipelines.wakeword]
+topics = ["audio"]
+outputs = {{ embedding = "embed.conv2d_19" }}
+[[pipelines.wakeword.steps]]
+name = "mel"
+model = "melspec"
+[[pipelines.wakeword.steps]]
+name = "window"
+function = "tests.pipeline_functions:mel_window"
+inputs = {{ mel = "mel.output" }}
+outputs = {{ frames = "{frames}" }}
+[[pipelines.wakeword.steps]]
+name = "embed"
+model = "embedding"
+inputs = {{ input_1 = "{source}" }}
+"""
+
+
+def _load(tmp_path: Path, frames: str = "float32 [76, 32, 1]", source: str = "window.frames",
+          extra: str = "") -> Settings:  # fmt: skip
+    path = tmp_path / "worker.toml"
+    path.write_text(BASE.format(
+        melspec=real_models.model_path("oww-melspectrogram"),
+        embedding=real_models.model_path("oww-embedding"), frames=frames, source=source,
+    ) + extra)  # fmt: skip
+    return load_settings(path, env={})
+
+
+def test_a_pipeline_s_models_need_no_topics_of_their_own(tmp_path: Path) -> None:
+    s = _load(tmp_path)
+    assert [step.name for step in s.pipelines["wakeword"].steps] == ["mel", "window", "embed"]
+
+
+@pytest.mark.parametrize(
+    ("source", "extra", "message"),
+    [
+        ("mel.output", "", None),  # a tensor of the wrong shape: refused at start-up, below
+        ("later.frames", "", "pipelines.wakeword.steps[2].inputs.input_1: 'later.frames': "
+                             "'later' is not an earlier step (the steps before it: mel, window)"),
+        ("frames", "", "pipelines.wakeword.steps[2].inputs.input_1: 'frames': expected "
+                       "request.NAME or STEP.OUTPUT"),
+        ("window.frames", '\n[pipelines.other]\ntopics = ["audio"]\noutputs = { x = "m.output" }'
+         '\n[[pipelines.other.steps]]\nname = "m"\nmodel = "melspec"\n',
+         "pipelines.other.topics: 'audio' is also pipelines.wakeword's: a topic belongs to one "
+         "model or pipeline"),
+        ("window.frames", '\n[pipelines.melspec]\ntopics = []\n',
+         "pipelines.melspec: 'melspec' is also a model's name"),
+        ("window.frames", '\n[pipelines.bad]\ntopics = ["audio"]\noutputs = { x = "m.output" }'
+         '\n[[pipelines.bad.steps]]\nname = "m"\nmodel = "translator"\n',
+         "pipelines.bad.steps[0].model: 'translator' is not a model this worker serves "
+         "(melspec, embedding)"),
+    ],
+)  # fmt: skip
+def test_a_wrong_shape_is_refused_as_the_settings_load(
+    tmp_path: Path, source: str, extra: str, message: str | None
+) -> None:
+    if message is None:
+        _load(tmp_path, source=source, extra=extra)
+        return
+    with pytest.raises(ConfigError) as refused:
+        _load(tmp_path, source=source, extra=extra)
+    assert message in str(refused.value)
+
+
+def test_a_function_step_declares_its_outputs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pipelines\.wakeword\.steps\[1\]\.outputs\.frames: "
+                                          r"'float32 76': expected a dtype and a shape"):
+        _load(tmp_path, frames="float32 76")
+
+
+@pytest.mark.parametrize(
+    ("frames", "source", "message"),
+    [
+        ("float32 [75, 32, 1]", "window.frames",
+         "pipelines.wakeword.steps[2].inputs.input_1: 'window.frames' is float32 [75, 32, 1], "
+         "the model takes float32 [76, 32, 1]"),
+        ("float16 [76, 32, 1]", "window.frames",
+         "'window.frames' is float16 [76, 32, 1], the model takes float32 [76, 32, 1]"),
+        ("float32 [76, 32, 1]", "mel.output",
+         "pipelines.wakeword.steps[2].inputs.input_1: 'mel.output' is float32 [1, "
+         "Clipoutput_dim_2, 32], the model takes float32 [76, 32, 1]"),
+        ("float32 [76, 32, 1]", "mel.outputs",
+         "pipelines.wakeword.steps[2].inputs.input_1: 'mel.outputs' does not exist; step "
+         "'mel''s outputs: output"),
+    ],
+)  # fmt: skip
+async def test_a_mismatched_tensor_stops_start_up_naming_step_and_tensor(
+    tmp_path: Path, frames: str, source: str, message: str
+) -> None:
+    worker = Worker(_load(tmp_path, frames=frames, source=source))
+    with pytest.raises(ConfigError) as refused:
+        await worker.start()
+    assert message in str(refused.value)
