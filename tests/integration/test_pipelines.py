@@ -18,7 +18,7 @@ import pytest
 from tests import real_models
 from tests.pipeline_functions import mel_window
 from tests.serving import wire
-from worker.contract import Tensor
+from worker.contract import ModelRef, Tensor
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker
 from worker.ops.topics import Collector, produce_all
@@ -77,6 +77,9 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
     short = rng.normal(0, 3000, 8000).astype(np.float32)  # 47 mel frames: the window refuses
     requests.append((b"short", wire("short", {"input": Tensor.from_numpy(short)})))
     requests.append((b"ints", wire("ints", {"input": Tensor.from_numpy(short.astype(np.int64))})))
+    clip = Tensor.from_numpy(audio["a-0"])
+    requests.append((b"named", wire("named", {"input": clip}, ModelRef("wakeword"))))
+    requests.append((b"old", wire("old", {"input": clip}, ModelRef("wakeword", "pipeline:0"))))
     w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=names["results"],
                      dlq_topic=names["dlq"], group_id=names["group"],
                      command=("run", "--config", str(config)),
@@ -115,6 +118,12 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
     ), failed.error
     assert invalid.error is not None and invalid.error.code == "invalid_request"
     assert "inputs.input" in invalid.error.message
+    named, old = results["named"], results["old"]
+    assert named.status == "ok", named.error  # a request may name the pipeline, as a model
+    np.testing.assert_allclose(named.outputs["embedding"].to_numpy(),
+                               results["a-0"].outputs["embedding"].to_numpy())  # fmt: skip
+    assert old.error is not None and old.error.code == "unknown_model"
+    assert old.error.message.startswith("model.version: 'pipeline:0' is not served; 'wakeword'")
     failures = {k.partition("step=")[2].strip('"}'): v for k, v in m.items()
                 if k.startswith("infer_pipeline_step_failures_total")}  # fmt: skip
     assert failures == {"mel": 0.0, "window": 1.0, "embed": 0.0}, failures

@@ -116,7 +116,7 @@ class PipelineStage(Stage):
         started = time.monotonic()
         jobs = list(batch.items)
         tensors: list[Tensors | None] = [None] * len(jobs)  # None: answered already
-        answers: list[Answer | None] = [None] * len(jobs)
+        answers: list[Answer | None] = [self._pinned_elsewhere(job) for job in jobs]
         timings: list[dict[str, int]] = [{} for _ in jobs]
         engine_rows = 0
         for index, step in enumerate(self._steps):
@@ -167,7 +167,7 @@ class PipelineStage(Stage):
             if index == 0:  # the request is the first model's, checked at intake
                 tensors[i] = {f"{REQUEST}.{k}": v for k, v in job.inputs.items()
                               if isinstance(v, np.ndarray)}  # fmt: skip
-                step_job = job
+                step_job = _unpinned(job)
             else:
                 found = tensors[i]
                 assert found is not None
@@ -202,6 +202,16 @@ class PipelineStage(Stage):
                 found[f"{step.name}.{name}"] = value
         return done.engine_rows
 
+    def _pinned_elsewhere(self, job: Job) -> Answer | None:
+        """A request pinning a version of the pipeline other than this one is
+        answered ``unknown_model`` (its steps' models have versions of their own)."""
+        ref = job.request.model if job.request is not None else None
+        if ref is None or ref.version is None or ref.version == self.info.version:
+            return None
+        return Answer(job, None, ErrorInfo(ErrorCode.UNKNOWN_MODEL, (
+            f"model.version: {ref.version[:64]!r} is not served; {self._pipeline!r} serves "
+            f"version {self.info.version!r}")))  # fmt: skip
+
     def _failed(self, job: Job, step: str, problem: str) -> Answer:
         self._step_failures[step].inc()
         log.warning("pipeline_step_failed", pipeline=self._pipeline, step=step, error=problem)
@@ -220,6 +230,13 @@ class PipelineStage(Stage):
                 step.stage.close()
 
 
+def _unpinned(job: Job) -> Job:
+    """``job`` for a step's model: the version a request pins is the pipeline's."""
+    if job.request is None or job.request.model is None:
+        return job
+    return msgspec.structs.replace(job, request=msgspec.structs.replace(job.request, model=None))
+
+
 def _fed(job: Job, step: ModelStep, found: Tensors) -> Job:
     """``job`` as the step's model takes it: its inputs from the request's tensors
     so far, checked as that model checks a request."""
@@ -227,7 +244,7 @@ def _fed(job: Job, step: ModelStep, found: Tensors) -> Job:
               for name, source in step.sources.items()}  # fmt: skip
     request = Request(v=1, id=job.request.id if job.request else "", inputs=inputs)
     checked, lengths = step.stage.binding.inputs.check(request)
-    return msgspec.structs.replace(job, inputs=checked, lengths=lengths, failure=None)
+    return msgspec.structs.replace(_unpinned(job), inputs=checked, lengths=lengths)
 
 
 def _call(step: FunctionStep, found: Tensors) -> str | None:
