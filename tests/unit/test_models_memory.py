@@ -74,7 +74,8 @@ async def test_a_worker_over_its_budget_stops_before_contacting_kafka(tmp_path: 
     found = re.fullmatch(r"limits\.max_models_memory_mb: the models hold \d+ MiB together "
                          r"\(digits \d+ MiB, wide (\d+) MiB\), over the budget of 8 MiB: .*",
                          str(refused.value))  # fmt: skip
-    assert found and 16 <= int(found[1]) < 40, refused.value
+    # Its 16 MiB of weights at least (onnxruntime may keep a prepacked copy beside them).
+    assert found and 16 <= int(found[1]) < 128, refused.value
     path.write_text(TWO.format(budget=4096, wide=model))
     worker = Worker(load_settings(path, env={}))
     with pytest.raises(Exception) as past:  # within the budget: on to the (absent) broker
