@@ -115,3 +115,15 @@ async def test_a_mismatched_tensor_stops_start_up_naming_step_and_tensor(
     with pytest.raises(ConfigError) as refused:
         await worker.start()
     assert message in str(refused.value)
+
+
+def test_the_steps_deadline_shares_add_up_to_one_at_most(tmp_path: Path) -> None:
+    s = _load(tmp_path)
+    assert [step.deadline_share for step in s.pipelines["wakeword"].steps] == [0.0, 0.0, 0.0]
+    env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": '[{name = "mel", model = "melspec", '
+           'deadline_share = 0.7}, {name = "m2", model = "melspec", deadline_share = 0.5}]',
+           "INFER_WORKER_PIPELINES__WAKEWORD__OUTPUTS": '{mel = "mel.output"}'}  # fmt: skip
+    path = tmp_path / "worker.toml"
+    with pytest.raises(ConfigError, match=r"pipelines\.wakeword\.steps: deadline_share: each 0 "
+                                          r"to 1, together at most 1, got \[0\.7, 0\.5\]"):
+        load_settings(path, env=env)

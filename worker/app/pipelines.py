@@ -65,12 +65,15 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         for k in binding.inputs.kinds if isinstance(k, BoundTensor)
     }  # fmt: skip
     steps: list[Step] = []
+    spent = 0.0  # the deadline shares of the steps so far
     for i, step in enumerate(cfg.steps):
         where = f"{at}.steps[{i}]"
+        spent += step.deadline_share
+        until = spent if step.deadline_share > 0 else None
         if step.model:
             model = models[step.model]
             sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
-            steps.append(ModelStep(step.name, model.stage, sources))
+            steps.append(ModelStep(step.name, model.stage, sources, until))
             for out, desc in answer_outputs(model.binding).items():
                 known[f"{step.name}.{out}"] = desc
         else:
@@ -78,7 +81,7 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
                 _exists(f"{where}.inputs.{arg}", text, known)
             specs = {o: parse_spec(t, f"{where}.outputs.{o}") for o, t in step.outputs.items()}
             function = import_function(step.function, f"{where}.function")
-            steps.append(FunctionStep(step.name, function, dict(step.inputs), specs))
+            steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until))
             for out, spec in specs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
     for out, text in cfg.outputs.items():

@@ -49,6 +49,9 @@ class ModelStep:
     name: str
     stage: CpuStage  # the model's own stage for this pipeline (its threads and buffers)
     sources: Mapping[str, str]  # the model's request input -> "STEP.OUTPUT" / "request.NAME"
+    # The share of a request's deadline spent once this step may no longer start (the
+    # steps' deadline_share summed up to it); None: the request's deadline alone.
+    until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class FunctionStep:
     function: Function
     sources: Mapping[str, str]  # keyword argument -> source
     outputs: Mapping[str, Spec]  # declared: checked against what it returns
+    until: float | None = None
 
 
 Step = ModelStep | FunctionStep
@@ -120,6 +124,8 @@ class PipelineStage(Stage):
         timings: list[dict[str, int]] = [{} for _ in jobs]
         engine_rows = 0
         for index, step in enumerate(self._steps):
+            if step.until is not None:
+                self._past_share(step.name, step.until, jobs, answers)
             live = [i for i, a in enumerate(answers) if a is None]
             if not live:
                 break
@@ -201,6 +207,19 @@ class PipelineStage(Stage):
             for name, value in answer.outputs.items():
                 found[f"{step.name}.{name}"] = value
         return done.engine_rows
+
+    @staticmethod
+    def _past_share(step: str, until: float, jobs: list[Job], answers: list[Answer | None]) -> None:
+        """Answer ``deadline_exceeded`` the requests whose share of their deadline
+        for the steps up to ``step`` is spent: the step does not start for them."""
+        now = time.monotonic()
+        for i, job in enumerate(jobs):
+            if answers[i] is None and job.deadline is not None and (
+                now >= job.arrived + until * (job.deadline - job.arrived)
+            ):
+                answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, (
+                    f"step {step!r}: the steps up to it had {until:.0%} of the request's "
+                    "deadline, spent before it started")))  # fmt: skip
 
     def _pinned_elsewhere(self, job: Job) -> Answer | None:
         """A request pinning a version of the pipeline other than this one is

@@ -51,6 +51,10 @@ class StepConfig:
     # as "float32 [76, 32, 1]" (a free dimension by a name: "float32 [frames, 32]"),
     # checked against the steps that read it at start-up and against what it returns.
     outputs: dict[str, str] = field(default_factory=dict)
+    # This step's share of a request's deadline (0..1; 0 = none of its own): the step does
+    # not start once the shares of the steps up to it are spent (arrival + their sum x the
+    # time the request had), and the request is answered deadline_exceeded naming it.
+    deadline_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
         check(bool(p.outputs), f"{at}.outputs", "names the answer's outputs, as "
               "{name = \"STEP.OUTPUT\"}")  # fmt: skip
         earlier: set[str] = set()
+        shares = [step.deadline_share for step in p.steps]
+        check(all(0.0 <= x <= 1.0 for x in shares) and sum(shares) <= 1.0 + 1e-9,
+              f"{at}.steps", f"deadline_share: each 0 to 1, together at most 1, got {shares}")
         for i, step in enumerate(p.steps):
             where = f"{at}.steps[{i}]"
             check(bool(_NAME.fullmatch(step.name)) and step.name != REQUEST, f"{where}.name",

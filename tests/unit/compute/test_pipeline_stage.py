@@ -1,0 +1,112 @@
+"""A pipeline's stage (``worker.compute.pipeline``) over the bundled digits model
+and a function: each request answered with the pipeline's outputs, equal to the
+model and the function run by hand; a request a step fails is answered naming
+the step while the others go on; a step whose share of the deadline is spent
+does not start."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.models import cpu_stage
+from tests.pipeline_functions import doubled
+from worker.compute.engines import load_engine
+from worker.compute.pipeline import FunctionStep, ModelStep, PipelineStage
+from worker.config import ModelConfig
+from worker.config.pipelines import Spec
+from worker.contract import Request
+from worker.flow.messages import Batch, Completed, Job, TopicPartition
+from worker.model.io import EngineInfo
+
+
+def _jobs(n: int, deadline: float | None = None, ago: float = 0.0) -> list[Job]:
+    rng = np.random.default_rng(3)
+    now = time.monotonic()
+    out = []
+    for i in range(n):
+        job = Job(TopicPartition("in", 0), i, None, now - ago,
+                  None if deadline is None else now + deadline,
+                  request=Request(v=1, id=f"r{i}", inputs={}))  # fmt: skip
+        job.inputs["image"] = rng.integers(0, 255, (8, 8, 1), dtype=np.uint8)
+        out.append(job)
+    return out
+
+
+async def _run(function: Callable[..., object], jobs: list[Job], until: float | None = None
+               ) -> tuple[Completed, Completed]:  # fmt: skip
+    """The pipeline's answers, and the digits model's own on the same jobs."""
+    engine = load_engine(ModelConfig())
+    alone, inner = cpu_stage(ModelConfig(), engine), cpu_stage(ModelConfig(), engine)
+    info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
+    steps = [ModelStep("d", inner, {"image": "request.image"}),
+             FunctionStep("f", function, {"x": "d.topk_scores"}, {"y": Spec("float32", (3,))},
+                          until)]  # fmt: skip
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, inner.binding, steps,
+                          {"scores": "f.y", "classes": "d.topk_indices"}, max_inflight=1)
+    try:
+        done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+        own = await alone.run_batch(Batch(jobs, time.monotonic(), "full"))
+    finally:
+        stage.close()
+        alone.close()
+    return done, own
+
+
+async def test_answers_equal_the_model_and_the_function_by_hand() -> None:
+    done, own = await _run(doubled, _jobs(6))
+    for got, want in zip(done.answers, own.answers, strict=True):
+        assert got.error is None and got.outputs is not None and want.outputs is not None
+        np.testing.assert_array_equal(got.outputs["scores"], want.outputs["topk_scores"] * 2)
+        np.testing.assert_array_equal(got.outputs["classes"], want.outputs["topk_indices"])
+
+
+async def test_a_failing_step_is_named_and_the_others_go_on() -> None:
+    def picky(x: np.ndarray) -> dict[str, np.ndarray]:
+        if x[0] > 0.8:
+            raise ValueError("too sure")
+        return doubled(x)
+
+    done, own = await _run(picky, _jobs(8))
+    sure = [a.outputs is not None and a.outputs["topk_scores"][0] > 0.8 for a in own.answers]
+    assert any(sure) and not all(sure)
+    for got, failed in zip(done.answers, sure, strict=True):
+        if failed:
+            assert got.error is not None and got.error.code == "inference_failed"
+            assert got.error.message == "step 'f': ValueError: too sure"
+        else:
+            assert got.error is None
+
+
+@pytest.mark.parametrize(
+    ("returned", "problem"),
+    [
+        (lambda x: {"y": x.astype(np.float64)}, "output 'y': float64 [3], declared float32 [3]"),
+        (lambda x: {"z": x}, "output 'y': missing or not a numpy array"),
+        (lambda x: [x], "returned list, not a dict of arrays"),
+    ],
+)  # fmt: skip
+async def test_a_function_not_returning_what_it_declares_is_named(
+    returned: Callable[..., object], problem: str
+) -> None:
+    done, _ = await _run(returned, _jobs(2))
+    for answer in done.answers:
+        assert answer.error is not None and answer.error.message == f"step 'f': {problem}"
+
+
+async def test_a_step_whose_deadline_share_is_spent_does_not_start() -> None:
+    # Arrived 1 s ago with 1 s left: the steps up to f had a quarter of 2 s, spent.
+    late = _jobs(3, deadline=1.0, ago=1.0)
+    done, _ = await _run(doubled, late, until=0.25)
+    for answer in done.answers:
+        assert answer.error is not None and answer.error.code == "deadline_exceeded"
+        assert answer.error.message == ("step 'f': the steps up to it had 25% of the request's "
+                                        "deadline, spent before it started")  # fmt: skip
+    on_time, _ = await _run(doubled, _jobs(3, deadline=1.0, ago=1.0), until=0.9)
+    assert all(a.error is None for a in on_time.answers)
+    no_deadline, _ = await _run(doubled, _jobs(3), until=0.01)
+    assert all(a.error is None for a in no_deadline.answers)
