@@ -35,9 +35,9 @@ async def test_a_sigkill_of_a_two_model_worker(
     broker: Broker, names: dict[str, str], guarantee: str
 ) -> None:
     first, second = f"{names['requests']}.first", f"{names['requests']}.second"
-    third = f"{names['requests']}.third"
+    third, audit = f"{names['requests']}.third", f"{names['requests']}.audit"
     topics = (first, second, third)
-    await create_topics(broker.bootstrap, {**{t: PARTS for t in topics},
+    await create_topics(broker.bootstrap, {**{t: PARTS for t in (*topics, audit)},
                                            names["results"]: PARTS, names["dlq"]: 1})  # fmt: skip
     env = {
         **FAST_GROUP,
@@ -46,7 +46,8 @@ async def test_a_sigkill_of_a_two_model_worker(
         "INFER_WORKER_MODELS__SECOND__PATH": "builtin:digits",
         "INFER_WORKER_MODELS__SECOND__TOPICS": second,
         "INFER_WORKER_PIPELINES__CHAIN__TOPICS": third,
-        "INFER_WORKER_PIPELINES__CHAIN__STEPS": '[{name = "d", model = "digits"}, {name = "f", '
+        "INFER_WORKER_PIPELINES__CHAIN__STEPS": f'[{{name = "d", model = "digits", topic = '
+        f'"{audit}"}}, {{name = "f", '
         'function = "tests.pipeline_functions:doubled", inputs = {x = "d.topk_scores"}, '
         'outputs = {y = "float32 [3]"}}]',
         "INFER_WORKER_PIPELINES__CHAIN__OUTPUTS": '{scores = "f.y", classes = "d.topk_indices"}',
@@ -72,13 +73,14 @@ async def test_a_sigkill_of_a_two_model_worker(
         w.kill()
         killed, w = w, worker()
         await producing
-        c = Collector(broker.bootstrap, [names["results"]], isolation_level=isolation)
+        c = Collector(broker.bootstrap, [names["results"], audit], isolation_level=isolation)
         await c.start()
         try:
             distinct = lambda c: len({(r.result().source.topic, r.result().source.offset,  # noqa: E731
                                        r.result().source.partition)
                                       for r in c.records.get(names["results"], [])})  # fmt: skip
-            done = await c.collect(lambda c: distinct(c) >= 3 * N, 180.0)
+            done = await c.collect(lambda c: distinct(c) >= 3 * N and len(
+                c.records.get(audit, [])) >= N, 180.0)  # fmt: skip
             assert done, f"{distinct(c)} of {3 * N} answered\n{w.log_tail()}"
         finally:
             await c.stop()
@@ -94,6 +96,11 @@ async def test_a_sigkill_of_a_two_model_worker(
         assert (result.status, result.model.name) == ("ok", by_model[result.source.topic])
         if result.source.topic == third:
             assert set(result.outputs) == {"scores", "classes"}
+    # The pipeline's first step on its own topic: every request's, once under exactly-once.
+    audited = [r.result().source for r in c.records[audit]]
+    assert len(set(audited)) == N, len(set(audited))
+    if guarantee == "exactly-once":
+        assert len(audited) == N, f"{len(audited) - N} written twice"
     inputs, seen = await read_topics(broker.bootstrap, list(topics), names["results"],
                                      names["dlq"], idle_timeout=1.5,
                                      isolation_level=isolation)  # fmt: skip

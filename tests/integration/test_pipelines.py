@@ -5,7 +5,8 @@ declared as ``[pipelines.wakeword]``. Requests of several audio lengths share
 batches; every answer equals the same files run one after another by hand on
 that request alone (onnxruntime, the function in numpy), carries the
 intermediate the pipeline names, and a request a step fails is answered naming
-the step. On both brokers."""
+the step; the first step's outputs also go to a topic of its own, one record
+per request answered. On both brokers."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ outputs = {{ embedding = "embed.conv2d_19", mel = "mel.output" }}
 [[pipelines.wakeword.steps]]
 name = "mel"
 model = "melspec"
+topic = "{mel_topic}"
 [[pipelines.wakeword.steps]]
 name = "window"
 function = "tests.pipeline_functions:mel_window"
@@ -62,13 +64,14 @@ def by_hand(audio: np.ndarray) -> dict[str, np.ndarray]:
 async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
     broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
-    topic = names["requests"]
+    topic, mel_topic = names["requests"], f"{names['requests']}.mel"
     config = tmp_path / "worker.toml"
     config.write_text(CONFIG.format(
         melspec=real_models.model_path("oww-melspectrogram"),
-        embedding=real_models.model_path("oww-embedding"), topic=topic,
+        embedding=real_models.model_path("oww-embedding"), topic=topic, mel_topic=mel_topic,
     ))  # fmt: skip
-    await create_topics(broker.bootstrap, {topic: 2, names["results"]: 1, names["dlq"]: 1})
+    await create_topics(broker.bootstrap, {topic: 2, names["results"]: 1, names["dlq"]: 1,
+                                           mel_topic: 2})  # fmt: skip
     rng = np.random.default_rng(59)
     audio = {f"a-{i}": rng.normal(0, 3000, n).astype(np.float32)
              for i, n in enumerate([13000, 16000, 20000] * 5)}  # fmt: skip
@@ -84,7 +87,7 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
                      dlq_topic=names["dlq"], group_id=names["group"],
                      command=("run", "--config", str(config)),
                      extra_env={"INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS": "100"})  # fmt: skip
-    c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+    c = Collector(broker.bootstrap, [names["results"], names["dlq"], mel_topic])
     try:
         await asyncio.to_thread(
             w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0,
@@ -92,8 +95,9 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
         )  # fmt: skip
         await produce_all(broker.bootstrap, topic, requests)
         await c.start()
-        assert await c.collect(lambda c: c.count() >= len(requests), 90.0), (
-            f"{c.count()} of {len(requests)}\n{w.log_tail()}"
+        answered = lambda c: len(c.records.get(names["results"], []))  # noqa: E731
+        assert await c.collect(lambda c: answered(c) >= len(requests), 90.0), (
+            f"{answered(c)} of {len(requests)}\n{w.log_tail()}"
         )
         m = w.metrics()
         assert w.terminate() == 0, w.log_tail()
@@ -124,6 +128,14 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
                                results["a-0"].outputs["embedding"].to_numpy())  # fmt: skip
     assert old.error is not None and old.error.code == "unknown_model"
     assert old.error.message.startswith("model.version: 'pipeline:0' is not served; 'wakeword'")
+    # The mel step's outputs on its own topic, one record per request answered ok.
+    audited = {r.result().id: r.result() for r in c.records[mel_topic]}
+    assert set(audited) == {*audio, "named"} and len(c.records[mel_topic]) == len(audited)
+    for rid, samples in audio.items():
+        mel = audited[rid]
+        assert (mel.model.name, mel.source.topic) == ("wakeword/mel", topic)
+        np.testing.assert_allclose(mel.outputs["output"].to_numpy(), by_hand(samples)["mel"],
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
     failures = {k.partition("step=")[2].strip('"}'): v for k, v in m.items()
                 if k.startswith("infer_pipeline_step_failures_total")}  # fmt: skip
     assert failures == {"mel": 0.0, "window": 1.0, "embed": 0.0}, failures

@@ -73,7 +73,7 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         if step.model:
             model = models[step.model]
             sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
-            steps.append(ModelStep(step.name, model.stage, sources, until))
+            steps.append(ModelStep(step.name, model.stage, sources, until, step.topic))
             for out, desc in answer_outputs(model.binding).items():
                 known[f"{step.name}.{out}"] = desc
         else:
@@ -81,7 +81,9 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
                 _exists(f"{where}.inputs.{arg}", text, known)
             specs = {o: parse_spec(t, f"{where}.outputs.{o}") for o, t in step.outputs.items()}
             function = import_function(step.function, f"{where}.function")
-            steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until))
+            steps.append(
+                FunctionStep(step.name, function, dict(step.inputs), specs, until, step.topic)
+            )
             for out, spec in specs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
     for out, text in cfg.outputs.items():

@@ -30,6 +30,7 @@ from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
 from worker.config.models import named, settings_named
+from worker.config.pipelines import step_topics
 from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
 from worker.flow.messages import TopicPartition
@@ -210,6 +211,8 @@ class Worker:
         guarded = self.settings.limits.max_crash_attempts > 0 and not k.shadow
         if guarded and k.crash_guard_topic != DEFAULT_CRASH_GUARD_TOPIC:
             require_topics("kafka.crash_guard_topic", [k.crash_guard_topic], existing, k)
+        for name, at, topic in step_topics(self.settings):  # a pipeline step's audit topic
+            require_topics(f"pipelines.{name}.{at}.topic", [topic], existing, k)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only

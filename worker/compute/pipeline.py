@@ -32,7 +32,7 @@ from worker.config.pipelines import REQUEST, Spec
 from worker.contract import ErrorInfo, Request, Tensor
 from worker.flow.codes import ErrorCode
 from worker.flow.errors import ConfigError, RecordError
-from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
+from worker.flow.messages import Answer, Batch, Completed, Job, StepOutputs, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
@@ -52,6 +52,7 @@ class ModelStep:
     # The share of a request's deadline spent once this step may no longer start (the
     # steps' deadline_share summed up to it); None: the request's deadline alone.
     until: float | None = None
+    topic: str = ""  # its outputs also written there, per request answered ok
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class FunctionStep:
     sources: Mapping[str, str]  # keyword argument -> source
     outputs: Mapping[str, Spec]  # declared: checked against what it returns
     until: float | None = None
+    topic: str = ""
 
 
 Step = ModelStep | FunctionStep
@@ -149,7 +151,8 @@ class PipelineStage(Stage):
                 assert found is not None
                 out = {name: found[source] for name, source in self._answer.items()}
                 timing = {**timings[i], "infer": micros(time.monotonic() - started)}
-                answers[i] = Answer(job, out, None, timing)
+                steps = tuple(self._step_outputs(found))
+                answers[i] = Answer(job, out, None, timing, steps=steps)
         service_s = time.monotonic() - started
         done = tuple(a for a in answers if a is not None)
         return Completed(batch.seq, done, engine_rows, service_s)
@@ -207,6 +210,16 @@ class PipelineStage(Stage):
             for name, value in answer.outputs.items():
                 found[f"{step.name}.{name}"] = value
         return done.engine_rows
+
+    def _step_outputs(self, found: Tensors) -> list[StepOutputs]:
+        """The outputs of the steps that write them to a topic, for one request."""
+        out = []
+        for step in self._steps:
+            if step.topic:
+                prefix = f"{step.name}."
+                mine = {k.removeprefix(prefix): v for k, v in found.items() if k.startswith(prefix)}
+                out.append(StepOutputs(step.topic, f"{self._pipeline}/{step.name}", mine))
+        return out
 
     @staticmethod
     def _past_share(step: str, until: float, jobs: list[Job], answers: list[Answer | None]) -> None:

@@ -55,6 +55,10 @@ class StepConfig:
     # not start once the shares of the steps up to it are spent (arrival + their sum x the
     # time the request had), and the request is answered deadline_exceeded naming it.
     deadline_share: float = 0.0
+    # A topic the step's outputs are also written to, one record per request the pipeline
+    # answers ok (a result message named PIPELINE/STEP, keyed as the request): for audit
+    # and replay; in the answer's transaction under exactly-once. "" = none.
+    topic: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,12 @@ def source_of(text: str, at: str) -> tuple[str, str]:
     step, dot, tensor = text.partition(".")
     check(bool(dot and step and tensor), at, f"{text!r}: expected request.NAME or STEP.OUTPUT")
     return step, tensor
+
+
+def step_topics(s: Settings) -> list[tuple[str, str, str]]:
+    """The pipelines' step topics: (pipeline, "steps[i]", topic) for each step with one."""
+    return [(name, f"steps[{i}]", step.topic) for name, p in s.pipelines.items()
+            for i, step in enumerate(p.steps) if step.topic]  # fmt: skip
 
 
 def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:

@@ -124,6 +124,15 @@ class StateChange:
     values: Mapping[str, np.ndarray] | None
 
 
+class StepOutputs(msgspec.Struct, frozen=True):
+    """A pipeline step's outputs for one request, also written to a topic of the
+    step's own (``[[pipelines.NAME.steps]] topic``: audit and replay)."""
+
+    topic: str
+    step: str  # named in the record as "PIPELINE/STEP"
+    outputs: Mapping[str, np.ndarray]
+
+
 class Answer(msgspec.Struct, frozen=True):
     """The outcome for one job: outputs (one row of each batch output) or an error,
     and the time each stage took (``timing_us``); for a stateful model, what
@@ -134,6 +143,7 @@ class Answer(msgspec.Struct, frozen=True):
     error: ErrorInfo | None = None
     timing_us: Mapping[str, int] = msgspec.field(default_factory=dict)
     state: StateChange | None = None
+    steps: tuple[StepOutputs, ...] = ()  # a pipeline's steps' outputs bound for their topics
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ What a configuration needs, and how each is made when ``create`` makes it:
   (``limits.max_crash_attempts`` > 0, not a shadow): 1 partition, compacted
   (one mark per group and partition, the latest wins);
 - the state changelog (``kafka.state_topic``), when set: compacted, with as many
-  partitions as the input topic (a sequence's state lives on its partition).
+  partitions as the input topic (a sequence's state lives on its partition);
+- a pipeline step's topic (``pipelines.NAME.steps[i].topic``), when set:
+  ``--partitions``.
 
 Replication is ``--replication-factor``, by default the smaller of 3 and the
 cluster's brokers. Topics that exist are left as they are and reported (a wrong
@@ -38,6 +40,7 @@ from aiokafka.errors import (
 )
 
 from worker.config import Settings
+from worker.config.pipelines import step_topics
 from worker.flow.deadline import Deadline
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
@@ -67,6 +70,8 @@ def needed(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[NeededTopi
             out.append(NeededTopic(k.crash_guard_topic, "kafka.crash_guard_topic", 1, COMPACTED))
     if k.state_topic:
         out.append(NeededTopic(k.state_topic, "kafka.state_topic", None, COMPACTED))
+    for name, at, topic in step_topics(s):
+        out.append(NeededTopic(topic, f"pipelines.{name}.{at}.topic", partitions))
     return out
 
 

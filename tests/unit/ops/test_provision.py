@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker.config import KafkaConfig, LimitsConfig, Settings
+from worker.config import (
+    KafkaConfig,
+    LimitsConfig,
+    ModelConfig,
+    PipelineConfig,
+    Settings,
+    StepConfig,
+)
 from worker.config.kafka import LaneConfig
 from worker.ops.provision import COMPACTED, Found, NeededTopic, needed, report
 
@@ -31,6 +38,17 @@ def test_a_shadow_a_stateful_model_and_protection_off_need_what_they_use() -> No
     names = {t.name: t for t in needed(stateful)}
     assert set(names) == {"infer.requests", "infer.results", "infer.dlq", "st"}
     assert names["st"].partitions is None and names["st"].configs == COMPACTED
+
+
+def test_a_pipeline_step_s_topic_is_needed() -> None:
+    steps = (StepConfig(name="d", model="digits", topic="audit.d"),
+             StepConfig(name="e", model="digits"))  # fmt: skip
+    s = Settings(kafka=KafkaConfig(input_topics=("a", "b")), model=ModelConfig(topics=("a",)),
+                 pipelines={"chain": PipelineConfig(topics=("b",), steps=steps,
+                                                    outputs={"x": "e.topk_indices"})})  # fmt: skip
+    found = {t.name: (t.setting, t.partitions) for t in needed(s, partitions=3)}
+    assert found["audit.d"] == ("pipelines.chain.steps[0].topic", 3)
+    assert len([t for t in found if t.startswith("audit")]) == 1
 
 
 def test_what_is_wrong_with_an_existing_topic_is_named() -> None:

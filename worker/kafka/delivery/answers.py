@@ -21,7 +21,14 @@ from worker.flow.codes import ErrorCode
 from worker.flow.errors import DeliveryFailed, FailureBudgetExceeded
 from worker.flow.messages import Answer, Completed, Job, StateChange, TopicPartition
 from worker.kafka.delivery.decide import Action, Verdict, decide, refusal_code
-from worker.kafka.delivery.outgoing import OutRecord, Topics, fallback, record_for, state_record
+from worker.kafka.delivery.outgoing import (
+    OutRecord,
+    Topics,
+    fallback,
+    record_for,
+    state_record,
+    step_record,
+)
 from worker.kafka.delivery.writer import WriterParts
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.obs import metrics
@@ -111,6 +118,10 @@ class Answers:
             outs.append(out)
             if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
                 outs.append(self._state_record(answer.job, answer.state))
+            if out.kind == "ok":  # a pipeline's steps' outputs, for their own topics
+                for step in answer.steps:
+                    self._one_more(job)
+                    outs.append(step_record(job, step, model.version, out.request_id, self._seq))
         # Per batch: a batch without failures is counted at once. Nothing of the
         # batch is settled before: a budget exceeded halts with it unanswered.
         tripped = self._budget.record_all(failed) if self._budget is not None else None
@@ -144,13 +155,18 @@ class Answers:
     def _state_record(self, job: Job, change: StateChange) -> OutRecord:
         """The state record of ``job`` (``outgoing.state_record``); the job's
         offset counts as done only once it and the answer are both acknowledged."""
+        self._one_more(job)
+        metrics.STATE_PENDING.set(len(self._pending))
+        return state_record(job, change, self._kafka.state_topic, self._seq)
+
+    def _one_more(self, job: Job) -> None:
+        """One more record for ``job`` beside its answer: its offset counts as
+        done once every one of them is acknowledged."""
         self._seq += 1
         key = (job.tp, job.offset, job.epoch)
         if len(self._pending) >= _PENDING_SWEEP:  # jobs of revoked partitions: never acked
             self._pending = {k: n for k, n in self._pending.items() if self._tracker.owns(*k)}
         self._pending[key] = self._pending.get(key, 1) + 1
-        metrics.STATE_PENDING.set(len(self._pending))
-        return state_record(job, change, self._kafka.state_topic, self._seq)
 
     def next_attempts(
         self, failed: list[tuple[OutRecord, BaseException | None, bool]], idempotent: bool
@@ -222,6 +238,8 @@ class Answers:
                 done(job.tp, job.offset, job.epoch)
             if out.kind == "state":
                 metrics.STATE_RECORDS.inc()
+                continue
+            if out.kind == "step":
                 continue
             name = out.model_name or self._model.name
             version = out.model_version or self._model.version

@@ -27,14 +27,14 @@ from worker.contract.oip import encode_oip_result
 from worker.contract.ok_results import encode_ok_at
 from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
-from worker.flow.messages import Answer, Job, StateChange, TraceContext
+from worker.flow.messages import Answer, Job, StateChange, StepOutputs, TraceContext
 from worker.kafka.changelog import encode_state
 
 # Room for the record batch framing around one record, so a result that passes
 # this check is never rejected by the producer's own size limit.
 RECORD_OVERHEAD: Final = 1024
 
-Kind = Literal["ok", "error", "dlq", "state"]
+Kind = Literal["ok", "error", "dlq", "state", "step"]
 # The codes a record refused by the producer or the broker is answered with.
 FallbackCode = Literal[ErrorCode.TOO_LARGE, ErrorCode.INTERNAL]
 
@@ -276,3 +276,18 @@ def state_record(job: Job, change: StateChange, topic: str, seq: int) -> OutReco
     value = encode_state(job, change)
     return OutRecord(job, topic, job.key, value, [], "state", seq, fallback=True,
                      partition=job.tp.partition)  # fmt: skip
+
+
+def step_record(
+    job: Job, step: StepOutputs, version: str, request_id: str, seq: int
+) -> OutRecord:
+    """A pipeline step's outputs for ``job``, for the step's own topic: a result
+    message (contract v1) named ``PIPELINE/STEP``, keyed and sourced as the request.
+    Marked ``fallback``, as a state record: refused for good, it stops the worker
+    rather than leave a gap in the audit (``decide``: give up)."""
+    outputs = {name: Tensor.from_numpy(arr) for name, arr in step.outputs.items()}
+    result = Result(id=request_id, status="ok", source=job.source,
+                    model=ModelInfo(step.step, version), outputs=outputs)  # fmt: skip
+    headers = [("id", request_id.encode()), ("step", step.step.encode())]
+    return OutRecord(job, step.topic, job.key, encode_result(result), headers, "step", seq,
+                     request_id=request_id, fallback=True)  # fmt: skip
