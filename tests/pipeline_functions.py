@@ -22,3 +22,11 @@ def doubled(x: np.ndarray) -> dict[str, np.ndarray]:
     """The smallest function step: its input, doubled (a pipeline over the bundled
     digits model in the fault tests)."""
     return {"y": x * 2}
+
+
+def tiles(image: np.ndarray) -> dict[str, np.ndarray]:
+    """A fan-out step: 0, 1 or 2 regions of an image (as its first pixel says),
+    each the image shifted along its width."""
+    n = int(image[0, 0, 0]) % 3
+    shifted = [np.roll(image, k + 1, axis=1) for k in range(n)]
+    return {"tile": np.stack(shifted) if shifted else np.zeros((0, *image.shape), image.dtype)}

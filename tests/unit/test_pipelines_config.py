@@ -127,3 +127,25 @@ def test_the_steps_deadline_shares_add_up_to_one_at_most(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"pipelines\.wakeword\.steps: deadline_share: each 0 "
                                           r"to 1, together at most 1, got \[0\.7, 0\.5\]"):
         load_settings(path, env=env)
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ('[{name = "mel", model = "melspec", fan_out = true}]',
+         "pipelines.wakeword.steps[0].fan_out: a function step fans out"),
+        ('[{name = "mel", model = "melspec"}, {name = "a", function = "m:f", fan_out = true, '
+         'inputs = {x = "mel.output"}, outputs = {y = "float32 [3]"}}, {name = "b", function = '
+         '"m:f", fan_out = true, inputs = {x = "a.y"}, outputs = {y = "float32 [3]"}}]',
+         "pipelines.wakeword.steps[2].fan_out: a pipeline fans out once (steps[1] does)"),
+    ],
+)  # fmt: skip
+def test_a_fan_out_is_a_function_s_and_happens_once(
+    tmp_path: Path, steps: str, message: str
+) -> None:
+    env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": steps,
+           "INFER_WORKER_PIPELINES__WAKEWORD__OUTPUTS": '{mel = "mel.output"}'}  # fmt: skip
+    _load(tmp_path)  # writes the file
+    with pytest.raises(ConfigError) as refused:
+        load_settings(tmp_path / "worker.toml", env=env)
+    assert message in str(refused.value)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from worker.compute.cpu import CpuStage
-from worker.compute.pipeline import FunctionStep, ModelStep, Step, import_function
+from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
 from worker.config.checks import check
 from worker.config.pipelines import REQUEST, PipelineConfig, parse_spec, source_of
 from worker.flow.errors import ConfigError
@@ -28,6 +28,7 @@ from worker.model.inputs.tensor import BoundTensor
 from worker.model.io import EngineInfo
 
 Desc = tuple[str, tuple[int | str | None, ...]]  # dtype name, one request's shape
+Regional = tuple[str, tuple[int, ...]] | None  # a per-region tensor's, where fixed
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,12 @@ def pipeline_info(name: str, first: EngineInfo, cfg: PipelineConfig,
     return EngineInfo("pipeline", name, f"pipeline:{digest}", first.io, None)
 
 
-def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]) -> list[Step]:
-    """The pipeline's steps, checked (see the module docstring); ``models``: the
-    model steps' by model name."""
+def build_steps(
+    name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]
+) -> tuple[list[Step], dict[str, Regional]]:
+    """The pipeline's steps, checked (see the module docstring), and the tensors
+    that are per region (a fan-out's and after), each with its dtype and shape
+    where fixed; ``models``: the model steps' by model name."""
     at = f"pipelines.{name}"
     first = cfg.steps[0]
     check(bool(first.model), f"{at}.steps[0]", "the first step is a model: the request is "
@@ -64,6 +68,9 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         f"{REQUEST}.{k.name}": _desc(k.desc.dtype.name, k.desc.shape)
         for k in binding.inputs.kinds if isinstance(k, BoundTensor)
     }  # fmt: skip
+    for k in binding.inputs.kinds:  # an image's pixels, as sent: uint8 [H, W, C]
+        if isinstance(k, BoundImage):
+            known[f"{REQUEST}.{k.name}"] = ("uint8", ("H", "W", "C"))
     steps: list[Step] = []
     spent = 0.0  # the deadline shares of the steps so far
     for i, step in enumerate(cfg.steps):
@@ -73,22 +80,33 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         if step.model:
             model = models[step.model]
             sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
-            steps.append(ModelStep(step.name, model.stage, sources, until, step.topic))
-            for out, desc in answer_outputs(model.binding).items():
+            produced = answer_outputs(model.binding)
+            steps.append(ModelStep(step.name, model.stage, sources, until, step.topic,
+                                   tuple(produced)))  # fmt: skip
+            for out, desc in produced.items():
                 known[f"{step.name}.{out}"] = desc
         else:
             for arg, text in step.inputs.items():
                 _exists(f"{where}.inputs.{arg}", text, known)
             specs = {o: parse_spec(t, f"{where}.outputs.{o}") for o, t in step.outputs.items()}
             function = import_function(step.function, f"{where}.function")
-            steps.append(
-                FunctionStep(step.name, function, dict(step.inputs), specs, until, step.topic)
-            )
+            steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until,
+                                      step.topic, step.fan_out))  # fmt: skip
             for out, spec in specs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
-    return steps
+    fan_at = next((i for i, s in enumerate(cfg.steps) if s.fan_out), None)
+    after = {s.name for s in cfg.steps[fan_at:]} if fan_at is not None else set()
+    regional = {key: _fixed(desc) for key, desc in known.items()
+                if key.partition(".")[0] in after}  # fmt: skip
+    return steps, regional
+
+
+def _fixed(desc: Desc | None) -> Regional:
+    if desc is None or not all(isinstance(d, int) for d in desc[1]):
+        return None
+    return desc[0], tuple(d for d in desc[1] if isinstance(d, int))
 
 
 def answer_outputs(binding: Binding) -> dict[str, Desc | None]:

@@ -4,34 +4,42 @@ per request (``[pipelines.NAME]``, docs/guides/pipelines.md).
 A model step runs the batch's requests as that model's own stage runs a batch
 (``CpuStage.run_batch``: rows of one length together, poison isolated by
 bisection, deadlines honoured), so the crops of many requests form one batch of
-the next model; a function step runs once per request on the stage's threads.
-Between steps the tensors stay in memory: a request's tensors so far, by
-``STEP.OUTPUT`` and ``request.NAME``, feed the next step's inputs, checked as
-the next model checks a request's (``ModelInputs.check``). A request a step
-fails is answered ``inference_failed`` naming the step (and the tensor, where
-one was not what the step takes); the other requests of the batch go on.
+the next model; a function step runs once per request on the stage's threads
+(``worker.compute.steps``). Between steps the tensors stay in memory: a
+request's tensors so far, by ``STEP.OUTPUT`` and ``request.NAME``, feed the next
+step's inputs, checked as the next model checks a request's. After a fan-out
+step a request is several units, one per region, each run by the steps after
+it; its answer stacks their outputs. A request a step fails (any of its units)
+is answered ``inference_failed`` naming the step (and the tensor, where one was
+not what the step takes); the other requests of the batch go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import structlog
 
-from worker.compute.cpu import CpuStage
 from worker.compute.stage import Stage
+from worker.compute.steps import (
+    FunctionStep,
+    ModelStep,
+    Step,
+    Tensors,
+    call,
+    fed,
+    stacked,
+    unpinned,
+)
 from worker.compute.triage import ServiceTimeHook, micros
-from worker.config.pipelines import REQUEST, Spec
-from worker.contract import ErrorInfo, Request, Tensor
+from worker.config.pipelines import REQUEST
+from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
-from worker.flow.errors import ConfigError, RecordError
+from worker.flow.errors import RecordError
 from worker.flow.messages import Answer, Batch, Completed, Job, StepOutputs, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs.binding import Binding
@@ -40,44 +48,7 @@ from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
-Tensors = dict[str, np.ndarray]  # a request's tensors so far, by "STEP.OUTPUT" / "request.NAME"
-Function = Callable[..., object]  # returns a dict of arrays (checked: a user's code)
-
-
-@dataclass(frozen=True)
-class ModelStep:
-    name: str
-    stage: CpuStage  # the model's own stage for this pipeline (its threads and buffers)
-    sources: Mapping[str, str]  # the model's request input -> "STEP.OUTPUT" / "request.NAME"
-    # The share of a request's deadline spent once this step may no longer start (the
-    # steps' deadline_share summed up to it); None: the request's deadline alone.
-    until: float | None = None
-    topic: str = ""  # its outputs also written there, per request answered ok
-
-
-@dataclass(frozen=True)
-class FunctionStep:
-    name: str
-    function: Function
-    sources: Mapping[str, str]  # keyword argument -> source
-    outputs: Mapping[str, Spec]  # declared: checked against what it returns
-    until: float | None = None
-    topic: str = ""
-
-
-Step = ModelStep | FunctionStep
-
-
-def import_function(path: str, at: str) -> Function:
-    """``module:function``, imported (a ConfigError naming ``at`` when it cannot be)."""
-    module, _, attr = path.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{at}: {path!r} cannot be imported: {exc}") from exc
-    if not callable(found):
-        raise ConfigError(f"{at}: {path!r} is not a function")
-    return found  # type: ignore[no-any-return]
+Spec = tuple[str, tuple[int, ...]]  # a per-region output's dtype and fixed shape
 
 
 class PipelineStage(Stage):
@@ -94,12 +65,15 @@ class PipelineStage(Stage):
         outputs: Mapping[str, str],
         *,
         max_inflight: int,
+        regional: Mapping[str, Spec | None] | None = None,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
     ) -> None:
         """``info``: the pipeline as results name it; ``binding``: its first
         step's (what a request is checked against at intake); ``outputs``: the
-        answer's outputs, each from "STEP.OUTPUT"."""
+        answer's outputs, each from "STEP.OUTPUT"; ``regional``: the sources that
+        are per region (after a fan-out), each with its declared dtype and shape
+        where fixed (a request without regions gets an empty tensor of it)."""
         super().__init__(
             batches_in, completed_out, info, binding,
             max_attempts=1, on_service_time=on_service_time, room=room,
@@ -107,6 +81,7 @@ class PipelineStage(Stage):
         self._pipeline = info.name
         self._steps = steps
         self._answer = dict(outputs)
+        self._regional = dict(regional or {})
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in steps
@@ -121,7 +96,9 @@ class PipelineStage(Stage):
     async def run_batch(self, batch: Batch[Job]) -> Completed:
         started = time.monotonic()
         jobs = list(batch.items)
-        tensors: list[Tensors | None] = [None] * len(jobs)  # None: answered already
+        # Per request: its own tensors, and its units (itself, or one per region).
+        bases: list[Tensors] = [{} for _ in jobs]
+        units: list[list[Tensors]] = [[base] for base in bases]
         answers: list[Answer | None] = [self._pinned_elsewhere(job) for job in jobs]
         timings: list[dict[str, int]] = [{} for _ in jobs]
         engine_rows = 0
@@ -134,28 +111,47 @@ class PipelineStage(Stage):
             step_started = time.monotonic()
             if isinstance(step, ModelStep):
                 engine_rows += await self._model_step(
-                    step, index, batch, jobs, live, tensors, answers, timings
+                    step, index, batch, jobs, live, units, answers, timings
                 )
             else:
-                loop = asyncio.get_running_loop()
-                for i in live:
-                    found = tensors[i]
-                    assert found is not None
-                    problem = await loop.run_in_executor(self._pool, _call, step, found)
-                    if problem is not None:
-                        answers[i] = self._failed(jobs[i], step.name, problem)
+                await self._function_step(step, jobs, live, units, answers)
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         for i, job in enumerate(jobs):
             if answers[i] is None:
-                found = tensors[i]
-                assert found is not None
-                out = {name: found[source] for name, source in self._answer.items()}
+                out = {name: self._value(bases[i], units[i], source)
+                       for name, source in self._answer.items()}  # fmt: skip
                 timing = {**timings[i], "infer": micros(time.monotonic() - started)}
-                steps = tuple(self._step_outputs(found))
+                steps = tuple(self._step_outputs(bases[i], units[i]))
                 answers[i] = Answer(job, out, None, timing, steps=steps)
         service_s = time.monotonic() - started
         done = tuple(a for a in answers if a is not None)
         return Completed(batch.seq, done, engine_rows, service_s)
+
+    def _value(self, base: Tensors, units: list[Tensors], source: str) -> np.ndarray:
+        """A request's tensor: its own, or its regions' stacked (after a fan-out)."""
+        if source in self._regional:
+            return stacked(units, source, self._regional[source])
+        return base[source]
+
+    async def _function_step(
+        self,
+        step: FunctionStep,
+        jobs: list[Job],
+        live: list[int],
+        units: list[list[Tensors]],
+        answers: list[Answer | None],
+    ) -> None:
+        """Run a function on each live request's units, on the stage's threads."""
+        loop = asyncio.get_running_loop()
+        for i in live:
+            after: list[Tensors] = []
+            for unit in units[i]:
+                got = await loop.run_in_executor(self._pool, call, step, unit)
+                if isinstance(got, str):
+                    answers[i] = self._failed(jobs[i], step.name, got)
+                    break
+                after += got
+            units[i] = after
 
     async def _model_step(
         self,
@@ -164,60 +160,58 @@ class PipelineStage(Stage):
         batch: Batch[Job],
         jobs: list[Job],
         live: list[int],
-        tensors: list[Tensors | None],
+        units: list[list[Tensors]],
         answers: list[Answer | None],
         timings: list[dict[str, int]],
     ) -> int:
-        """Run the live requests through ``step``'s model, as one batch of it."""
-        fed: list[int] = []
+        """Run every live unit through ``step``'s model, as one batch of it."""
+        fed_to: list[tuple[int, Tensors]] = []  # (request, unit) of each step job
         step_jobs: list[Job] = []
         for i in live:
             job = jobs[i]
             if index == 0:  # the request is the first model's, checked at intake
-                tensors[i] = {f"{REQUEST}.{k}": v for k, v in job.inputs.items()
-                              if isinstance(v, np.ndarray)}  # fmt: skip
-                step_job = _unpinned(job)
-            else:
-                found = tensors[i]
-                assert found is not None
-                try:
-                    step_job = _fed(job, step, found)
-                except RecordError as exc:
-                    answers[i] = self._failed(job, step.name, str(exc))
-                    continue
-            fed.append(i)
-            step_jobs.append(step_job)
+                units[i][0].update({f"{REQUEST}.{k}": v for k, v in job.inputs.items()
+                                    if isinstance(v, np.ndarray)})  # fmt: skip
+                fed_to.append((i, units[i][0]))
+                step_jobs.append(unpinned(job))
+                continue
+            try:
+                made = [fed(job, step, unit) for unit in units[i]]
+            except RecordError as exc:
+                answers[i] = self._failed(job, step.name, str(exc))
+                continue
+            fed_to += [(i, unit) for unit in units[i]]
+            step_jobs += made
         if not step_jobs:
             return 0
         done = await step.stage.run_batch(Batch(step_jobs, batch.formed_at, batch.reason,
                                                 seq=batch.seq))  # fmt: skip
-        for i, answer in zip(fed, done.answers, strict=True):
+        for (i, unit), answer in zip(fed_to, done.answers, strict=True):
+            if answers[i] is not None:
+                continue  # another unit of it failed already
             error = answer.error
             if index == 0 and (answer.job.failure is not None or (
                     error is not None and error.code != ErrorCode.INFERENCE_FAILED)):
                 answers[i] = answer  # the request's own fault: answered as the model does
-                continue
-            if error is not None and error.code == ErrorCode.DEADLINE_EXCEEDED:
+            elif error is not None and error.code == ErrorCode.DEADLINE_EXCEEDED:
                 answers[i] = Answer(jobs[i], None, error, answer.timing_us)
-                continue
-            if error is not None:  # the step failed on it, or it was not what it takes
+            elif error is not None:  # the step failed on it, or it was not what it takes
                 answers[i] = self._failed(jobs[i], step.name, error.message)
-                continue
-            if index == 0:
-                timings[i] = dict(answer.timing_us)
-            found = tensors[i]
-            assert found is not None and answer.outputs is not None
-            for name, value in answer.outputs.items():
-                found[f"{step.name}.{name}"] = value
+            else:
+                if index == 0:
+                    timings[i] = dict(answer.timing_us)
+                assert answer.outputs is not None
+                for name, value in answer.outputs.items():
+                    unit[f"{step.name}.{name}"] = value
         return done.engine_rows
 
-    def _step_outputs(self, found: Tensors) -> list[StepOutputs]:
+    def _step_outputs(self, base: Tensors, units: list[Tensors]) -> list[StepOutputs]:
         """The outputs of the steps that write them to a topic, for one request."""
         out = []
         for step in self._steps:
             if step.topic:
-                prefix = f"{step.name}."
-                mine = {k.removeprefix(prefix): v for k, v in found.items() if k.startswith(prefix)}
+                names = step.outputs if isinstance(step, FunctionStep) else step.produces
+                mine = {n: self._value(base, units, f"{step.name}.{n}") for n in names}
                 out.append(StepOutputs(step.topic, f"{self._pipeline}/{step.name}", mine))
         return out
 
@@ -260,43 +254,3 @@ class PipelineStage(Stage):
         for step in self._steps:
             if isinstance(step, ModelStep):
                 step.stage.close()
-
-
-def _unpinned(job: Job) -> Job:
-    """``job`` for a step's model: the version a request pins is the pipeline's."""
-    if job.request is None or job.request.model is None:
-        return job
-    return msgspec.structs.replace(job, request=msgspec.structs.replace(job.request, model=None))
-
-
-def _fed(job: Job, step: ModelStep, found: Tensors) -> Job:
-    """``job`` as the step's model takes it: its inputs from the request's tensors
-    so far, checked as that model checks a request."""
-    inputs = {name: Tensor.from_numpy(np.ascontiguousarray(found[source]))
-              for name, source in step.sources.items()}  # fmt: skip
-    request = Request(v=1, id=job.request.id if job.request else "", inputs=inputs)
-    checked, lengths = step.stage.binding.inputs.check(request)
-    return msgspec.structs.replace(_unpinned(job), inputs=checked, lengths=lengths)
-
-
-def _call(step: FunctionStep, found: Tensors) -> str | None:
-    """Run a function step on one request's tensors, adding its outputs; why it
-    failed, if it did (anything it raises, or an output not as declared)."""
-    try:
-        got = step.function(**{arg: found[source] for arg, source in step.sources.items()})
-    except Exception as exc:  # the user's code: any failure is this request's answer
-        return f"{type(exc).__name__}: {exc}"
-    if not isinstance(got, Mapping):
-        return f"returned {type(got).__name__}, not a dict of arrays"
-    for name, spec in step.outputs.items():
-        value = got.get(name)
-        if not isinstance(value, np.ndarray):
-            return f"output {name!r}: missing or not a numpy array"
-        if value.dtype.name != spec.dtype or value.ndim != len(spec.shape) or any(
-            isinstance(d, int) and d != n for d, n in zip(spec.shape, value.shape, strict=True)
-        ):
-            shape = list(value.shape)
-            return (f"output {name!r}: {value.dtype.name} {shape}, declared {spec.dtype} "
-                    f"{list(spec.shape)}")  # fmt: skip
-        found[f"{step.name}.{name}"] = value
-    return None

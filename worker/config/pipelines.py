@@ -55,6 +55,10 @@ class StepConfig:
     # not start once the shares of the steps up to it are spent (arrival + their sum x the
     # time the request had), and the request is answered deadline_exceeded naming it.
     deadline_share: float = 0.0
+    # A function step only: its outputs hold one row per region of the request (a leading
+    # axis of any length, 0 included; its declared shapes are a region's); the steps after
+    # it run once per region, and an output of theirs is the regions' stacked per request.
+    fan_out: bool = False
     # A topic the step's outputs are also written to, one record per request the pipeline
     # answers ok (a result message named PIPELINE/STEP, keyed as the request): for audit
     # and replay; in the answer's transaction under exactly-once. "" = none.
@@ -120,6 +124,7 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
         check(bool(p.outputs), f"{at}.outputs", "names the answer's outputs, as "
               "{name = \"STEP.OUTPUT\"}")  # fmt: skip
         earlier: set[str] = set()
+        fanned: int | None = None
         shares = [step.deadline_share for step in p.steps]
         check(all(0.0 <= x <= 1.0 for x in shares) and sum(shares) <= 1.0 + 1e-9,
               f"{at}.steps", f"deadline_share: each 0 to 1, together at most 1, got {shares}")
@@ -136,7 +141,12 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                 check(step.model in served, f"{where}.model", f"{step.model!r} is not a model "
                       f"this worker serves ({', '.join(served)})")  # fmt: skip
                 check(not step.outputs, f"{where}.outputs", "a model's outputs are its file's")
+                check(not step.fan_out, f"{where}.fan_out", "a function step fans out (its "
+                      "outputs hold the regions); a model step runs once per region after it")
             else:
+                check(not step.fan_out or fanned is None, f"{where}.fan_out", f"a pipeline "
+                      f"fans out once (steps[{fanned}] does)")  # fmt: skip
+                fanned = i if step.fan_out else fanned
                 check(bool(_FUNCTION.fullmatch(step.function)), f"{where}.function",
                       f"{step.function!r}: expected module:function")  # fmt: skip
                 check(bool(step.outputs), f"{where}.outputs", "a function step declares "

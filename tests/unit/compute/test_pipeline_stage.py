@@ -2,7 +2,8 @@
 and a function: each request answered with the pipeline's outputs, equal to the
 model and the function run by hand; a request a step fails is answered naming
 the step while the others go on; a step whose share of the deadline is spent
-does not start."""
+does not start; a fan-out step's regions run as one batch of the next model and
+are stacked per request."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import pytest
 
 from tests.models import cpu_stage
 from tests.pipeline_functions import doubled
 from worker.compute.engines import load_engine
-from worker.compute.pipeline import FunctionStep, ModelStep, PipelineStage
+from worker.compute.pipeline import PipelineStage
+from worker.compute.steps import FunctionStep, ModelStep
 from worker.config import ModelConfig
 from worker.config.pipelines import Spec
 from worker.contract import Request
@@ -110,3 +113,44 @@ async def test_a_step_whose_deadline_share_is_spent_does_not_start() -> None:
     assert all(a.error is None for a in on_time.answers)
     no_deadline, _ = await _run(doubled, _jobs(3), until=0.01)
     assert all(a.error is None for a in no_deadline.answers)
+
+
+async def test_a_fan_out_runs_each_region_and_stacks_them_per_request() -> None:
+    from tests.pipeline_functions import tiles
+    from worker.app.pipelines import StepModel, build_steps
+    from worker.config import PipelineConfig, StepConfig
+
+    engine = load_engine(ModelConfig())
+    first, regions, alone = (cpu_stage(ModelConfig(), engine) for _ in range(3))
+    cfg = PipelineConfig(topics=("in",), steps=(
+        StepConfig(name="d", model="digits"),
+        StepConfig(name="cut", function="tests.pipeline_functions:tiles", fan_out=True,
+                   inputs={"image": "request.image"}, outputs={"tile": "uint8 [8, 8, 1]"}),
+        StepConfig(name="each", model="digits", inputs={"image": "cut.tile"}),
+    ), outputs={"first": "d.topk_indices", "classes": "each.topk_indices"})  # fmt: skip
+    models = {"digits": StepModel(engine.info, first.binding, first)}
+    steps, regional = build_steps("p", cfg, models)
+    steps[2] = ModelStep("each", regions, {"image": "cut.tile"})  # its own stage, as built
+    assert regional["each.topk_indices"] == ("int64", (3,))
+    assert regional["cut.tile"] == ("uint8", (8, 8, 1)) and "d.topk_indices" not in regional
+    info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, steps,
+                          cfg.outputs, max_inflight=1, regional=regional)  # fmt: skip
+    jobs = _jobs(9)
+    try:
+        done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+        counts = [int(j.inputs["image"][0, 0, 0]) % 3 for j in jobs]
+        assert sorted(set(counts)) == [0, 1, 2]
+        for job, answer, n in zip(jobs, done.answers, counts, strict=True):
+            assert answer.error is None and answer.outputs is not None
+            classes = answer.outputs["classes"]
+            assert classes.shape == (n, 3) and classes.dtype == np.int64
+            cut = tiles(job.inputs["image"])["tile"]
+            each = [msgspec.structs.replace(job, inputs={"image": c}) for c in cut]
+            if each:  # every region equal to the model run on it alone
+                own = await alone.run_batch(Batch(each, time.monotonic(), "full"))
+                want = np.stack([a.outputs["topk_indices"] for a in own.answers if a.outputs])
+                np.testing.assert_array_equal(classes, want)
+    finally:
+        stage.close()
+        alone.close()

@@ -1,0 +1,141 @@
+"""A pipeline's steps (``[[pipelines.NAME.steps]]``), and what runs one for one
+request's tensors: a model step's job built from them, a function called on
+them (once, or fanned out into one set of tensors per region).
+
+A request's tensors so far are a dict by ``request.NAME`` and ``STEP.OUTPUT``;
+after a fan-out step a request has one such dict per region (a *unit*), and the
+steps after it run once per unit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from worker.compute.cpu import CpuStage
+from worker.config.pipelines import Spec
+from worker.contract import Request, Tensor
+from worker.flow.errors import ConfigError, InvalidRequest
+from worker.flow.messages import Job
+
+Tensors = dict[str, np.ndarray]  # one unit's tensors, by "STEP.OUTPUT" / "request.NAME"
+Function = Callable[..., object]  # returns a dict of arrays (checked: a user's code)
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    name: str
+    stage: CpuStage  # the model's own stage for this pipeline (its threads and buffers)
+    sources: Mapping[str, str]  # the model's request input -> "STEP.OUTPUT" / "request.NAME"
+    # The share of a request's deadline spent once this step may no longer start (the
+    # steps' deadline_share summed up to it); None: the request's deadline alone.
+    until: float | None = None
+    topic: str = ""  # its outputs also written there, per request answered ok
+    produces: tuple[str, ...] = ()  # its outputs' names (what its model answers with)
+
+
+@dataclass(frozen=True)
+class FunctionStep:
+    name: str
+    function: Function
+    sources: Mapping[str, str]  # keyword argument -> source
+    outputs: Mapping[str, Spec]  # declared (per region, when fanning out): checked
+    until: float | None = None
+    topic: str = ""
+    fan_out: bool = False  # its outputs hold one row per region: a unit each
+
+
+Step = ModelStep | FunctionStep
+
+
+def import_function(path: str, at: str) -> Function:
+    """``module:function``, imported (a ConfigError naming ``at`` when it cannot be)."""
+    module, _, attr = path.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{at}: {path!r} cannot be imported: {exc}") from exc
+    if not callable(found):
+        raise ConfigError(f"{at}: {path!r} is not a function")
+    return found  # type: ignore[no-any-return]
+
+
+def unpinned(job: Job) -> Job:
+    """``job`` for a step's model: the version a request pins is the pipeline's."""
+    if job.request is None or job.request.model is None:
+        return job
+    return msgspec.structs.replace(job, request=msgspec.structs.replace(job.request, model=None))
+
+
+def fed(job: Job, step: ModelStep, unit: Tensors) -> Job:
+    """``job`` as the step's model takes it: its inputs from one unit's tensors,
+    checked as that model checks a request."""
+    inputs = {name: Tensor.from_numpy(np.ascontiguousarray(_source(unit, source)))
+              for name, source in step.sources.items()}  # fmt: skip
+    request = Request(v=1, id=job.request.id if job.request else "", inputs=inputs)
+    checked, lengths = step.stage.binding.inputs.check(request)
+    return msgspec.structs.replace(unpinned(job), inputs=checked, lengths=lengths)
+
+
+def _source(unit: Tensors, source: str) -> np.ndarray:
+    """A unit's tensor; an image the request sent as a file has no pixels here
+    (only the model decodes it)."""
+    found = unit.get(source)
+    if found is None:
+        raise InvalidRequest(f"{source}: an image sent as a file reaches the first model only; "
+                             "send its pixels (uint8 [H, W, C]) for later steps to read it")
+    return found
+
+
+def call(step: FunctionStep, unit: Tensors) -> list[Tensors] | str:
+    """Run a function step on one unit: the units after it (the same one, its
+    outputs added; for a fan-out, one per region, possibly none), or why it
+    failed (anything it raises, or an output not as declared)."""
+    try:
+        args = {arg: _source(unit, source) for arg, source in step.sources.items()}
+    except InvalidRequest as exc:
+        return str(exc)
+    try:
+        got = step.function(**args)
+    except Exception as exc:  # the user's code: any failure is this request's answer
+        return f"{type(exc).__name__}: {exc}"
+    if not isinstance(got, Mapping):
+        return f"returned {type(got).__name__}, not a dict of arrays"
+    regions: int | None = None
+    for name, spec in step.outputs.items():
+        value = got.get(name)
+        if not isinstance(value, np.ndarray):
+            return f"output {name!r}: missing or not a numpy array"
+        row = value.shape[1:] if step.fan_out else value.shape
+        if step.fan_out:
+            if value.ndim == 0 or (regions is not None and value.shape[0] != regions):
+                return (f"output {name!r}: {list(value.shape)}, one row per region ("
+                        f"{regions if regions is not None else 'a leading axis'})")  # fmt: skip
+            regions = value.shape[0]
+        if value.dtype.name != spec.dtype or len(row) != len(spec.shape) or any(
+            isinstance(d, int) and d != n for d, n in zip(spec.shape, row, strict=True)
+        ):
+            shape = list(value.shape)
+            per = " a region" if step.fan_out else ""
+            return (f"output {name!r}: {value.dtype.name} {shape}, declared {spec.dtype} "
+                    f"{list(spec.shape)}{per}")  # fmt: skip
+    keys = {name: f"{step.name}.{name}" for name in step.outputs}
+    if not step.fan_out:
+        unit.update({keys[name]: got[name] for name in step.outputs})
+        return [unit]
+    return [{**unit, **{keys[n]: got[n][k] for n in step.outputs}}
+            for k in range(regions or 0)]  # fmt: skip
+
+
+def stacked(units: list[Tensors], source: str, spec: tuple[str, tuple[int, ...]] | None
+            ) -> np.ndarray:  # fmt: skip
+    """A per-region tensor of a request's units as one tensor, regions first (a
+    request with none: an empty one of the declared shape where it is fixed)."""
+    if units:
+        return np.stack([u[source] for u in units])
+    dtype, shape = spec if spec is not None else ("float32", ())
+    return np.zeros((0, *shape), dtype=dtype)
