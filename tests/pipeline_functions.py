@@ -30,3 +30,10 @@ def tiles(image: np.ndarray) -> dict[str, np.ndarray]:
     n = int(image[0, 0, 0]) % 3
     shifted = [np.roll(image, k + 1, axis=1) for k in range(n)]
     return {"tile": np.stack(shifted) if shifted else np.zeros((0, *image.shape), image.dtype)}
+
+
+def corner_boxes(image: np.ndarray) -> dict[str, np.ndarray]:
+    """A stand-in detector's boxes (x0, y0, x1, y1): the whole image and its
+    top-left quarter."""
+    h, w = image.shape[:2]
+    return {"boxes": np.array([[0, 0, w, h], [0, 0, w / 2, h / 2]], np.float32)}

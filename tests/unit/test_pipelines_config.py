@@ -149,3 +149,27 @@ def test_a_fan_out_is_a_function_s_and_happens_once(
     with pytest.raises(ConfigError) as refused:
         load_settings(tmp_path / "worker.toml", env=env)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        ('{name = "c", op = "crop_boxes", size = [8, 8], inputs = {image = "request.input"}}',
+         "pipelines.wakeword.steps[1].inputs: crop_boxes takes image (uint8 pixels"),
+        ('{name = "c", op = "crop_boxes", size = [8], inputs = {image = "request.input", '
+         'boxes = "mel.output"}}', "pipelines.wakeword.steps[1].size: [8]: the crops' height"),
+        ('{name = "c", op = "resize", size = [8, 8], inputs = {image = "request.input", '
+         'boxes = "mel.output"}}', "'resize' is not one of '', 'crop_boxes'"),
+        ('{name = "c", op = "crop_boxes", model = "melspec", size = [8, 8]}',
+         "a step is a model (model = ...), a function (function = ...) or an operation"),
+    ],
+)  # fmt: skip
+def test_a_crop_step_takes_an_image_and_boxes_and_a_size(
+    tmp_path: Path, step: str, message: str
+) -> None:
+    env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": f'[{{name = "mel", model = "melspec"}}, '
+           f'{step}]', "INFER_WORKER_PIPELINES__WAKEWORD__OUTPUTS": '{mel = "mel.output"}'}
+    _load(tmp_path)  # writes the file
+    with pytest.raises(ConfigError) as refused:
+        load_settings(tmp_path / "worker.toml", env=env)
+    assert message in str(refused.value)

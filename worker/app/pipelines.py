@@ -13,14 +13,23 @@ A wrong pipeline stops start-up with exit 2 naming the step and the tensor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from worker.compute.cpu import CpuStage
+from worker.compute.crops import OUTPUT, crop_boxes
 from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
 from worker.config.checks import check
-from worker.config.pipelines import REQUEST, PipelineConfig, parse_spec, source_of
+from worker.config.pipelines import (
+    REQUEST,
+    PipelineConfig,
+    Spec,
+    StepConfig,
+    parse_spec,
+    source_of,
+)
 from worker.flow.errors import ConfigError
 from worker.model.inputs import Binding
 from worker.model.inputs.image import BoundImage
@@ -85,6 +94,8 @@ def build_steps(
                                    tuple(produced)))  # fmt: skip
             for out, desc in produced.items():
                 known[f"{step.name}.{out}"] = desc
+        elif step.op:
+            steps.append(_crop_step(where, step, known, until))
         else:
             for arg, text in step.inputs.items():
                 _exists(f"{where}.inputs.{arg}", text, known)
@@ -92,15 +103,35 @@ def build_steps(
             function = import_function(step.function, f"{where}.function")
             steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until,
                                       step.topic, step.fan_out))  # fmt: skip
-            for out, spec in specs.items():
+        if isinstance(steps[-1], FunctionStep):
+            for out, spec in steps[-1].outputs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
-    fan_at = next((i for i, s in enumerate(cfg.steps) if s.fan_out), None)
+    fan_at = next((i for i, s in enumerate(cfg.steps) if s.fan_out or s.op), None)
     after = {s.name for s in cfg.steps[fan_at:]} if fan_at is not None else set()
     regional = {key: _fixed(desc) for key, desc in known.items()
                 if key.partition(".")[0] in after}  # fmt: skip
     return steps, regional
+
+
+def _crop_step(
+    where: str, step: StepConfig, known: Mapping[str, Desc | None], until: float | None
+) -> FunctionStep:
+    """``op = "crop_boxes"``, checked: image uint8 pixels, boxes ``[N, 4]``."""
+    image = _exists(f"{where}.inputs.image", step.inputs["image"], known)
+    check(image is None or (image[0] == "uint8" and len(image[1]) in (2, 3)),
+          f"{where}.inputs.image", f"{step.inputs['image']!r} is {_shown(image)}: crop_boxes "
+          "takes uint8 pixels [H, W, C]")  # fmt: skip
+    boxes = _exists(f"{where}.inputs.boxes", step.inputs["boxes"], known)
+    check(boxes is None or (len(boxes[1]) == 2 and (
+        boxes[1][1] in (4, None) or isinstance(boxes[1][1], str))), f"{where}.inputs.boxes",
+          f"{step.inputs['boxes']!r} is {_shown(boxes)}: boxes are [N, 4]")  # fmt: skip
+    height, width = step.size
+    crop = functools.partial(crop_boxes, size=(height, width))
+    spec = Spec("uint8", (height, width, "C"))
+    return FunctionStep(step.name, crop, dict(step.inputs), {OUTPUT: spec}, until, step.topic,
+                        fan_out=True)  # fmt: skip
 
 
 def _fixed(desc: Desc | None) -> Regional:

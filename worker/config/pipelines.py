@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from worker.config.checks import check
 
@@ -55,6 +55,12 @@ class StepConfig:
     # not start once the shares of the steps up to it are spent (arrival + their sum x the
     # time the request had), and the request is answered deadline_exceeded naming it.
     deadline_share: float = 0.0
+    # Or a built-in operation: "crop_boxes" (inputs image, uint8 pixels [H, W, C], and boxes,
+    # [N, 4] as x0, y0, x1, y1 in pixels; output crops, uint8 [N, size[0], size[1], C]: each
+    # box's pixels resized bilinearly, one region a box, a fan-out).
+    op: Literal["", "crop_boxes"] = ""
+    # crop_boxes: the crops' height and width.
+    size: tuple[int, ...] = ()
     # A function step only: its outputs hold one row per region of the request (a leading
     # axis of any length, 0 included; its declared shapes are a region's); the steps after
     # it run once per region, and an output of theirs is the regions' stacked per request.
@@ -103,6 +109,34 @@ def source_of(text: str, at: str) -> tuple[str, str]:
     return step, tensor
 
 
+def _check_model_step(where: str, step: StepConfig, served: Mapping[str, str]) -> None:
+    check(step.model in served, f"{where}.model", f"{step.model!r} is not a model this "
+          f"worker serves ({', '.join(served)})")  # fmt: skip
+    check(not step.outputs, f"{where}.outputs", "a model's outputs are its file's")
+    check(not step.fan_out, f"{where}.fan_out", "a function step fans out (its outputs hold "
+          "the regions); a model step runs once per region after it")  # fmt: skip
+
+
+def _check_function_step(where: str, step: StepConfig) -> None:
+    check(bool(_FUNCTION.fullmatch(step.function)), f"{where}.function",
+          f"{step.function!r}: expected module:function")  # fmt: skip
+    check(bool(step.outputs), f"{where}.outputs", "a function step declares its outputs, as "
+          "{name = \"float32 [76, 32, 1]\"}")  # fmt: skip
+    check(bool(step.inputs), f"{where}.inputs", "a function step names its inputs")
+    for out, spec in step.outputs.items():
+        parse_spec(spec, f"{where}.outputs.{out}")
+
+
+def _check_op_step(where: str, step: StepConfig) -> None:
+    """``op = "crop_boxes"``: inputs image and boxes, outputs crops of ``size``."""
+    check(sorted(step.inputs) == ["boxes", "image"], f"{where}.inputs", "crop_boxes takes "
+          "image (uint8 pixels [H, W, C]) and boxes ([N, 4]: x0, y0, x1, y1)")  # fmt: skip
+    check(len(step.size) == 2 and all(n > 0 for n in step.size), f"{where}.size",
+          f"{list(step.size)}: the crops' height and width, as [48, 320]")  # fmt: skip
+    check(not step.outputs, f"{where}.outputs", "crop_boxes's output is crops, "
+          "uint8 [size[0], size[1], C] a box")  # fmt: skip
+
+
 def step_topics(s: Settings) -> list[tuple[str, str, str]]:
     """The pipelines' step topics: (pipeline, "steps[i]", topic) for each step with one."""
     return [(name, f"steps[{i}]", step.topic) for name, p in s.pipelines.items()
@@ -135,25 +169,19 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                   f"{REQUEST!r})")  # fmt: skip
             check(step.name not in earlier, f"{where}.name", f"{step.name!r} names an "
                   "earlier step too")  # fmt: skip
-            check(bool(step.model) != bool(step.function), where,
-                  "a step is a model (model = ...) or a function (function = ...)")
+            check(sum(map(bool, (step.model, step.function, step.op))) == 1, where,
+                  "a step is a model (model = ...), a function (function = ...) or an "
+                  "operation (op = \"crop_boxes\")")  # fmt: skip
+            if step.fan_out or step.op:
+                check(fanned is None, f"{where}.fan_out", f"a pipeline fans out once "
+                      f"(steps[{fanned}] does)")  # fmt: skip
+                fanned = i
             if step.model:
-                check(step.model in served, f"{where}.model", f"{step.model!r} is not a model "
-                      f"this worker serves ({', '.join(served)})")  # fmt: skip
-                check(not step.outputs, f"{where}.outputs", "a model's outputs are its file's")
-                check(not step.fan_out, f"{where}.fan_out", "a function step fans out (its "
-                      "outputs hold the regions); a model step runs once per region after it")
+                _check_model_step(where, step, served)
+            elif step.function:
+                _check_function_step(where, step)
             else:
-                check(not step.fan_out or fanned is None, f"{where}.fan_out", f"a pipeline "
-                      f"fans out once (steps[{fanned}] does)")  # fmt: skip
-                fanned = i if step.fan_out else fanned
-                check(bool(_FUNCTION.fullmatch(step.function)), f"{where}.function",
-                      f"{step.function!r}: expected module:function")  # fmt: skip
-                check(bool(step.outputs), f"{where}.outputs", "a function step declares "
-                      "its outputs, as {name = \"float32 [76, 32, 1]\"}")  # fmt: skip
-                check(bool(step.inputs), f"{where}.inputs", "a function step names its inputs")
-                for out, spec in step.outputs.items():
-                    parse_spec(spec, f"{where}.outputs.{out}")
+                _check_op_step(where, step)
             for tensor, text in step.inputs.items():
                 source, _ = source_of(text, f"{where}.inputs.{tensor}")
                 check(source == REQUEST or source in earlier, f"{where}.inputs.{tensor}",

@@ -1,0 +1,38 @@
+"""``op = "crop_boxes"``: a pipeline's built-in step between a detector and a
+recogniser: an image's regions, given boxes, cropped and resized to one size, one
+per box (a fan-out: the steps after it run once per crop)."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+OUTPUT = "crops"
+
+
+def crop_boxes(
+    image: np.ndarray, boxes: np.ndarray, size: tuple[int, int]
+) -> dict[str, np.ndarray]:
+    """Each box of ``image`` (uint8 ``[H, W, C]`` or ``[H, W]``; a box is ``x0, y0,
+    x1, y1`` in pixels, clipped to the image) resized bilinearly to ``size``
+    (height, width) as Pillow resizes: uint8 ``[N, height, width, C]``, N boxes.
+    A box with nothing inside the image is refused, naming it."""
+    if image.dtype != np.uint8 or image.ndim not in (2, 3):
+        raise ValueError(f"image: expected uint8 [H, W, C], got {image.dtype} {list(image.shape)}")
+    pixels = image if image.ndim == 3 else image[:, :, None]
+    rows, cols, channels = pixels.shape
+    flat = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    height, width = size
+    out = np.empty((len(flat), height, width, channels), np.uint8)
+    for k, (x0, y0, x1, y1) in enumerate(flat):
+        left, top = max(0, int(np.floor(x0))), max(0, int(np.floor(y0)))
+        right, bottom = min(cols, int(np.ceil(x1))), min(rows, int(np.ceil(y1)))
+        if right <= left or bottom <= top:
+            raise ValueError(f"box {k} ({x0:g}, {y0:g}, {x1:g}, {y1:g}) holds no pixel of the "
+                             f"{cols}x{rows} image")  # fmt: skip
+        crop = pixels[top:bottom, left:right]
+        resized = Image.fromarray(crop[:, :, 0] if channels == 1 else crop).resize(
+            (width, height), Image.Resampling.BILINEAR
+        )
+        out[k] = np.asarray(resized).reshape(height, width, channels)
+    return {OUTPUT: out}
