@@ -37,3 +37,44 @@ def corner_boxes(image: np.ndarray) -> dict[str, np.ndarray]:
     top-left quarter."""
     h, w = image.shape[:2]
     return {"boxes": np.array([[0, 0, w, h], [0, 0, w / 2, h / 2]], np.float32)}
+
+
+# PaddleOCR's detector -> boxes -> crops -> recogniser, the steps between the models
+# (tests/integration/test_pipelines.py): numpy stand-ins for RapidOCR's own.
+
+
+def text_boxes(prob: np.ndarray) -> dict[str, np.ndarray]:
+    """The detector's probability map ``[1, H, W]`` as boxes (x0, y0, x1, y1): each
+    run of rows holding pixels over 0.3, the columns they span, padded by half the
+    run's height (as DB post-processing unclips a text region)."""
+    hit = prob[0] > 0.3
+    rows = hit.any(axis=1)
+    boxes, y = [], 0
+    while y < len(rows):
+        if not rows[y]:
+            y += 1
+            continue
+        top = y
+        while y < len(rows) and rows[y]:
+            y += 1
+        cols = np.where(hit[top:y].any(axis=0))[0]
+        pad = (y - top) / 2
+        boxes.append([cols.min() - pad, top - pad, cols.max() + 1 + pad, y + pad])
+    return {"boxes": np.array(boxes, np.float32).reshape(-1, 4)}
+
+
+def pixels(x: np.ndarray) -> dict[str, np.ndarray]:
+    """The detector's normalised input ``[3, H, W]`` back to uint8 pixels ``[H, W, 3]``."""
+    restored = np.clip(np.round((x * 0.5 + 0.5) * 255.0), 0, 255).astype(np.uint8)
+    return {"image": np.ascontiguousarray(restored.transpose(1, 2, 0))}
+
+
+def rec_input(crop: np.ndarray) -> dict[str, np.ndarray]:
+    """A crop ``[48, W, 3]`` as the recogniser takes it: ``[3, 48, W]``, in -1..1."""
+    scaled = (crop.astype(np.float32) / 255.0 - 0.5) / 0.5
+    return {"x": np.ascontiguousarray(scaled.transpose(2, 0, 1))}
+
+
+def greedy(probs: np.ndarray) -> dict[str, np.ndarray]:
+    """CTC's greedy reading: the likeliest character index at every step."""
+    return {"ids": probs.argmax(axis=-1).astype(np.int64)}
