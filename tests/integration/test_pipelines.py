@@ -13,7 +13,10 @@ the files run by hand. On both brokers."""
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,6 +54,12 @@ name = "embed"
 model = "embedding"
 inputs = {{ input_1 = "window.frames" }}
 """
+
+
+def _card(port: int, name: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{name}", timeout=5) as resp:
+        card: dict[str, Any] = json.loads(resp.read())
+    return card
 
 
 def by_hand(audio: np.ndarray) -> dict[str, np.ndarray]:
@@ -102,11 +111,17 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
             f"{answered(c)} of {len(requests)}\n{w.log_tail()}"
         )
         m = w.metrics()
+        card = _card(w.metrics_port, "wakeword")
         assert w.terminate() == 0, w.log_tail()
     finally:
         w.kill()
         await c.stop()
     assert not c.records.get(names["dlq"])
+    # The pipeline on the metrics port as OIP servers show a model: the first model's
+    # request, the pipeline's outputs as its steps declare them.
+    assert (card["platform"], card["inputs"][0]["name"]) == ("pipeline", "input")
+    outputs = {o["name"]: o for o in card["outputs"]}
+    assert outputs["embedding"]["datatype"] == "FP32" and len(outputs["embedding"]["shape"]) == 4
     results = {r.result().id: r.result() for r in c.records[names["results"]]}
     for rid, samples in audio.items():
         r = results[rid]

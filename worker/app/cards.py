@@ -4,8 +4,12 @@ shows (``worker.obs.served``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from worker.compute.stage import Described
 from worker.contract.oip import datatype_of
 from worker.model.io import EngineInfo, TensorDesc
 from worker.obs import served
@@ -33,3 +37,17 @@ def publish(*infos: EngineInfo) -> None:
     """Show each model's card on the metrics port."""
     for info in infos:
         served.publish(info.name, model_card(info))
+
+
+def publish_pipeline(info: EngineInfo, outputs: Mapping[str, Described]) -> None:
+    """Show a pipeline's card: the request its first model takes, and the
+    pipeline's outputs (``datatype``/``shape`` where the steps declare them; one
+    stacked from regions has them first, a free dimension)."""
+    card = model_card(info)
+    card["outputs"] = [
+        {"name": name} if desc is None else
+        {"name": name, "datatype": datatype_of(np.dtype(desc[0])),
+         "shape": [-1, *(d if isinstance(d, int) else -1 for d in desc[1])]}
+        for name, desc in outputs.items()
+    ]  # fmt: skip
+    served.publish(info.name, card)

@@ -59,12 +59,20 @@ def pipeline_info(name: str, first: EngineInfo, cfg: PipelineConfig,
     return EngineInfo("pipeline", name, f"pipeline:{digest}", first.io, None)
 
 
-def build_steps(
-    name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]
-) -> tuple[list[Step], dict[str, Regional]]:
-    """The pipeline's steps, checked (see the module docstring), and the tensors
-    that are per region (a fan-out's and after), each with its dtype and shape
-    where fixed; ``models``: the model steps' by model name."""
+@dataclass(frozen=True)
+class Built:
+    """A pipeline's steps, checked; the tensors that are per region (a fan-out's
+    and after), each with its dtype and shape where fixed; and the pipeline's
+    outputs as declared (a regional one per region)."""
+
+    steps: list[Step]
+    regional: dict[str, Regional]
+    outputs: dict[str, Desc | None]
+
+
+def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]) -> Built:
+    """The pipeline's steps, checked (see the module docstring); ``models``: the
+    model steps' by model name."""
     at = f"pipelines.{name}"
     first = cfg.steps[0]
     check(bool(first.model), f"{at}.steps[0]", "the first step is a model: the request is "
@@ -112,7 +120,12 @@ def build_steps(
     after = {s.name for s in cfg.steps[fan_at:]} if fan_at is not None else set()
     regional = {key: _fixed(desc) for key, desc in known.items()
                 if key.partition(".")[0] in after}  # fmt: skip
-    return steps, regional
+    described = {out: known[text] for out, text in cfg.outputs.items()}
+    for out, text in cfg.outputs.items():  # a regional one: the regions' stacked
+        desc = known[text]
+        if text in regional and desc is not None:
+            described[out] = (desc[0], ("regions", *desc[1]))
+    return Built(steps, regional, described)
 
 
 def _crop_step(

@@ -254,7 +254,7 @@ async def _pipeline_stages(
             owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
         )  # fmt: skip
         steps[model] = StepModel(engine.info, bound, step_stage)
-    built, regional = build_steps(name, p, steps)
+    built = build_steps(name, p, steps)
     info = pipeline_info(name, first[1].info, p, {m: sm.info for m, sm in steps.items()})
 
     async def stage(
@@ -262,8 +262,9 @@ async def _pipeline_stages(
         completed: asyncio.Queue[asyncio.Future[Completed] | None],
         policy: Policy[Job], binding: Binding, room: Room,
     ) -> Stage:  # fmt: skip
-        return PipelineStage(batches, completed, info, binding, built, p.outputs,
-                             max_inflight=plan.inflight, regional=regional,
+        return PipelineStage(batches, completed, info, binding, built.steps, p.outputs,
+                             max_inflight=plan.inflight, regional=built.regional,
+                             described=built.outputs,
                              on_service_time=policy.observe_service_time, room=room)  # fmt: skip
 
     return await _model_stages(f"pipelines.{name}", s, plan, first[1], tracker, rank, stage)

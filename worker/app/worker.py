@@ -162,6 +162,9 @@ class Worker:
                   "backend": engine.info.backend, "device": self.plan.device_name}  # fmt: skip
         metrics.BUILD_INFO.labels(**labels, model_version=engine.info.version).set(1)
         cards.publish(engine.info, *(o.engine.info for o in self._others))
+        for m in stages.others:  # a pipeline's card: its request, its outputs
+            if (described := m.infer.described_outputs()) is not None:
+                cards.publish_pipeline(m.infer.info, described)
         for other in self._others:
             info = other.engine.info
             metrics.BUILD_INFO.labels(**{**labels, "model": info.name, "backend": info.backend},

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import structlog
 
-from worker.compute.stage import Stage
+from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
     FunctionStep,
     ModelStep,
@@ -66,6 +66,7 @@ class PipelineStage(Stage):
         *,
         max_inflight: int,
         regional: Mapping[str, Spec | None] | None = None,
+        described: Mapping[str, Described] | None = None,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
     ) -> None:
@@ -73,7 +74,8 @@ class PipelineStage(Stage):
         step's (what a request is checked against at intake); ``outputs``: the
         answer's outputs, each from "STEP.OUTPUT"; ``regional``: the sources that
         are per region (after a fan-out), each with its declared dtype and shape
-        where fixed (a request without regions gets an empty tensor of it)."""
+        where fixed (a request without regions gets an empty tensor of it);
+        ``described``: the outputs as declared, for the pipeline's card."""
         super().__init__(
             batches_in, completed_out, info, binding,
             max_attempts=1, on_service_time=on_service_time, room=room,
@@ -82,6 +84,7 @@ class PipelineStage(Stage):
         self._steps = steps
         self._answer = dict(outputs)
         self._regional = dict(regional or {})
+        self._described = dict(described or {})
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in steps
@@ -243,6 +246,9 @@ class PipelineStage(Stage):
         log.warning("pipeline_step_failed", pipeline=self._pipeline, step=step, error=problem)
         error = ErrorInfo(ErrorCode.INFERENCE_FAILED, f"step {step!r}: {problem}")
         return Answer(job, None, error)
+
+    def described_outputs(self) -> Mapping[str, Described]:
+        return self._described
 
     def forget(self, revoked: set[TopicPartition]) -> None:
         for step in self._steps:

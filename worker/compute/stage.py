@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from worker.compute.sequences import SequenceStates
 from worker.compute.triage import ServiceTimeHook, report_service_time
@@ -26,6 +26,8 @@ from worker.flow.streams import end_of_stream
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
 from worker.obs import metrics
+
+Described = tuple[str, tuple[int | str | None, ...]] | None  # an output's, where declared
 
 
 class Stage(ABC):
@@ -72,6 +74,11 @@ class Stage(ABC):
     @abstractmethod
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         """Start running ``batch``; the future completes with its answers."""
+
+    def described_outputs(self) -> Mapping[str, Described] | None:
+        """The outputs a card of its own shows (a pipeline's); None: the model
+        file's, as its engine declares them."""
+        return None
 
     def forget(self, revoked: set[TopicPartition]) -> None:  # noqa: B027 (optional hook)
         """Drop what the stage keeps for revoked partitions (a stateful model's

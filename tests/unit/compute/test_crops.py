@@ -54,12 +54,13 @@ async def test_crops_between_two_models_answer_as_each_crop_alone() -> None:
                    inputs={"image": "request.image", "boxes": "find.boxes"}),
         StepConfig(name="each", model="digits", inputs={"image": "crop.crops"}),
     ), outputs={"classes": "each.topk_indices", "crops": "crop.crops"})  # fmt: skip
-    steps, regional = build_steps("p", cfg, {"digits": StepModel(engine.info, first.binding,
+    built = build_steps("p", cfg, {"digits": StepModel(engine.info, first.binding,
                                                                   first)})  # fmt: skip
+    steps = built.steps
     steps[3] = ModelStep("each", each, {"image": "crop.crops"})  # a stage of its own
     info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
     stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, steps,
-                          cfg.outputs, max_inflight=1, regional=regional)  # fmt: skip
+                          cfg.outputs, max_inflight=1, regional=built.regional)  # fmt: skip
     jobs = _jobs(4)
     try:
         done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))

@@ -129,13 +129,15 @@ async def test_a_fan_out_runs_each_region_and_stacks_them_per_request() -> None:
         StepConfig(name="each", model="digits", inputs={"image": "cut.tile"}),
     ), outputs={"first": "d.topk_indices", "classes": "each.topk_indices"})  # fmt: skip
     models = {"digits": StepModel(engine.info, first.binding, first)}
-    steps, regional = build_steps("p", cfg, models)
+    built = build_steps("p", cfg, models)
+    steps = built.steps
     steps[2] = ModelStep("each", regions, {"image": "cut.tile"})  # its own stage, as built
-    assert regional["each.topk_indices"] == ("int64", (3,))
-    assert regional["cut.tile"] == ("uint8", (8, 8, 1)) and "d.topk_indices" not in regional
+    assert built.regional["each.topk_indices"] == ("int64", (3,))
+    assert built.regional["cut.tile"] == ("uint8", (8, 8, 1))
+    assert "d.topk_indices" not in built.regional
     info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
     stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, steps,
-                          cfg.outputs, max_inflight=1, regional=regional)  # fmt: skip
+                          cfg.outputs, max_inflight=1, regional=built.regional)  # fmt: skip
     jobs = _jobs(9)
     try:
         done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
