@@ -244,7 +244,7 @@ async def _pipeline_stages(
     steps: dict[str, StepModel] = {}
     for model in {step.model for step in p.steps if step.model}:
         ms, engine = models[model]
-        key = "model" if ms is models[next(iter(models))][0] else f"models.{model}"
+        key = "model" if model == next(iter(models)) else f"models.{model}"  # [model] first
         with settings_named(key):
             bound = await _bound(ms, plan, engine)
         step_stage = CpuStage(
