@@ -63,3 +63,33 @@ def test_tiny_sweep_measures_every_point_and_prints_a_usable_setting(tmp_path: P
     }
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_of_a_pipeline_measures_it_end_to_end(tmp_path: Path) -> None:
+    """``--pipeline``: the pipeline answers the sweep's requests (its function
+    refuses the digits the model is sure of: those answers are errors, which
+    [model] alone would never give), every request answered."""
+    out = tmp_path / "sweep.json"
+    steps = ('[{name = "d", model = "digits"}, {name = "f", function = '
+             '"tests.pipeline_functions:unsure_doubled", inputs = {x = "d.topk_scores"}, '
+             'outputs = {y = "float32 [3]"}}]')  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "worker", "bench", "--sweep", "--delays", "0",
+            "--rates", "100", "--duration", "2", "--slo-p99-ms", "2000", "--plot", "",
+            "--json", str(out), "--pipeline", "p", "--set", f"pipelines.p.steps={steps}",
+            "--set", 'pipelines.p.outputs={scores = "f.y"}',
+        ],
+        capture_output=True, check=False, text=True, timeout=120,
+    )  # fmt: skip
+    assert "pipeline p (end to end)" in proc.stdout, proc.stdout + proc.stderr
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["complete"] and 0 < point["errors"] < point["answered"] + point["errors"], point
+
+
+def test_a_sweep_of_an_undefined_pipeline_is_refused() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "bench", "--sweep", "--pipeline", "p", "--plot", ""],
+        capture_output=True, check=False, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--pipeline 'p': no [pipelines.p]" in proc.stderr, proc.stderr

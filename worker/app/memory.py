@@ -6,6 +6,9 @@ before (``/proc/self/statm``): its weights, the runtime's session and what the
 load allocated. Loads run one after another at start-up, before the worker joins
 the group, so each difference is that model's. What a model allocates later
 (the runtime's arena growing with the first batches) is not in it: leave room.
+Nor is memory the process freed before and the load reused (pages already
+resident): at a worker's start little has been freed, but a process that ran
+other work first (a test run) can measure a model smaller than it is.
 The first model of a runtime also carries the runtime's own start (importing
 onnxruntime and its first session: about 30 MiB, measured on this project's
 machine with the bundled digits model, whose own share is under 1 MiB).

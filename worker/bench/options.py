@@ -147,6 +147,17 @@ class SweepOptions:
     partitions: int = 4
     # Other worker settings for every run, as dotted keys.
     overrides: dict[str, str] = field(default_factory=dict)
+    # A pipeline of those settings to sweep instead of [model] (pipelines.NAME.*, given
+    # with the overrides): it answers the sweep's requests, end to end.
+    pipeline: str | None = None
+
+    def worker_overrides(self, requests_topic: str) -> dict[str, str]:
+        """The overrides every worker of the sweep runs with: the pipeline swept,
+        if any, answering ``requests_topic``."""
+        defined = any(k.startswith(f"pipelines.{self.pipeline}.") for k in self.overrides)
+        if self.pipeline is None or not defined:  # undefined: refused by check_options
+            return dict(self.overrides)
+        return {**self.overrides, f"pipelines.{self.pipeline}.topics": requests_topic}
 
     def settings(self) -> list[Setting]:
         return [Setting(b, float(d)) for b in self.batch_sizes for d in self.delays]

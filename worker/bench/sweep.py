@@ -75,9 +75,13 @@ def check_options(opts: SweepOptions) -> Settings:
         raise ConfigError(f"--set {sorted(swept)[0]}: swept by --sweep; use --batch-sizes/--delays")
     first: Settings | None = None
     for setting in opts.settings():
-        s = load_settings(env=override_env({**opts.overrides, **setting.overrides()}))
+        overrides = opts.worker_overrides("infer.requests")
+        s = load_settings(env=override_env({**overrides, **setting.overrides()}))
         first = first or s
     assert first is not None
+    if opts.pipeline is not None and opts.pipeline not in first.pipelines:
+        raise ConfigError(f"--pipeline {opts.pipeline!r}: no [pipelines.{opts.pipeline}] in "
+                          f"the settings (define it with --set pipelines.NAME.KEY=...)")
     return first
 
 
@@ -121,16 +125,19 @@ async def _sweep_setting(
     opts: SweepOptions,
     report: Callable[[SweepPoint], None],
 ) -> tuple[list[SweepPoint], list[Skipped]]:
+    prefix = f"sweep.{index}"
+    overrides = opts.worker_overrides(f"{prefix}.requests")  # spawn_on_fresh_topics' name
     topics, worker = await spawn_on_fresh_topics(
         broker.bootstrap,
-        f"sweep.{index}",
+        prefix,
         opts.partitions,
         group_id=f"sweep-{index}",
         extra_env={
             "INFER_WORKER_LOGGING__LEVEL": "warning",
-            **override_env({**opts.overrides, **setting.overrides()}),
+            **override_env({**overrides, **setting.overrides()}),
         },
     )
+    assert topics["requests"] == f"{prefix}.requests"
     collector = Collector(broker.bootstrap, [topics["results"], topics["dlq"]])
     points: list[SweepPoint] = []
     skipped: list[Skipped] = []
@@ -174,10 +181,11 @@ async def _sweep_setting(
 async def _run(opts: SweepOptions) -> int:
     settings = check_options(opts)
     grid = opts.settings()
+    served = (f"pipeline {opts.pipeline} (end to end)" if opts.pipeline else
+              f"model {settings.model.path} on {settings.model.backend}")  # fmt: skip
     print(
         f"infer-worker bench --sweep: {len(grid)} settings x {len(opts.rates)} rates, "
-        f"{number(opts.duration)} s of open-loop Poisson arrivals each; model "
-        f"{settings.model.path} on {settings.model.backend}, embedded broker, "
+        f"{number(opts.duration)} s of open-loop Poisson arrivals each; {served}, embedded broker, "
         f"{opts.partitions} partitions, one worker process; SLO p99 <= "
         f"{number(opts.slo_p99_ms)} ms",
         flush=True,

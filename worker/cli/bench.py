@@ -55,6 +55,8 @@ def demo_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: only with --model")
     if getattr(args, "sweep", False):
         return _sweep(args)
+    if getattr(args, "pipeline", None) is not None:
+        raise ConfigError("--pipeline: only with --sweep")
     from worker.bench.demo import DemoOptions, run_demo
 
     return run_demo(
@@ -86,6 +88,7 @@ def _sweep(args: argparse.Namespace) -> int:
         json_out=args.json,
         partitions=args.partitions,
         overrides=parse_sets(args.set),
+        pipeline=args.pipeline,
     )
     if args.batch_sizes is not None:
         opts.batch_sizes = args.batch_sizes
@@ -103,6 +106,8 @@ def _modelbench(args: argparse.Namespace) -> int:
 
     if args.sweep:
         raise ConfigError("--model: not with --sweep")
+    if getattr(args, "pipeline", None) is not None:
+        raise ConfigError("--pipeline: only with --sweep")
     return run_modelbench(
         ModelBenchOptions(
             model=args.model,
@@ -210,6 +215,12 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slo-p99-ms", type=float, default=50.0,
         help="with --sweep: the p99 end-to-end latency to meet, ms (default 50)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pipeline", default=None, metavar="NAME",
+        help="with --sweep: sweep this pipeline (defined with --set pipelines.NAME.KEY=...) "
+        "end to end instead of [model]; the requests are the digit images (input image), "
+        "so its first model takes them",
     )  # fmt: skip
     p.add_argument(
         "--plot", default="sweep.png",
