@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.config import Settings
+from worker.config import BatchingConfig, Settings
 from worker.flow.batching import BatchPolicy, Policy
 from worker.flow.lanes import Lane, LaneBackpressure, LanePolicy
 from worker.flow.messages import Batch, Job
@@ -59,6 +59,21 @@ def batch_policy(s: Settings) -> Policy[Job]:
     )
 
 
+# With several models, a model's records in flight when the bound is left to derive:
+# a lone model's (2 x batch x batches in flight, at least 1,024) let one model's
+# backlog hold the loop and the writer ahead of another's requests (p99 5.7x alone
+# beside a 100,000-record backlog); one batch of its own, at least 256: about 1.5x,
+# the drain no slower (BENCHMARKS.md, several models).
+APART_MIN_INFLIGHT = 256
+
+
+def apart_bound(b: BatchingConfig) -> int:
+    """A model's in-flight record bound where several models share the worker."""
+    if not b.inflight_derived:
+        return b.max_inflight_records  # the operator's
+    return max(APART_MIN_INFLIGHT, b.max_batch_size)
+
+
 def backpressure(s: Settings, others: Sequence[Settings] = ()) -> LaneBackpressure:
     """Pausing per lane over the worker's in-flight counts; with several models
     (``others``: the [models.NAME] besides [model]), per model over each model's
@@ -67,7 +82,7 @@ def backpressure(s: Settings, others: Sequence[Settings] = ()) -> LaneBackpressu
     if others:
         models = [s, *others]
         return LaneBackpressure.per_model(
-            [(m.batching.max_inflight_records, m.batching.max_inflight_bytes) for m in models],
+            [(apart_bound(m.batching), m.batching.max_inflight_bytes) for m in models],
             [m.model.name for m in models],
         )
     return LaneBackpressure(

@@ -34,7 +34,8 @@ class BatchingConfig:
     queue_capacity: int = 0
     # Backpressure: partitions are paused while this many records (or bytes) are
     # read but not yet answered, and resumed at half of it.
-    # 0 = max(1024, 2 * max_batch_size * max_inflight_batches).
+    # 0 = max(1024, 2 * max_batch_size * max_inflight_batches); with several models (or a
+    # pipeline) in the worker, each model's max_batch_size, at least 256.
     max_inflight_records: int = 0
     # Backpressure in bytes: fetching pauses while this many request bytes are read but not
     # answered.
@@ -102,6 +103,11 @@ class BatchingConfig:
         )
         check(self.max_inflight_bytes > 0, "batching.max_inflight_bytes", "must be > 0")
         check(self.max_attempts >= 1, "batching.max_attempts", "must be >= 1")
+
+    @property
+    def inflight_derived(self) -> bool:
+        """Whether ``max_inflight_records`` was left to derive (0, the default)."""
+        return "max_inflight_records" in self._derived  # type: ignore[attr-defined]
 
     @property
     def batch_size_derived(self) -> bool:
