@@ -59,7 +59,7 @@ from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
 from worker.contract import decode_request
-from worker.contract.oip import encode_oip_request
+from worker.contract.oip_client import encode_oip_request
 from worker.ops.broker import EmbeddedBroker, create_topics
 from worker.ops.children import children_die_with_this_process
 from worker.ops.processes import mean_batch_size, spawn_worker, summed

@@ -50,7 +50,7 @@ from worker.contract import (
 )
 from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.oip import CONTENT_TYPE as JSON
-from worker.contract.oip import decode_oip_result, encode_oip_request
+from worker.contract.oip_client import decode_oip_result, encode_oip_request
 from worker.kafka.clients import topic_partitions
 from worker.kafka.credentials import security_kwargs
 from worker.kafka.diagnose import explain

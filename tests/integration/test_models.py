@@ -23,7 +23,7 @@ import pytest
 from tests.onnx_models import ranker, run_alone, sklearn_pipeline
 from tests.serving import wire
 from worker.contract import ModelRef, Request, Tensor
-from worker.contract.oip import encode_oip_request
+from worker.contract.oip_client import encode_oip_request
 from worker.model.files import content_version
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker

@@ -42,6 +42,7 @@ from worker.kafka.crashguard import CrashGuard
 from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import ResultWriter, WriterParts
+from worker.kafka.guarded import Protection
 from worker.kafka.intake import JobFactory, Route
 from worker.kafka.lease import GroupLease
 from worker.kafka.listener import RevokeHook
@@ -338,7 +339,7 @@ def crash_guard(
     guard = CrashGuard(
         client_kwargs(s.kafka), s.kafka.crash_guard_topic, s.kafka.group_id, stages.writer
     )
-    stages.consumer.protect(
+    stages.consumer.protection = Protection(  # set before the consumer starts
         guard, s.limits.max_crash_attempts, plan.crash_guard_window, stages.committer.settled
     )
     return guard

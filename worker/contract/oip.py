@@ -21,7 +21,8 @@ shapes with a leading batch dimension of 1; an error is ``{"id", "error":
 message, "parameters": {"code", "status": "error", ...}}``. A value that is not
 a JSON object at all cannot be answered (no id): it goes to the DLQ like
 undecodable msgpack. Limits are those of msgpack requests, the record size
-checked before parsing.
+checked before parsing. The client's side (writing requests, reading answers)
+is ``worker.contract.oip_client``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,13 @@ import numpy as np
 from worker.contract.limits import DEFAULT_LIMITS, Limits
 from worker.contract.requests import decode_encoded, decode_text, name_problem
 from worker.contract.wire import kind, short_name
-from worker.flow.codes import ErrorCode
 from worker.flow.errors import InvalidRequest, RecordTooLarge, TensorTooLarge, UndecodableRecord
 from worker.flow.values import (
-    EncodedImage,
     ErrorInfo,
     InputValue,
     ModelInfo,
     ModelRef,
     Request,
-    Result,
     Source,
     Tensor,
 )
@@ -70,10 +68,10 @@ DATATYPES: Final = {
     "FP32": "float32",
     "FP64": "float64",
 }
-_TO_OIP: Final = {v: k for k, v in DATATYPES.items()}
+TO_OIP: Final = {v: k for k, v in DATATYPES.items()}
 # By dtype object, for each output row: numpy computes ``dtype.name`` per call
 # (2 us); a byte order other than the native one is looked up by name.
-_TO_OIP_BY_DTYPE: Final = {np.dtype(name): oip for name, oip in _TO_OIP.items()}
+TO_OIP_BY_DTYPE: Final = {np.dtype(name): oip for name, oip in TO_OIP.items()}
 REQUEST_KEYS: Final = ("id", "parameters", "inputs", "outputs", "model_name", "model_version")
 INPUT_KEYS: Final = ("name", "shape", "datatype", "data", "parameters")
 
@@ -316,7 +314,7 @@ def encode_oip_result(
             "outputs": [_tensor(name, arr) for name, arr in (outputs or {}).items()],
             "parameters": params,
         }
-    return json.dumps(body, separators=(",", ":"), default=_plain).encode()
+    return json.dumps(body, separators=(",", ":"), default=plain_json).encode()
 
 
 def _tensor(name: str, arr: np.ndarray) -> dict[str, Any]:
@@ -328,76 +326,15 @@ def _tensor(name: str, arr: np.ndarray) -> dict[str, Any]:
 
 def datatype_of(dtype: np.dtype[Any]) -> str:
     """The OIP datatype of a numpy dtype (``FP32``, ``INT64``, ``BOOL``...)."""
-    found = _TO_OIP_BY_DTYPE.get(dtype) or _TO_OIP.get(dtype.name)
+    found = TO_OIP_BY_DTYPE.get(dtype) or TO_OIP.get(dtype.name)
     if found is None:  # float widths numpy may hand back: reported as FP32/FP64
         return "FP64" if dtype.itemsize == 8 else "FP32"
     return found
 
 
-def _plain(value: object) -> object:
-    """Meta values JSON cannot carry as they are (bytes from a msgpack client)."""
+def plain_json(value: object) -> object:
+    """Meta values JSON cannot carry as they are (bytes from a msgpack client):
+    ``json.dumps``'s ``default``."""
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
     raise TypeError(f"{kind(value)} is not JSON")
-
-
-# --- the client side (produce, consume, InferenceClient, tests) ----------------------
-
-
-def encode_oip_request(request: Request, outputs: tuple[str, ...] | None = None) -> bytes:
-    """A contract request as an OIP v2 JSON request (tensors with a batch of 1,
-    texts and image files as BYTES)."""
-    inputs: list[dict[str, Any]] = []
-    for name, value in request.inputs.items():
-        if isinstance(value, str):
-            inputs.append({"name": name, "shape": [1], "datatype": "BYTES", "data": [value]})
-        elif isinstance(value, EncodedImage):
-            inputs.append({"name": name, "shape": [1], "datatype": "BYTES",
-                           "data": [base64.b64encode(value.data).decode()],
-                           "parameters": {"content_type": "base64"}})  # fmt: skip
-        else:
-            arr = value.to_numpy()
-            datatype = _TO_OIP[value.dtype]
-            inputs.append({"name": name, "shape": [1, *arr.shape], "datatype": datatype,
-                           "data": arr.reshape(-1).tolist()})  # fmt: skip
-    body: dict[str, Any] = {"id": request.id, "inputs": inputs}
-    params = dict(request.meta or {})
-    if request.deadline_ms is not None:
-        params["deadline_ms"] = request.deadline_ms
-    for flag in ("sequence_start", "sequence_end"):
-        if getattr(request, flag):
-            params[flag] = True
-    if params:
-        body["parameters"] = params
-    if outputs is not None:
-        body["outputs"] = [{"name": n} for n in outputs]
-    if request.model is not None:
-        body["model_name"] = request.model.name
-        if request.model.version is not None:
-            body["model_version"] = request.model.version
-    return json.dumps(body, default=_plain).encode()
-
-
-def decode_oip_result(value: bytes) -> Result:
-    """An OIP answer as the contract's ``Result`` (outputs without their batch of 1),
-    so a client reads both formats the same way; raises ``ValueError``."""
-    try:
-        obj = json.loads(value)
-        params = obj["parameters"]
-        source = Source(**params["source"])
-        model = ModelInfo(obj.get("model_name", ""), obj.get("model_version", ""))
-        timing = {str(k): int(v) for k, v in params.get("timing_us", {}).items()}
-        if "error" in obj:
-            error = ErrorInfo(params.get("code", ErrorCode.INTERNAL), str(obj["error"]))
-            return Result(obj.get("id", ""), "error", source, model, error=error,
-                          meta=params.get("meta"), timing_us=timing)  # fmt: skip
-        outputs = {}
-        for out in obj["outputs"]:
-            dtype = DATATYPES[out["datatype"]]
-            arr = np.asarray(out["data"], dtype=dtype).reshape(out["shape"])
-            outputs[out["name"]] = Tensor.from_numpy(arr[0] if arr.ndim and arr.shape[0] == 1
-                                                     else arr)  # fmt: skip
-        return Result(obj.get("id", ""), "ok", source, model, outputs=outputs,
-                      meta=params.get("meta"), timing_us=timing)  # fmt: skip
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"not an OIP answer: {exc!r}") from exc

@@ -26,7 +26,6 @@ from worker.flow.messages import Job, TopicPartition
 from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_streams, first_of
 from worker.kafka.clients import group_consumer_kwargs
-from worker.kafka.crashguard import CrashGuard
 from worker.kafka.guarded import Protection
 from worker.kafka.intake import JobFactory, Route
 from worker.kafka.lanefetch import (
@@ -177,16 +176,6 @@ class Consumer:
                 TopicPartition(t.topic, t.partition): await self.client.position(t) for t in tps
             }
             await self.protection.claim(heads)
-
-    def protect(
-        self,
-        guard: CrashGuard,
-        max_crashes: int,
-        window: int,
-        settled: Callable[[TopicPartition], Awaitable[None]],
-    ) -> None:
-        """Turn on crash-loop protection (before ``start``)."""
-        self.protection = Protection(guard, max_crashes, window, settled)
 
     def restore_with(self, restore: Callable[[list[TopicPartition]], Awaitable[None]]) -> None:
         """Have each assignment's partitions restored (a stateful model's states)

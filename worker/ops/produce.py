@@ -31,7 +31,7 @@ from worker.config import KafkaConfig, LimitsConfig
 from worker.contract import Result, decode_request, decode_result
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
-from worker.contract.oip import decode_oip_result, encode_oip_request
+from worker.contract.oip_client import decode_oip_result, encode_oip_request
 from worker.flow.deadline import Deadline
 from worker.flow.errors import ConfigError
 from worker.kafka.clients import started

@@ -99,7 +99,7 @@ class Collected:
         """The result, read in its format (an Open Inference Protocol JSON answer
         carries ``content-type: application/json``)."""
         if self.headers.get("content-type", b"").startswith(b"application/json"):
-            from worker.contract.oip import decode_oip_result
+            from worker.contract.oip_client import decode_oip_result
 
             return decode_oip_result(self.value)
         return decode_result(self.value)
