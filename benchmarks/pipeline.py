@@ -37,6 +37,7 @@ import numpy as np
 from benchmarks.summary import emit
 from devkit.apache_kafka import KafkaCluster
 from tests import real_models
+from tests.wakeword import wakeword_toml
 from worker.contract import Request, Tensor, encode_request
 from worker.ops.broker import EmbeddedBroker, create_topics
 from worker.ops.children import children_die_with_this_process
@@ -45,28 +46,6 @@ from worker.ops.topics import Collector, produce_all
 
 PARTS = 4
 SAMPLES = 16000
-PIPELINE = """
-[model]
-name = "melspec"
-path = "{melspec}"
-[models.embedding]
-path = "{embedding}"
-[pipelines.wakeword]
-topics = ["{topic}"]
-outputs = {{ embedding = "embed.conv2d_19" }}
-[[pipelines.wakeword.steps]]
-name = "mel"
-model = "melspec"
-[[pipelines.wakeword.steps]]
-name = "window"
-function = "tests.pipeline_functions:mel_window"
-inputs = {{ mel = "mel.output" }}
-outputs = {{ frames = "float32 [76, 32, 1]" }}
-[[pipelines.wakeword.steps]]
-name = "embed"
-model = "embedding"
-inputs = {{ input_1 = "window.frames" }}
-"""
 STAMPED = {"message.timestamp.type": "LogAppendTime"}
 QUIET = {"INFER_WORKER_LOGGING__LEVEL": "warning"}
 
@@ -97,16 +76,15 @@ class Setup:
 
     def start(self) -> None:
         t, bs = self.t, self.bootstrap
-        melspec = real_models.model_path("oww-melspectrogram")
-        embedding = real_models.model_path("oww-embedding")
         if self.kind == "pipeline":
-            self.config.write_text(PIPELINE.format(melspec=melspec, embedding=embedding,
-                                                   topic=t["requests"]))  # fmt: skip
+            self.config.write_text(wakeword_toml(t["requests"]))
             self.procs = [spawn_worker(bs, input_topics=[t["requests"]], output_topic=t["results"],
                                        dlq_topic=t["dlq"], group_id=f"pipe-{self.tag}",
                                        command=("run", "--config", str(self.config)),
                                        extra_env=QUIET)]  # fmt: skip
             return
+        melspec = real_models.model_path("oww-melspectrogram")
+        embedding = real_models.model_path("oww-embedding")
         first = spawn_worker(bs, input_topics=[t["requests"]], output_topic=t["mid"],
                              dlq_topic=t["dlq"], group_id=f"pipe-{self.tag}-1",
                              extra_env={**QUIET, "INFER_WORKER_MODEL__PATH": str(melspec)})

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import real_models
-from tests.integration.test_pipelines import CONFIG, by_hand
+from tests.integration.test_pipelines import WITH_MEL, by_hand
 from tests.serving import wire
+from tests.wakeword import wakeword_toml
 from worker.contract import Tensor
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
@@ -39,10 +39,7 @@ async def test_a_sigkill_of_a_pipeline_answers_every_request_once(
 ) -> None:
     topic, mel_topic = names["requests"], f"{names['requests']}.mel"
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(
-        melspec=real_models.model_path("oww-melspectrogram"),
-        embedding=real_models.model_path("oww-embedding"), topic=topic, mel_topic=mel_topic,
-    ))  # fmt: skip
+    config.write_text(wakeword_toml(topic, outputs=WITH_MEL, mel_topic=mel_topic))
     await create_topics(broker.bootstrap, {topic: PARTS, mel_topic: PARTS,
                                            names["results"]: PARTS, names["dlq"]: 1})  # fmt: skip
     rng = np.random.default_rng(60)

@@ -24,6 +24,7 @@ import pytest
 from tests import real_models
 from tests.pipeline_functions import mel_window
 from tests.serving import wire
+from tests.wakeword import EMBEDDING, wakeword_toml
 from worker.contract import ModelRef, Tensor
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker
@@ -31,30 +32,7 @@ from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
 
-CONFIG = """
-[model]
-name = "melspec"
-path = "{melspec}"
-[models.embedding]
-path = "{embedding}"
-[pipelines.wakeword]
-topics = ["{topic}"]
-outputs = {{ embedding = "embed.conv2d_19", mel = "mel.output" }}
-[[pipelines.wakeword.steps]]
-name = "mel"
-model = "melspec"
-topic = "{mel_topic}"
-[[pipelines.wakeword.steps]]
-name = "window"
-function = "tests.pipeline_functions:mel_window"
-inputs = {{ mel = "mel.output" }}
-outputs = {{ frames = "float32 [76, 32, 1]" }}
-[[pipelines.wakeword.steps]]
-name = "embed"
-model = "embedding"
-inputs = {{ input_1 = "window.frames" }}
-"""
-
+WITH_MEL = f'{EMBEDDING}, mel = "mel.output"'  # the intermediate too
 
 def _card(port: int, name: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{name}", timeout=5) as resp:
@@ -77,10 +55,7 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
 ) -> None:
     topic, mel_topic = names["requests"], f"{names['requests']}.mel"
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(
-        melspec=real_models.model_path("oww-melspectrogram"),
-        embedding=real_models.model_path("oww-embedding"), topic=topic, mel_topic=mel_topic,
-    ))  # fmt: skip
+    config.write_text(wakeword_toml(topic, outputs=WITH_MEL, mel_topic=mel_topic))
     await create_topics(broker.bootstrap, {topic: 2, names["results"]: 1, names["dlq"]: 1,
                                            mel_topic: 2})  # fmt: skip
     rng = np.random.default_rng(59)

@@ -8,45 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from tests import real_models
+from tests.wakeword import wakeword_toml
 from worker.app.worker import Worker
 from worker.config import Settings, load_settings
 from worker.flow.errors import ConfigError
 
-BASE = """
+KAFKA = """
 [kafka]
 bootstrap_servers = "127.0.0.1:1"  # nothing listens: every refusal comes first
 input_topics = ["audio"]
-[model]
-name = "melspec"
-path = "{melspec}"
-[models.embedding]
-path = "{embedding}"
-[pipelines.wakeword]
-topics = ["audio"]
-outputs = {{ embedding = "embed.conv2d_19" }}
-[[pipelines.wakeword.steps]]
-name = "mel"
-model = "melspec"
-[[pipelines.wakeword.steps]]
-name = "window"
-function = "tests.pipeline_functions:mel_window"
-inputs = {{ mel = "mel.output" }}
-outputs = {{ frames = "{frames}" }}
-[[pipelines.wakeword.steps]]
-name = "embed"
-model = "embedding"
-inputs = {{ input_1 = "{source}" }}
 """
 
 
 def _load(tmp_path: Path, frames: str = "float32 [76, 32, 1]", source: str = "window.frames",
           extra: str = "") -> Settings:  # fmt: skip
     path = tmp_path / "worker.toml"
-    path.write_text(BASE.format(
-        melspec=real_models.model_path("oww-melspectrogram"),
-        embedding=real_models.model_path("oww-embedding"), frames=frames, source=source,
-    ) + extra)  # fmt: skip
+    path.write_text(KAFKA + wakeword_toml("audio", frames=frames, source=source) + extra)
     return load_settings(path, env={})
 
 
