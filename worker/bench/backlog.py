@@ -8,10 +8,10 @@ sized by time instead, from the lowest of three rates:
 - the engine alone, measured in the same run just before (no drain beats it);
 - ``PROCESS_RATE`` for the model and payload, times the worker processes;
 - what the broker delivers, ``BROKER_BYTES_S`` over the mean record size (the
-  embedded broker binds near 450 MB/s on the 16-core GPU machine: DESIGN.md).
+  embedded broker's one reader measured 290-320 MB/s on the 16-core H200 host).
 
 The broker's bound also keeps the backlog's bytes to what ten seconds at that
-rate hold (4.5 GB), which the embedded broker keeps in memory and which is
+rate hold (3.2 GB), which the embedded broker keeps in memory and which is
 produced before the drain. Overestimating the rate costs time; underestimating
 it shortens the drain, which the run then reports (``short_drain_note``) with
 the ``--records`` that would fill ten seconds.
@@ -26,22 +26,24 @@ from typing import Final
 DRAIN_SECONDS: Final = 10.0
 # Worker drain, images/s per process. digits (onnxruntime): measured here on 2
 # cores, one process, 20,000 records: raw 10.4k, png 4.3k, jpeg 3.9k; x1.5 for
-# faster hosts. resnet50: ESTIMATES, no GPU drain has been measured yet: batched
-# nvJPEG decodes 23k img/s (DESIGN.md) and one process's consumer is expected
-# to bind well below that; PNG decodes on the host (about 1.4k img/s per core
-# for PIL's JPEG, PNG no faster); raw is bound by the broker's bytes instead.
+# faster hosts. resnet50 (H200, 2026-11-28, BENCHMARKS.md "GPU"): one process
+# drained 5.9k JPEGs/s, four 14.8k, where the broker's reader bound them; PNG
+# decodes on the host (about 1.4k img/s per core for PIL's JPEG, PNG no faster,
+# not measured on a GPU); raw is bound by the broker's bytes at any count.
 PROCESS_RATE: Final[dict[tuple[str, str], float]] = {
     ("digits", "raw"): 15_000.0,
     ("digits", "png"): 6_500.0,
     ("digits", "jpeg"): 6_000.0,
-    ("resnet50", "jpeg"): 8_000.0,
+    ("resnet50", "jpeg"): 6_000.0,
     ("resnet50", "png"): 2_000.0,
-    ("resnet50", "raw"): 8_000.0,
+    ("resnet50", "raw"): 6_000.0,
     # sentiment (onnxruntime, tokenized in the worker): benchmarks.drain --payload text
     # measured 5.2k-5.9k texts/s here; x1.5 as above.
     ("sentiment", "text"): 8_500.0,
 }
-BROKER_BYTES_S: Final = 450e6
+# The embedded broker's one reader on the H200's host: 290 MB/s of 19.6 kB JPEG
+# records, 320 MB/s of 197 kB raw ones (the bench's ingest ceilings, 2026-11-28).
+BROKER_BYTES_S: Final = 320e6
 MIN_RECORDS: Final = 1_000
 
 

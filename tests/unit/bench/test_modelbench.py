@@ -283,12 +283,16 @@ def test_backlog_lasts_ten_seconds_at_the_lowest_expected_rate() -> None:
     digits = plan_backlog("digits", "raw", 2, engine_img_s=3e6, record_bytes=150)
     assert digits.bound == "processes"
     assert digits.records == 2 * PROCESS_RATE[("digits", "raw")] * DRAIN_SECONDS
-    # resnet50 at 20k img/s: 20,000 records would last one second; this lasts ten.
-    jpeg = plan_backlog("resnet50", "jpeg", 4, engine_img_s=20_000, record_bytes=19_500)
-    assert (jpeg.bound, jpeg.records, jpeg.seconds) == ("engine", 200_000, 10.0)
-    # Raw 256x256 pixels: the broker's bytes bind (450 MB/s), 4.5 GB in all.
+    # An engine at 10k img/s under 4 processes: 10,000 records would last one
+    # second; this lasts ten.
+    jpeg = plan_backlog("resnet50", "jpeg", 4, engine_img_s=10_000, record_bytes=19_500)
+    assert (jpeg.bound, jpeg.records, jpeg.seconds) == ("engine", 100_000, 10.0)
+    # At 25k, four processes of JPEGs are the broker's (320 MB/s), as measured.
+    fast = plan_backlog("resnet50", "jpeg", 4, engine_img_s=25_000, record_bytes=19_500)
+    assert fast.bound == "broker" and fast.expected_rate == pytest.approx(16_410, rel=1e-3)
+    # Raw 256x256 pixels: the broker's bytes bind, 3.2 GB in all.
     raw = plan_backlog("resnet50", "raw", 4, engine_img_s=20_000, record_bytes=196_700)
-    assert raw.bound == "broker" and raw.records * 196_700 == pytest.approx(4.5e9, rel=1e-3)
+    assert raw.bound == "broker" and raw.records * 196_700 == pytest.approx(3.2e9, rel=1e-3)
     assert plan_backlog("digits", "png", 1, engine_img_s=10, record_bytes=200).records == 1000
 
 
