@@ -70,6 +70,8 @@ def _check_common(
     assert paced["rate"] == pytest.approx(summary["worker_img_s"] / 2, rel=1e-3, abs=0.1)
     assert paced["sent"] == paced["answered"] and paced["errors"] == 0
     assert abs(paced["sent"] - paced["rate"]) <= 1
+    # One sender process per worker process unless --senders says otherwise.
+    assert paced["senders"] == procs and f"--senders {procs}" in summary["command"]
     assert 0 < paced["p50_ms"] <= paced["p95_ms"] <= paced["p99_ms"] <= paced["max_ms"]
     assert list(paced["stages"])[: len(STAGES)] == list(STAGES)
     for stage, q in paced["stages"].items():

@@ -197,6 +197,7 @@ async def _on_broker(
         paced_run = await paced(
             broker.bootstrap, settings, topics, worker, collector, name, inputs,
             rate=rate, duration=opts.duration, procs=opts.procs, partitions=parts,
+            senders=opts.senders or opts.procs,
         )  # fmt: skip
         exit_code = await asyncio.to_thread(worker.terminate)
     finally:

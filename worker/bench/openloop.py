@@ -17,9 +17,10 @@ from typing import Any, Final
 import numpy as np
 
 from worker.bench.payloads import Value, request_records
+from worker.bench.senders import produce_open_loop
 from worker.config import Settings
 from worker.ops.processes import WorkerProcess, mean_batch_size, summed
-from worker.ops.topics import Collected, Collector, Produced, produce_all
+from worker.ops.topics import Collected, Collector, Produced
 
 # A rate is sustained when everything was answered ok and the answers kept up
 # with the arrivals: answered/s >= this fraction of the rate actually offered.
@@ -121,9 +122,11 @@ async def send_open_loop(
     *,
     prefix: bytes,
     partitions: int,
+    senders: int = 1,
 ) -> list[Collected]:
     """Send ``records`` (every key starts with ``prefix``) as open-loop Poisson
-    arrivals at ``point.rate`` over ``partitions`` while ``collector`` (started,
+    arrivals at ``point.rate`` over ``partitions``, from ``senders`` processes
+    (``worker.bench.senders``), while ``collector`` (started,
     reading the results and DLQ topics) gathers their answers; fills in
     ``point`` (answered, errors, offered rate, throughput, latency percentiles,
     complete) and returns the result records of these requests."""
@@ -131,12 +134,13 @@ async def send_open_loop(
     tally = _Tally(collector, prefix, n)
     timeout = n / point.rate + max(DRAIN_SECONDS, 3 * n / point.rate)
     collecting = asyncio.create_task(collector.collect(tally, timeout))
-    produced = await produce_all(
+    produced = await produce_open_loop(
         bootstrap,
         topics["requests"],
         records,
         partition_of=lambda i: i % partitions,
         rate=point.rate,
+        senders=senders,
     )
     point.complete = await collecting
     _score(point, tally, collector, topics, produced)
@@ -208,24 +212,28 @@ async def paced(
     duration: float,
     procs: int,
     partitions: int,
+    senders: int = 1,
 ) -> dict[str, Any]:
     """``bench --model``'s paced run: ``rate`` requests/s for ``duration`` seconds
-    to the running ``worker`` (``run --procs procs``); latencies end to end and
-    per stage (the results' ``timing_us``), and the mean batch meanwhile."""
+    from ``senders`` processes to the running ``worker`` (``run --procs procs``);
+    latencies end to end and per stage (the results' ``timing_us``), and the mean
+    batch meanwhile."""
     n = max(1, round(rate * duration))
     records = request_records(name, inputs, "paced", n)
     before = summed(await asyncio.to_thread(worker.member_metrics, procs))
     b = settings.batching
     point = SweepPoint(b.max_batch_size, b.max_queue_delay_ms, rate, n)
     answers = await send_open_loop(
-        bootstrap, collector, topics, records, point, prefix=b"paced-", partitions=partitions
-    )
+        bootstrap, collector, topics, records, point,
+        prefix=b"paced-", partitions=partitions, senders=senders,
+    )  # fmt: skip
     after = summed(await asyncio.to_thread(worker.member_metrics, procs))
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     decoded = [r.result() for r in answers]
     return {
         "rate": round(rate, 1),
         "offered": round(point.offered, 1),
+        "senders": senders,
         "sent": point.sent,
         "answered": point.answered,
         "errors": point.errors,

@@ -43,6 +43,7 @@ class ModelBenchOptions:
     model: str
     payload: str = "jpeg"
     procs: int = 1
+    senders: int | None = None  # processes sending the paced requests; None = one per process
     records: int | None = None  # None: sized by time (worker.bench.backlog)
     partitions: int = 4  # raised to procs when lower: every member gets a partition
     duration: float = 5.0  # seconds of paced arrivals
@@ -66,6 +67,8 @@ def check_options(opts: ModelBenchOptions) -> None:
         raise ConfigError(f"--payload: {opts.model} takes {allowed}, not {opts.payload}")
     if opts.procs < 1:
         raise ConfigError(f"--procs: must be >= 1, got {opts.procs}")
+    if opts.senders is not None and opts.senders < 1:
+        raise ConfigError(f"--senders: must be >= 1, got {opts.senders}")
     if opts.records is not None and opts.records < 1:
         raise ConfigError(f"--records: must be >= 1, got {opts.records}")
     if opts.partitions < 1:

@@ -89,7 +89,8 @@ def command_line(opts: ModelBenchOptions, records: int) -> str:
     """The command that reruns this benchmark, every value spelled out."""
     argv = [
         "infer-worker", "bench", "--model", opts.model, "--payload", opts.payload,
-        "--procs", str(opts.procs), "--records", str(records),
+        "--procs", str(opts.procs), "--senders", str(opts.senders or opts.procs),
+        "--records", str(records),
         "--partitions", str(opts.partitions), "--duration", f"{opts.duration:g}",
     ]  # fmt: skip
     if opts.rate:

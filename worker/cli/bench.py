@@ -43,7 +43,7 @@ MODEL_EXAMPLES = """
   infer-worker bench --model resnet50 --payload jpeg --procs 4 --partitions 8"""
 
 # bench --model's own flags: refused on the demo's and the sweep's runs.
-_MODEL_ONLY = ("payload", "procs", "records", "results_dir")
+_MODEL_ONLY = ("payload", "procs", "senders", "records", "results_dir")
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -113,6 +113,7 @@ def _modelbench(args: argparse.Namespace) -> int:
             model=args.model,
             payload=args.payload or default_payload(args.model),
             procs=1 if args.procs is None else args.procs,
+            senders=args.senders,
             records=args.records,
             partitions=args.partitions,
             duration=args.duration,
@@ -245,6 +246,11 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "--procs", type=int, default=None,
         help="with --model: worker processes, as run --procs N (default 1); "
         "--partitions is raised to N when lower",
+    )  # fmt: skip
+    p.add_argument(
+        "--senders", type=int, default=None,
+        help="with --model: processes sending the paced requests (default: one per "
+        "worker process, so the sender does not bind what it measures)",
     )  # fmt: skip
     p.add_argument(
         "--records", type=int, default=None,

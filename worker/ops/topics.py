@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ async def produce_all(
     rate: float = 0.0,
     seed: int = 0,
     headers: Sequence[tuple[str, bytes]] | None = None,
+    on_ready: Callable[[], object] | None = None,
 ) -> list[Produced]:
     """Produce records (each with ``headers``) and wait for all acks; returns each
     record's partition/offset and the time it was handed over.
@@ -51,7 +52,8 @@ async def produce_all(
     With ``rate`` > 0 the records are sent open-loop as a Poisson process of that
     mean rate (exponential gaps, seeded), whatever the answers do: a sender that
     waits for answers would slow down exactly when the worker queues, and hide
-    the queueing it is meant to measure."""
+    the queueing it is meant to measure. ``on_ready`` is called once the producer
+    is connected, before the first record (the schedule begins when it returns)."""
     producer = AIOKafkaProducer(
         **connect_kwargs(bootstrap),
         acks="all",
@@ -63,6 +65,8 @@ async def produce_all(
     try:
         pending: list[tuple[bytes | None, bytes, float, asyncio.Future[Any]]] = []
         gaps = random.Random(seed)
+        if on_ready is not None:
+            on_ready()
         due = time.monotonic()
         for i, (key, value) in enumerate(records):
             if rate > 0:

@@ -265,6 +265,8 @@ def test_without_torch_resnet50_exits_2_saying_so(
         (["bench", "--payload", "png"], "--payload: only with --model"),
         (["bench", "--model", "digits", "--sweep"], "not with --sweep"),
         (["bench", "--model", "digits", "--procs", "0"], "--procs: must be >= 1"),
+        (["bench", "--senders", "2"], "--senders: only with --model"),
+        (["bench", "--model", "digits", "--senders", "0"], "--senders: must be >= 1"),
         (["bench", "--model", "digits", "--records", "0"], "--records: must be >= 1"),
         (["bench", "--model", "digits", "--duration", "0"], "--duration"),
         (["bench", "--model", "digits", "--payload", "text"], "digits takes jpeg, png, raw"),
