@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from worker.app.supervisor import child_env, members, supervised
+from worker.app.supervisor import child_env, child_envs, compile_threads, members, supervised
 from worker.config import LaneConfig, Settings, load_settings
 from worker.config.lanes import lanes_literal
 from worker.flow.errors import ConfigError
@@ -149,3 +149,18 @@ def test_a_lane_of_its_own_keeps_its_lane_metrics_and_its_fifo_batches() -> None
     assert rows._value.get() == before + 1
     unconfigured = batch_policy(load_settings(env=override_env({"kafka.input_topics": "a"})))
     assert isinstance(unconfigured, BatchPolicy) and unconfigured.observe is None
+
+
+def test_torch_members_split_the_compile_workers_unless_the_operator_set_them() -> None:
+    torch_run = _settings(**{"model.backend": "torch", "model.path": "engines/m.pt2"})
+    assert compile_threads(torch_run, {}, 4, 16) == {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert compile_threads(torch_run, {}, 3, 2) == {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    assert compile_threads(torch_run, {"TORCHINDUCTOR_COMPILE_THREADS": "8"}, 4, 16) == {}
+    assert compile_threads(torch_run, {}, 1, 16) == {}  # one process: torch's own choice
+    assert compile_threads(_settings(), {}, 4, 16) == {}  # onnxruntime compiles nothing
+    # What run --procs 2 starts: each member with its own settings and the split.
+    envs = child_envs(torch_run, members(torch_run, 2), {"PATH": "/bin"}, 16)
+    assert [e["TORCHINDUCTOR_COMPILE_THREADS"] for e in envs] == ["8", "8"]
+    ids = [e["INFER_WORKER_KAFKA__CLIENT_ID"] for e in envs]
+    assert ids == ["infer-worker-0", "infer-worker-1"]
+    assert all(e["PATH"] == "/bin" for e in envs)

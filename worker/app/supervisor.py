@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Final
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -106,6 +107,33 @@ def child_env(base: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str
     return {**base, **overrides}
 
 
+def child_envs(
+    settings: Settings,
+    planned: Sequence[Mapping[str, str]],
+    environ: Mapping[str, str],
+    cpus: int | None,
+) -> list[dict[str, str]]:
+    """Every child's whole environment, in ``planned``'s order."""
+    base = {**environ, **compile_threads(settings, environ, len(planned), cpus)}
+    return [child_env(base, overrides) for overrides in planned]
+
+
+COMPILE_THREADS: Final = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def compile_threads(
+    settings: Settings, environ: Mapping[str, str], members: int, cpus: int | None
+) -> dict[str, str]:
+    """torch's compile workers split among the members: each member's inductor
+    otherwise starts a pool of one worker per core (up to 32), so four members on
+    16 cores held 64 (four compile pools of 16 in the H200 profile of `--procs
+    4`, each about 13 s of start-up CPU). An operator's setting is kept; other
+    engines compile nothing."""
+    if settings.model.backend != "torch" or members <= 1 or COMPILE_THREADS in environ:
+        return {}
+    return {COMPILE_THREADS: str(max(1, (cpus or 1) // members))}
+
+
 def supervise(settings: Settings, procs: int, config: str | None) -> int:
     """Run the member processes (``members``) until a signal or until one exits."""
     argv: Sequence[str] = [sys.executable, "-m", "worker", "run"]
@@ -113,16 +141,12 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
         argv = [*argv, "--config", config]
     planned = members(settings, procs)
     _check_partitions(settings, planned)
+    envs = child_envs(settings, planned, os.environ, os.cpu_count())
     children = [
         # Own sessions: Ctrl-C in a terminal reaches the supervisor alone, which
         # passes it on once (twice would abandon every drain).
-        subprocess.Popen(
-            argv,
-            env=child_env(os.environ, overrides),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for overrides in planned
+        subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        for env in envs
     ]
     held = [
         {"member": m["INFER_WORKER_KAFKA__CLIENT_ID"], "pid": c.pid,
@@ -132,7 +156,7 @@ def supervise(settings: Settings, procs: int, config: str | None) -> int:
             if "INFER_WORKER_GPU__MEMORY_FRACTION" in m else {})}
         for m, c in zip(planned, children, strict=True)
     ]  # fmt: skip
-    log.info("supervising", procs=procs, members=held)
+    log.info("supervising", procs=procs, members=held, compile_threads=envs[0].get(COMPILE_THREADS))
     signals: list[int] = []
 
     def forward(signum: int, _: FrameType | None) -> None:
