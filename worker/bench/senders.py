@@ -72,6 +72,7 @@ async def produce_open_loop(
         finish = len(records) / rate + FINISH_SLACK_S
         shares = await asyncio.to_thread(_collect, results, senders, finish, processes)
     finally:
+        barrier.abort()  # a thread still waiting (the bench cancelled) returns at once
         for process in processes:
             process.kill()
             process.join()
