@@ -68,8 +68,11 @@ async def test_a_sigkill_of_a_pipeline_answers_every_request_once(
                       isolation_level="read_committed")  # fmt: skip
         await c.start()
         try:
+            # The mel step's records commit with the answers, but may be fetched after them.
             done = await c.collect(lambda c: len({r.record_key for r in c.records.get(
-                names["results"], [])}) >= N, 180.0)  # fmt: skip
+                names["results"], [])}) >= N and len(c.records.get(mel_topic, [])) >= N,
+                180.0)  # fmt: skip
+            await c.collect(lambda c: False, 1.0)  # and nothing more: each once
             assert done, w.log_tail()
         finally:
             await c.stop()

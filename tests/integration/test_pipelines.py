@@ -82,9 +82,13 @@ async def test_a_pipeline_of_two_models_and_a_function_answers_as_by_hand(
         await produce_all(broker.bootstrap, topic, requests)
         await c.start()
         answered = lambda c: len(c.records.get(names["results"], []))  # noqa: E731
-        assert await c.collect(lambda c: answered(c) >= len(requests), 90.0), (
-            f"{answered(c)} of {len(requests)}\n{w.log_tail()}"
-        )
+        audits = lambda c: len(c.records.get(mel_topic, []))  # noqa: E731
+        # The mel step's records are written beside the answers, not before them:
+        # wait for both (stopping at the answers alone once read none of them).
+        assert await c.collect(
+            lambda c: answered(c) >= len(requests) and audits(c) >= len(audio) + 1, 90.0
+        ), f"{answered(c)} of {len(requests)}, {audits(c)} mel records\n{w.log_tail()}"
+        await c.collect(lambda c: False, 1.0)  # and nothing more (each written once)
         m = w.metrics()
         card = _card(w.metrics_port, "wakeword")
         assert w.terminate() == 0, w.log_tail()
