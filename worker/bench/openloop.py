@@ -17,7 +17,7 @@ from typing import Any, Final
 import numpy as np
 
 from worker.bench.payloads import Value, request_records
-from worker.bench.senders import produce_open_loop
+from worker.bench.senders import produce_open_loop, sender_count
 from worker.config import Settings
 from worker.ops.processes import WorkerProcess, mean_batch_size, summed
 from worker.ops.topics import Collected, Collector, Produced
@@ -233,7 +233,7 @@ async def paced(
     return {
         "rate": round(rate, 1),
         "offered": round(point.offered, 1),
-        "senders": senders,
+        "senders": sender_count(senders, point.sent),
         "sent": point.sent,
         "answered": point.answered,
         "errors": point.errors,

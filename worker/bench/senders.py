@@ -51,8 +51,10 @@ async def produce_open_loop(
 ) -> list[Produced]:
     """``records`` as open-loop Poisson arrivals at ``rate`` from ``senders``
     processes (1: in this event loop, as ``produce_all``); each record's
-    ``Produced``, in the order given."""
-    if senders <= 1 or len(records) < senders:
+    ``Produced``, in the order given. Never more senders than records
+    (``sender_count``)."""
+    senders = sender_count(senders, len(records))
+    if senders == 1:
         return await produce_all(
             bootstrap, topic, records, partition_of=partition_of, rate=rate, seed=seed
         )
@@ -85,6 +87,11 @@ async def produce_open_loop(
     if unsent:
         raise SenderError(f"{len(unsent)} records were not sent (the first: {unsent[:5]})")
     return [p for p in out if p is not None]
+
+
+def sender_count(asked: int, records: int) -> int:
+    """The processes that send ``records``: as asked, at most one per record."""
+    return max(1, min(asked, records))
 
 
 def _wait(barrier: Any, results: Any, processes: Sequence[Any]) -> None:
