@@ -160,7 +160,8 @@ def _start(
                 if lanes in ("shared", "own")
                 else {}
             ),
-            **({"INFER_WORKER_MODELS__BULK__PATH": "builtin:digits",
+            **({"INFER_WORKER_MODEL__PATH": "builtin:digits",
+                "INFER_WORKER_MODELS__BULK__PATH": "builtin:digits",
                 "INFER_WORKER_MODELS__BULK__TOPICS": t["bulk"]} if lanes == "models" else {}),
         },
         members=2 if lanes == "own" else 1,

@@ -43,6 +43,7 @@ async def test_a_sigkill_of_a_two_model_worker(
         **FAST_GROUP,
         **(EOS if guarantee == "exactly-once" else {}),
         "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": "m1",  # the restart takes its partitions back
+        "INFER_WORKER_MODEL__PATH": "builtin:digits",  # [model], on the first topic
         "INFER_WORKER_MODELS__SECOND__PATH": "builtin:digits",
         "INFER_WORKER_MODELS__SECOND__TOPICS": second,
         "INFER_WORKER_PIPELINES__CHAIN__TOPICS": third,

@@ -23,5 +23,5 @@ def test_several_models_are_bounded_apart_and_one_model_as_before() -> None:
     alone = backpressure(one)
     assert not alone.apart and alone.lanes[0].max_records == one.batching.max_inflight_records
     other = Settings(model=ModelConfig(name="bulk"))
-    apart = backpressure(one, [other])
+    apart = backpressure(one, [one, other])
     assert apart.apart and [b.max_records for b in apart.lanes] == [256, 256]

@@ -1,6 +1,7 @@
-"""``[models.NAME]``: several models in one worker, routed by input topic. Every
-input topic is answered by exactly one model, and every mistake is refused with
-the key as the user wrote it."""
+"""``[models.NAME]``: several models in one worker, routed by input topic or by the
+request. Every input topic is answered by exactly one model or pipeline, every
+model is one kind of value whatever section configured it, and every mistake is
+refused with the key as the user wrote it."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from pathlib import Path
 import pytest
 
 from worker.config import Settings, load_settings
-from worker.config.models import named, served
-from worker.flow.errors import ConfigError
+from worker.app.plan import RunPlan
+from worker.config.models import Routing, as_served, routing, served
+from worker.flow.errors import ConfigError, InvalidRequest, UnknownModel
 
 TWO = """
 [kafka]
 input_topics = ["digits.requests", "reviews.requests", "more.reviews"]
+[model]
+path = "builtin:digits"
 [models.sentiment]
 path = "builtin:sentiment"
 topics = ["reviews.requests", "more.reviews"]
@@ -33,7 +37,7 @@ def test_model_answers_the_topics_no_other_model_names(tmp_path: Path) -> None:
         ("model", ("digits.requests",)),
         ("models.sentiment", ("reviews.requests", "more.reviews")),
     ]
-    (_, default), (_, sentiment) = named(s)
+    default, sentiment = (m.settings for m in served(s))
     assert (default.model.name, sentiment.model.name) == ("digits", "sentiment")
     assert sentiment.model.path == "builtin:sentiment" and not sentiment.models
     assert default.kafka == sentiment.kafka == s.kafka  # one consumer for all
@@ -49,8 +53,6 @@ def test_one_model_configurations_are_unchanged(tmp_path: Path) -> None:
     [
         ({"INFER_WORKER_MODELS__SENTIMENT__TOPICS": "elsewhere"},
          "models.sentiment.topics: ['elsewhere'] not in kafka.input_topics"),
-        ({"INFER_WORKER_MODELS__SENTIMENT__TOPICS": ""},
-         "models.sentiment.topics: names the input topics this model answers"),
         ({"INFER_WORKER_MODEL__TOPICS": "digits.requests,more.reviews"},
          "models.sentiment.topics: 'more.reviews' is also model's: a topic belongs to one model"),
         ({"INFER_WORKER_MODELS__SENTIMENT__TOPICS":
@@ -58,7 +60,7 @@ def test_one_model_configurations_are_unchanged(tmp_path: Path) -> None:
          "model.topics: [model] answers no input topic"),
         ({"INFER_WORKER_MODEL__TOPICS": "digits.requests",
           "INFER_WORKER_MODELS__SENTIMENT__TOPICS": "reviews.requests"},
-         "kafka.input_topics: ['more.reviews'] answered by no model"),
+         "kafka.input_topics: ['more.reviews'] answered by no model or pipeline"),
         ({"INFER_WORKER_MODEL__NAME": "sentiment"},
          "model.name: 'sentiment' is also a [models.NAME]"),
         ({"INFER_WORKER_MODELS__SENTIMENT__NAME": "reviews"},
@@ -89,3 +91,94 @@ def test_lanes_and_several_models_are_refused(tmp_path: Path) -> None:
 def test_one_models_topics_must_cover_the_input_topics(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model.topics: \['b'\] in kafka.input_topics but "):
         _load(tmp_path, '[kafka]\ninput_topics = ["a", "b"]\n[model]\ntopics = ["a"]\n')
+
+
+ONLY_MODELS = """
+[kafka]
+input_topics = ["scores", "texts"]
+[models.scorer]
+path = "builtin:digits"
+topics = ["scores"]
+[models.reader]
+path = "builtin:sentiment"
+topics = ["texts"]
+"""
+
+
+def test_models_sections_alone_are_a_complete_configuration(tmp_path: Path) -> None:
+    s = _load(tmp_path, ONLY_MODELS)
+    assert [(m.name, m.key, m.topics) for m in served(s)] == [
+        ("scorer", "models.scorer", ("scores",)), ("reader", "models.reader", ("texts",))]
+    assert routing(s).owners == {"scores": "scorer", "texts": "reader"}
+    assert routing(s).names == ("scorer", "reader")  # no bundled model appears
+
+
+def test_a_topic_no_model_names_is_refused_never_given_the_bundled_model(
+    tmp_path: Path,
+) -> None:
+    text = ONLY_MODELS.replace('"texts"]\n[models', '"texts", "third"]\n[models', 1)
+    with pytest.raises(ConfigError, match=r"kafka.input_topics: \['third'\] answered by no "
+                       r"model or pipeline"):  # fmt: skip
+        _load(tmp_path, text)
+
+
+def test_one_models_section_answers_every_topic_and_has_what_one_model_has(
+    tmp_path: Path,
+) -> None:
+    s = _load(tmp_path, '[kafka]\ninput_topics = ["a", "b"]\n[models.scorer]\n'
+              'path = "builtin:digits"\nreload_interval_s = 5\n')  # refused beside others
+    (only,) = served(s)
+    assert (only.name, only.topics) == ("scorer", ("a", "b"))
+    assert only.settings.model.name == "scorer" and only.settings.model.reload_interval_s == 5
+    # Run as one model: its settings alone, the plan decided on it (refused beside others).
+    assert as_served(s) == only.settings and RunPlan.of(s).reloads
+    gpu = _load(tmp_path, '[models.scorer]\npath = "m.pt"\nbackend = "torch"\n')
+    assert RunPlan.of(gpu).device == "gpu" and as_served(gpu).model.backend == "torch"
+
+
+def test_model_with_its_topics_beside_a_pipelines_model(tmp_path: Path) -> None:
+    """models.md's form: [model] with topics of its own beside a [models.NAME] a
+    pipeline runs. Its settings as it runs alone keep no topics of their own, so
+    they pass the one-model check (it failed at start-up: 'model.topics:
+    ['combiner.requests'] in kafka.input_topics but served by no model')."""
+    s = _load(tmp_path, """
+[kafka]
+input_topics = ["digits.requests", "combiner.requests"]
+[model]
+topics = ["digits.requests"]
+[models.combiner]
+path = "builtin:digits"
+topics = ["combiner.requests"]
+""")
+    default, combiner = served(s)
+    assert default.topics == ("digits.requests",) and default.settings.model.topics == ()
+    assert combiner.settings.model.name == "combiner"
+    for m in served(s):
+        assert served(m.settings)[0].topics == s.kafka.input_topics  # alone: every topic
+
+
+def test_the_routing_table_decides_every_answerer() -> None:
+    table = Routing({"shared": "digits", "own": "sentiment"}, frozenset({"shared"}),
+                    ("digits", "sentiment", "quiet"))  # fmt: skip
+    assert table.answerer("shared", None) == "digits"
+    assert table.answerer("shared", "quiet") == "quiet"  # a model with no topic of its own
+    assert table.answerer("own", "sentiment") == "sentiment"
+    with pytest.raises(InvalidRequest, match=r"carries .sentiment..s requests only"):
+        table.answerer("own", "digits", request_id="r1")
+    with pytest.raises(UnknownModel, match="'nope' is not served here") as unknown:
+        table.answerer("shared", "nope", request_id="r2")
+    assert unknown.value.request_id == "r2"
+    assert table.answerers == ("digits", "sentiment", "quiet")
+
+
+def test_a_model_without_topics_is_named_on_the_shared_topics(tmp_path: Path) -> None:
+    s = _load(tmp_path, '[kafka]\ninput_topics = ["a"]\n[model]\npath = "builtin:digits"\n'
+              '[models.sentiment]\npath = "builtin:sentiment"\n')
+    table = routing(s)
+    assert table.owners == {"a": "digits"} and table.answerer("a", "sentiment") == "sentiment"
+
+
+def test_without_a_shared_topic_a_model_must_answer_something(tmp_path: Path) -> None:
+    text = ONLY_MODELS + '[models.idle]\npath = "builtin:digits"\n'
+    with pytest.raises(ConfigError, match=r"models\.idle\.topics: names the input topics"):
+        _load(tmp_path, text)

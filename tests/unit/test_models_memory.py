@@ -22,6 +22,8 @@ bootstrap_servers = "127.0.0.1:1"  # nothing listens: the budget refuses first
 input_topics = ["digits.requests", "wide.requests"]
 [limits]
 max_models_memory_mb = {budget}
+[model]
+path = "builtin:digits"
 [models.wide]
 path = "{wide}"
 topics = ["wide.requests"]

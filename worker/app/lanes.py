@@ -74,13 +74,13 @@ def apart_bound(b: BatchingConfig) -> int:
     return max(APART_MIN_INFLIGHT, b.max_batch_size)
 
 
-def backpressure(s: Settings, others: Sequence[Settings] = ()) -> LaneBackpressure:
+def backpressure(s: Settings, models: Sequence[Settings] = ()) -> LaneBackpressure:
     """Pausing per lane over the worker's in-flight counts; with several models
-    (``others``: the [models.NAME] besides [model]), per model over each model's
-    own, at its own bounds: one model's backlog pauses only its topics."""
+    or pipelines (``models``: each one's settings as it runs, in the routing
+    table's order), per model over each one's own, at its own bounds: one
+    model's backlog pauses only its topics."""
     b = s.batching
-    if others:
-        models = [s, *others]
+    if len(models) > 1:
         return LaneBackpressure.per_model(
             [(apart_bound(m.batching), m.batching.max_inflight_bytes) for m in models],
             [m.model.name for m in models],

@@ -18,6 +18,7 @@ from typing import Final, Literal
 from worker.compute.engines import is_gpu_backend
 from worker.compute.gpu.budget import resolve_fraction
 from worker.config import Settings
+from worker.config.models import served
 from worker.flow.errors import ConfigError, WorkerError
 from worker.kafka.clients import exactly_once
 from worker.model.io import EngineInfo
@@ -65,8 +66,12 @@ class RunPlan:
     @classmethod
     def of(cls, s: Settings) -> RunPlan:
         b, k = s.batching, s.kafka
-        gpu = is_gpu_backend(s.model.backend)
-        if gpu and s.model.reload_interval_s > 0:
+        # The models served (several: all on the CPU path, none reloaded, as
+        # worker.config.models checks; one: its own settings, whatever section).
+        models = [m.config for m in served(s)]
+        gpu = any(is_gpu_backend(m.backend) for m in models)
+        reloads = any(m.reload_interval_s > 0 for m in models)
+        if gpu and reloads:
             raise ConfigError(
                 "model.reload_interval_s: swapping a model while serving runs on the CPU "
                 "path (backend onnxruntime); the GPU stage compiles and captures its engines "
@@ -86,7 +91,7 @@ class RunPlan:
             request_timeout_s=request_timeout,
             probe_timeout_s=min(2.0, request_timeout),
             revoke_timeout_s=k.session_timeout_ms / 2000.0,
-            reloads=s.model.reload_interval_s > 0,
+            reloads=reloads,
             gpu_memory_fraction=resolve_fraction(s.gpu.memory_fraction, 1) if gpu else 0.0,
         )  # fmt: skip
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
 
 from worker.app.lanes import backpressure, batch_policy
-from worker.app.pipelines import StepModel, build_steps, pipeline_info
+from worker.app.loading import LoadedModel
+from worker.app.pipelines import StepModel, answer_outputs, build_steps, pipeline_info
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import CpuStage
@@ -27,7 +28,7 @@ from worker.compute.engines import Engine, GpuEngine
 from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
 from worker.config import PipelineConfig, Settings
-from worker.config.models import settings_named
+from worker.config.models import Routing, routing, settings_named
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Batch, Completed, Job
@@ -43,7 +44,7 @@ from worker.kafka.delivery.at_least_once import AtLeastOnceWriter
 from worker.kafka.delivery.exactly_once import ExactlyOnceWriter
 from worker.kafka.delivery.writer import ResultWriter, WriterParts
 from worker.kafka.guarded import Protection
-from worker.kafka.intake import JobFactory, Route
+from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
 from worker.kafka.listener import RevokeHook
 from worker.model.inputs import Binding, bind_model
@@ -52,91 +53,75 @@ from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
-StageBuilder = Callable[
-    [asyncio.Queue[Batch[Job] | None], asyncio.Queue[asyncio.Future[Completed] | None],
-     Policy[Job], Binding, Room],
-    Awaitable[Stage],
-]  # fmt: skip
-
-
 @dataclass
 class Stages:
     """Everything the worker builds, kept together so closing never guesses."""
 
     consumer: Consumer
-    batcher: MicroBatcher[Job]
-    infer: Stage
+    # Each model's and pipeline's own stages, in the routing table's order: its
+    # batches never mix with another's.
+    models: list[ModelStages]
     writer: ResultWriter
     committer: Committer
-    # The worker's other models ([models.NAME]), each with a batcher and a stage of
-    # its own, and the task that hands all their completed batches to the writer.
-    others: list[ModelStages] = field(default_factory=list)
+    # Several models: the task handing all their completed batches to the writer.
     merge: Coroutine[Any, Any, None] | None = None
 
 
 @dataclass
 class ModelStages:
-    """One more model's own stages: its batches never mix with another model's."""
+    """One model's (or pipeline's) own stages: its jobs queue, batcher and
+    inference stage, and the queue of its completed batches."""
 
     name: str
-    engine: Engine | GpuEngine
+    jobs: asyncio.Queue[Job | None]
     batcher: MicroBatcher[Job]
     infer: Stage
     completed: asyncio.Queue[asyncio.Future[Completed] | None]
 
 
 @dataclass(frozen=True)
-class OtherModel:
-    """A model of the worker besides [model]: the settings it runs with (as if alone),
-    its loaded engine and the input topics it answers."""
+class _Answerer:
+    """A model's or pipeline's stages and what its intake checks requests with."""
 
+    stages: ModelStages
     settings: Settings
-    engine: Engine
-    topics: tuple[str, ...]
+    binding: Binding
 
 
 async def build_stages(
     s: Settings,
     plan: RunPlan,
-    engine: Engine | GpuEngine,
+    models: Sequence[LoadedModel],
     tracker: OffsetTracker,
     tracer: Tracer,
     on_revoke: RevokeHook,
-    others: Sequence[OtherModel] = (),
 ) -> Stages:
-    """The stages, wired; each model's binding decided once (exit 2 on a mismatch,
-    before Kafka is contacted), shared by its intake and its inference stage."""
+    """The stages, wired: one set per model and pipeline the routing table
+    answers with (``worker.config.models.routing``), each model's binding
+    decided once (exit 2 on a mismatch, before Kafka is contacted) and shared by
+    the intake and its inference stage."""
     b = s.batching
-    main, main_route = await _model_stages("model", s, plan, engine, tracker, 0)
-    more: list[tuple[ModelStages, Route, tuple[str, ...]]] = []
-    for rank, m in enumerate(others, 1):
-        if not m.topics:  # run only by a pipeline (its own stage there)
-            continue
-        key = f"models.{m.settings.model.name}"
-        built = await _model_stages(key, m.settings, plan, m.engine, tracker, rank)
-        more.append((*built, m.topics))
-    alone = dataclasses.replace(s, models={}, pipelines={})  # [model] as if served alone
-    models = {s.model.name: (alone, engine), **{o.settings.model.name: (o.settings, o.engine)
-                                                for o in others}}  # fmt: skip
-    flows = [pipeline_settings(name, p, models) for name, p in s.pipelines.items()]
-    for rank, (name, p) in enumerate(s.pipelines.items(), len(others) + 1):
-        built = await _pipeline_stages(name, p, plan, models, tracker, rank)
-        more.append((*built, p.topics))
-    if more:
-        names = [main.name, *(m.name for (m, _, _) in more)]
-        # A request on [model]'s topics may name any model; on another's, only that one.
-        main_route.make_job.route(names, {m.name: r.make_job for (m, r, _) in more})
-        for _, route, _ in more:
-            route.make_job.route(names)
+    table = routing(s) if len(models) > 1 or s.pipelines else Routing.one(models[0].name)
+    by_name = {m.name: m for m in models}
+    built: list[_Answerer] = []
+    for name in table.answerers:
+        if name in by_name:
+            built.append(await _model_stages(by_name[name], plan, tracker))
+        else:
+            built.append(await _pipeline_stages(name, s.pipelines[name], plan, by_name, tracker))
+    first, *others = built
+    intake = JobFactory(
+        first.binding.inputs, fit_limits(s.limits, first.binding.inputs),
+        b.max_record_age_ms, s.kafka.content_type, first.stages.name, routing=table,
+        others={a.stages.name: (a.binding.inputs, fit_limits(s.limits, a.binding.inputs))
+                for a in others},
+    )  # fmt: skip
+    rank = {a.stages.name: i for i, a in enumerate(built)}
     consumer = Consumer(
-        s.kafka,
-        main_route.make_job,
-        main_route.jobs,
-        tracker,
-        on_revoke,
-        backpressure(s, [*(m.settings for m in others), *flows]),
-        routes={t: route for (_, route, topics) in more for t in topics},
-    )
+        s.kafka, intake, {a.stages.name: a.stages.jobs for a in built}, tracker, on_revoke,
+        backpressure(s, [a.settings for a in built]),
+        ranks={t: rank[o] for t, o in table.owners.items()} if others else None,
+    )  # fmt: skip
     committer = Committer(
         tracker,
         consumer,
@@ -145,15 +130,14 @@ async def build_stages(
         interval=s.kafka.commit_interval_ms / 1000.0,
     )
     consumer.wake_on(committer.progress)
-    model = ModelInfo(name=engine.info.name, version=engine.info.version)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
-    completed, merge = main.completed, None
-    if more:  # each model's completed batches in its own order, none waiting on another's
-        sources = [completed, *(m.completed for (m, _, _) in more)]
+    completed, merge = first.stages.completed, None
+    if others:  # each model's completed batches in its own order, none waiting on another's
         completed = asyncio.Queue(b.max_inflight_batches)
-        merge = merge_done(sources, completed)
-    routed = {m.name: ModelInfo(m.name, m.infer.info.version) for (m, _, _) in more}
-    parts = WriterParts(completed, s.kafka, model, tracker, committer, budget, tracer, routed)
+        merge = merge_done([a.stages.completed for a in built], completed)
+    infos = {a.stages.name: ModelInfo(a.stages.name, a.stages.infer.info.version)
+             for a in built}  # fmt: skip
+    parts = WriterParts(completed, s.kafka, infos, tracker, committer, budget, tracer)
     writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(
@@ -162,45 +146,49 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(
-        consumer, main.batcher, main.infer, writer, committer, [m for (m, _, _) in more], merge
-    )
+    return Stages(consumer, [a.stages for a in built], writer, committer, merge)
 
 
-async def _bound(s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Binding:
-    """The model's binding, probed on the CPU path (the GPU stage's engines run
-    per slot, after start-up)."""
-    binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
-    if plan.device == "cpu":
-        await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
+async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Binding:
+    """A model's binding (``key``: where it is configured, which its errors
+    name), probed on the CPU path (the GPU stage's engines run per slot, after
+    start-up)."""
+    with settings_named(key):  # a [models.NAME]'s errors name its keys as written
+        binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
+        if plan.device == "cpu":
+            await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
+    # The outputs its answers carry (model.outputs and postprocessing applied).
     log.info("model_inputs", model=s.model.name, inputs=summary(binding.inputs),
-             outputs=list(engine.info.output_names))  # fmt: skip
+             outputs=list(answer_outputs(binding)))  # fmt: skip
     return binding
 
 
-def _intake(s: Settings, binding: Binding) -> JobFactory:
-    limits = fit_limits(s.limits, binding.inputs)
-    return JobFactory(
-        binding.inputs, limits, s.batching.max_record_age_ms, s.kafka.content_type, s.model.name
-    )
+async def _model_stages(m: LoadedModel, plan: RunPlan, tracker: OffsetTracker) -> _Answerer:
+    binding = await _bound(m.key, m.settings, plan, m.engine)
+
+    async def stage(
+        batches: asyncio.Queue[Batch[Job] | None],
+        completed: asyncio.Queue[asyncio.Future[Completed] | None],
+        policy: Policy[Job], room: Room,
+    ) -> Stage:  # fmt: skip
+        return await _inference_stage(
+            m.settings, plan, batches, completed, m.engine, policy, binding, tracker, room
+        )
+
+    return await _answerer(m.settings, binding, plan, stage)
 
 
-async def _model_stages(
-    key: str,
-    s: Settings,
-    plan: RunPlan,
-    engine: Engine | GpuEngine,
-    tracker: OffsetTracker,
-    rank: int,
-    build: StageBuilder | None = None,
-) -> tuple[ModelStages, Route]:
-    """One model's stages (``key``: where it is configured; ``rank``: its place
-    in the backpressure): its own jobs queue, batching and threads or slots, fed
-    by its topics' route; ``build``: its stage, where it is not the model's own
-    (a pipeline's)."""
+StageBuilder = Callable[
+    [asyncio.Queue[Batch[Job] | None], asyncio.Queue[asyncio.Future[Completed] | None],
+     Policy[Job], Room],
+    Awaitable[Stage],
+]  # fmt: skip
+
+
+async def _answerer(s: Settings, binding: Binding, plan: RunPlan, build: StageBuilder) -> _Answerer:
+    """A model's or pipeline's stages: its own jobs queue, batching and threads
+    or slots (``build``: its inference stage)."""
     b = s.batching
-    with settings_named(key):  # a [models.NAME]'s errors name its keys as written
-        binding = await _bound(s, plan, engine)
     jobs: asyncio.Queue[Job | None] = asyncio.Queue(b.queue_capacity)
     batches: asyncio.Queue[Batch[Job] | None] = asyncio.Queue(1)
     completed: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue(
@@ -209,66 +197,53 @@ async def _model_stages(
     policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
     # A batch is cut when a thread or slot can start it (worker.flow.room).
     room = Room(plan.inflight)
-    if build is None:
-        infer = await _inference_stage(
-            s, plan, batches, completed, engine, policy, binding, tracker, room
-        )
-    else:
-        infer = await build(batches, completed, policy, binding, room)
+    infer = await build(batches, completed, policy, room)
     batcher = MicroBatcher(jobs, batches, policy, room=room)
-    stages = ModelStages(s.model.name, engine, batcher, infer, completed)
-    return stages, Route(_intake(s, binding), jobs, rank)
-
-
-def pipeline_settings(
-    name: str, p: PipelineConfig, models: Mapping[str, tuple[Settings, Engine | GpuEngine]]
-) -> Settings:
-    """The settings a pipeline's intake and batching run with: its first model's,
-    named as the pipeline (results and metrics name it)."""
-    first = models[p.steps[0].model][0]
-    return dataclasses.replace(first, model=dataclasses.replace(first.model, name=name))
+    return _Answerer(ModelStages(s.model.name, jobs, batcher, infer, completed), s, binding)
 
 
 async def _pipeline_stages(
     name: str,
     p: PipelineConfig,
     plan: RunPlan,
-    models: Mapping[str, tuple[Settings, Engine | GpuEngine]],
+    models: Mapping[str, LoadedModel],
     tracker: OffsetTracker,
-    rank: int,
-) -> tuple[ModelStages, Route]:
+) -> _Answerer:
     """A pipeline's stages: its intake (the first model's checks), its batcher, and
     a stage that runs each batch through the steps, each model step on a stage of
     its own over the model's engine (``worker.compute.pipeline``)."""
-    s = pipeline_settings(name, p, models)
     first = models[p.steps[0].model]
+    # The settings its intake and batching run with: its first model's, named as
+    # the pipeline (results and metrics name it).
+    s = dataclasses.replace(first.settings,
+                            model=dataclasses.replace(first.settings.model, name=name))  # fmt: skip
     steps: dict[str, StepModel] = {}
-    for model in {step.model for step in p.steps if step.model}:
-        ms, engine = models[model]
-        key = "model" if model == next(iter(models)) else f"models.{model}"  # [model] first
-        with settings_named(key):
-            bound = await _bound(ms, plan, engine)
+    for model in dict.fromkeys(step.model for step in p.steps if step.model):
+        m = models[model]
+        bound = await _bound(m.key, m.settings, plan, m.engine)
+        mb = m.settings.batching
         step_stage = CpuStage(
-            asyncio.Queue(), asyncio.Queue(), engine, bound,
-            max_batch_size=ms.batching.max_batch_size, max_inflight=plan.inflight,
-            max_attempts=ms.batching.max_attempts,
+            asyncio.Queue(), asyncio.Queue(), m.engine, bound,
+            max_batch_size=mb.max_batch_size, max_inflight=plan.inflight,
+            max_attempts=mb.max_attempts,
             owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
         )  # fmt: skip
-        steps[model] = StepModel(engine.info, bound, step_stage)
+        steps[model] = StepModel(m.engine.info, bound, step_stage)
     built = build_steps(name, p, steps)
-    info = pipeline_info(name, first[1].info, p, {m: sm.info for m, sm in steps.items()})
+    info = pipeline_info(name, first.engine.info, p, {m: sm.info for m, sm in steps.items()})
+    binding = steps[first.name].binding
 
     async def stage(
         batches: asyncio.Queue[Batch[Job] | None],
         completed: asyncio.Queue[asyncio.Future[Completed] | None],
-        policy: Policy[Job], binding: Binding, room: Room,
+        policy: Policy[Job], room: Room,
     ) -> Stage:  # fmt: skip
         return PipelineStage(batches, completed, info, binding, built.steps, p.outputs,
                              max_inflight=plan.inflight, regional=built.regional,
                              described=built.outputs,
                              on_service_time=policy.observe_service_time, room=room)  # fmt: skip
 
-    return await _model_stages(f"pipelines.{name}", s, plan, first[1], tracker, rank, stage)
+    return await _answerer(s, binding, plan, stage)
 
 
 async def _inference_stage(

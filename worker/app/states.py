@@ -26,7 +26,8 @@ async def wire_states(
 ) -> None:
     """Check the changelog and have the consumer restore from it, for a stateful
     model with ``kafka.state_topic``; say where states live otherwise."""
-    sequences = stages.infer.sequences
+    # Durable states: one model (kafka.state_topic is refused beside others).
+    sequences = stages.models[0].infer.sequences if len(stages.models) == 1 else None
     topic = s.kafka.state_topic
     if sequences is None:
         if topic:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
@@ -20,16 +19,16 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app import cards
-from worker.app.memory import check_budget, measured
-from worker.app.plan import RunPlan, sized_for
+from worker.app.loading import LoadedModel, close_models, load_models
+from worker.app.plan import RunPlan
 from worker.app.reload import watch_model
-from worker.app.stages import OtherModel, Stages, build_stages, crash_guard
+from worker.app.stages import Stages, build_stages, crash_guard
 from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
-from worker.compute.engines import Engine, GpuEngine, load_engine
+from worker.compute.engines import Engine, GpuEngine
 from worker.config import Settings
 from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
-from worker.config.models import named, settings_named
+from worker.config.models import Routing, as_served, routing
 from worker.config.pipelines import step_topics
 from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
@@ -41,7 +40,6 @@ from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
 from worker.kafka.topiccheck import require_topics
-from worker.model.io import EngineInfo
 from worker.obs import metrics, served
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -50,9 +48,12 @@ log = structlog.get_logger(__name__)
 
 class Worker:
     def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
+        """``engine``: the one model's, loaded by the caller (tests, benchmarks)."""
+        settings = as_served(settings)  # one model, whichever section: its settings alone
         self.settings = settings
         self.plan = RunPlan.of(settings)
         self._engine = engine
+        self._models: list[LoadedModel] = []  # every model, loaded in prepare()
         self.tracker = OffsetTracker()
         self._stages: Stages | None = None
         self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
@@ -61,7 +62,6 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started = False
         self._guard: CrashGuard | None = None
-        self._others: list[OtherModel] = []  # the models besides [model], loaded at start
         # Span ids for answers carrying a trace context; with tracing.enabled, an
         # OpenTelemetry tracer that also exports a span per request (exit 2 here
         # if its SDK is missing, before anything starts).
@@ -77,18 +77,13 @@ class Worker:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def _sized(self, info: EngineInfo) -> Settings:
-        """The settings and the plan with the batch size derived from the loaded
-        model where it is (``worker.app.plan.derives_batch_size``): decided here
-        once, before any stage is built."""
-        sized = sized_for(self.settings, info)
-        if sized is not self.settings:
-            self.settings, self.plan = sized, RunPlan.of(sized)
-            log.info("batch_size_derived", max_batch_size=sized.batching.max_batch_size,
-                     model=info.name)  # fmt: skip
-        return self.settings
-
-    async def start(self) -> None:
+    async def prepare(self) -> Stages:
+        """Every check ``run`` makes before Kafka is contacted, and what it builds
+        on the way: client arguments, the models loaded, bound and probed, the
+        memory budget, the pipelines checked, the stages built. ``infer-worker
+        config`` runs it too, so both refuse the same mistakes (exit 2)."""
+        if self._stages is not None:
+            return self._stages
         s = self.settings
         # Client arguments (pass-through options, the OAuth token provider) are
         # checked before the engine loads or Kafka is contacted: a typo is exit 2.
@@ -98,32 +93,29 @@ class Worker:
             from worker.compute.gpu import nvjpeg
 
             nvjpeg.check_available(s.gpu.decode, s.model.preprocess)
-        engine = self._engine
-        size = 0  # an engine handed in was loaded elsewhere: not measured
-        if engine is None:
-            loaded, size = await measured(functools.partial(
-                load_engine, s.model, device=s.gpu.device,
-                max_batch_size=s.batching.max_batch_size, cuda_graphs=s.gpu.cuda_graphs,
-                buckets=self.plan.batch_buckets,
-            ))  # fmt: skip
-            engine = self._engine = loaded
-        sizes = {engine.info.name: (engine.info.version, size)}
-        others = named(self.settings)[1:]  # as configured: each sizes its batches itself
-        s = self._sized(engine.info)
         try:
-            for served, alone in others:
-                other, size = await _load_other(alone, served.topics)
-                self._others.append(other)
-                sizes[other.engine.info.name] = (other.engine.info.version, size)
-            check_budget(sizes, s.limits.max_models_memory_mb)  # before joining the group
-            if self._others:  # a partition's head window: the largest model's batches
-                window = max(RunPlan.of(o.settings).crash_guard_window for o in self._others)
+            self._models = await load_models(s, self._engine)
+            self._engine = None  # closed with the models
+            if len(self._models) == 1 and not s.pipelines:  # its batch size, derived
+                self.settings = s = self._models[0].settings
+                self.plan = RunPlan.of(s)
+            else:  # a partition's head window: the largest model's batches
+                window = max(RunPlan.of(m.settings).crash_guard_window for m in self._models)
                 self.plan = dataclasses.replace(
                     self.plan, crash_guard_window=max(self.plan.crash_guard_window, window)
                 )
-            stages = self._stages = await build_stages(
-                s, self.plan, engine, self.tracker, self._tracer, self._on_revoke, self._others
+            self._stages = await build_stages(
+                s, self.plan, self._models, self.tracker, self._tracer, self._on_revoke
             )
+        except BaseException:
+            await self._close()
+            raise
+        return self._stages
+
+    async def start(self) -> None:
+        stages = await self.prepare()
+        s = self.settings
+        try:
             await stages.writer.start()
             existing = await stages.writer.existing_topics()
             if s.kafka.security_protocol != "PLAINTEXT":
@@ -147,36 +139,32 @@ class Worker:
             await self._close()
             raise
         self._started = True
+        routes = routing(s) if len(self._models) > 1 or s.pipelines else None
         log.info(
             "worker_started",
-            engine=engine.info.backend,
-            model=engine.info.name,
-            version=engine.info.version,
-            topics=list(s.kafka.input_topics),
             group=s.kafka.group_id,
-            **({"models": {m.settings.model.name: list(m.topics) for m in self._others}}
-               if self._others else {}),
+            # Each model and pipeline with the input topics it answers as their owner.
+            models={m.name: {"engine": m.engine.info.backend, "version": m.engine.info.version,
+                             "topics": _topics(routes, m.name, s)} for m in self._models},
+            **({"pipelines": {name: _topics(routes, name, s) for name in s.pipelines}}
+               if s.pipelines else {}),
+            **({"shared_topics": sorted(routes.shared)} if routes and routes.shared else {}),
         )  # fmt: skip
         metrics.set_condition("started", True)
-        labels = {"version": __version__, "model": engine.info.name,
-                  "backend": engine.info.backend, "device": self.plan.device_name}  # fmt: skip
-        metrics.BUILD_INFO.labels(**labels, model_version=engine.info.version).set(1)
-        cards.publish(engine.info, *(o.engine.info for o in self._others))
-        for m in stages.others:  # a pipeline's card: its request, its outputs
+        for model in self._models:
+            info = model.engine.info
+            metrics.BUILD_INFO.labels(version=__version__, model=info.name, backend=info.backend,
+                                      device=self.plan.device_name,
+                                      model_version=info.version).set(1)  # fmt: skip
+        cards.publish(*(model.engine.info for model in self._models))
+        for m in stages.models:  # a pipeline's card: its request, its outputs
             if (described := m.infer.described_outputs()) is not None:
                 cards.publish_pipeline(m.infer.info, described)
-        for other in self._others:
-            info = other.engine.info
-            metrics.BUILD_INFO.labels(**{**labels, "model": info.name, "backend": info.backend},
-                                      model_version=info.version).set(1)  # fmt: skip
-        self._pipeline = [
-            self._spawn(stages.consumer.run(), "consume"),
-            self._spawn(stages.batcher.run(), "batch"),
-            self._spawn(stages.infer.run(), "infer"),
-        ]
-        for m in stages.others:  # each model's batches its own (worker.config.models)
-            self._pipeline.append(self._spawn(m.batcher.run(), f"batch-{m.name}"))
-            self._pipeline.append(self._spawn(m.infer.run(), f"infer-{m.name}"))
+        self._pipeline = [self._spawn(stages.consumer.run(), "consume")]
+        for m in stages.models:  # each model's batches its own (worker.config.models)
+            suffix = "" if len(stages.models) == 1 else f"-{m.name}"
+            self._pipeline.append(self._spawn(m.batcher.run(), f"batch{suffix}"))
+            self._pipeline.append(self._spawn(m.infer.run(), f"infer{suffix}"))
         if stages.merge is not None:
             self._pipeline.append(self._spawn(stages.merge, "merge"))
         self._pipeline.append(self._spawn(stages.writer.run(), "produce"))  # last: the end
@@ -190,8 +178,12 @@ class Worker:
                 "partitions",
             ),
         ]
-        if self.plan.reloads:  # the CPU stage: the plan refuses it on the GPU path
-            watch = watch_model(s, cast(CpuStage, stages.infer), engine.info.version, labels)
+        if self.plan.reloads:  # one model, the CPU stage: refused otherwise (plan, models)
+            (only,) = self._models
+            info = only.engine.info
+            labels = {"version": __version__, "model": info.name, "backend": info.backend,
+                      "device": self.plan.device_name}  # fmt: skip
+            watch = watch_model(s, cast(CpuStage, stages.models[0].infer), info.version, labels)
             self._support.append(self._spawn(watch, "model-reload"))
         if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu
@@ -318,8 +310,7 @@ class Worker:
                 ("producer", stages.writer.close),
             ):
                 await _close_within(name, closer, limit)
-            await asyncio.to_thread(stages.infer.close)
-            for m in stages.others:
+            for m in stages.models:
                 await asyncio.to_thread(m.infer.close)
             if stages.merge is not None:
                 stages.merge.close()  # never started where start() failed
@@ -327,9 +318,8 @@ class Worker:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
-        others, self._others = self._others, []
-        for other in others:
-            other.engine.close()
+        models, self._models = self._models, []
+        close_models(models)
         self._tracer.close()  # exports the spans still buffered
         served.withdraw_all()
 
@@ -354,8 +344,7 @@ class Worker:
         )
         # After their in-flight batches settled: the next owner starts their
         # sequences afresh (this version keeps states in memory only).
-        self._stages.infer.forget(revoked)
-        for m in self._stages.others:
+        for m in self._stages.models:
             m.infer.forget(revoked)
         if self._guard is not None:  # a clean hand-over: not a crash
             committer = self._stages.committer
@@ -364,16 +353,11 @@ class Worker:
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
 
 
-async def _load_other(alone: Settings, topics: tuple[str, ...]) -> tuple[OtherModel, int]:
-    """A model besides [model] (``worker.config.models``), loaded as it would be
-    alone, its batch size derived from it where the default's is; and its size."""
-    plan = RunPlan.of(alone)
-    with settings_named(f"models.{alone.model.name}"):
-        engine, size = await measured(functools.partial(
-            load_engine, alone.model, max_batch_size=alone.batching.max_batch_size,
-            buckets=plan.batch_buckets,
-        ))  # fmt: skip
-    return OtherModel(sized_for(alone, engine.info), engine, topics), size
+def _topics(routes: Routing | None, name: str, s: Settings) -> list[str]:
+    """The input topics ``name`` answers requests naming none of (one model: every one)."""
+    if routes is None:
+        return list(s.kafka.input_topics)
+    return [t for t, owner in routes.owners.items() if owner == name]
 
 
 async def _close_within(

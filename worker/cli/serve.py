@@ -11,6 +11,7 @@ import structlog
 from worker import __version__
 from worker.cli.common import Subparsers, add_command
 from worker.config import load_settings
+from worker.config.models import as_served
 from worker.flow.errors import ConfigError
 from worker.obs import logs
 
@@ -32,7 +33,9 @@ names the setting) or a stop without draining."""
 
 
 def run_command(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
+    # One model, whichever section configured it, runs as one model (lanes in
+    # processes of their own, the GPU's members): worker.config.models.as_served.
+    settings = as_served(load_settings(args.config))
     # kafka.client_id names the member: run --procs N gives member i "<client_id>-i".
     logs.configure(settings.logging, pid=os.getpid(), member=settings.kafka.client_id)
     log.info("starting", version=__version__, config=args.config, embedded=args.embedded)

@@ -12,9 +12,15 @@ from worker.obs import logs
 
 
 def config_command(args: argparse.Namespace) -> int:
-    from worker.app.plan import as_run
+    import asyncio
 
-    print(json.dumps(redacted(as_run(load_settings(args.config))), indent=2))
+    from worker.app.preflight import checked
+    from worker.config import LoggingConfig
+
+    settings = load_settings(args.config)
+    # What loading says goes to stderr, warnings only: stdout is the settings' JSON.
+    logs.configure(LoggingConfig(format="console", level="warning"))
+    print(json.dumps(redacted(asyncio.run(checked(settings))), indent=2))
     return 0
 
 
@@ -70,9 +76,12 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
 
     cfg = add_command(
         sub, "config", "print the effective configuration (secrets masked)",
-        "Print the settings the worker would run with: defaults, then --config, then "
+        "Check the configuration as `run` does before it contacts Kafka (every model "
+        "loaded, bound and probed, the memory budget, each pipeline's tensors), then print "
+        "the settings the worker would run with: defaults, then --config, then "
         "INFER_WORKER_* variables, as JSON with secrets masked; a batch size the worker "
-        "derives from the model is derived here too (the model is loaded).",
+        "derives from the model is derived here too. Exit 2 on any mistake `run` would "
+        "refuse, naming the key; Kafka is not contacted.",
         config_command,
     )  # fmt: skip
     cfg.add_argument("--config", help="TOML file")

@@ -17,7 +17,13 @@ from typing import Any
 from worker.config.kafka import KafkaConfig
 from worker.config.lanes import LaneConfig
 from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
-from worker.config.model import ModelConfig, PostprocessConfig, PreprocessConfig, TorchConfig
+from worker.config.model import (
+    BundledModel,
+    ModelConfig,
+    PostprocessConfig,
+    PreprocessConfig,
+    TorchConfig,
+)
 from worker.config.models import check_models
 from worker.config.pipelines import PipelineConfig, StepConfig
 from worker.config.runtime import (
@@ -37,10 +43,13 @@ from worker.config.secret import Secret
 class Settings:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    # More models in the same worker, each a [models.NAME] with every key [model] has and the
-    # input topics it answers (models.NAME.topics; [model] answers the rest), each key also
-    # INFER_WORKER_MODELS__<NAME>__<KEY>: docs/guides/models.md.
+    # One model: the shorthand for a worker of one model, named from its path; the bundled
+    # digits model where no model is configured at all (BundledModel marks it unset).
+    model: ModelConfig = field(default_factory=BundledModel)
+    # Models, each a [models.NAME] with every key [model] has and the input topics it
+    # answers (models.NAME.topics; a [model] beside them answers the rest), each key also
+    # INFER_WORKER_MODELS__<NAME>__<KEY>: docs/guides/models.md. A configuration of
+    # [models.NAME] sections alone is complete: no [model] is served then.
     models: dict[str, ModelConfig] = field(default_factory=dict)
     # Models run one after another, one answer per request: each a [pipelines.NAME] with its
     # input topics, its steps (models of the worker, functions between them) and its outputs:
@@ -55,7 +64,7 @@ class Settings:
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
-        check_models(self)  # every input topic answered by exactly one model
+        check_models(self)  # every input topic answered by exactly one model or pipeline
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

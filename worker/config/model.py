@@ -249,7 +249,8 @@ class ModelConfig:
     # torch a TorchScript file or an exported .pt2 program.
     path: str = "builtin:digits"
     # The input topics this model answers when a worker serves several models ([models.NAME],
-    # docs/guides/models.md); () in [model] = every input topic no [models.NAME] names.
+    # docs/guides/models.md); () in [model] = every input topic no [models.NAME] or pipeline
+    # names, and in the one [models.NAME] of a worker = every input topic.
     topics: tuple[str, ...] = ()
     # The engine: ONNX Runtime on the CPU (the default), TensorRT or torch on a GPU.
     backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
@@ -329,3 +330,11 @@ def name_of(path: str) -> str:
     """A model's name when model.name is not set: builtin:NAME gives NAME, a file its stem."""
     stem = path.removeprefix("builtin:").replace("\\", "/").rsplit("/", 1)[-1]
     return stem.rsplit(".", 1)[0] if "." in stem else stem
+
+
+class BundledModel(ModelConfig):
+    """``[model]`` as the defaults left it: neither a ``[model]`` section nor an
+    ``INFER_WORKER_MODEL__*`` variable was given. The bundled model is served only
+    where the configuration names no model at all (``worker.config.models``); a
+    type of its own, so the answer survives copies (``dataclasses.replace``) and
+    pickling to the members of ``run --procs N``."""

@@ -1,16 +1,22 @@
-"""Several models in one worker: ``[model]`` is the default, each ``[models.NAME]``
-another model with every key ``[model]`` has, routed by input topic.
+"""The models a worker serves, and which model or pipeline answers each request:
+decided here once, from the settings, before anything loads.
 
-A topic belongs to one model, as a topic belongs to one lane: ``models.NAME.topics``
-names a model's topics, and ``[model]`` answers the input topics no other model
-names (or those its own ``topics`` lists). Every input topic is answered by
-exactly one model, decided here once, before anything loads.
+Every served model is one kind of value (``ServedModel``): a name, where it is
+configured, the input topics it answers, and the worker's settings as that model
+alone would run them. ``[models.NAME]`` sections alone are a complete
+configuration; ``[model]`` is the shorthand for one model (named from its path)
+and, beside ``[models.NAME]``, the model answering every input topic no other
+model or pipeline names. The bundled model is served only where no model is
+configured at all.
+
+The routing table (``Routing``, ``routing``) is the one place a request's
+answerer is decided: its topic's model or pipeline, or on ``[model]``'s topics
+(the shared ones) any model or pipeline the request names.
 
 What several models cannot do yet is refused by name (priority lanes, durable
-states in a changelog, a model reloaded while serving, the GPU engines): each
-would need its own design for models that share one consumer, and a refusal is
-better than a worker that half does it. A stateful model keeps its states in
-memory, per model: each model's sequences are its own.
+states in a changelog, a model reloaded while serving, the GPU engines):
+docs/guides/models.md says why for each. One model, however configured, has
+all of them.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.config.checks import as_written, check
-from worker.config.model import name_of
+from worker.config.model import BundledModel, name_of
 from worker.config.pipelines import check_pipelines
-from worker.flow.errors import ConfigError
+from worker.flow.errors import ConfigError, InvalidRequest, UnknownModel
 
 if TYPE_CHECKING:
     from worker.config import Settings
@@ -34,65 +40,168 @@ _CPU_BACKENDS = ("onnxruntime",)
 
 
 @dataclasses.dataclass(frozen=True)
-class Served:
-    """One model of the worker and the input topics it answers."""
+class ServedModel:
+    """One model of the worker: its name (results and metrics say it), where it
+    is configured (``model`` or ``models.NAME``: errors name its keys so), the
+    input topics whose requests it answers when they name none, and the worker's
+    settings as this model alone would run them (its stages are built from them)."""
 
-    key: str  # where it is configured: "model", or "models.NAME"
-    model: ModelConfig
+    name: str
+    key: str
     topics: tuple[str, ...]
+    settings: Settings
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.settings.model
 
 
-def served(s: Settings) -> tuple[Served, ...]:
-    """The worker's models, the default (``[model]``) first, each with its topics
-    (a model only a pipeline runs has none)."""
-    named = {t for m in s.models.values() for t in m.topics}
-    named |= {t for p in s.pipelines.values() for t in p.topics}
-    default_topics = s.model.topics or tuple(t for t in s.kafka.input_topics if t not in named)
-    out = [Served("model", s.model, default_topics)]
+def served(s: Settings) -> tuple[ServedModel, ...]:
+    """The worker's models, ``[model]`` first where it is served."""
+    claimed = {t for m in s.models.values() for t in m.topics}
+    claimed |= {t for p in s.pipelines.values() for t in p.topics}
+    out: list[ServedModel] = []
+    if _model_served(s):
+        m = s.model
+        topics = m.topics or tuple(t for t in s.kafka.input_topics if t not in claimed)
+        out.append(ServedModel(m.name, "model", topics, _alone(s, m, m.name)))
     for name, m in s.models.items():
-        out.append(Served(f"models.{name}", m, m.topics))
+        topics = m.topics
+        if not topics and not out and len(s.models) == 1 and not s.pipelines:
+            topics = s.kafka.input_topics  # the one model: every input topic, as [model]'s
+        out.append(ServedModel(name, f"models.{name}", topics, _alone(s, m, name)))
     return tuple(out)
 
 
+def as_served(s: Settings) -> Settings:
+    """``s`` as the worker runs it: a worker of one model, whichever section
+    configured it, runs on the settings of that model alone (``[model]`` its
+    section, named as its table names it), so everything one model has (lanes,
+    durable states, reload, the GPU stage) is its; several models: ``s``."""
+    models = served(s)
+    return models[0].settings if len(models) == 1 and not s.pipelines else s
+
+
+def _model_served(s: Settings) -> bool:
+    """``[model]`` is served where it is given, or where no ``[models.NAME]`` is:
+    the bundled model then, unless pipelines alone answer every topic without it."""
+    if not isinstance(s.model, BundledModel):
+        return True
+    if s.models:
+        return False
+    claimed = {t for p in s.pipelines.values() for t in p.topics}
+    in_steps = any(step.model == s.model.name for p in s.pipelines.values() for step in p.steps)
+    return in_steps or any(t not in claimed for t in s.kafka.input_topics)
+
+
+def _alone(s: Settings, m: ModelConfig, name: str) -> Settings:
+    model = dataclasses.replace(m, name=name, topics=())
+    return dataclasses.replace(s, model=model, models={}, pipelines={})
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which model or pipeline answers a request, built once (``routing``) and
+    consulted by the intake alone; the decision travels with the request
+    (``Job.model``) to the stages and the writer."""
+
+    # Each input topic's model or pipeline: it answers the requests naming none.
+    owners: Mapping[str, str]
+    # The topics whose requests may name any model or pipeline in ``names``.
+    shared: frozenset[str]
+    # Every model and pipeline a request may name, in the worker's order.
+    names: tuple[str, ...]
+    # For a topic not in ``owners``: one model answering every topic (tools that
+    # read requests as one model would).
+    fallback: str | None = None
+
+    @classmethod
+    def one(cls, name: str) -> Routing:
+        return cls({}, frozenset(), (name,), fallback=name)
+
+    @property
+    def answerers(self) -> tuple[str, ...]:
+        """The models and pipelines with stages of their own (every one a request
+        may reach), in the worker's order: each one's place in the backpressure."""
+        owned = set(self.owners.values())
+        if self.fallback is not None:
+            owned.add(self.fallback)
+        return tuple(n for n in self.names if n in owned or self.shared)
+
+    def owner(self, topic: str) -> str:
+        """The model or pipeline answering ``topic``'s requests that name none."""
+        owner = self.owners.get(topic, self.fallback)
+        assert owner is not None, f"{topic}: an input topic the routing table lacks"
+        return owner
+
+    def answerer(self, topic: str, named: str | None, **echo: Any) -> str:
+        """The model or pipeline answering a request read from ``topic`` naming
+        ``named`` (or none); ``echo``: the request's id and meta for the error."""
+        owner = self.owner(topic)
+        if named is None or named == owner:
+            return owner
+        if named in self.names:
+            if topic in self.shared:
+                return named
+            raise InvalidRequest(
+                f"model: {named[:64]!r} is not answered on this topic, which carries "
+                f"{owner!r}'s requests only; send it to a topic {named[:64]!r} answers",
+                **echo,
+            )  # fmt: skip
+        raise UnknownModel(
+            f"model: {named[:64]!r} is not served here; this worker serves "
+            f"{', '.join(repr(n) for n in self.names)}", **echo,
+        )  # fmt: skip
+
+
+def routing(s: Settings) -> Routing:
+    """The worker's routing table (the settings are checked: ``check_models``)."""
+    models = served(s)
+    owners = {t: m.name for m in models for t in m.topics}
+    owners |= {t: name for name, p in s.pipelines.items() for t in p.topics}
+    shared = frozenset(models[0].topics if models and models[0].key == "model" else ())
+    return Routing(owners, shared, (*(m.name for m in models), *s.pipelines))
+
+
 def check_models(s: Settings) -> None:
-    """Every input topic answered by exactly one model; a model's name is its
-    table's; several models only where the worker can serve them (see the
-    module's docstring)."""
+    """Every input topic answered by exactly one model or pipeline; every model
+    answering something; a model's name its table's; several models only where
+    the worker can serve them (the module's docstring)."""
     inputs = s.kafka.input_topics
-    if not s.models and not s.pipelines:
+    if not s.models and not s.pipelines:  # one model: [model], given or bundled
         if s.model.topics:
             _within("model.topics", s.model.topics, inputs)
             left = [t for t in inputs if t not in s.model.topics]
             check(not left, "model.topics", f"{left} in kafka.input_topics but served by no "
                   "model (leave model.topics empty to serve every input topic)")  # fmt: skip
         return
-    _check_names(s.model, s.models)
-    check_pipelines(s, {m.model.name if m.key == "model" else m.key.removeprefix("models."):
-                        m.key for m in served(s)})  # fmt: skip
+    models = served(s)
+    _check_names(s, models)
+    check_pipelines(s, {m.name: m.key for m in models})
     in_pipelines = {step.model for p in s.pipelines.values() for step in p.steps}
+    shared = routing(s).shared
     owner: dict[str, str] = {}
-    owners = [(m.key, m.topics) for m in served(s)]
-    owners += [(f"pipelines.{name}", p.topics) for name, p in s.pipelines.items()]
-    for key, topics in owners:
+    owners = [(m.key, m.name, m.topics) for m in models]
+    owners += [(f"pipelines.{name}", name, p.topics) for name, p in s.pipelines.items()]
+    for key, name, topics in owners:
         at = f"{key}.topics"
-        if key.startswith("models.") and key.removeprefix("models.") not in in_pipelines:
-            check(bool(topics), at, "names the input topics this model answers (a model only "
-                  "a pipeline runs needs none)")  # fmt: skip
-        elif key == "model" and s.model.topics:
-            check(bool(topics), at, "names the input topics this model answers")
+        if key.startswith("models.") and name not in in_pipelines and not shared:
+            check(bool(topics), at, "names the input topics this model answers (a model a "
+                  "pipeline runs, or requests name on [model]'s topics, needs none)")  # fmt: skip
+        elif key == "model":
+            check(bool(topics) or name in in_pipelines, at, "[model] answers no input topic: "
+                  "every one is named by a [models.NAME] or a pipeline (give [model] one of "
+                  "its own, or remove [model])")  # fmt: skip
         _within(at, topics, inputs)
         for topic in topics:
             check(topic not in owner, at, f"{topic!r} is also {owner.get(topic)}'s: a topic "
                   "belongs to one model or pipeline")  # fmt: skip
             owner[topic] = key
     left = [t for t in inputs if t not in owner]
-    check(not left, "kafka.input_topics", f"{left} answered by no model (name them in a "
-          "model's topics)")  # fmt: skip
-    check(bool(served(s)[0].topics) or s.model.name in in_pipelines, "model.topics",
-          "[model] answers no input topic: "
-          "every one is named by a [models.NAME] (give [model] one, or make one of them "
-          "[model])")  # fmt: skip
-    _refuse_unsupported(s)
+    check(not left, "kafka.input_topics", f"{left} answered by no model or pipeline (name "
+          "each in a models.NAME.topics or a pipelines.NAME.topics)")  # fmt: skip
+    if len(models) + len(s.pipelines) > 1:
+        _refuse_unsupported(s, models)
 
 
 def _within(at: str, topics: tuple[str, ...], inputs: tuple[str, ...]) -> None:
@@ -100,29 +209,19 @@ def _within(at: str, topics: tuple[str, ...], inputs: tuple[str, ...]) -> None:
     check(not missing, at, f"{missing} not in kafka.input_topics (add them there too)")
 
 
-def _check_names(default: ModelConfig, models: Mapping[str, ModelConfig]) -> None:
-    for name, m in models.items():
+def _check_names(s: Settings, models: tuple[ServedModel, ...]) -> None:
+    for name, m in s.models.items():
         check(m.name == name or m.name == name_of(m.path), f"models.{name}.name",
               f"{m.name!r}: a [models.NAME] model is named by its table ({name!r})")  # fmt: skip
-    check(default.name not in models, "model.name", f"{default.name!r} is also a "
-          "[models.NAME]: every model needs a name of its own")  # fmt: skip
+    if models and models[0].key == "model":
+        check(s.model.name not in s.models, "model.name", f"{s.model.name!r} is also a "
+              "[models.NAME]: every model needs a name of its own")  # fmt: skip
 
 
-def named(s: Settings) -> tuple[tuple[Served, Settings], ...]:
-    """Each model with the worker's settings as that model would run them alone
-    (``[model]`` replaced, its name the table's): what its stages are built from."""
-    out = []
-    for model in served(s):
-        name = model.key.removeprefix("models.") if model.key != "model" else model.model.name
-        m = dataclasses.replace(model.model, name=name, topics=())
-        out.append((model, dataclasses.replace(s, model=m, models={}, pipelines={})))
-    return tuple(out)
-
-
-def _refuse_unsupported(s: Settings) -> None:
+def _refuse_unsupported(s: Settings, models: tuple[ServedModel, ...]) -> None:
     k = s.kafka
-    for model in served(s):
-        m = model.model
+    for model in models:
+        m = model.config
         check(m.backend in _CPU_BACKENDS, f"{model.key}.backend",
               f"{m.backend!r}: several models in one worker run on the CPU path "
               "(onnxruntime) for now")  # fmt: skip
@@ -146,4 +245,3 @@ def settings_named(key: str) -> Iterator[None]:
         if key == "model":
             raise
         raise ConfigError(as_written(str(exc), key)) from exc
-

@@ -176,6 +176,8 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                 check(fanned is None, f"{where}.fan_out", f"a pipeline fans out once "
                       f"(steps[{fanned}] does)")  # fmt: skip
                 fanned = i
+            check(i > 0 or bool(step.model), where, "the first step is a model: the request "
+                  "is its request (functions and ops come after it, for now)")  # fmt: skip
             if step.model:
                 _check_model_step(where, step, served)
             elif step.function:

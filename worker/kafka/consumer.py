@@ -27,7 +27,7 @@ from worker.flow.offsets import OffsetTracker
 from worker.flow.streams import end_of_streams, first_of
 from worker.kafka.clients import group_consumer_kwargs
 from worker.kafka.guarded import Protection
-from worker.kafka.intake import JobFactory, Route
+from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
     apply_backpressure,
@@ -58,25 +58,25 @@ class Consumer:
         self,
         kafka: KafkaConfig,
         make_job: JobFactory,
-        jobs_out: asyncio.Queue[Job | None],
+        jobs_out: Mapping[str, asyncio.Queue[Job | None]],
         tracker: OffsetTracker,
         on_revoke: RevokeHook,
         backpressure: LaneBackpressure,
-        routes: Mapping[str, Route] | None = None,
+        ranks: Mapping[str, int] | None = None,
     ) -> None:
-        """``make_job`` and ``jobs_out``: every input topic's records, except the
-        topics ``routes`` sends to other models' stages (several models in one
-        worker: ``worker.config.models``); a job whose request names one of those
-        models (``Job.model``) goes to that model's stages."""
+        """``make_job``: the intake, which decides each record's model or pipeline
+        (``Job.model``); ``jobs_out``: each one's jobs queue, by name. ``ranks``:
+        several models in one worker, each input topic's place in the
+        backpressure (its model's); none: the topics' priority lanes."""
         self._kafka = kafka
         self._backpressure = backpressure
         self._make_job = make_job
-        self._jobs_out = jobs_out
-        self._routes = dict(routes or {})
+        self._jobs_of = dict(jobs_out)
+        # One model: every job to its one queue, without a look-up per record.
+        self._only = next(iter(self._jobs_of.values())) if len(self._jobs_of) == 1 else None
         # Where several models share the consumer, each is paused on its own counts.
-        self._rank_of = {t: r.rank for t, r in self._routes.items()}
-        self._jobs_of = {r.make_job.model: r.jobs for r in self._routes.values()}
-        self._queues = [jobs_out, *self._jobs_of.values()]
+        self._rank_of = dict(ranks or {})
+        self._queues = list(self._jobs_of.values())
         self._tracker = tracker
         self._on_revoke = on_revoke
         self._stopping = asyncio.Event()
@@ -302,9 +302,6 @@ class Consumer:
                 "redelivery_dropped", partition=f"{tp.topic}:{tp.partition}",
                 records=redelivered, first=records[0].offset, highwater=highwater,
             )  # fmt: skip
-        route = self._routes.get(tp.topic)
-        make_job, jobs_out = (route.make_job, route.jobs) if route else (
-            self._make_job, self._jobs_out)  # fmt: skip
         queued = 0
         try:
             for record in records[redelivered:]:
@@ -323,8 +320,8 @@ class Consumer:
                     return
                 if self.protection is not None:  # a cautious partition: one by one
                     await self.protection.before(tp, record.offset)
-                job = self._job(record, make_job)
-                out = self._jobs_of.get(job.model, jobs_out) if self._jobs_of else jobs_out
+                job = self._job(record)
+                out = self._only or self._jobs_of[job.model]
                 if out.full():
                     await out.put(job)
                 else:
@@ -336,14 +333,14 @@ class Consumer:
             metrics.RECORDS_CONSUMED.inc(queued)
             metrics.QUEUE_DEPTH.set(sum(q.qsize() for q in self._queues))
 
-    def _job(self, record: ConsumerRecord[Any, Any], make_job: JobFactory) -> Job:
+    def _job(self, record: ConsumerRecord[Any, Any]) -> Job:
         """Track the record's offset (before it is queued), then make its Job."""
         resets = self._tracker.resets
         tp = TopicPartition(record.topic, record.partition)
         epoch = self._tracker.track(tp, record.offset, len(record.value or b""))
         if self._tracker.resets != resets:
             metrics.PARTITION_RESETS.inc()
-        job = make_job(
+        job = self._make_job(
             record.topic,
             record.partition,
             record.offset,

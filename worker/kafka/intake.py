@@ -7,18 +7,16 @@ pipeline in order, so per-partition result order equals request order.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from worker.config import LimitsConfig
+from worker.config.models import Routing
 from worker.contract import Limits, decode_request
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
-from worker.contract.wire import short_name
-from worker.flow.errors import InvalidRequest, RecordError, UndecodableRecord, UnknownModel
+from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request
 from worker.model.inputs import ModelInputs
@@ -45,27 +43,23 @@ class JobFactory:
         max_record_age_ms: int = 0,
         content_type: str = MSGPACK,
         model: str = "",
+        *,
+        routing: Routing | None = None,
+        others: Mapping[str, tuple[ModelInputs, LimitsConfig]] | None = None,
     ) -> None:
-        """``inputs``: the model's request inputs, which each request is checked
-        against (``worker.model.inputs.bind``); ``content_type``: how a record without
-        a content-type header is read (``kafka.content_type``); ``model``: the
-        model's name, which its jobs carry (``Job.model``)."""
-        self._inputs = inputs
+        """``inputs``: the request inputs of ``model`` (its name, which its jobs
+        carry: ``Job.model``), which each request is checked against
+        (``worker.model.inputs.bind``); ``content_type``: how a record without a
+        content-type header is read (``kafka.content_type``). Several models and
+        pipelines: ``routing`` decides each request's answerer, and ``others``
+        holds every other answerer's inputs and limits; a record is decoded
+        within the widest limits, then checked against its answerer's inputs."""
         self._max_age_ms = max_record_age_ms
         self._default_json = content_type == JSON
-        self._codec_limits = Limits.of(limits)
         self.model = model
-        self._served: tuple[str, ...] = (model,)
-        self._others: dict[str, JobFactory] = {}
-
-    def route(self, served: Sequence[str], others: Mapping[str, JobFactory] = {}) -> None:
-        """Several models in one worker: ``served`` names them all (for the error
-        answering a request that names another); ``others``, those a request read
-        here may name besides this one (its topics are shared, ``[model]``'s), each
-        checked against that model's inputs and decoded within the widest limits."""
-        self._served = tuple(served)
-        self._others = dict(others)
-        every = [self._codec_limits, *(f._codec_limits for f in self._others.values())]
+        self._routing = routing or Routing.one(model)
+        self._inputs = {model: inputs, **{n: i for n, (i, _) in (others or {}).items()}}
+        every = [Limits.of(limits), *(Limits.of(x) for _, x in (others or {}).values())]
         self._codec_limits = Limits(
             max_record_bytes=max(x.max_record_bytes for x in every),
             max_tensor_bytes=max(x.max_tensor_bytes for x in every),
@@ -96,7 +90,7 @@ class JobFactory:
         deadline: float | None = None
         expiry: ExpiryRule | None = None
         failure: RecordError | None = None
-        model = self.model
+        model = self._routing.owner(topic)  # a record failing before it names one: its topic's
         try:
             if self._is_json(headers):
                 wire = "oip"
@@ -105,11 +99,14 @@ class JobFactory:
             else:
                 request = decode_request(value, self._codec_limits)
             deadline, expiry = self._deadline(request.deadline_ms, timestamp_ms)
-            chosen = self._chosen(request)
-            model = chosen.model
+            named = None if request.model is None else request.model.name
+            # The one decision of which model or pipeline answers (its version, if
+            # pinned, is checked where the batch runs: worker.compute.triage).
+            model = self._routing.answerer(topic, named, request_id=request.id,
+                                           meta=request.meta)  # fmt: skip
             # Image files and texts stay as sent: decoded and tokenized off the
             # event loop, per batch, in the inference stage.
-            inputs, lengths = chosen._inputs.check(request, batched=wire == "oip")
+            inputs, lengths = self._inputs[model].check(request, batched=wire == "oip")
         except RecordError as exc:
             failure = exc  # counted once answered (``Answers.records``)
         return Job(
@@ -118,28 +115,6 @@ class JobFactory:
             raw_value=value if failure is not None else None, epoch=epoch, expiry=expiry,
             timestamp_ms=timestamp_ms, wire=wire, outputs_wanted=outputs_wanted, trace=trace,
             model=model,
-        )  # fmt: skip
-
-    def _chosen(self, request: Request) -> JobFactory:
-        """The intake of the model that answers ``request``: the one it names (on
-        a shared topic), else this one. Its version, if pinned, is checked where the
-        batch runs (``worker.compute.triage``): a swap may come in between."""
-        name = None if request.model is None else request.model.name
-        if name is None or name == self.model:
-            return self
-        other = self._others.get(name)
-        if other is not None:
-            return other
-        if name in self._served:
-            raise InvalidRequest(
-                f"model: {short_name(name)!r} is not answered on this topic, which carries "
-                f"{self.model!r}'s requests only; send it to a topic of its own or of the "
-                f"default model", request_id=request.id, meta=request.meta,
-            )  # fmt: skip
-        raise UnknownModel(
-            f"model: {short_name(name)!r} is not served here; this worker serves "
-            f"{', '.join(repr(n) for n in self._served)}", request_id=request.id,
-            meta=request.meta,
         )  # fmt: skip
 
     def _is_json(self, headers: Headers | None) -> bool:
@@ -169,13 +144,3 @@ class JobFactory:
             if deadline is None or stale_at < deadline:
                 deadline, expiry = stale_at, "max_record_age"
         return deadline, expiry
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one input topic's records go in a worker serving several models:
-    the model's intake (its inputs, checked per request) and its jobs queue."""
-
-    make_job: JobFactory
-    jobs: asyncio.Queue[Job | None]
-    rank: int  # the model's place in the backpressure (LaneBackpressure.per_model); [model] 0

@@ -123,7 +123,7 @@ async def test_a_refusal_for_good_renews_the_producer_and_nothing_is_lost() -> N
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
     parts = WriterParts(
-        source, KafkaConfig(retry_backoff_ms=1), ModelInfo("m", "1"), tracker, committer
+        source, KafkaConfig(retry_backoff_ms=1), {"m": ModelInfo("m", "1")}, tracker, committer
     )
     sink = AtLeastOnceWriter(parts, max_pending_acks=2, producer_factory=factory)
     await sink.start()

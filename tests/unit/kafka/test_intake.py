@@ -9,6 +9,7 @@ import numpy as np
 
 from tests.models import model_inputs
 from worker.config import LimitsConfig, ModelConfig
+from worker.config.models import Routing
 from worker.contract import ModelRef, Request, Tensor, encode_request
 from worker.kafka.intake import JobFactory
 
@@ -47,18 +48,17 @@ def test_the_earlier_of_deadline_ms_and_record_age_wins() -> None:
     assert soon.deadline < late.deadline
 
 
-def _two_models() -> tuple[JobFactory, JobFactory]:
-    """[model] (digits, an image) sharing its topics with a text model."""
-    digits = JobFactory(model_inputs(), LimitsConfig(), model="digits")
+def _two_models() -> JobFactory:
+    """[model] (digits, an image) on topic ``t``, shared with a text model whose
+    own topic is ``s``: one intake, its answerer decided by the routing table."""
     text = model_inputs(ModelConfig(name="sentiment", path="builtin:sentiment"))
-    sentiment = JobFactory(text, LimitsConfig(), model="sentiment")
-    digits.route(["digits", "sentiment"], {"sentiment": sentiment})
-    sentiment.route(["digits", "sentiment"])
-    return digits, sentiment
+    table = Routing({"t": "digits", "s": "sentiment"}, frozenset({"t"}), ("digits", "sentiment"))
+    return JobFactory(model_inputs(), LimitsConfig(), model="digits", routing=table,
+                      others={"sentiment": (text, LimitsConfig())})  # fmt: skip
 
 
 def test_a_request_on_a_shared_topic_goes_to_the_model_it_names() -> None:
-    digits, _ = _two_models()
+    digits = _two_models()
     named = Request(v=1, id="t", inputs={"text": "fine"}, model=ModelRef("sentiment"))
     job = digits("t", 0, 1, None, encode_request(named))
     assert job.failure is None and job.model == "sentiment" and job.inputs["text"] == "fine"
@@ -71,20 +71,19 @@ def test_a_request_on_a_shared_topic_goes_to_the_model_it_names() -> None:
 
 
 def test_a_model_not_served_is_answered_unknown_model_naming_those_served() -> None:
-    digits, sentiment = _two_models()
-    for factory in (digits, sentiment):
-        job = factory("t", 0, 1, None, _value(model=ModelRef("translator")))
+    intake = _two_models()
+    for topic, owner in (("t", "digits"), ("s", "sentiment")):
+        job = intake(topic, 0, 1, None, _value(model=ModelRef("translator")))
         assert job.failure is not None and job.failure.code == "unknown_model"
         assert str(job.failure) == (
             "model: 'translator' is not served here; this worker serves 'digits', 'sentiment'"
         )
-        assert job.model == factory.model  # answered by its topic's model, id echoed
+        assert job.model == owner  # answered by its topic's model, id echoed
         assert getattr(job.failure, "request_id", None) == "r"
 
 
 def test_a_model_s_own_topic_answers_that_model_only() -> None:
-    _, sentiment = _two_models()
-    job = sentiment("s", 0, 1, None, _value(model=ModelRef("digits")))
+    job = _two_models()("s", 0, 1, None, _value(model=ModelRef("digits")))
     assert job.failure is not None and job.failure.code == "invalid_request"
     assert "carries 'sentiment''s requests only" in str(job.failure)
     alone = JobFactory(model_inputs(), LimitsConfig(), model="digits")  # one model

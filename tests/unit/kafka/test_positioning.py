@@ -97,7 +97,7 @@ def source_on(consumer: LogConsumer, jobs: asyncio.Queue[Job | None]) -> Consume
         tracker.forget(tps)
 
     source = Consumer(
-        KafkaConfig(), JobFactory(model_inputs(), LimitsConfig()), jobs, tracker, forget,
+        KafkaConfig(), JobFactory(model_inputs(), LimitsConfig()), {"": jobs}, tracker, forget,
         LaneBackpressure(max_records=1000, max_bytes=1 << 30),
     )  # fmt: skip
     source.client = consumer  # type: ignore[assignment]

@@ -66,7 +66,7 @@ async def at_least_once(shadow: bool) -> tuple[FakeProducer, OffsetTracker, list
     tracker, producer = OffsetTracker(), FakeProducer()
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     parts = WriterParts(
-        source, KafkaConfig(retry_backoff_ms=1, shadow=shadow), ModelInfo("m", "1"), tracker,
+        source, KafkaConfig(retry_backoff_ms=1, shadow=shadow), {"m": ModelInfo("m", "1")}, tracker,
         Committer(tracker, FakeGroup()),
     )  # fmt: skip
     writer = AtLeastOnceWriter(parts, max_pending_acks=2)
@@ -108,7 +108,7 @@ async def test_an_exactly_once_shadow_commits_a_dlq_bound_offset_with_the_next_r
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     kafka = KafkaConfig(retry_backoff_ms=1, group_instance_id="w1", shadow=True)
     committer = Committer(tracker, FakeGroup(), transactional=True)
-    parts = WriterParts(source, kafka, ModelInfo("m", "1"), tracker, committer)
+    parts = WriterParts(source, kafka, {"m": ModelInfo("m", "1")}, tracker, committer)
     writer = ExactlyOnceWriter(parts, Lease(), max_batches=4, producer_factory=factory)  # type: ignore[arg-type]
     await writer.start()
     source.put_nowait(completed(undecodable(tracker, 0), rejected(tracker, 1)))

@@ -108,7 +108,7 @@ def make_sink(
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup())
     parts = WriterParts(
-        source, KafkaConfig(retry_backoff_ms=1), ModelInfo("m", "1"), tracker, committer
+        source, KafkaConfig(retry_backoff_ms=1), {"m": ModelInfo("m", "1")}, tracker, committer
     )
     sink = AtLeastOnceWriter(parts, max_pending_acks=2)
     sink._producing.producer = producer  # type: ignore[assignment]
@@ -212,7 +212,7 @@ def make_source(
     source = Consumer(
         KafkaConfig(),
         JobFactory(model_inputs(), LimitsConfig()),
-        jobs,
+        {"": jobs},
         tracker,
         forget,
         LaneBackpressure(max_records=1000, max_bytes=1 << 30),

@@ -143,7 +143,7 @@ async def rig(
     source: asyncio.Queue[asyncio.Future[Completed] | None] = asyncio.Queue()
     committer = Committer(tracker, FakeGroup(), transactional=True)
     kafka = KafkaConfig(retry_backoff_ms=1, group_instance_id="w1")
-    parts = WriterParts(source, kafka, ModelInfo("m", "1"), tracker, committer)
+    parts = WriterParts(source, kafka, {"m": ModelInfo("m", "1")}, tracker, committer)
     sink = ExactlyOnceWriter(
         parts,
         lease,  # type: ignore[arg-type]

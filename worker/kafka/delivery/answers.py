@@ -60,8 +60,9 @@ class Answers:
     def __init__(self, parts: WriterParts) -> None:
         kafka = parts.kafka
         self._kafka = kafka
-        self._model = parts.model
-        self._routed = parts.routed
+        self._models = dict(parts.models)
+        # One model: every batch is its, whatever name its jobs carry (tools, tests).
+        self._only = next(iter(self._models.values())) if len(self._models) == 1 else None
         self._tracker = parts.tracker
         self._committer = parts.committer
         self._budget = parts.budget
@@ -102,8 +103,8 @@ class Answers:
             out = record_for(
                 answer, model, self._topics, self._seq, now, self._kafka.max_request_size, trace
             )
-            if model is not self._model:  # its latency is that model's and version's
-                out.model_name, out.model_version = model.name, model.version
+            # Its latency is that model's and version's.
+            out.model_name, out.model_version = model.name, model.version
             counted.append(job)
             failed.append(out.kind == "dlq" or (
                 answer.error is not None and answer.error.code == ErrorCode.INFERENCE_FAILED
@@ -141,16 +142,14 @@ class Answers:
         return outs
 
     def _model_of(self, completed: Completed) -> ModelInfo:
-        """The model that answered ``completed``: the start-up one, or the version
-        swapped in since (results carry it)."""
-        if self._routed and completed.answers:  # a batch is of one model
-            routed = self._routed.get(completed.answers[0].job.model)
-            if routed is not None:
-                return routed
+        """The model that answered ``completed`` (a batch is of one model, the one
+        the intake routed its jobs to), at the version that ran it: the start-up
+        one, or the version swapped in since (results carry it)."""
+        model = self._only or self._models[completed.answers[0].job.model]
         version = completed.model_version
-        if version is None or version == self._model.version:
-            return self._model
-        return ModelInfo(self._model.name, version)
+        if version is None or version == model.version:
+            return model
+        return ModelInfo(model.name, version)
 
     def _state_record(self, job: Job, change: StateChange) -> OutRecord:
         """The state record of ``job`` (``outgoing.state_record``); the job's
@@ -195,7 +194,8 @@ class Answers:
             nxt = record
             if verdict.action is Action.FALL_BACK:
                 assert failure is not None
-                nxt = fallback(record, refusal_code(failure), repr(failure), self._model)
+                answered = ModelInfo(record.model_name, record.model_version)
+                nxt = fallback(record, refusal_code(failure), repr(failure), answered)
             todo.append((nxt, verdict))
         return todo
 
@@ -241,8 +241,7 @@ class Answers:
                 continue
             if out.kind == "step":
                 continue
-            name = out.model_name or self._model.name
-            version = out.model_version or self._model.version
+            name, version = out.model_name, out.model_version
             lane = (name, version, self._lane_of.get(job.tp.topic, job.tp.topic))
             if (seen := latencies.get(lane)) is None:
                 seen = latencies[lane] = []

@@ -55,8 +55,9 @@ class OutRecord(msgspec.Struct):
     fallback: bool = False  # already the small replacement of a refused record
     error: ErrorInfo | None = None  # why, for error results and DLQ records (logs)
     partition: int | None = None  # set: this partition (a state record's); else by key
-    model_version: str = ""  # the version that answered ("": the one the worker started with)
-    model_name: str = ""  # the model that answered ("": the worker's [model])
+    # The model (or pipeline, or step) that answered, and its version (Answers.records).
+    model_version: str = ""
+    model_name: str = ""
 
     @property
     def size(self) -> int:

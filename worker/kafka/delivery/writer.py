@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
@@ -58,14 +58,13 @@ class WriterParts:
 
     completed_in: asyncio.Queue[asyncio.Future[Completed] | None]
     kafka: KafkaConfig
-    model: ModelInfo
+    # Every model and pipeline the worker answers with, by name (``Job.model``,
+    # decided by the intake): what results and metrics name.
+    models: Mapping[str, ModelInfo]
     tracker: OffsetTracker
     committer: Committer
     budget: FailureBudget | None = None
     tracer: Tracer | None = None
-    # The models besides ``model`` (several models in one worker), by name
-    # (``Job.model``); a job of a model not here is ``model``'s.
-    routed: Mapping[str, ModelInfo] = field(default_factory=dict)
 
 
 class Completions:

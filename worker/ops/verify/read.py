@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from worker.contract import decode_result
 from worker.contract.dlq import DlqHeader
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
@@ -57,11 +56,11 @@ def _dlq_source(headers: Mapping[str, bytes]) -> InputRecord | str:
     return InputRecord(topic, numbers[0], numbers[1])
 
 
-def _result_source(value: bytes | None) -> InputRecord | str:
-    if value is None:
-        return "record has no value (tombstone)"
+def _result_source(rec: Collected) -> InputRecord | str:
+    """A result's source, in either format (msgpack, or Open Inference Protocol
+    JSON by its content-type header: ``Collected.result``)."""
     try:
-        s = decode_result(value).source
+        s = rec.result().source
     except (ValueError, WorkerError) as exc:
         return f"not a result: {exc}"[:300]
     return InputRecord(s.topic, s.partition, s.offset)
@@ -143,7 +142,7 @@ class _Sorter(Draining):
         # A record of a topic that is both the output and the DLQ is read as either.
         reasons = []
         sides: tuple[tuple[Kind, InputRecord | str | None], ...] = (
-            ("result", _result_source(rec.value) if topic == self._output else None),
+            ("result", _result_source(rec) if topic == self._output else None),
             ("dlq", _dlq_source(rec.headers) if topic == self._dlq else None),
         )
         for kind, source in sides:

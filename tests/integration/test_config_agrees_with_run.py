@@ -1,0 +1,122 @@
+"""``infer-worker config`` and ``run`` refuse the same configurations: every
+refusal the guides document, fed to both as real processes (no broker listens:
+each is refused before Kafka is contacted), each exit 2 with the same message
+naming the key, never a traceback. And a configuration ``run`` serves passes
+``config``: run then goes on to Kafka (exit 1, no broker), not exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KAFKA = """
+[kafka]
+bootstrap_servers = "127.0.0.1:1"  # nothing listens: every refusal comes first
+request_timeout_ms = 2000
+"""
+
+TWO_MODELS = """
+input_topics = ["scores", "texts"]
+[models.scorer]
+path = "builtin:digits"
+topics = ["scores"]
+[models.reader]
+path = "builtin:sentiment"
+topics = ["texts"]
+"""
+
+PIPELINE = """
+input_topics = ["scores", "texts"]
+[model]
+path = "builtin:digits"
+topics = ["scores"]
+[pipelines.chain]
+topics = ["texts"]
+outputs = {{ out = "d.topk_indices" }}
+{first}
+[[pipelines.chain.steps]]
+name = "d"
+model = "digits"
+"""
+
+FUNCTION_FIRST = """
+[[pipelines.chain.steps]]
+name = "f"
+function = "tests.pipeline_functions:window"
+inputs = { mel = "request.image" }
+outputs = { frames = "float32 [76, 32, 1]" }
+"""
+
+# (configuration after [kafka], the key and message both commands must name)
+REFUSED = [
+    (TWO_MODELS.replace('"texts"]\n[models', '"texts", "third"]\n[models', 1),
+     "kafka.input_topics: ['third'] answered by no model or pipeline"),
+    (TWO_MODELS.replace('topics = ["texts"]', 'topics = ["scores"]'),
+     "models.reader.topics: 'scores' is also models.scorer's: a topic belongs to one model"),
+    (TWO_MODELS.replace('topics = ["texts"]', 'topics = ["elsewhere"]'),
+     "models.reader.topics: ['elsewhere'] not in kafka.input_topics"),
+    ('input_topics = ["a"]\n[model]\npath = "builtin:digits"\n[models.x]\n'
+     'path = "builtin:digits"\ntopics = ["a"]\n', "model.topics: [model] answers no input topic"),
+    (TWO_MODELS + 'backend = "torch"\n',
+     "models.reader.backend: 'torch': several models in one worker run on the CPU path"),
+    (TWO_MODELS + "reload_interval_s = 5\n",
+     "models.reader.reload_interval_s: a model swapped while serving is served alone"),
+    (TWO_MODELS + '[[kafka.lanes]]\ntopics = ["scores"]\npriority = 0\n[[kafka.lanes]]\n'
+     'topics = ["texts"]\npriority = 1\n', "kafka.lanes: priority lanes and several models"),
+    (PIPELINE.format(first=FUNCTION_FIRST),
+     "pipelines.chain.steps[0]: the first step is a model"),
+    (PIPELINE.format(first="").replace('model = "digits"', 'model = "translator"'),
+     "pipelines.chain.steps[0].model: 'translator' is not a model this worker serves"),
+    # Refused only once the models load: a tensor, an output, the memory budget.
+    (PIPELINE.format(first="").replace('"d.topk_indices"', '"d.nope"'),
+     "pipelines.chain.outputs.out: 'd.nope'"),
+    (TWO_MODELS + 'outputs = ["nope"]\n', "models.reader.outputs"),
+    (TWO_MODELS + "[limits]\nmax_models_memory_mb = 1\n",
+     "limits.max_models_memory_mb: the models hold"),
+]  # fmt: skip
+
+
+def _run(command: str, path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker", command, "--config", str(path)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "message"), REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_config_and_run_refuse_alike(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text(KAFKA + text)
+    for command in ("config", "run"):
+        done = _run(command, path)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert message in done.stderr, (command, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, (command, done.stderr[-2000:])
+        assert done.stdout == "" or command == "run", done.stdout  # config prints nothing
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        TWO_MODELS,  # [models.NAME] sections alone
+        # [model] with topics of its own beside a [models.NAME]: refused by run alone
+        # once ('model.topics: ['combiner.requests'] in kafka.input_topics but served
+        # by no model'), though config passed it.
+        'input_topics = ["scores", "combiner.requests"]\n[model]\ntopics = ["scores"]\n'
+        '[models.combiner]\npath = "builtin:digits"\ntopics = ["combiner.requests"]\n',
+    ],
+    ids=["models-alone", "model-topics-beside-models"],
+)
+def test_what_config_passes_run_serves_until_kafka(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text(KAFKA + text)
+    shown = _run("config", path)
+    assert shown.returncode == 0 and '"bootstrap_servers": "127.0.0.1:1"' in shown.stdout
+    ran = _run("run", path)
+    assert ran.returncode == 1, ran.stderr[-2000:]  # the models served; then no broker
+    assert "kafka.bootstrap_servers: no Kafka broker answers" in ran.stderr
