@@ -212,3 +212,58 @@ async def test_produce_sends_texts_and_samples_of_the_text_model(
     assert len(lines) == 3 and all(r["status"] == "ok" for r in lines), proc.stdout
     text = next(r for r in lines if r["id"].startswith("text-"))
     assert int(np.argmax(text["outputs"]["logits"])) == 1  # positive
+
+
+async def test_produce_sends_several_named_inputs_and_fails_on_an_error_answer(
+    broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """``produce --input NAME=FILE`` (repeated) sends one request of several inputs,
+    answered as the model alone; an answer that is an error exits 1 (it exited 0),
+    unless ``--allow-errors``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = ranker(tmp_path / "ranker.onnx")
+    feeds = {"features": np.arange(4, dtype=np.float32), "ids": np.array([3, 1, 4], np.int64)}
+    for name, value in feeds.items():
+        np.save(tmp_path / f"{name}.npy", value)
+    np.save(tmp_path / "wrong.npy", np.zeros(3, np.float64))  # not the model's dtype
+    await create_topics(broker.bootstrap, {names["requests"]: 1, names["results"]: 1,
+                                           names["dlq"]: 1})  # fmt: skip
+    w = spawn_worker(
+        broker.bootstrap, input_topics=[names["requests"]], output_topic=names["results"],
+        dlq_topic=names["dlq"], group_id=names["group"],
+        extra_env={"INFER_WORKER_MODEL__PATH": str(path)},
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env.update({"INFER_WORKER_KAFKA__INPUT_TOPICS": names["requests"],
+                "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
+                "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"]})  # fmt: skip
+
+    def produce(*given: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
+                broker.bootstrap, "--json", "--timeout", "60", *given]  # fmt: skip
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
+                              check=False)  # fmt: skip
+
+    ids = f"--input=ids={tmp_path / 'ids.npy'}"
+    named = [f"--input=features={tmp_path / 'features.npy'}", ids]
+    wrong = [f"--input=features={tmp_path / 'wrong.npy'}", ids]
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 1, 60.0, "assignment"
+        )
+        ok = await asyncio.to_thread(produce, *named)
+        failed = await asyncio.to_thread(produce, *wrong)
+        allowed = await asyncio.to_thread(produce, *wrong, "--allow-errors")
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert ok.returncode == 0, ok.stderr
+    (answer,) = [json.loads(line) for line in ok.stdout.splitlines() if line.startswith("{")]
+    alone = run_alone(path, feeds)
+    np.testing.assert_allclose(answer["outputs"]["score"], alone["score"], rtol=1e-5)
+    assert failed.returncode == 1 and "1 of 1 answered with an error" in failed.stderr
+    assert '"status": "error"' in failed.stdout and "invalid_request" in failed.stdout
+    assert allowed.returncode == 0, allowed.stderr

@@ -22,7 +22,7 @@ from worker.contract import (
     encode_request,
     encode_result,
 )
-from worker.contract.oip import encode_oip_result
+from worker.contract.oip import CONTENT_TYPE, encode_oip_result
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker
 from worker.ops.topics import Collector, produce_all
@@ -182,17 +182,20 @@ async def test_read_topics_parses_records_and_reports_unparseable_ones(
             Result(id="x", status="ok", source=Source(req, 0, offset), model=ModelInfo("m", "v"))
         )
 
+    JSON = CONTENT_TYPE.encode()
+
+    def oip(offset: int) -> bytes:
+        outputs = {"out": np.zeros((1, 2), np.float32)}
+        return encode_oip_result("y", ModelInfo("m", "v"), Source(req, 0, offset), {}, None,
+                                 outputs)  # fmt: skip
+
     producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
     await producer.start()
     try:
         acks = [
             await producer.send(res, result(0), partition=1),
             # An Open Inference Protocol JSON answer, told by its content type.
-            await producer.send(
-                res, encode_oip_result("y", ModelInfo("m", "v"), Source(req, 0, 1), {}, None,
-                                       {"out": np.zeros((1, 2), np.float32)}),
-                partition=1, headers=[("content-type", b"application/json")],
-            ),  # fmt: skip
+            await producer.send(res, oip(1), partition=1, headers=[("content-type", JSON)]),
             await producer.send(res, b"\xc1 corrupt", partition=0),
             await producer.send(
                 dlq,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import Settings, load_settings
 from worker.app.plan import RunPlan
+from worker.config import Settings, load_settings
 from worker.config.models import Routing, as_served, routing, served
 from worker.flow.errors import ConfigError, InvalidRequest, UnknownModel
 

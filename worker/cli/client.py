@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from worker.cli.common import Subparsers, add_command, client_settings, kafka_flags
 
@@ -12,14 +13,35 @@ def produce_command(args: argparse.Namespace) -> int:
     from worker.ops.requests import parse_meta
 
     s = client_settings(args)
+    input_name, named = _inputs(args.input)
     # The configuration as the worker reads it: --topic picks where to send,
     # without rewriting kafka.input_topics (a lanes configuration names them all).
     return run_produce(
         s.kafka, s.limits, args.files, args.samples, not args.no_wait, args.timeout, args.json,
-        topic=args.topic, texts=args.text, input_name=args.input, sample_model=args.model,
+        topic=args.topic, texts=args.text, input_name=input_name, sample_model=args.model,
         oip=args.oip, meta=parse_meta(args.meta), count=args.count, rate=args.rate,
-        model_name=args.model_name, model_version=args.model_version,
+        model_name=args.model_name, model_version=args.model_version, named=named,
+        allow_errors=args.allow_errors,
     )  # fmt: skip
+
+
+def _inputs(given: list[str]) -> tuple[str | None, dict[str, Path]]:
+    """``--input``: NAME (what files and texts are sent as) or NAME=FILE (one
+    input of a request of several), each named once."""
+    from worker.flow.errors import ConfigError
+
+    plain = [g for g in given if "=" not in g]
+    if len(plain) > 1:
+        raise ConfigError(f"--input: {plain}: name the input files and texts go to once")
+    named: dict[str, Path] = {}
+    for g in given:
+        name, eq, path = g.partition("=")
+        if not eq:
+            continue
+        if not name or not path or name in named:
+            raise ConfigError(f"--input {g!r}: expected NAME=FILE, each NAME once")
+        named[name] = Path(path)
+    return (plain[0] if plain else None), named
 
 
 def consume_command(args: argparse.Namespace) -> int:
@@ -33,12 +55,15 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         sub, "produce", "send images or texts as requests and print their answers",
         "Send image files (JPEG, PNG or WebP as they are; .npy arrays as tensors), texts "
         "(--text) or a bundled model's samples to the input topic, each with a unique id, "
-        "then wait for their answers and print them (top classes, the outputs, or the error).",
+        "then wait for their answers and print them (top classes, the outputs, or the "
+        "error). Exit 0 every answer ok; 1 an answer did not come within --timeout or was an "
+        "error (--allow-errors: only the first); 2 usage or configuration errors.",
         produce_command,
         epilog="examples:\n  infer-worker produce --samples 3\n  infer-worker produce a.png b.jpg\n"
         '  infer-worker produce --text "The battery was great"\n'
         "  infer-worker produce --samples 3 --model sentiment\n"
         "  infer-worker produce cat.jpg --meta label=281\n"
+        "  infer-worker produce --input features=x.npy --input ids=ids.npy\n"
         "  infer-worker produce --samples 360 --count 50000 --no-wait   # a backlog\n"
         "  infer-worker produce --samples 360 --count 6000 --rate 100   # a steady stream",
     )  # fmt: skip
@@ -47,8 +72,10 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "--text", action="append", default=[], help="send this text (repeatable)"
     )  # fmt: skip
     p.add_argument(
-        "--input", default=None,
-        help="the request input to send them as (default: image for files, text for texts)",
+        "--input", action="append", default=[], metavar="NAME[=FILE]",
+        help="NAME: the request input files and texts are sent as (default: image for "
+        "files, text for texts); NAME=FILE (repeatable): one request of several inputs, "
+        "each a .npy array or an image file, as a model of several inputs takes them",
     )  # fmt: skip
     p.add_argument(
         "--samples", type=int, default=0,
@@ -91,6 +118,11 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
     p.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    p.add_argument(
+        "--allow-errors", action="store_true",
+        help="exit 0 though some answers are errors (default: exit 1, as for a request "
+        "left unanswered)",
+    )  # fmt: skip
     kafka_flags(p)
     c = add_command(
         sub, "consume", "print results as they arrive",

@@ -20,6 +20,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from worker.ops.requests import (
     LabelledRequest,
     cycled,
     from_file,
+    from_named_files,
     from_samples,
     from_text,
     with_meta,
@@ -182,14 +184,15 @@ async def watch(
     timeout: float | None,
     json_lines: bool,
     include_dlq: bool = True,
-) -> int:
-    """Print results (of ``ids`` only, when given) as they arrive. Returns how
-    many of ``ids`` were not answered before ``timeout`` (0 when none given)."""
+) -> Watched:
+    """Print results (of ``ids`` only, when given) as they arrive, until each
+    of ``ids`` is answered or ``timeout``."""
     topics = [kafka.output_topic] + ([kafka.dlq_topic] if include_dlq else [])
     collector = Collector(connection(kafka), topics)
     await collector.start()
     wanted = set(ids or ())
     seen: set[str] = set()
+    errors: set[str] = set()
 
     def show(c: Collector) -> None:
         for topic, bucket in c.records.items():
@@ -212,6 +215,8 @@ async def watch(
             print(f"(unreadable record at {topic}/{rec.partition}@{rec.offset}: {exc})")
             return
         seen.add(result.id)
+        if result.status == "error":
+            errors.add(result.id)
         print(as_json(result) if json_lines else describe(result), flush=True)
 
     def done(_: Collector) -> bool:
@@ -228,7 +233,16 @@ async def watch(
     missing = wanted - seen
     for rid in sorted(missing):
         print(f"{rid}  no answer within {timeout:g} s", file=sys.stderr)
-    return len(missing)
+    return Watched(len(missing), len(errors & wanted) if wanted else len(errors))
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What ``watch`` saw: requests of ``ids`` not answered in time, and answers
+    that were errors."""
+
+    missing: int
+    errors: int
 
 
 def request_size(limits: LimitsConfig) -> int:
@@ -255,11 +269,15 @@ def run_produce(
     rate: float = 0.0,
     model_name: str | None = None,
     model_version: str | None = None,
+    named: Mapping[str, Path] | None = None,
+    allow_errors: bool = False,
 ) -> int:
     """Send the files, texts and samples given (cycled to ``count`` requests when
     set, ``rate`` a second when > 0) to ``topic`` (default: the configuration's
     first input topic), then, with ``wait``, print each answer as it arrives;
-    ``model_name``: the model each request names (several models in one worker)."""
+    ``model_name``: the model each request names (several models in one worker);
+    ``named``: one more request of these named inputs. Exit status 1 when an
+    answer did not come in time, or came as an error (unless ``allow_errors``)."""
     if rate < 0:
         raise ConfigError(f"--rate must be >= 0 (requests a second; 0 = as fast as acked), "
                           f"got {rate:g}")  # fmt: skip
@@ -268,9 +286,12 @@ def run_produce(
     requests = [from_file(Path(f), limits, input_name or "image") for f in files]
     requests += [from_text(t, input_name or "text") for t in texts]
     requests += from_samples(samples, sample_model)
+    if named:
+        requests.append(from_named_files(named, limits))
     requests = with_meta(requests, meta or {}, model_name, model_version)
     if not requests:
-        raise ConfigError("nothing to send: give image files, --text TEXT, or --samples N")
+        raise ConfigError("nothing to send: give image files, --text TEXT, --input NAME=FILE "
+                          "or --samples N")
     total = len(requests) if count is None else count
     stream = iter(requests) if count is None else cycled(requests, count)
     ids: set[str] = set()
@@ -289,10 +310,12 @@ def run_produce(
                    rate=rate, setting=setting)  # fmt: skip
         if not wait:
             return 0
-        missing = await watch(
+        seen = await watch(
             kafka, ids=ids, timeout=timeout, json_lines=json_lines, include_dlq=False
         )
-        return 1 if missing else 0
+        if seen.errors and not allow_errors:
+            print(f"{seen.errors} of {len(ids)} answered with an error", file=sys.stderr)
+        return 1 if seen.missing or (seen.errors and not allow_errors) else 0
 
     return run_tool(kafka, go())
 
@@ -300,10 +323,10 @@ def run_produce(
 def run_consume(
     kafka: KafkaConfig, ids: Sequence[str], timeout: float | None, json_lines: bool
 ) -> int:
-    missing = run_tool(
+    seen = run_tool(
         kafka, watch(kafka, ids=set(ids) or None, timeout=timeout, json_lines=json_lines)
     )
-    return 1 if missing else 0
+    return 1 if seen.missing else 0
 
 
 __all__: list[str] = [

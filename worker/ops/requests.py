@@ -75,25 +75,38 @@ def from_file(path: Path, limits: LimitsConfig, input_name: str = "image") -> La
     """A request for one file: image files as sent, ``.npy`` as a tensor (any
     dtype the contract carries: the worker checks it against the model)."""
     rid = f"{path.stem}-{uuid.uuid4().hex[:8]}"
-    if path.suffix.lower() == ".npy":
-        array = np.load(path, allow_pickle=False)
-        try:
-            image: Tensor | EncodedImage = Tensor.from_numpy(array)
-        except ValueError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-    else:
-        data = path.read_bytes()
-        fmt = sniff_format(data)
-        if fmt is None:
-            raise ConfigError(f"{path}: not a JPEG, PNG or WebP file (or a .npy array)")
-        if len(data) > limits.max_tensor_bytes:
-            raise ConfigError(
-                f"{path}: {len(data)} bytes; the worker takes files up to "
-                f"limits.max_tensor_bytes = {limits.max_tensor_bytes}"
-            )
-        image = EncodedImage(fmt, data)
-    request = Request(v=1, id=rid, inputs={input_name: image})
+    request = Request(v=1, id=rid, inputs={input_name: _file_input(path, limits)})
     return LabelledRequest(rid, str(path), encode_request(request))
+
+
+def from_named_files(named: Mapping[str, Path], limits: LimitsConfig) -> LabelledRequest:
+    """One request of several named inputs (``produce --input NAME=FILE``), each
+    file read as ``from_file`` reads one."""
+    rid = f"request-{uuid.uuid4().hex[:8]}"
+    inputs = {name: _file_input(path, limits) for name, path in named.items()}
+    label = ", ".join(f"{name}={path}" for name, path in named.items())
+    return LabelledRequest(rid, label, encode_request(Request(v=1, id=rid, inputs=inputs)))
+
+
+def _file_input(path: Path, limits: LimitsConfig) -> Tensor | EncodedImage:
+    if path.suffix.lower() == ".npy":
+        try:
+            return Tensor.from_numpy(np.load(path, allow_pickle=False))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise ConfigError(f"{path}: not a JPEG, PNG or WebP file (or a .npy array)")
+    if len(data) > limits.max_tensor_bytes:
+        raise ConfigError(
+            f"{path}: {len(data)} bytes; the worker takes files up to "
+            f"limits.max_tensor_bytes = {limits.max_tensor_bytes}"
+        )
+    return EncodedImage(fmt, data)
 
 
 def from_text(text: str, input_name: str = "text") -> LabelledRequest:
