@@ -27,9 +27,8 @@ from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.config import Settings
-from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
 from worker.config.models import Routing, as_served, routing
-from worker.config.pipelines import step_topics
+from worker.config.topics import needed_topics
 from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
 from worker.flow.messages import TopicPartition
@@ -122,8 +121,7 @@ class Worker:
                 # Before the existence check: a topic this principal may not even
                 # Describe looks absent, and the missing ACL is the better answer.
                 assert stages.writer.producer is not None
-                guarded = s.limits.max_crash_attempts > 0 and s.kafka.crash_guard_topic in existing
-                await check_topics(stages.writer.producer.client, s.kafka, guarded)
+                await check_topics(stages.writer.producer.client, s.kafka, needed_topics(s))
             self._check_topics(existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
             await wire_states(s, self.plan, stages, existing, self.tracker)
@@ -195,19 +193,16 @@ class Worker:
         with exit 2 naming the setting (``worker.kafka.topiccheck``): a misspelt
         input topic would be waited on silently (or created empty by a broker that
         creates topics on demand), a misspelt output or DLQ topic would let the
-        worker read, report ready, and fail every delivery. The crash-guard topic
-        is required only when one other than the default is named: without it
-        crash-loop protection is off, said at start (``crash_guard``)."""
-        k = self.settings.kafka
-        require_topics("kafka.input_topics", k.input_topics, existing, k)
-        require_topics("kafka.output_topic", [k.output_topic], existing, k)
-        if not k.shadow:  # a shadow writes no DLQ records
-            require_topics("kafka.dlq_topic", [k.dlq_topic], existing, k)
-        guarded = self.settings.limits.max_crash_attempts > 0 and not k.shadow
-        if guarded and k.crash_guard_topic != DEFAULT_CRASH_GUARD_TOPIC:
-            require_topics("kafka.crash_guard_topic", [k.crash_guard_topic], existing, k)
-        for name, at, topic in step_topics(self.settings):  # a pipeline step's audit topic
-            require_topics(f"pipelines.{name}.{at}.topic", [topic], existing, k)
+        worker read, report ready, and fail every delivery. The topics are the one
+        list ``topics create`` makes (``worker.config.topics``); the default
+        crash-guard topic is optional (without it crash-loop protection is off,
+        said at start: ``crash_guard``)."""
+        by_setting: dict[str, list[str]] = {}
+        for topic in needed_topics(self.settings):
+            if topic.required:
+                by_setting.setdefault(topic.setting, []).append(topic.name)
+        for setting, names in by_setting.items():
+            require_topics(setting, names, existing, self.settings.kafka)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only

@@ -47,7 +47,7 @@ def topics_command(args: argparse.Namespace) -> int:
 
 def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     from worker.cli.common import kafka_flags
-    from worker.ops.provision import DEFAULT_PARTITIONS
+    from worker.config.topics import DEFAULT_PARTITIONS
 
     top = add_command(
         sub, "topics", "list, check or create the topics a configuration needs",

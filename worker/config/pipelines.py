@@ -137,12 +137,6 @@ def _check_op_step(where: str, step: StepConfig) -> None:
           "uint8 [size[0], size[1], C] a box")  # fmt: skip
 
 
-def step_topics(s: Settings) -> list[tuple[str, str, str]]:
-    """The pipelines' step topics: (pipeline, "steps[i]", topic) for each step with one."""
-    return [(name, f"steps[{i}]", step.topic) for name, p in s.pipelines.items()
-            for i, step in enumerate(p.steps) if step.topic]  # fmt: skip
-
-
 def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
     """Each pipeline's shape, as the settings load (``served``: the worker's models
     by name, each to where it is configured): topics; steps named once, each a

@@ -35,6 +35,7 @@ from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 
 from worker.config import KafkaConfig
+from worker.config.topics import NeededTopic
 from worker.flow.errors import ConfigError
 
 # Refusals an operator can undo (an ACL granted again): at run time the worker
@@ -118,16 +119,13 @@ class _AuthorizedOperations(Request[_MetadataRequestV8]):  # type: ignore[misc]
         return request_struct_class(self._topics, False, False, True)
 
 
-def needed(k: KafkaConfig, guard: bool) -> dict[str, set[int]]:
-    """The operations the worker needs per topic (Read and Write imply Describe)."""
-    need: dict[str, set[int]] = {t: {READ} for t in k.input_topics}
-    # A shadow writes no DLQ records and keeps no crash guard (kafka.shadow).
-    for topic in (k.output_topic,) if k.shadow else (k.output_topic, k.dlq_topic):
-        need.setdefault(topic, set()).add(WRITE)
-    if k.state_topic:
-        need.setdefault(k.state_topic, set()).update({READ, WRITE})
-    if guard and not k.shadow:
-        need.setdefault(k.crash_guard_topic, set()).update({READ, WRITE})
+def needed(topics: Iterable[NeededTopic]) -> dict[str, set[int]]:
+    """The operations the worker needs per topic (Read and Write imply Describe),
+    from the one list of the topics it uses (``worker.config.topics``)."""
+    ops = {"read": {READ}, "write": {WRITE}, "both": {READ, WRITE}}
+    need: dict[str, set[int]] = {}
+    for topic in topics:
+        need.setdefault(topic.name, set()).update(ops[topic.use])
     return need
 
 
@@ -144,11 +142,12 @@ def missing(answer: Mapping[str, tuple[int, int]], need: Mapping[str, set[int]])
     return out
 
 
-async def check_topics(client: Any, k: KafkaConfig, guard: bool) -> None:
-    """Raise ``ConfigError`` naming every topic permission the principal lacks.
-    ``client``: a started aiokafka client (the producer's). Skipped where the
-    broker does not serve Metadata version 8."""
-    need = needed(k, guard)
+async def check_topics(client: Any, k: KafkaConfig, topics: Iterable[NeededTopic]) -> None:
+    """Raise ``ConfigError`` naming every permission on ``topics`` the principal
+    lacks (a topic that does not exist is said elsewhere). ``client``: a started
+    aiokafka client (the producer's). Skipped where the broker does not serve
+    Metadata version 8."""
+    need = needed(topics)
     try:
         response = await client.send(client.get_random_node(), _AuthorizedOperations(need))
     except (IncompatibleBrokerVersion, KafkaError):

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -40,39 +40,17 @@ from aiokafka.errors import (
 )
 
 from worker.config import Settings
-from worker.config.pipelines import step_topics
+from worker.config.topics import DEFAULT_PARTITIONS, NeededTopic, needed_topics
 from worker.flow.deadline import Deadline
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_PARTITIONS = 6
-COMPACTED = {"cleanup.policy": "compact"}
-
-
-@dataclass(frozen=True)
-class NeededTopic:
-    name: str
-    setting: str
-    partitions: int | None  # None: as many as the input topic has (a changelog)
-    configs: dict[str, str] = field(default_factory=dict)
-
-
 def needed(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[NeededTopic]:
-    """The topics the worker configured by ``s`` reads or writes, in that order."""
-    k = s.kafka
-    out = [NeededTopic(t, "kafka.input_topics", partitions) for t in k.input_topics]
-    out.append(NeededTopic(k.output_topic, "kafka.output_topic", partitions))
-    if not k.shadow:
-        out.append(NeededTopic(k.dlq_topic, "kafka.dlq_topic", 1))
-        if s.limits.max_crash_attempts > 0:
-            out.append(NeededTopic(k.crash_guard_topic, "kafka.crash_guard_topic", 1, COMPACTED))
-    if k.state_topic:
-        out.append(NeededTopic(k.state_topic, "kafka.state_topic", None, COMPACTED))
-    for name, at, topic in step_topics(s):
-        out.append(NeededTopic(topic, f"pipelines.{name}.{at}.topic", partitions))
-    return out
+    """The topics the worker configured by ``s`` reads or writes, in that order:
+    the one list (``worker.config.topics``) the worker's start-up check reads too."""
+    return needed_topics(s, partitions)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import KafkaConfig, Settings
+from worker.config import KafkaConfig, LimitsConfig, Settings, load_settings
 from worker.config.loading import redacted_tree
+from worker.config.topics import needed_topics
 from worker.flow.errors import ConfigError
 from worker.kafka import credentials
 from worker.kafka.credentials import CommandToken, FileToken, read_secret, token_expiry
@@ -166,9 +167,10 @@ async def test_a_failing_token_command_is_a_configuration_error() -> None:
 def test_the_permissions_asked_for_and_what_is_missing() -> None:
     k = KafkaConfig(input_topics=("in",), output_topic="out", dlq_topic="dlq",
                     crash_guard_topic="guard")  # fmt: skip
-    need = needed(k, guard=True)
+    need = needed(needed_topics(Settings(kafka=k)))
     assert need == {"in": {READ}, "out": {WRITE}, "dlq": {WRITE}, "guard": {READ, WRITE}}
-    assert "guard" not in needed(k, guard=False)
+    unguarded = Settings(kafka=k, limits=LimitsConfig(max_crash_attempts=0))
+    assert "guard" not in needed(needed_topics(unguarded))
     bits = lambda *ops: sum(1 << op for op in ops)  # noqa: E731
     answer = {"in": (0, bits(READ, 8)), "out": (0, bits(8)), "dlq": (0, bits(WRITE)),
               "guard": (29, -(2**31))}  # fmt: skip
@@ -183,4 +185,22 @@ def test_the_permissions_asked_for_and_what_is_missing() -> None:
 def test_a_shadow_asks_for_no_dlq_or_crash_guard_permission() -> None:
     k = KafkaConfig(input_topics=("in",), output_topic="shadow.out", dlq_topic="dlq",
                     crash_guard_topic="guard", shadow=True)  # fmt: skip
-    assert needed(k, guard=True) == {"in": {READ}, "shadow.out": {WRITE}}
+    assert needed(needed_topics(Settings(kafka=k))) == {"in": {READ}, "shadow.out": {WRITE}}
+
+
+def test_a_pipeline_step_s_audit_topic_is_asked_to_be_writable() -> None:
+    """The permissions come from the one list of needed topics that topics create
+    and the start-up check read (worker.config.topics): a step's audit topic was
+    in theirs but not in the permissions asked for."""
+    s = load_settings(env={
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": "in,chain.in",
+        "INFER_WORKER_MODEL__TOPICS": "in",
+        "INFER_WORKER_PIPELINES__CHAIN__TOPICS": "chain.in",
+        "INFER_WORKER_PIPELINES__CHAIN__STEPS":
+            '[{name = "d", model = "digits", topic = "chain.audit"}]',
+        "INFER_WORKER_PIPELINES__CHAIN__OUTPUTS": '{out = "d.topk_indices"}',
+    })  # fmt: skip
+    topics = needed_topics(s)
+    assert needed(topics)["chain.audit"] == {WRITE}
+    audit = [t.setting for t in topics if t.name == "chain.audit"]
+    assert audit == ["pipelines.chain.steps[0].topic"]

@@ -15,7 +15,8 @@ from worker.config import (
     StepConfig,
 )
 from worker.config.kafka import LaneConfig
-from worker.ops.provision import COMPACTED, Found, NeededTopic, needed, report
+from worker.config.topics import COMPACTED, NeededTopic
+from worker.ops.provision import Found, needed, report
 
 
 def test_every_topic_the_worker_reads_or_writes_is_needed() -> None:
