@@ -278,3 +278,26 @@ def recurrent(path: Path, seed: int = 0) -> Path:
         ],
     )
     return _save(graph, path)
+
+
+def conv_detector(path: Path, squeezed: bool = False, seed: int = 0) -> Path:
+    """A fully convolutional map, as detectors are: ``x`` float32 [batch, 1, H, W]
+    (H, W free) -> ``heat`` float32 [batch, 1, h, w], one 12x12 convolution (no
+    padding), so it runs at H, W >= 12 only and fails on 1x1. ``squeezed``: the
+    map goes through a Squeeze without axes, which drops every axis of length 1
+    at run time while the file still declares four (shape inference cannot tell
+    which are 1): a declaration a run at batch 1 breaks."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).normal(size=(1, 1, 12, 12)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["map" if squeezed else "heat"])]
+    if squeezed:
+        nodes.append(helper.make_node("Squeeze", ["map"], ["heat"]))
+    graph = helper.make_graph(
+        nodes,
+        "conv_detector",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, "H", "W"])],
+        [helper.make_tensor_value_info("heat", TensorProto.FLOAT, ["batch", 1, "h", "w"])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return _save(graph, path)

@@ -1,19 +1,24 @@
 """The model run once before it serves: at start-up and before a swap.
 
-One run on zeros (a batch of the model's fixed batch size, or one row; free
-dimensions of length 1). An engine that cannot run, or returns other outputs
-than it declares, fails a swap's self-test (``worker.app.reload``). At start-up
-(CPU path) the run's outputs are also held to the model's declaration, as every
-served run is (``OutputPlan.check``): a model file whose output declaration
-does not hold is refused before the worker joins its group, exit 2, naming the
-output and both shapes (issue 37). A start-up run that fails on zeros is not a
-refusal (some models need inputs longer than one): the per-run check still
-guards every served run, so it is logged, not fatal.
+One run on zeros (a batch of the model's fixed batch size, or one row). An
+engine that cannot run, or returns other outputs than it declares, fails a
+swap's self-test (``worker.app.reload``). At start-up (CPU path) the run's
+outputs are also held to the model's declaration, as every served run is
+(``OutputPlan.check``): a model file whose output declaration does not hold is
+refused before the worker joins its group, exit 2, naming the output and both
+shapes (issue 37).
+
+Free dimensions are tried at lengths 1, 2, 4, ... up to ``PROBE_LENGTHS[-1]``,
+the first the model runs at is the probe's: a fully convolutional detector
+whose receptive field is 12x12 fails at 1x1 and is checked at 16x16. A model
+that runs at none of them is not refused (the per-run check still guards every
+served run), but its declarations go unchecked before it serves: a warning
+names the model (README says which models these are).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import structlog
@@ -26,13 +31,17 @@ from worker.model.outputs import OutputPlan
 log = structlog.get_logger(__name__)
 
 
-def zero_feeds(io: ModelIO) -> dict[str, np.ndarray]:
+# The lengths free dimensions are probed at, the first the model runs at kept.
+PROBE_LENGTHS: Final = tuple(2**i for i in range(10))  # 1 .. 512
+
+
+def zero_feeds(io: ModelIO, length: int = 1) -> dict[str, np.ndarray]:
     """Zeros for every input: ``io.batch`` rows (one when the batch is free),
-    free dimensions of length 1."""
+    free dimensions of ``length``."""
     rows = io.batch or 1
     feeds = {}
     for desc in io.inputs:
-        row = tuple(d if isinstance(d, int) else 1 for d in desc.shape)
+        row = tuple(d if isinstance(d, int) else length for d in desc.shape)
         shape = row if desc.batch_axis is None else (*row[: desc.batch_axis], rows,
                                                      *row[desc.batch_axis :])  # fmt: skip
         feeds[desc.name] = np.zeros(shape, desc.dtype)
@@ -50,17 +59,33 @@ def self_test(engine: Engine) -> str | None:
     return f"its self-test run returned no {sorted(missing)}" if missing else None
 
 
-def check_declarations(engine: Engine, io: ModelIO, plan: OutputPlan) -> None:
+def check_declarations(engine: Engine, io: ModelIO, plan: OutputPlan, model: str = "") -> None:
     """Start-up: refuse (``ConfigError``, exit 2) a model whose run on zeros
-    returns an output that breaks its declaration (``io``: as bound)."""
-    try:
-        outputs: dict[str, Any] = dict(engine.run(zero_feeds(io)))
-    except Exception as exc:  # boundary: zeros of length 1 may not be a valid input
-        log.info("startup_probe_skipped", reason=repr(exc)[:200])
+    returns an output that breaks its declaration (``io``: as bound), at the
+    first of ``PROBE_LENGTHS`` the model runs at; warn where it runs at none."""
+    free = any(not isinstance(d, int) for desc in io.inputs for d in desc.shape)
+    failure: Exception | None = None
+    for length in PROBE_LENGTHS if free else (1,):
+        try:
+            outputs: dict[str, Any] = dict(engine.run(zero_feeds(io, length)))
+        except Exception as exc:  # boundary: zeros of this length may not be a valid input
+            failure = exc
+            continue
+        break
+    else:
+        log.warning(
+            "startup_probe_skipped", model=model, reason=repr(failure)[:200],
+            effect="its declared outputs are checked on every served run, not before it serves",
+            tried=f"zeros, free dimensions of length {PROBE_LENGTHS[0]} to {PROBE_LENGTHS[-1]}"
+            if free else "zeros",
+        )  # fmt: skip
         return
+    if length > 1:
+        log.info("startup_probe", model=model, free_dimensions=length)
     for name in plan.used:
         if name in outputs:
             try:
                 plan.check(name, outputs[name], io.batch or 1)
             except InferenceFailed as exc:
-                raise ConfigError(f"model.path: a run on zeros: {exc}") from None
+                at = f" (free dimensions of length {length})" if length > 1 else ""
+                raise ConfigError(f"model.path: a run on zeros{at}: {exc}") from None

@@ -156,7 +156,8 @@ async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngin
     with settings_named(key):  # a [models.NAME]'s errors name its keys as written
         binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
         if plan.device == "cpu":
-            await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs)
+            await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs,
+                                    s.model.name)  # fmt: skip
     # The outputs its answers carry (model.outputs and postprocessing applied).
     log.info("model_inputs", model=s.model.name, inputs=summary(binding.inputs),
              outputs=list(answer_outputs(binding)))  # fmt: skip
