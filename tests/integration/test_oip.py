@@ -314,18 +314,27 @@ async def test_the_client_and_produce_speak_it(
                     "INFER_WORKER_KAFKA__OUTPUT_TOPIC": names["results"],
                     "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"]})  # fmt: skip
         np.save(tmp_path / "features.npy", features)
-        argv = [sys.executable, "-m", "worker", "produce", "--bootstrap-servers", broker.bootstrap,
-                str(tmp_path / "features.npy"), "--input", "features", "--oip", "--json",
-                "--timeout", "60"]  # fmt: skip
-        proc = await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True,
-                                       text=True, timeout=120)  # fmt: skip
+        np.save(tmp_path / "ids.npy", ids)
+        produce = [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
+                   broker.bootstrap, "--oip", "--json", "--timeout", "60"]  # fmt: skip
+        one = [str(tmp_path / "features.npy"), "--input", "features"]
+        both = [f"--input=features={tmp_path / 'features.npy'}",
+                f"--input=ids={tmp_path / 'ids.npy'}"]  # fmt: skip
+        proc, whole = [await asyncio.to_thread(subprocess.run, produce + given, env=env,
+                                               capture_output=True, text=True, timeout=120)
+                       for given in (one, both)]  # fmt: skip
     finally:
         assert w.terminate() == 0, w.log_tail()
     assert result.status == "ok", result.error
     np.testing.assert_allclose(result.outputs["score"].to_numpy(), alone["score"], rtol=1e-5,
                                atol=1e-6)  # fmt: skip
     assert result.outputs["token_scores"].shape == (2,)
-    # produce --oip sent one input of two: answered, as JSON, with the error naming it.
-    assert proc.returncode == 0, proc.stderr
+    # produce --oip sent one input of two: answered, as JSON, with the error naming
+    # it, and an answer that is an error exits 1.
+    assert proc.returncode == 1, proc.stderr
     (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert line["status"] == "error" and "inputs.ids: missing" in line["error"]["message"]
+    # Both inputs (--input NAME=FILE, repeated): answered as the model alone.
+    assert whole.returncode == 0, whole.stderr
+    (line,) = [json.loads(x) for x in whole.stdout.splitlines() if x.startswith("{")]
+    np.testing.assert_allclose(line["outputs"]["score"], alone["score"], rtol=1e-5, atol=1e-6)

@@ -30,7 +30,12 @@ async def test_a_real_model_answers_every_request_as_alone(
     env = {
         "INFER_WORKER_MODEL__PATH": str(path),
         # Requests of several sizes share batches: sent as a backlog before the
-        # worker starts (serve's backlog), and a batch waits for all of one fetch.
+        # worker starts (serve's backlog), all read by one fetch (a detector's
+        # requests are over the default 1 MiB a partition's fetch holds, so each
+        # came in a fetch of its own, and under CPU load further apart than the
+        # batching delay: 4 requests in 4 batches), and a batch waits for all of
+        # one fetch.
+        "INFER_WORKER_KAFKA__MAX_PARTITION_FETCH_BYTES": str(64 << 20),
         "INFER_WORKER_BATCHING__MAX_QUEUE_DELAY_MS": "200",
         **model.env,
     }
