@@ -102,13 +102,15 @@ async def build_stages(
     the intake and its inference stage."""
     b = s.batching
     table = routing(s) if len(models) > 1 or s.pipelines else Routing.one(models[0].name)
+    bindings = _Bindings(plan)  # each model bound and probed once, whoever runs it
     by_name = {m.name: m for m in models}
     built: list[_Answerer] = []
     for name in table.answerers:
         if name in by_name:
-            built.append(await _model_stages(by_name[name], plan, tracker))
+            built.append(await _model_stages(by_name[name], plan, tracker, bindings))
         else:
-            built.append(await _pipeline_stages(name, s.pipelines[name], plan, by_name, tracker))
+            built.append(await _pipeline_stages(name, s.pipelines[name], plan, by_name,
+                                                tracker, bindings))  # fmt: skip
     first, *others = built
     intake = JobFactory(
         first.binding.inputs, fit_limits(s.limits, first.binding.inputs),
@@ -164,8 +166,24 @@ async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngin
     return binding
 
 
-async def _model_stages(m: LoadedModel, plan: RunPlan, tracker: OffsetTracker) -> _Answerer:
-    binding = await _bound(m.key, m.settings, plan, m.engine)
+class _Bindings:
+    """Each model's binding, decided (and probed) once however many stages run
+    it: its own, and each pipeline's step."""
+
+    def __init__(self, plan: RunPlan) -> None:
+        self._plan = plan
+        self._bound: dict[str, Binding] = {}
+
+    async def of(self, m: LoadedModel) -> Binding:
+        if m.name not in self._bound:
+            self._bound[m.name] = await _bound(m.key, m.settings, self._plan, m.engine)
+        return self._bound[m.name]
+
+
+async def _model_stages(
+    m: LoadedModel, plan: RunPlan, tracker: OffsetTracker, bindings: _Bindings
+) -> _Answerer:
+    binding = await bindings.of(m)
 
     async def stage(
         batches: asyncio.Queue[Batch[Job] | None],
@@ -209,6 +227,7 @@ async def _pipeline_stages(
     plan: RunPlan,
     models: Mapping[str, LoadedModel],
     tracker: OffsetTracker,
+    bindings: _Bindings,
 ) -> _Answerer:
     """A pipeline's stages: its intake (the first model's checks), its batcher, and
     a stage that runs each batch through the steps, each model step on a stage of
@@ -221,7 +240,7 @@ async def _pipeline_stages(
     steps: dict[str, StepModel] = {}
     for model in dict.fromkeys(step.model for step in p.steps if step.model):
         m = models[model]
-        bound = await _bound(m.key, m.settings, plan, m.engine)
+        bound = await bindings.of(m)
         mb = m.settings.batching
         step_stage = CpuStage(
             asyncio.Queue(), asyncio.Queue(), m.engine, bound,
