@@ -1,0 +1,50 @@
+"""The several-models guide's and README's configurations, taken from the pages
+as written: each loads, and routes as the page says it does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.documentation import ROOT
+from worker.config import Settings, load_settings
+from worker.config.models import routing, served
+
+_TOML = re.compile(r"```toml\n(.*?)```", re.S)
+
+
+def _examples(page: str) -> list[str]:
+    return _TOML.findall((ROOT / page).read_text())
+
+
+def test_the_guide_s_models_sections_alone_route_by_topic(tmp_path: Path) -> None:
+    (example,) = _examples("docs/guides/models.md")
+    s = load_settings_from(tmp_path, example)
+    assert [m.name for m in served(s)] == ["churn", "sentiment"]  # no bundled model
+    assert routing(s).owners == {"scores.requests": "churn", "reviews.requests": "sentiment",
+                                 "tickets.requests": "sentiment"}  # fmt: skip
+    assert routing(s).shared == frozenset()
+
+
+@pytest.mark.parametrize("index", [1, 2])
+def test_readme_s_several_models_and_pipeline_examples_load(tmp_path: Path, index: int) -> None:
+    example = _examples("README.md")[index]
+    if index == 2:  # the pipeline: its models as its comment names them
+        example = ('[kafka]\ninput_topics = ["audio.requests"]\n[model]\npath = '
+                   '"/models/melspec.onnx"\n[models.embedding]\npath = '
+                   '"/models/embedding.onnx"\n' + example)  # fmt: skip
+    s = load_settings_from(tmp_path, example)
+    table = routing(s)
+    if index == 1:
+        assert table.owners == {"scores.requests": "scorer", "reviews.requests": "sentiment"}
+        assert table.shared == frozenset({"scores.requests"})
+    else:
+        assert table.owners == {"audio.requests": "wakeword"}
+
+
+def load_settings_from(tmp_path: Path, text: str) -> Settings:
+    path = tmp_path / "worker.toml"
+    path.write_text(text)
+    return load_settings(path, env={})
