@@ -48,9 +48,12 @@ def swaps(m: dict[str, float], outcome: str) -> float:
 
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-another-model"])
 async def test_a_new_version_is_swapped_in_under_load_and_a_broken_one_refused(
-    broker: Broker, names: dict[str, str], tmp_path: Path
+    broker: Broker, names: dict[str, str], tmp_path: Path, beside: bool
 ) -> None:
+    """``beside``: the worker serves a second model too (one a request may name
+    on the same topic; issue 64: swapping was refused beside other models)."""
     old = tmp_path / "v1.onnx"
     shutil.copyfile(bundled_file("digits.onnx"), old)
     renamed = onnx.load(str(old))
@@ -64,6 +67,8 @@ async def test_a_new_version_is_swapped_in_under_load_and_a_broken_one_refused(
                                            names["dlq"]: 1})  # fmt: skip
     reload = {"INFER_WORKER_MODEL__PATH": str(served), "INFER_WORKER_MODEL__INPUT": "image",
               "INFER_WORKER_MODEL__RELOAD_INTERVAL_S": "0.2"}  # fmt: skip
+    if beside:
+        reload["INFER_WORKER_MODELS__OTHER__PATH"] = "builtin:sentiment"
     w = start(broker, names, **reload)
     results = Collector(broker.bootstrap, [names["results"]])
     await results.start()

@@ -63,8 +63,9 @@ REFUSED = [
      'path = "builtin:digits"\ntopics = ["a"]\n', "model.topics: [model] answers no input topic"),
     (TWO_MODELS + 'backend = "torch"\n',
      "models.reader.backend: 'torch': several models in one worker run on the CPU path"),
-    (TWO_MODELS + "reload_interval_s = 5\n",
-     "models.reader.reload_interval_s: a model swapped while serving is served alone"),
+    (PIPELINE.format(first="").replace('topics = ["scores"]', 'topics = ["scores"]\n'
+                                       "reload_interval_s = 5", 1),
+     "model.reload_interval_s: a model a pipeline runs is not swapped while serving"),
     (TWO_MODELS + '[[kafka.lanes]]\ntopics = ["scores"]\npriority = 0\n[[kafka.lanes]]\n'
      'topics = ["texts"]\npriority = 1\n', "kafka.lanes: priority lanes and several models"),
     (PIPELINE.format(first=FUNCTION_FIRST),

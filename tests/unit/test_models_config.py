@@ -69,8 +69,6 @@ def test_one_model_configurations_are_unchanged(tmp_path: Path) -> None:
          "models.sentiment.intra_op_threads: must be >= 0"),
         ({"INFER_WORKER_MODELS__SENTIMENT__BACKEND": "torch"},
          "models.sentiment.backend: 'torch': several models in one worker run on the CPU path"),
-        ({"INFER_WORKER_MODELS__SENTIMENT__RELOAD_INTERVAL_S": "5"},
-         "models.sentiment.reload_interval_s: a model swapped while serving is served alone"),
         ({"INFER_WORKER_KAFKA__STATE_TOPIC": "states"},
          "kafka.state_topic: durable states need a worker of one model and one input topic"),
     ],
@@ -181,4 +179,30 @@ def test_a_model_without_topics_is_named_on_the_shared_topics(tmp_path: Path) ->
 def test_without_a_shared_topic_a_model_must_answer_something(tmp_path: Path) -> None:
     text = ONLY_MODELS + '[models.idle]\npath = "builtin:digits"\n'
     with pytest.raises(ConfigError, match=r"models\.idle\.topics: names the input topics"):
+        _load(tmp_path, text)
+
+
+def test_a_model_beside_others_may_be_swapped_while_serving_unless_a_pipeline_runs_it(
+    tmp_path: Path,
+) -> None:
+    s = _load(tmp_path, TWO + "reload_interval_s = 5\n")  # [models.sentiment]'s
+    assert RunPlan.of(s).reloads
+    text = """
+[kafka]
+input_topics = ["digits.requests", "reviews.requests"]
+[model]
+path = "builtin:digits"
+topics = ["digits.requests"]
+[models.sentiment]
+path = "builtin:sentiment"
+reload_interval_s = 5
+[pipelines.chain]
+topics = ["reviews.requests"]
+outputs = { x = "s.logits" }
+[[pipelines.chain.steps]]
+name = "s"
+model = "sentiment"
+"""
+    with pytest.raises(ConfigError, match=r"models\.sentiment\.reload_interval_s: a model a "
+                       r"pipeline runs is not swapped"):  # fmt: skip
         _load(tmp_path, text)

@@ -59,11 +59,12 @@ async def watch_model(s: Settings, stage: CpuStage, serving: str, labels: dict[s
         if problem is None:
             metrics.BUILD_INFO.labels(**labels, model_version=serving).set(0)
             metrics.BUILD_INFO.labels(**labels, model_version=version).set(1)
-            log.info("model_swapped", old=serving, new=version)
+            log.info("model_swapped", model=s.model.name, old=serving, new=version)
             metrics.MODEL_SWAPS.labels(outcome="swapped").inc()
             serving, refused = version, None
         else:
-            log.error("model_swap_refused", version=version, reason=problem, serving=serving)
+            log.error("model_swap_refused", model=s.model.name, version=version, reason=problem,
+                      serving=serving)  # fmt: skip
             metrics.MODEL_SWAPS.labels(outcome="refused").inc()
             refused = version
 

@@ -176,13 +176,15 @@ class Worker:
                 "partitions",
             ),
         ]
-        if self.plan.reloads:  # one model, the CPU stage: refused otherwise (plan, models)
-            (only,) = self._models
-            info = only.engine.info
-            labels = {"version": __version__, "model": info.name, "backend": info.backend,
-                      "device": self.plan.device_name}  # fmt: skip
-            watch = watch_model(s, cast(CpuStage, stages.models[0].infer), info.version, labels)
-            self._support.append(self._spawn(watch, "model-reload"))
+        stage_of = {m.name: m.infer for m in stages.models}
+        for model in self._models:  # the CPU stage: the plan refuses reloading on a GPU
+            if model.settings.model.reload_interval_s > 0 and model.name in stage_of:
+                info = model.engine.info
+                labels = {"version": __version__, "model": info.name, "backend": info.backend,
+                          "device": self.plan.device_name}  # fmt: skip
+                stage = cast(CpuStage, stage_of[model.name])
+                watch = watch_model(model.settings, stage, info.version, labels)
+                self._support.append(self._spawn(watch, f"model-reload-{model.name}"))
         if self.plan.device == "gpu":
             from worker.compute.gpu.monitor import watch_gpu
 

@@ -14,7 +14,7 @@ answerer is decided: its topic's model or pipeline, or on ``[model]``'s topics
 (the shared ones) any model or pipeline the request names.
 
 What several models cannot do yet is refused by name (priority lanes, durable
-states in a changelog, a model reloaded while serving, the GPU engines):
+states in a changelog, the GPU engines, reloading a model a pipeline runs):
 docs/guides/models.md says why for each. One model, however configured, has
 all of them.
 """
@@ -220,13 +220,15 @@ def _check_names(s: Settings, models: tuple[ServedModel, ...]) -> None:
 
 def _refuse_unsupported(s: Settings, models: tuple[ServedModel, ...]) -> None:
     k = s.kafka
+    in_pipelines = {step.model for p in s.pipelines.values() for step in p.steps}
     for model in models:
         m = model.config
         check(m.backend in _CPU_BACKENDS, f"{model.key}.backend",
               f"{m.backend!r}: several models in one worker run on the CPU path "
               "(onnxruntime) for now")  # fmt: skip
-        check(m.reload_interval_s == 0, f"{model.key}.reload_interval_s",
-              "a model swapped while serving is served alone for now")  # fmt: skip
+        check(m.reload_interval_s == 0 or model.name not in in_pipelines,
+              f"{model.key}.reload_interval_s", "a model a pipeline runs is not swapped "
+              "while serving yet (the pipeline's step holds its engine)")  # fmt: skip
     check(not k.lanes, "kafka.lanes", "priority lanes and several models in one worker do "
           "not go together yet (one model per worker with lanes)")  # fmt: skip
     check(not k.state_topic, "kafka.state_topic", "durable states need a worker of one "
