@@ -86,3 +86,23 @@ def unsure_doubled(x: np.ndarray) -> dict[str, np.ndarray]:
     if x[0] > 0.8:
         raise ValueError("too sure")
     return doubled(x)
+
+
+# Preprocessing before the first model (declared pipeline inputs, issue 65).
+
+
+def standardise(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Raw features scaled as a model was trained on them: (x - 1.5) / 2."""
+    return {"features": ((raw - 1.5) / 2.0).astype(np.float32)}
+
+
+def as_floats(pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 pixels [H, W, 1] as a detector takes them: float32 [1, H, W] in 0..1."""
+    return {"x": (pixels[None, :, :, 0].astype(np.float32) / 255.0)}
+
+
+def peak_boxes(heat: np.ndarray) -> dict[str, np.ndarray]:
+    """A detector's map [1, h, w] as one box (x0, y0, x1, y1) in the input's
+    pixels: the 12x12 window the map's peak was computed from."""
+    y, x = np.unravel_index(int(np.argmax(heat[0])), heat[0].shape)
+    return {"boxes": np.array([[x, y, x + 12, y + 12]], np.float32)}

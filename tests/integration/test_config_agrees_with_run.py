@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 KAFKA = """
+[metrics]
+port = 0  # no port: these run side by side
 [kafka]
 bootstrap_servers = "127.0.0.1:1"  # nothing listens: every refusal comes first
 request_timeout_ms = 2000
@@ -70,6 +72,16 @@ REFUSED = [
      'topics = ["texts"]\npriority = 1\n', "kafka.lanes: priority lanes and several models"),
     (PIPELINE.format(first=FUNCTION_FIRST),
      "pipelines.chain.steps[0]: the first step is a model"),
+    # Declared request tensors: a step reading one not declared; a model's input no
+    # step feeds (refused once the model loads).
+    (PIPELINE.format(first=FUNCTION_FIRST).replace(
+        "[pipelines.chain]\n", '[pipelines.chain]\ninputs = { pixels = "uint8 [H, W, 1]" }\n'),
+     "pipelines.chain.steps[0].inputs.mel: 'request.image': the request's declared tensors "
+     "are pixels"),
+    (PIPELINE.format(first="").replace(
+        "[pipelines.chain]\n", '[pipelines.chain]\ninputs = { pixels = "uint8 [H, W, 1]" }\n'),
+     "pipelines.chain.steps[0].inputs.image: 'request.image' does not exist; the request's "
+     "tensor inputs: pixels"),
     (PIPELINE.format(first="").replace('model = "digits"', 'model = "translator"'),
      "pipelines.chain.steps[0].model: 'translator' is not a model this worker serves"),
     # Refused only once the models load: a tensor, an output, the memory budget.

@@ -2,8 +2,9 @@
 (``[pipelines.NAME]``; the settings' shape is checked as they load,
 ``worker.config.pipelines``).
 
-Checked here, with the models loaded: the first step is a model and the request
-is its request; every later model step's request inputs are fed, each from a
+Checked here, with the models loaded: the request is the first model's (the
+first step) or the pipeline's declared tensors (then any step first); every
+model step's request inputs not the pipeline's request are fed, each from a
 tensor of the same dtype and rank whose fixed dimensions agree (an image input
 from uint8 pixels, ``[H, W, C]`` or ``[H, W]``; a text input from nothing: no
 step outputs text); every source names a tensor that exists (a request's tensor
@@ -18,10 +19,14 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from worker.compute.cpu import CpuStage
 from worker.compute.crops import OUTPUT, crop_boxes
 from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
+from worker.config import BatchingConfig, LimitsConfig
 from worker.config.checks import check
+from worker.config.model import TensorInput
 from worker.config.pipelines import (
     REQUEST,
     PipelineConfig,
@@ -31,10 +36,10 @@ from worker.config.pipelines import (
     source_of,
 )
 from worker.flow.errors import ConfigError
-from worker.model.inputs import Binding
+from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.inputs.tensor import BoundTensor
-from worker.model.io import EngineInfo
+from worker.model.io import EngineInfo, ModelIO, TensorDesc
 
 Desc = tuple[str, tuple[int | str | None, ...]]  # dtype name, one request's shape
 Regional = tuple[str, tuple[int, ...]] | None  # a per-region tensor's, where fixed
@@ -50,13 +55,16 @@ class StepModel:
     stage: CpuStage
 
 
-def pipeline_info(name: str, first: EngineInfo, cfg: PipelineConfig,
+def pipeline_info(name: str, request: ModelIO, cfg: PipelineConfig,
                   infos: Mapping[str, EngineInfo]) -> EngineInfo:  # fmt: skip
-    """The pipeline as results name it: its name, and a version that changes
-    with any step's (the models' content hashes, the functions' names)."""
+    """The pipeline as results name it: its name, its request (``request``), and a
+    version that changes with any step's (the models' content hashes, the
+    functions' names, the declared inputs)."""
     parts = [f"{s.name}={infos[s.model].version if s.model else s.function}" for s in cfg.steps]
+    # Declared inputs only where there are some: a pipeline without keeps its version.
+    parts += [f"request.{t}={spec}" for t, spec in cfg.inputs.items()]
     digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return EngineInfo("pipeline", name, f"pipeline:{digest}", first.io, None)
+    return EngineInfo("pipeline", name, f"pipeline:{digest}", request, None)
 
 
 @dataclass(frozen=True)
@@ -75,19 +83,15 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
     model steps' by model name."""
     at = f"pipelines.{name}"
     first = cfg.steps[0]
-    check(bool(first.model), f"{at}.steps[0]", "the first step is a model: the request is "
-          "its request")  # fmt: skip
-    for tensor, text in first.inputs.items():
-        check(text == f"{REQUEST}.{tensor}", f"{at}.steps[0].inputs.{tensor}",
-              f"{text!r}: the first step takes the request as it is (request.{tensor})")
-    binding = models[first.model].binding
-    known: dict[str, Desc | None] = {
-        f"{REQUEST}.{k.name}": _desc(k.desc.dtype.name, k.desc.shape)
-        for k in binding.inputs.kinds if isinstance(k, BoundTensor)
-    }  # fmt: skip
-    for k in binding.inputs.kinds:  # an image's pixels, as sent: uint8 [H, W, C]
-        if isinstance(k, BoundImage):
-            known[f"{REQUEST}.{k.name}"] = ("uint8", ("H", "W", "C"))
+    takes_request = not cfg.inputs  # the first step's model takes the request as it is
+    if takes_request:
+        for tensor, text in first.inputs.items():
+            check(text == f"{REQUEST}.{tensor}", f"{at}.steps[0].inputs.{tensor}",
+                  f"{text!r}: the first step takes the request as it is (request.{tensor})")
+        known = _request_tensors(models[first.model].binding)
+    else:
+        known = {f"{REQUEST}.{tensor}": (spec.dtype, spec.shape)
+                 for tensor, spec in declared_specs(name, cfg).items()}  # fmt: skip
     steps: list[Step] = []
     spent = 0.0  # the deadline shares of the steps so far
     for i, step in enumerate(cfg.steps):
@@ -96,7 +100,8 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         until = spent if step.deadline_share > 0 else None
         if step.model:
             model = models[step.model]
-            sources = _model_sources(where, step.inputs, model.binding, known, i == 0)
+            sources = _model_sources(where, step.inputs, model.binding, known,
+                                     i == 0 and takes_request)  # fmt: skip
             produced = answer_outputs(model.binding)
             steps.append(ModelStep(step.name, model.stage, sources, until, step.topic,
                                    tuple(produced)))  # fmt: skip
@@ -126,6 +131,45 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         if text in regional and desc is not None:
             described[out] = (desc[0], ("regions", *desc[1]))
     return Built(steps, regional, described)
+
+
+def _request_tensors(binding: Binding) -> dict[str, Desc | None]:
+    """A model's request as later steps read it: its tensors, and an image's
+    pixels as sent (uint8 [H, W, C])."""
+    known: dict[str, Desc | None] = {
+        f"{REQUEST}.{k.name}": _desc(k.desc.dtype.name, k.desc.shape)
+        for k in binding.inputs.kinds if isinstance(k, BoundTensor)
+    }  # fmt: skip
+    for k in binding.inputs.kinds:
+        if isinstance(k, BoundImage):
+            known[f"{REQUEST}.{k.name}"] = ("uint8", ("H", "W", "C"))
+    return known
+
+
+def declared_specs(name: str, cfg: PipelineConfig) -> dict[str, Spec]:
+    """``[pipelines.NAME.inputs]``, parsed (checked as the settings loaded)."""
+    return {tensor: parse_spec(text, f"pipelines.{name}.inputs.{tensor}")
+            for tensor, text in cfg.inputs.items()}  # fmt: skip
+
+
+def declared_io(name: str, cfg: PipelineConfig) -> ModelIO:
+    """The declared request tensors as a model's inputs are described (each
+    batched on its first axis; a named dimension free), for the intake's checks
+    and the pipeline's card."""
+    return ModelIO(tuple(
+        TensorDesc(tensor, np.dtype(spec.dtype), spec.shape, 0)
+        for tensor, spec in declared_specs(name, cfg).items()
+    ), ())  # fmt: skip
+
+
+def declared_inputs(name: str, cfg: PipelineConfig, limits: LimitsConfig,
+                    batching: BatchingConfig) -> ModelInputs:  # fmt: skip
+    """What a request of a pipeline with declared tensors is checked against at
+    intake: each a tensor input, its free dimensions as a model's."""
+    io = declared_io(name, cfg)
+    kinds = [BoundTensor(d.name, TensorInput(), d, 0) for d in io.inputs]
+    return ModelInputs(kinds, split_by_length=batching.split_by_length,
+                       length_buckets=batching.length_buckets)  # fmt: skip
 
 
 def _crop_step(

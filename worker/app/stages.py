@@ -20,7 +20,14 @@ import structlog
 
 from worker.app.lanes import backpressure, batch_policy
 from worker.app.loading import LoadedModel
-from worker.app.pipelines import StepModel, answer_outputs, build_steps, pipeline_info
+from worker.app.pipelines import (
+    StepModel,
+    answer_outputs,
+    build_steps,
+    declared_inputs,
+    declared_io,
+    pipeline_info,
+)
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import CpuStage
@@ -229,10 +236,11 @@ async def _pipeline_stages(
     tracker: OffsetTracker,
     bindings: _Bindings,
 ) -> _Answerer:
-    """A pipeline's stages: its intake (the first model's checks), its batcher, and
-    a stage that runs each batch through the steps, each model step on a stage of
-    its own over the model's engine (``worker.compute.pipeline``)."""
-    first = models[p.steps[0].model]
+    """A pipeline's stages: its intake (its declared tensors' checks, else its
+    first model's), its batcher, and a stage that runs each batch through the
+    steps, each model step on a stage of its own over the model's engine
+    (``worker.compute.pipeline``)."""
+    first = models[next(step.model for step in p.steps if step.model)]
     # The settings its intake and batching run with: its first model's, named as
     # the pipeline (results and metrics name it).
     s = dataclasses.replace(first.settings,
@@ -250,8 +258,13 @@ async def _pipeline_stages(
         )  # fmt: skip
         steps[model] = StepModel(m.engine.info, bound, step_stage)
     built = build_steps(name, p, steps)
-    info = pipeline_info(name, first.engine.info, p, {m: sm.info for m, sm in steps.items()})
     binding = steps[first.name].binding
+    if p.inputs:  # the request is the pipeline's own: checked against what it declares
+        io = declared_io(name, p)
+        # (The outputs plan is the first model's, which the pipeline stage never reads:
+        # its answer is its outputs = {...}.)
+        binding = Binding(declared_inputs(name, p, s.limits, s.batching), binding.outputs, io)
+    info = pipeline_info(name, binding.io, p, {m: sm.info for m, sm in steps.items()})
 
     async def stage(
         batches: asyncio.Queue[Batch[Job] | None],
@@ -260,6 +273,7 @@ async def _pipeline_stages(
     ) -> Stage:  # fmt: skip
         return PipelineStage(batches, completed, info, binding, built.steps, p.outputs,
                              max_inflight=plan.inflight, regional=built.regional,
+                             first_takes_request=not p.inputs,
                              described=built.outputs,
                              on_service_time=policy.observe_service_time, room=room)  # fmt: skip
 

@@ -69,9 +69,13 @@ class PipelineStage(Stage):
         described: Mapping[str, Described] | None = None,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
+        first_takes_request: bool = True,
     ) -> None:
-        """``info``: the pipeline as results name it; ``binding``: its first
-        step's (what a request is checked against at intake); ``outputs``: the
+        """``info``: the pipeline as results name it; ``binding``: what a request
+        is checked against at intake (its declared tensors', or its first step's
+        model's); ``first_takes_request``: the first step is a model whose request
+        is the pipeline's, checked at intake (else every step reads the request's
+        tensors as ``request.NAME``, models' checked as fed); ``outputs``: the
         answer's outputs, each from "STEP.OUTPUT"; ``regional``: the sources that
         are per region (after a fan-out), each with its declared dtype and shape
         where fixed (a request without regions gets an empty tensor of it);
@@ -81,6 +85,7 @@ class PipelineStage(Stage):
             max_attempts=1, on_service_time=on_service_time, room=room,
         )  # fmt: skip
         self._pipeline = info.name
+        self._first_takes_request = first_takes_request
         self._steps = steps
         self._answer = dict(outputs)
         self._regional = dict(regional or {})
@@ -100,7 +105,8 @@ class PipelineStage(Stage):
         started = time.monotonic()
         jobs = list(batch.items)
         # Per request: its own tensors, and its units (itself, or one per region).
-        bases: list[Tensors] = [{} for _ in jobs]
+        bases: list[Tensors] = [{} if self._first_takes_request else _request_tensors(job)
+                                for job in jobs]  # fmt: skip
         units: list[list[Tensors]] = [[base] for base in bases]
         answers: list[Answer | None] = [self._pinned_elsewhere(job) for job in jobs]
         timings: list[dict[str, int]] = [{} for _ in jobs]
@@ -172,9 +178,8 @@ class PipelineStage(Stage):
         step_jobs: list[Job] = []
         for i in live:
             job = jobs[i]
-            if index == 0:  # the request is the first model's, checked at intake
-                units[i][0].update({f"{REQUEST}.{k}": v for k, v in job.inputs.items()
-                                    if isinstance(v, np.ndarray)})  # fmt: skip
+            if index == 0 and self._first_takes_request:  # checked at intake as its model's
+                units[i][0].update(_request_tensors(job))
                 fed_to.append((i, units[i][0]))
                 step_jobs.append(unpinned(job))
                 continue
@@ -193,7 +198,7 @@ class PipelineStage(Stage):
             if answers[i] is not None:
                 continue  # another unit of it failed already
             error = answer.error
-            if index == 0 and (answer.job.failure is not None or (
+            if index == 0 and self._first_takes_request and (answer.job.failure is not None or (
                     error is not None and error.code != ErrorCode.INFERENCE_FAILED)):
                 answers[i] = answer  # the request's own fault: answered as the model does
             elif error is not None and error.code == ErrorCode.DEADLINE_EXCEEDED:
@@ -201,7 +206,7 @@ class PipelineStage(Stage):
             elif error is not None:  # the step failed on it, or it was not what it takes
                 answers[i] = self._failed(jobs[i], step.name, error.message)
             else:
-                if index == 0:
+                if not timings[i]:  # the first model step's stage times: the answer's
                     timings[i] = dict(answer.timing_us)
                 assert answer.outputs is not None
                 for name, value in answer.outputs.items():
@@ -260,3 +265,9 @@ class PipelineStage(Stage):
         for step in self._steps:
             if isinstance(step, ModelStep):
                 step.stage.close()
+
+
+def _request_tensors(job: Job) -> Tensors:
+    """A request's tensors as the steps read them (``request.NAME``); an image
+    sent as a file has none here (its first model decodes it)."""
+    return {f"{REQUEST}.{k}": v for k, v in job.inputs.items() if isinstance(v, np.ndarray)}

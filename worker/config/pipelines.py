@@ -8,8 +8,10 @@ model or one pipeline). Its steps are the worker's models (``[model]`` or a
 functions between them (``module:function``: numpy arrays in, a dict of numpy
 arrays out, one request at a time). Each step's inputs are mapped by name from
 ``request.NAME`` (an input of the request) or ``STEP.OUTPUT`` (an output of an
-earlier step); the pipeline's outputs are named from any step. What can be
-checked without the model files is checked here, as the settings load; the
+earlier step); the pipeline's outputs are named from any step. The request is
+the first model's (which comes first), or the pipeline's own where it declares
+its tensors (``[pipelines.NAME.inputs]``: then any step may come first). What
+can be checked without the model files is checked here, as the settings load; the
 tensors' dtypes and shapes are checked once the models are loaded
 (``worker.app.pipelines``).
 """
@@ -76,6 +78,12 @@ class PipelineConfig:
     # The input topics the pipeline answers (each also in kafka.input_topics; a topic
     # belongs to one model or pipeline).
     topics: tuple[str, ...] = ()
+    # The request's tensors, each name -> its dtype and one request's shape, as
+    # "uint8 [H, W, 3]" (a free dimension by a name). Declared: a request is checked
+    # against them at intake, any step may read them (request.NAME), and any step may
+    # come first (a function or an op: preprocessing before the first model). Not
+    # declared: the request is the first step's model's, which must come first.
+    inputs: dict[str, str] = field(default_factory=dict)
     # The steps, in the order they run.
     steps: tuple[StepConfig, ...] = ()
     # The pipeline's outputs, the answer's: each output's name -> "STEP.OUTPUT".
@@ -151,6 +159,12 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
         check(bool(p.steps), f"{at}.steps", "a pipeline has one step or more")
         check(bool(p.outputs), f"{at}.outputs", "names the answer's outputs, as "
               "{name = \"STEP.OUTPUT\"}")  # fmt: skip
+        check(any(step.model for step in p.steps), f"{at}.steps", "a pipeline runs a model "
+              "or more (its batching is its first model's)")  # fmt: skip
+        for tensor, spec in p.inputs.items():
+            check(bool(_NAME.fullmatch(tensor)), f"{at}.inputs.{tensor}", "a request "
+                  "input's name: letters, digits, _ and -")  # fmt: skip
+            parse_spec(spec, f"{at}.inputs.{tensor}")
         earlier: set[str] = set()
         fanned: int | None = None
         shares = [step.deadline_share for step in p.steps]
@@ -170,8 +184,9 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                 check(fanned is None, f"{where}.fan_out", f"a pipeline fans out once "
                       f"(steps[{fanned}] does)")  # fmt: skip
                 fanned = i
-            check(i > 0 or bool(step.model), where, "the first step is a model: the request "
-                  "is its request (functions and ops come after it, for now)")  # fmt: skip
+            check(i > 0 or bool(step.model) or bool(p.inputs), where, "the first step is a "
+                  "model, whose request is the pipeline's, unless the request's tensors are "
+                  f"declared ([{at}.inputs]; then a function or op may come first)")  # fmt: skip
             if step.model:
                 _check_model_step(where, step, served)
             elif step.function:
@@ -179,10 +194,13 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
             else:
                 _check_op_step(where, step)
             for tensor, text in step.inputs.items():
-                source, _ = source_of(text, f"{where}.inputs.{tensor}")
+                source, read = source_of(text, f"{where}.inputs.{tensor}")
                 check(source == REQUEST or source in earlier, f"{where}.inputs.{tensor}",
                       f"{text!r}: {source!r} is not an earlier step (the steps before it: "
                       f"{', '.join(sorted(earlier)) or 'none'})")  # fmt: skip
+                check(source != REQUEST or not p.inputs or read in p.inputs,
+                      f"{where}.inputs.{tensor}", f"{text!r}: the request's declared tensors "
+                      f"are {', '.join(p.inputs)} ([{at}.inputs])")  # fmt: skip
             earlier.add(step.name)
         for out, text in p.outputs.items():
             source, _ = source_of(text, f"{at}.outputs.{out}")

@@ -1,0 +1,153 @@
+"""Pipelines whose request is their own (``[pipelines.NAME.inputs]``, issue 65):
+a function before the first model (raw features standardised, then a two-input
+model reading the other input from the request), and crops of the request's
+original pixels after a detector fed floats (a function scales the pixels, a
+fully convolutional detector finds a peak, a function makes its box, crop_boxes
+cuts it from the pixels as sent, the digits model reads the crop). Served by one
+worker of [models.NAME] sections alone, on both brokers; every answer equals the
+steps run by hand on that request alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import pipeline_functions as fn
+from tests.onnx_models import conv_detector, ranker, run_alone
+from tests.serving import wire
+from worker.compute.crops import crop_boxes
+from worker.compute.engines import load_engine
+from worker.config import ModelConfig
+from worker.contract import Tensor
+from worker.model.inputs.image import resolve
+from worker.model.preprocess import preprocess
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import spawn_worker
+from worker.ops.topics import Collector, produce_all
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("onnx")
+
+CONFIG = """
+[models.ranker]
+path = "{ranker}"
+[models.detector]
+path = "{detector}"
+[models.digits]
+path = "builtin:digits"
+
+[pipelines.scored]
+topics = ["{scored}"]
+inputs = {{ raw = "float32 [4]", ids = "int64 [n]" }}
+outputs = {{ score = "rank.score", features = "norm.features" }}
+[[pipelines.scored.steps]]
+name = "norm"
+function = "tests.pipeline_functions:standardise"
+inputs = {{ raw = "request.raw" }}
+outputs = {{ features = "float32 [4]" }}
+[[pipelines.scored.steps]]
+name = "rank"
+model = "ranker"
+inputs = {{ features = "norm.features", ids = "request.ids" }}
+
+[pipelines.read]
+topics = ["{read}"]
+inputs = {{ pixels = "uint8 [H, W, 1]" }}
+outputs = {{ digit = "digit.topk_indices", boxes = "peak.boxes" }}
+[[pipelines.read.steps]]
+name = "scale"
+function = "tests.pipeline_functions:as_floats"
+inputs = {{ pixels = "request.pixels" }}
+outputs = {{ x = "float32 [1, H, W]" }}
+[[pipelines.read.steps]]
+name = "detect"
+model = "detector"
+inputs = {{ x = "scale.x" }}
+[[pipelines.read.steps]]
+name = "peak"
+function = "tests.pipeline_functions:peak_boxes"
+inputs = {{ heat = "detect.heat" }}
+outputs = {{ boxes = "float32 [boxes, 4]" }}
+[[pipelines.read.steps]]
+name = "crop"
+op = "crop_boxes"
+size = [8, 8]
+inputs = {{ image = "request.pixels", boxes = "peak.boxes" }}
+[[pipelines.read.steps]]
+name = "digit"
+model = "digits"
+inputs = {{ image = "crop.crops" }}
+"""
+
+
+def _digits_by_hand(crops: np.ndarray) -> np.ndarray:
+    """The bundled digits model's top class of each crop, run directly."""
+    cfg = ModelConfig()
+    engine = load_engine(cfg)
+    try:
+        desc = engine.info.io.inputs[0]
+        batch = preprocess(list(crops), resolve(cfg.preprocess, desc))
+        logits = engine.run({desc.name: batch})[engine.info.output_names[0]]
+    finally:
+        engine.close()
+    return np.asarray(logits).argmax(axis=1)
+
+
+async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    rank_path, det_path = ranker(tmp_path / "ranker.onnx"), conv_detector(tmp_path / "det.onnx")
+    topics = {"scored": f"{names['requests']}.scored", "read": f"{names['requests']}.read"}
+    config = tmp_path / "worker.toml"
+    config.write_text(CONFIG.format(ranker=rank_path, detector=det_path, **topics))
+    await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
+                                           names["results"]: 1, names["dlq"]: 1})  # fmt: skip
+    rng = np.random.default_rng(65)
+    scored = {f"s-{i}": {"raw": rng.normal(1.5, 2.0, 4).astype(np.float32),
+                         "ids": rng.integers(1, 50, int(rng.integers(1, 9))).astype(np.int64)}
+              for i in range(24)}  # fmt: skip
+    read = {f"r-{i}": rng.integers(0, 256, (int(rng.integers(16, 40)), int(rng.integers(16, 40)),
+                                            1)).astype(np.uint8) for i in range(24)}  # fmt: skip
+    w = spawn_worker(broker.bootstrap, input_topics=list(topics.values()),
+                     output_topic=names["results"], dlq_topic=names["dlq"],
+                     group_id=names["group"], command=("run", "--config", str(config)))  # fmt: skip
+    total = len(scored) + len(read)
+    c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0, "assignment"
+        )
+        await produce_all(broker.bootstrap, topics["scored"], [
+            (rid.encode(), wire(rid, {k: Tensor.from_numpy(v) for k, v in r.items()}))
+            for rid, r in scored.items()])  # fmt: skip
+        await produce_all(broker.bootstrap, topics["read"], [
+            (rid.encode(), wire(rid, {"pixels": Tensor.from_numpy(p)}))
+            for rid, p in read.items()])  # fmt: skip
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= total, 90.0), w.log_tail()
+    finally:
+        await c.stop()
+        assert w.terminate() == 0, w.log_tail()
+    assert not c.records.get(names["dlq"])
+    results = {r.result().id: r.result() for r in c.records[names["results"]]}
+    assert len(results) == total
+    for rid, r in scored.items():
+        got = results[rid]
+        assert (got.status, got.model.name) == ("ok", "scored"), got.error
+        features = fn.standardise(r["raw"])["features"]
+        alone = run_alone(rank_path, {"features": features, "ids": r["ids"]})
+        np.testing.assert_allclose(got.outputs["score"].to_numpy(), alone["score"], rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+        np.testing.assert_array_equal(got.outputs["features"].to_numpy(), features)
+    for rid, pixels in read.items():
+        got = results[rid]
+        assert (got.status, got.model.name) == ("ok", "read"), got.error
+        heat = run_alone(det_path, {"x": fn.as_floats(pixels)["x"]})["heat"]
+        boxes = fn.peak_boxes(heat)["boxes"]
+        crops = crop_boxes(pixels, boxes, size=(8, 8))["crops"]
+        np.testing.assert_array_equal(got.outputs["boxes"].to_numpy(), boxes)
+        np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
+                                      _digits_by_hand(crops))  # fmt: skip
