@@ -24,7 +24,7 @@ from tests.integration.test_stateful import (
     chunk_request,
     sequential_reference,
 )
-from worker.ops.broker import Broker
+from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess
 from worker.ops.topics import Collector, produce_all
 from worker.ops.verify import check, read_topics
@@ -42,14 +42,31 @@ pytestmark = pytest.mark.faults
 STREAMS, PARTS = 8, 2
 
 
-@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
+@pytest.mark.parametrize(("guarantee", "beside"), [
+    ("exactly-once", False), ("at-least-once", False), ("exactly-once", True)],
+    ids=["exactly-once", "at-least-once", "exactly-once-beside-another-model"])  # fmt: skip
 @pytest.mark.parametrize("broker_kind", ["kafka"])
 async def test_states_restored_after_a_sigkill(
-    broker: Broker, names: dict[str, str], guarantee: str
+    broker: Broker, names: dict[str, str], guarantee: str, beside: bool
 ) -> None:
+    """``beside``: silero-vad is a [models.NAME] with a changelog of its own
+    (models.vad.state_topic) beside the digits model on a topic of its own
+    (issue 64: durable states were refused with several models)."""
     eos = guarantee == "exactly-once"
+    served = await silero_with_changelog(broker, names, PARTS)
+    if beside:
+        other = f"{names['requests']}.other"
+        await create_topics(broker.bootstrap, {other: 1})
+        served = {k.replace("INFER_WORKER_MODEL__", "INFER_WORKER_MODELS__VAD__"): v
+                  for k, v in served.items()}  # fmt: skip
+        changelog = served.pop("INFER_WORKER_KAFKA__STATE_TOPIC")
+        served["INFER_WORKER_MODELS__VAD__STATE_TOPIC"] = changelog
+        served |= {"INFER_WORKER_MODELS__VAD__TOPICS": names["requests"],
+                   "INFER_WORKER_MODELS__DIGITS__PATH": "builtin:digits",
+                   "INFER_WORKER_MODELS__DIGITS__TOPICS": other,
+                   "INFER_WORKER_KAFKA__INPUT_TOPICS": f"{names['requests']},{other}"}
     env = {
-        **await silero_with_changelog(broker, names, PARTS),
+        **served,
         "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": guarantee,
         # The killed member's open transaction is aborted this soon, so that
         # read_committed readers of its partitions are not held up for long.
@@ -72,7 +89,7 @@ async def test_states_restored_after_a_sigkill(
     await results.start()
     answered = lambda c: len({r.result().id for r in c.records[names["results"]]})  # noqa: E731
     try:
-        await wait_assigned([w1, w2], PARTS)
+        await wait_assigned([w1, w2], PARTS + int(beside))  # the other model: 1 more
         producing = asyncio.create_task(produce_all(
             broker.bootstrap, names["requests"], records,
             partition_of=lambda i: part_of[records[i][0]], rate=40,

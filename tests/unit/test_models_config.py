@@ -70,7 +70,9 @@ def test_one_model_configurations_are_unchanged(tmp_path: Path) -> None:
         ({"INFER_WORKER_MODELS__SENTIMENT__BACKEND": "torch"},
          "models.sentiment.backend: 'torch': several models in one worker run on the CPU path"),
         ({"INFER_WORKER_KAFKA__STATE_TOPIC": "states"},
-         "kafka.state_topic: durable states need a worker of one model and one input topic"),
+         "kafka.state_topic: with several models, name each stateful model's changelog"),
+        ({"INFER_WORKER_MODELS__SENTIMENT__STATE_TOPIC": "states"},
+         "models.sentiment.state_topic: durable states need the model's one input topic"),
     ],
 )  # fmt: skip
 def test_refused_with_the_key_as_written(tmp_path: Path, env: dict[str, str], message: str) -> None:
@@ -206,3 +208,29 @@ model = "sentiment"
     with pytest.raises(ConfigError, match=r"models\.sentiment\.reload_interval_s: a model a "
                        r"pipeline runs is not swapped"):  # fmt: skip
         _load(tmp_path, text)
+
+
+def test_each_stateful_model_keeps_a_changelog_of_its_own(tmp_path: Path) -> None:
+    """Durable states beside other models (refused before: 'durable states need a
+    worker of one model'): the model's settings as it runs carry its changelog, and
+    requests on the shared topic may not name it (its states live with its topic)."""
+    s = _load(tmp_path, TWO, {"INFER_WORKER_MODELS__SENTIMENT__TOPICS": "reviews.requests",
+                              "INFER_WORKER_MODEL__TOPICS": "digits.requests,more.reviews",
+                              "INFER_WORKER_MODELS__SENTIMENT__STATE_TOPIC": "reviews.states"})
+    default, sentiment = served(s)
+    assert sentiment.settings.kafka.state_topic == "reviews.states"
+    assert default.settings.kafka.state_topic == "" and not s.kafka.state_topic
+    table = routing(s)
+    assert table.answerer("reviews.requests", "sentiment") == "sentiment"
+    with pytest.raises(InvalidRequest, match="carries 'digits'"):
+        table.answerer("digits.requests", "sentiment")
+    one = _load(tmp_path, '[models.vad]\npath = "x.onnx"\nstate_topic = "vad.states"\n')
+    assert as_served(one).kafka.state_topic == "vad.states"  # one model: kafka.state_topic
+
+
+def test_two_models_never_share_a_changelog(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"models\.b\.state_topic: 'states' is also "
+                       r"models\.a\.state_topic's"):  # fmt: skip
+        _load(tmp_path, '[kafka]\ninput_topics = ["x", "y"]\n[models.a]\npath = "a.onnx"\n'
+              'topics = ["x"]\nstate_topic = "states"\n[models.b]\npath = "b.onnx"\n'
+              'topics = ["y"]\nstate_topic = "states"\n')

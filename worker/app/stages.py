@@ -84,6 +84,10 @@ class ModelStages:
     batcher: MicroBatcher[Job]
     infer: Stage
     completed: asyncio.Queue[asyncio.Future[Completed] | None]
+    # Its settings as it runs (a pipeline's: its first model's, named as it) and the
+    # input topics it answers requests naming none of.
+    settings: Settings
+    topics: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ async def build_stages(
         else:
             built.append(await _pipeline_stages(name, s.pipelines[name], plan, by_name,
                                                 tracker, bindings))  # fmt: skip
+    for a in built:  # the topics each answers requests naming none of
+        a.stages.topics = tuple(t for t in s.kafka.input_topics
+                                if table.owner(t) == a.stages.name)  # fmt: skip
     first, *others = built
     intake = JobFactory(
         first.binding.inputs, fit_limits(s.limits, first.binding.inputs),
@@ -146,7 +153,10 @@ async def build_stages(
         merge = merge_done([a.stages.completed for a in built], completed)
     infos = {a.stages.name: ModelInfo(a.stages.name, a.stages.infer.info.version)
              for a in built}  # fmt: skip
-    parts = WriterParts(completed, s.kafka, infos, tracker, committer, budget, tracer)
+    changelogs = {a.stages.name: a.settings.kafka.state_topic for a in built
+                  if a.settings.kafka.state_topic}  # fmt: skip
+    parts = WriterParts(completed, s.kafka, infos, tracker, committer, budget, tracer,
+                        state_topics=changelogs)  # fmt: skip
     writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(
@@ -225,7 +235,7 @@ async def _answerer(s: Settings, binding: Binding, plan: RunPlan, build: StageBu
     room = Room(plan.inflight)
     infer = await build(batches, completed, policy, room)
     batcher = MicroBatcher(jobs, batches, policy, room=room)
-    return _Answerer(ModelStages(s.model.name, jobs, batcher, infer, completed), s, binding)
+    return _Answerer(ModelStages(s.model.name, jobs, batcher, infer, completed, s), s, binding)
 
 
 async def _pipeline_stages(

@@ -288,6 +288,10 @@ class ModelConfig:
     state_ttl_s: float = 3600.0
     # Stateful models: the most sequences kept; a new one beyond is answered with an error.
     max_sequences: int = 100_000
+    # A stateful model's state changelog (compacted; as many partitions as the model's one
+    # input topic: docs/guides/stateful.md), where a worker serves several models; a worker of
+    # one model may say it here or as kafka.state_topic. "" = states in memory only.
+    state_topic: str = ""
     # How often to look for a new version of the model file (its content hash) and swap it in
     # between batches, checked first (docs/guides/rollout.md); 0 = never. CPU path only.
     reload_interval_s: float = 0.0

@@ -95,8 +95,13 @@ def _model_served(s: Settings) -> bool:
 
 
 def _alone(s: Settings, m: ModelConfig, name: str) -> Settings:
-    model = dataclasses.replace(m, name=name, topics=())
-    return dataclasses.replace(s, model=model, models={}, pipelines={})
+    """The worker's settings as model ``m`` alone runs them: its state changelog
+    (``state_topic``) the run's ``kafka.state_topic``."""
+    model = dataclasses.replace(m, name=name, topics=(), state_topic="")
+    kafka = s.kafka
+    if m.state_topic:
+        kafka = dataclasses.replace(kafka, state_topic=m.state_topic)
+    return dataclasses.replace(s, kafka=kafka, model=model, models={}, pipelines={})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,9 @@ class Routing:
     # For a topic not in ``owners``: one model answering every topic (tools that
     # read requests as one model would).
     fallback: str | None = None
+    # The models answered on their own topics only, even where named elsewhere: a
+    # model keeping durable states (its changelog co-partitioned with its topic).
+    own_only: frozenset[str] = frozenset()
 
     @classmethod
     def one(cls, name: str) -> Routing:
@@ -141,7 +149,7 @@ class Routing:
         if named is None or named == owner:
             return owner
         if named in self.names:
-            if topic in self.shared:
+            if topic in self.shared and named not in self.own_only:
                 return named
             raise InvalidRequest(
                 f"model: {named[:64]!r} is not answered on this topic, which carries "
@@ -160,7 +168,8 @@ def routing(s: Settings) -> Routing:
     owners = {t: m.name for m in models for t in m.topics}
     owners |= {t: name for name, p in s.pipelines.items() for t in p.topics}
     shared = frozenset(models[0].topics if models and models[0].key == "model" else ())
-    return Routing(owners, shared, (*(m.name for m in models), *s.pipelines))
+    own_only = frozenset(m.name for m in models if m.settings.kafka.state_topic)
+    return Routing(owners, shared, (*(m.name for m in models), *s.pipelines), own_only=own_only)
 
 
 def check_models(s: Settings) -> None:
@@ -168,6 +177,8 @@ def check_models(s: Settings) -> None:
     answering something; a model's name its table's; several models only where
     the worker can serve them (the module's docstring)."""
     inputs = s.kafka.input_topics
+    check(not (s.kafka.state_topic and s.model.state_topic), "model.state_topic",
+          "kafka.state_topic names the changelog already: say it once")  # fmt: skip
     if not s.models and not s.pipelines:  # one model: [model], given or bundled
         if s.model.topics:
             _within("model.topics", s.model.topics, inputs)
@@ -231,9 +242,22 @@ def _refuse_unsupported(s: Settings, models: tuple[ServedModel, ...]) -> None:
               "while serving yet (the pipeline's step holds its engine)")  # fmt: skip
     check(not k.lanes, "kafka.lanes", "priority lanes and several models in one worker do "
           "not go together yet (one model per worker with lanes)")  # fmt: skip
-    check(not k.state_topic, "kafka.state_topic", "durable states need a worker of one "
-          "model and one input topic (the changelog is co-partitioned with it); with several "
-          "models a stateful model keeps its states in memory")  # fmt: skip
+    check(not k.state_topic, "kafka.state_topic", "with several models, name each stateful "
+          "model's changelog as its own (models.NAME.state_topic)")  # fmt: skip
+    changelogs: dict[str, str] = {}
+    for model in models:
+        topic = model.settings.kafka.state_topic
+        if not topic:
+            continue
+        at = f"{model.key}.state_topic"
+        check(len(model.topics) == 1 and model.name not in in_pipelines, at, "durable states "
+              "need the model's one input topic of its own, which the changelog is "
+              "co-partitioned with (a model a pipeline runs has none)")  # fmt: skip
+        check(topic not in (*k.input_topics, k.output_topic, k.dlq_topic), at,
+              "must be a topic of its own (compacted; states only)")  # fmt: skip
+        check(topic not in changelogs, at, f"{topic!r} is also {changelogs.get(topic)}'s: "
+              "each stateful model keeps a changelog of its own")  # fmt: skip
+        changelogs[topic] = at
 
 
 @contextlib.contextmanager

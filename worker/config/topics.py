@@ -51,6 +51,11 @@ def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[Nee
     if k.state_topic:
         out.append(NeededTopic(k.state_topic, "kafka.state_topic", None, dict(COMPACTED),
                                use="both", required=False))  # fmt: skip
+    changelogs = [("model", s.model), *((f"models.{n}", m) for n, m in s.models.items())]
+    for key, m in changelogs:  # each stateful model's own, beside other models
+        if m.state_topic:
+            out.append(NeededTopic(m.state_topic, f"{key}.state_topic", None, dict(COMPACTED),
+                                   use="both", required=False))  # fmt: skip
     for name, p in s.pipelines.items():
         for i, step in enumerate(p.steps):
             if step.topic:  # a step's audit topic

@@ -66,7 +66,8 @@ async def test_an_offset_is_done_only_once_its_answer_and_its_state_are_acknowle
     committer = Committer(tracker, FakeGroup())
     kafka = KafkaConfig(retry_backoff_ms=1, state_topic="states")
     sink = AtLeastOnceWriter(
-        WriterParts(source, kafka, {"m": ModelInfo("m", "1")}, tracker, committer),
+        WriterParts(source, kafka, {"m": ModelInfo("m", "1")}, tracker, committer,
+                    state_topics={"m": "states"}),
         max_pending_acks=2,
     )
     sink._producing.producer = producer  # type: ignore[assignment]

@@ -61,6 +61,10 @@ class Answers:
         kafka = parts.kafka
         self._kafka = kafka
         self._models = dict(parts.models)
+        self._state_topics = dict(parts.state_topics)
+        # One model: its changelog, whatever name its jobs carry (tools, tests).
+        self._only_changelog = (next(iter(self._state_topics.values()), None)
+                                if len(self._models) == 1 else None)  # fmt: skip
         # One model: every batch is its, whatever name its jobs carry (tools, tests).
         self._only = next(iter(self._models.values())) if len(self._models) == 1 else None
         self._tracker = parts.tracker
@@ -117,8 +121,9 @@ class Answers:
                 shadowed.append(job)
                 continue
             outs.append(out)
-            if answer.state is not None and self._kafka.state_topic and out.kind != "dlq":
-                outs.append(self._state_record(answer.job, answer.state))
+            changelog = self._only_changelog or self._state_topics.get(job.model)
+            if changelog and answer.state is not None and out.kind != "dlq":
+                outs.append(self._state_record(job, answer.state, changelog))
             if out.kind == "ok":  # a pipeline's steps' outputs, for their own topics
                 for step in answer.steps:
                     self._one_more(job)
@@ -151,12 +156,12 @@ class Answers:
             return model
         return ModelInfo(model.name, version)
 
-    def _state_record(self, job: Job, change: StateChange) -> OutRecord:
+    def _state_record(self, job: Job, change: StateChange, topic: str) -> OutRecord:
         """The state record of ``job`` (``outgoing.state_record``); the job's
         offset counts as done only once it and the answer are both acknowledged."""
         self._one_more(job)
         metrics.STATE_PENDING.set(len(self._pending))
-        return state_record(job, change, self._kafka.state_topic, self._seq)
+        return state_record(job, change, topic, self._seq)
 
     def _one_more(self, job: Job) -> None:
         """One more record for ``job`` beside its answer: its offset counts as
@@ -254,7 +259,7 @@ class Answers:
             m = metrics.model_metrics(name, version)
             metrics.observe_all(m.request_seconds(lane_label), seconds)
         metrics.observe_all(metrics.RECORD_AGE_SECONDS, ages)
-        if self._kafka.state_topic:
+        if self._state_topics:
             metrics.STATE_PENDING.set(len(self._pending))
         for (name, version, kind), count in kinds.items():  # counters per batch, not per record
             if kind == "dlq":

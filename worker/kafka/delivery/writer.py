@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
@@ -65,6 +65,9 @@ class WriterParts:
     committer: Committer
     budget: FailureBudget | None = None
     tracer: Tracer | None = None
+    # Each stateful model's state changelog, by name (a model not here keeps its
+    # states in memory): where its answers' state records go.
+    state_topics: Mapping[str, str] = field(default_factory=dict)
 
 
 class Completions:
