@@ -70,6 +70,10 @@ REFUSED = [
      "model.reload_interval_s: a model a pipeline runs is not swapped while serving"),
     (TWO_MODELS + '[[kafka.lanes]]\ntopics = ["scores"]\npriority = 0\n[[kafka.lanes]]\n'
      'topics = ["texts"]\npriority = 1\n', "kafka.lanes: priority lanes and several models"),
+    ('state_topic = "states"\n' + TWO_MODELS,
+     "kafka.state_topic: with several models, name each stateful model's changelog"),
+    (TWO_MODELS.replace('topics = ["texts"]', 'topics = ["texts"]\nstate_topic = "scores"'),
+     "models.reader.state_topic: must be a topic of its own"),
     (PIPELINE.format(first=FUNCTION_FIRST),
      "pipelines.chain.steps[0]: the first step is a model"),
     # Declared request tensors: a step reading one not declared; a model's input no

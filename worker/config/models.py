@@ -64,12 +64,13 @@ def served(s: Settings) -> tuple[ServedModel, ...]:
     if _model_served(s):
         m = s.model
         topics = m.topics or tuple(t for t in s.kafka.input_topics if t not in claimed)
-        out.append(ServedModel(m.name, "model", topics, _alone(s, m, m.name)))
+        out.append(ServedModel(m.name, "model", topics, _alone(s, m, m.name, "model")))
     for name, m in s.models.items():
         topics = m.topics
         if not topics and not out and len(s.models) == 1 and not s.pipelines:
             topics = s.kafka.input_topics  # the one model: every input topic, as [model]'s
-        out.append(ServedModel(name, f"models.{name}", topics, _alone(s, m, name)))
+        key = f"models.{name}"
+        out.append(ServedModel(name, key, topics, _alone(s, m, name, key)))
     return tuple(out)
 
 
@@ -94,13 +95,18 @@ def _model_served(s: Settings) -> bool:
     return in_steps or any(t not in claimed for t in s.kafka.input_topics)
 
 
-def _alone(s: Settings, m: ModelConfig, name: str) -> Settings:
-    """The worker's settings as model ``m`` alone runs them: its state changelog
-    (``state_topic``) the run's ``kafka.state_topic``."""
+def _alone(s: Settings, m: ModelConfig, name: str, key: str) -> Settings:
+    """The worker's settings as model ``m`` (configured at ``key``) alone runs
+    them: its state changelog (``state_topic``) the run's ``kafka.state_topic``."""
     model = dataclasses.replace(m, name=name, topics=(), state_topic="")
     kafka = s.kafka
     if m.state_topic:
-        kafka = dataclasses.replace(kafka, state_topic=m.state_topic)
+        try:
+            kafka = dataclasses.replace(kafka, state_topic=m.state_topic)
+        except ConfigError as exc:  # the kafka section's check: named as written
+            message = str(exc).replace("kafka.state_topic", f"{key}.state_topic")
+            raise ConfigError(message) from None
+
     return dataclasses.replace(s, kafka=kafka, model=model, models={}, pipelines={})
 
 
