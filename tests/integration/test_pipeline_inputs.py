@@ -18,7 +18,7 @@ import pytest
 from tests import pipeline_functions as fn
 from tests.onnx_models import conv_detector, ranker, run_alone
 from tests.serving import wire
-from worker.compute.crops import crop_boxes
+from worker.compute.ops.crops import crop_boxes
 from worker.compute.engines import load_engine
 from worker.config import ModelConfig
 from worker.contract import Tensor

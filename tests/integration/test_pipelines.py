@@ -200,7 +200,7 @@ def ocr_by_hand(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Detector, boxes, crops, recogniser, one after another on one page: the boxes,
     each crop's character probabilities and its greedy ids."""
     from tests.pipeline_functions import greedy, pixels, rec_input, text_boxes
-    from worker.compute.crops import crop_boxes
+    from worker.compute.ops.crops import crop_boxes
 
     det = real_models._session(str(real_models.model_path("ppocr-det")))
     rec = real_models._session(str(real_models.model_path("ppocr-rec")))

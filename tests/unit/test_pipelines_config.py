@@ -132,21 +132,43 @@ def test_a_fan_out_is_a_function_s_and_happens_once(
     ("step", "message"),
     [
         ('{name = "c", op = "crop_boxes", size = [8, 8], inputs = {image = "request.input"}}',
-         "pipelines.wakeword.steps[1].inputs: crop_boxes takes image (uint8 pixels"),
-        ('{name = "c", op = "crop_boxes", size = [8], inputs = {image = "request.input", '
+         "pipelines.wakeword.steps[1].inputs: crop_boxes takes image, boxes, got image"),
+        ('{name = "c", op = "crop_boxes", size = [8], inputs = {image = "mel.output", '
          'boxes = "mel.output"}}', "pipelines.wakeword.steps[1].size: [8]: the crops' height"),
-        ('{name = "c", op = "resize", size = [8, 8], inputs = {image = "request.input", '
-         'boxes = "mel.output"}}', "'resize' is not one of '', 'crop_boxes'"),
-        ('{name = "c", op = "crop_boxes", model = "melspec", size = [8, 8]}',
-         "a step is a model (model = ...), a function (function = ...) or an operation"),
+        ('{name = "c", op = "rotate", size = [8, 8], inputs = {image = "request.input", '
+         'boxes = "mel.output"}}', "pipelines.wakeword.steps[1].op: 'rotate' is not a built-in "
+         "operation (crop_boxes, nms, resize)"),
+        ('{name = "c", op = "crop_boxes", size = [8, 8], iou_threshold = 0.3, inputs = {image '
+         '= "mel.output", boxes = "mel.output"}}', "pipelines.wakeword.steps[1].iou_threshold: "
+         "crop_boxes does not read it (it reads size)"),
+        ('{name = "c", op = "crop_boxes", size = [8, 8], inputs = {image = "mel.output", '
+         'boxes = "mel.output"}}', "pipelines.wakeword.steps[1].inputs.image: 'mel.output' is "
+         "float32 [1, Clipoutput_dim_2, 32]: crop_boxes takes uint8 pixels"),
     ],
 )  # fmt: skip
-def test_a_crop_step_takes_an_image_and_boxes_and_a_size(
+async def test_an_operation_is_checked_once_the_models_load(
     tmp_path: Path, step: str, message: str
 ) -> None:
+    """An operation's inputs and settings, from the registry (worker.compute.ops):
+    refused before Kafka is contacted, by run and config alike (Worker.prepare).
+    (The embedding step after it keeps that model the pipeline's.)"""
+    env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": f'[{{name = "mel", model = "melspec"}}, '
+           f'{step}, {{name = "e", model = "embedding"}}]',
+           "INFER_WORKER_PIPELINES__WAKEWORD__OUTPUTS": '{mel = "mel.output"}'}
+    _load(tmp_path)  # writes the file
+    worker = Worker(load_settings(tmp_path / "worker.toml", env=env))
+    with pytest.raises(ConfigError) as refused:
+        await worker.prepare()
+    await worker.stop()
+    assert message in str(refused.value)
+
+
+def test_a_step_is_one_of_model_function_or_operation(tmp_path: Path) -> None:
+    step = '{name = "c", op = "crop_boxes", model = "melspec", size = [8, 8]}'
     env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": f'[{{name = "mel", model = "melspec"}}, '
            f'{step}]', "INFER_WORKER_PIPELINES__WAKEWORD__OUTPUTS": '{mel = "mel.output"}'}
     _load(tmp_path)  # writes the file
     with pytest.raises(ConfigError) as refused:
         load_settings(tmp_path / "worker.toml", env=env)
+    message = "a step is a model (model = ...), a function (function = ...) or an operation"
     assert message in str(refused.value)

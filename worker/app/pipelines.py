@@ -14,7 +14,7 @@ A wrong pipeline stops start-up with exit 2 naming the step and the tensor.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.compute.cpu import CpuStage
-from worker.compute.crops import OUTPUT, crop_boxes
+from worker.compute.ops import OP_KEYS, Desc, op_named, shown
 from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
 from worker.config import BatchingConfig, LimitsConfig
 from worker.config.checks import check
@@ -41,7 +41,6 @@ from worker.model.inputs.image import BoundImage
 from worker.model.inputs.tensor import BoundTensor
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 
-Desc = tuple[str, tuple[int | str | None, ...]]  # dtype name, one request's shape
 Regional = tuple[str, tuple[int, ...]] | None  # a per-region tensor's, where fixed
 
 
@@ -108,7 +107,7 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
             for out, desc in produced.items():
                 known[f"{step.name}.{out}"] = desc
         elif step.op:
-            steps.append(_crop_step(where, step, known, until))
+            steps.append(_op_step(where, step, known, until))
         else:
             for arg, text in step.inputs.items():
                 _exists(f"{where}.inputs.{arg}", text, known)
@@ -121,7 +120,10 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
-    fan_at = next((i for i, s in enumerate(cfg.steps) if s.fan_out or s.op), None)
+    fans = [i for i, s in enumerate(steps) if isinstance(s, FunctionStep) and s.fan_out]
+    check(len(fans) <= 1, f"{at}.steps[{fans[-1] if fans else 0}]", "a pipeline fans out "
+          f"once (steps[{fans[0] if fans else 0}] does)")  # fmt: skip
+    fan_at = fans[0] if fans else None
     after = {s.name for s in cfg.steps[fan_at:]} if fan_at is not None else set()
     regional = {key: _fixed(desc) for key, desc in known.items()
                 if key.partition(".")[0] in after}  # fmt: skip
@@ -172,23 +174,24 @@ def declared_inputs(name: str, cfg: PipelineConfig, limits: LimitsConfig,
                        length_buckets=batching.length_buckets)  # fmt: skip
 
 
-def _crop_step(
+def _op_step(
     where: str, step: StepConfig, known: Mapping[str, Desc | None], until: float | None
 ) -> FunctionStep:
-    """``op = "crop_boxes"``, checked: image uint8 pixels, boxes ``[N, 4]``."""
-    image = _exists(f"{where}.inputs.image", step.inputs["image"], known)
-    check(image is None or (image[0] == "uint8" and len(image[1]) in (2, 3)),
-          f"{where}.inputs.image", f"{step.inputs['image']!r} is {_shown(image)}: crop_boxes "
-          "takes uint8 pixels [H, W, C]")  # fmt: skip
-    boxes = _exists(f"{where}.inputs.boxes", step.inputs["boxes"], known)
-    check(boxes is None or (len(boxes[1]) == 2 and (
-        boxes[1][1] in (4, None) or isinstance(boxes[1][1], str))), f"{where}.inputs.boxes",
-          f"{step.inputs['boxes']!r} is {_shown(boxes)}: boxes are [N, 4]")  # fmt: skip
-    height, width = step.size
-    crop = functools.partial(crop_boxes, size=(height, width))
-    spec = Spec("uint8", (height, width, "C"))
-    return FunctionStep(step.name, crop, dict(step.inputs), {OUTPUT: spec}, until, step.topic,
-                        fan_out=True)  # fmt: skip
+    """``op = "NAME"``: a built-in operation (``worker.compute.ops``), its inputs
+    and settings checked, run as a function step is."""
+    op = op_named(step.op, f"{where}.op")
+    names = sorted(step.inputs)
+    check(names == sorted(op.inputs), f"{where}.inputs", f"{op.name} takes "
+          f"{', '.join(op.inputs)}, got {', '.join(names)}")  # fmt: skip
+    defaults = {f.name: f.default for f in dataclasses.fields(StepConfig)}
+    for key in OP_KEYS:
+        check(key in op.keys or getattr(step, key) == defaults[key], f"{where}.{key}",
+              f"{op.name} does not read it (it reads {', '.join(op.keys) or 'no key'})")
+    descs = {name: _exists(f"{where}.inputs.{name}", step.inputs[name], known)
+             for name in op.inputs}  # fmt: skip
+    outputs = op.check(where, step, descs)
+    return FunctionStep(step.name, op.bind(step), dict(step.inputs), outputs, until, step.topic,
+                        fan_out=op.fan_out)  # fmt: skip
 
 
 def _fixed(desc: Desc | None) -> Regional:
@@ -246,7 +249,7 @@ def _model_sources(
                 _agrees(at, text, found, want)
         elif isinstance(kind, BoundImage):
             check(found is None or (found[0] == "uint8" and len(found[1]) in (2, 3)), at,
-                  f"{text!r} is {_shown(found)}: an image input takes uint8 pixels "
+                  f"{text!r} is {shown(found)}: an image input takes uint8 pixels "
                   "[H, W, C] or [H, W]")  # fmt: skip
         else:
             raise ConfigError(f"{at}: a {kind.kind} input is fed by the request only; no step "
@@ -269,15 +272,8 @@ def _agrees(at: str, text: str, found: Desc, want: Desc) -> None:
         for a, b in zip(found[1], want[1], strict=False)
     )
     check(found[0] == want[0] and len(found[1]) == len(want[1]) and fixed, at,
-          f"{text!r} is {_shown(found)}, the model takes {_shown(want)}")  # fmt: skip
+          f"{text!r} is {shown(found)}, the model takes {shown(want)}")  # fmt: skip
 
 
 def _desc(dtype: str, shape: tuple[int | str | None, ...]) -> Desc:
     return dtype, tuple(shape)
-
-
-def _shown(desc: Desc | None) -> str:
-    if desc is None:
-        return "a postprocessed output"
-    dims = ", ".join("?" if d is None else str(d) for d in desc[1])
-    return f"{desc[0]} [{dims}]"

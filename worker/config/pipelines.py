@@ -21,9 +21,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from worker.config.checks import check
+from worker.config.model import PreprocessConfig
 
 if TYPE_CHECKING:
     from worker.config import Settings
@@ -32,6 +33,14 @@ REQUEST = "request"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _SPEC = re.compile(r"\s*([a-z0-9]+)\s*\[([^\]]*)\]\s*")
+
+
+@dataclass(frozen=True)
+class StepPreprocess(PreprocessConfig):
+    """An ``op = "resize"`` step's preprocessing: ``[model.preprocess]``'s keys."""
+
+    def where(self) -> str:
+        return "pipelines.*.steps[*].preprocess"
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,21 @@ class StepConfig:
     # not start once the shares of the steps up to it are spent (arrival + their sum x the
     # time the request had), and the request is answered deadline_exceeded naming it.
     deadline_share: float = 0.0
-    # Or a built-in operation: "crop_boxes" (inputs image, uint8 pixels [H, W, C], and boxes,
-    # [N, 4] as x0, y0, x1, y1 in pixels; output crops, uint8 [N, size[0], size[1], C]: each
-    # box's pixels resized bilinearly, one region a box, a fan-out).
-    op: Literal["", "crop_boxes"] = ""
+    # Or a built-in operation (docs/guides/pipelines.md, "Built-in operations"): "crop_boxes"
+    # (image and boxes in, a crop of size a box out: a fan-out), "resize" (an image resized
+    # and normalised as a model's image input is, by preprocess), "nms" (boxes and scores
+    # thinned by non-maximum suppression). Its inputs are named as the operation names them.
+    op: str = ""
     # crop_boxes: the crops' height and width.
     size: tuple[int, ...] = ()
+    # resize: the image's preprocessing, [model.preprocess]'s keys (size and channels required).
+    preprocess: StepPreprocess | None = None
+    # nms: a box overlapping a higher-scored one by more than this IoU is dropped.
+    iou_threshold: float = 0.5
+    # nms: a box scored under this is dropped.
+    score_threshold: float = 0.0
+    # nms: at most this many boxes kept, highest score first; 0 = all.
+    max_boxes: int = 0
     # A function step only: its outputs hold one row per region of the request (a leading
     # axis of any length, 0 included; its declared shapes are a region's); the steps after
     # it run once per region, and an output of theirs is the regions' stacked per request.
@@ -136,13 +154,11 @@ def _check_function_step(where: str, step: StepConfig) -> None:
 
 
 def _check_op_step(where: str, step: StepConfig) -> None:
-    """``op = "crop_boxes"``: inputs image and boxes, outputs crops of ``size``."""
-    check(sorted(step.inputs) == ["boxes", "image"], f"{where}.inputs", "crop_boxes takes "
-          "image (uint8 pixels [H, W, C]) and boxes ([N, 4]: x0, y0, x1, y1)")  # fmt: skip
-    check(len(step.size) == 2 and all(n > 0 for n in step.size), f"{where}.size",
-          f"{list(step.size)}: the crops' height and width, as [48, 320]")  # fmt: skip
-    check(not step.outputs, f"{where}.outputs", "crop_boxes's output is crops, "
-          "uint8 [size[0], size[1], C] a box")  # fmt: skip
+    """An operation's shape (which operation, its inputs and settings: checked
+    once the models load, ``worker.compute.ops``)."""
+    check(bool(step.inputs), f"{where}.inputs", f"{step.op!r} names its inputs")
+    check(not step.outputs, f"{where}.outputs", "an operation's outputs are its own")
+    check(not step.fan_out, f"{where}.fan_out", "an operation fans out or not by itself")
 
 
 def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
@@ -179,8 +195,8 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                   "earlier step too")  # fmt: skip
             check(sum(map(bool, (step.model, step.function, step.op))) == 1, where,
                   "a step is a model (model = ...), a function (function = ...) or an "
-                  "operation (op = \"crop_boxes\")")  # fmt: skip
-            if step.fan_out or step.op:
+                  "operation (op = \"crop_boxes\", \"resize\", \"nms\")")  # fmt: skip
+            if step.fan_out:  # an operation's fan-out: counted once the ops are known
                 check(fanned is None, f"{where}.fan_out", f"a pipeline fans out once "
                       f"(steps[{fanned}] does)")  # fmt: skip
                 fanned = i

@@ -1,4 +1,4 @@
-"""``op = "crop_boxes"`` (``worker.compute.crops``): each box's pixels resized as
+"""``op = "crop_boxes"`` (``worker.compute.ops.crops``): each box's pixels resized as
 Pillow resizes them, clipped to the image; a box with no pixel refused by name;
 and as a pipeline's step, between the digits model and the digits model again."""
 
@@ -15,7 +15,7 @@ from PIL import Image
 from tests.models import cpu_stage
 from tests.unit.compute.test_pipeline_stage import _jobs
 from worker.app.pipelines import StepModel, build_steps
-from worker.compute.crops import crop_boxes
+from worker.compute.ops.crops import crop_boxes
 from worker.compute.engines import load_engine
 from worker.compute.pipeline import PipelineStage
 from worker.compute.steps import ModelStep

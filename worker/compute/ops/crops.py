@@ -1,11 +1,21 @@
 """``op = "crop_boxes"``: a pipeline's built-in step between a detector and a
 recogniser: an image's regions, given boxes, cropped and resized to one size, one
-per box (a fan-out: the steps after it run once per crop)."""
+per box (a fan-out: the steps after it run once per crop). Inputs ``image``
+(uint8 pixels ``[H, W, C]`` or ``[H, W]``) and ``boxes`` (``[N, 4]``: x0, y0,
+x1, y1 in pixels); ``size = [height, width]``; output ``crops``, uint8
+``[height, width, C]`` a box."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
 import numpy as np
 from PIL import Image
+
+from worker.compute.ops import Desc, Op, Run, shown
+from worker.config.checks import check
+from worker.config.pipelines import Spec, StepConfig
 
 OUTPUT = "crops"
 
@@ -36,3 +46,25 @@ def crop_boxes(
         )
         out[k] = np.asarray(resized).reshape(height, width, channels)
     return {OUTPUT: out}
+
+
+def _check(where: str, step: StepConfig, inputs: Mapping[str, Desc | None]) -> dict[str, Spec]:
+    check(len(step.size) == 2 and all(n > 0 for n in step.size), f"{where}.size",
+          f"{list(step.size)}: the crops' height and width, as [48, 320]")  # fmt: skip
+    image, boxes = inputs["image"], inputs["boxes"]
+    check(image is None or (image[0] == "uint8" and len(image[1]) in (2, 3)),
+          f"{where}.inputs.image", f"{step.inputs['image']!r} is {shown(image)}: crop_boxes "
+          "takes uint8 pixels [H, W, C]")  # fmt: skip
+    check(boxes is None or (len(boxes[1]) == 2 and (
+        boxes[1][1] in (4, None) or isinstance(boxes[1][1], str))), f"{where}.inputs.boxes",
+          f"{step.inputs['boxes']!r} is {shown(boxes)}: boxes are [N, 4]")  # fmt: skip
+    height, width = step.size
+    return {OUTPUT: Spec("uint8", (height, width, "C"))}
+
+
+def _bind(step: StepConfig) -> Run:
+    height, width = step.size
+    return functools.partial(crop_boxes, size=(height, width))
+
+
+OP = Op("crop_boxes", ("image", "boxes"), ("size",), True, _check, _bind)
