@@ -106,3 +106,20 @@ def peak_boxes(heat: np.ndarray) -> dict[str, np.ndarray]:
     pixels: the 12x12 window the map's peak was computed from."""
     y, x = np.unravel_index(int(np.argmax(heat[0])), heat[0].shape)
     return {"boxes": np.array([[x, y, x + 12, y + 12]], np.float32)}
+
+
+def candidates(heat: np.ndarray) -> dict[str, np.ndarray]:
+    """Every position of a detector's map [1, h, w] as a candidate box (the 12x12
+    window it was computed from) with its score."""
+    h, w = heat.shape[1:]
+    ys, xs = np.mgrid[0:h, 0:w]
+    x0, y0 = xs.ravel().astype(np.float32), ys.ravel().astype(np.float32)
+    boxes = np.stack([x0, y0, x0 + 12, y0 + 12], axis=1)
+    return {"boxes": boxes, "scores": heat[0].ravel().astype(np.float32)}
+
+
+def to_pixels(boxes: np.ndarray, pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """Boxes found on a 32x32 resize, in the original image's pixels."""
+    h, w = pixels.shape[:2]
+    scale = np.array([w / 32, h / 32, w / 32, h / 32], np.float32)
+    return {"boxes": (boxes * scale).astype(np.float32)}

@@ -3,7 +3,10 @@ a function before the first model (raw features standardised, then a two-input
 model reading the other input from the request), and crops of the request's
 original pixels after a detector fed floats (a function scales the pixels, a
 fully convolutional detector finds a peak, a function makes its box, crop_boxes
-cuts it from the pixels as sent, the digits model reads the crop). Served by one
+cuts it from the pixels as sent, the digits model reads the crop), and a detector
+cascade of the built-in operations (resize to 32x32 for the detector, every map
+position a candidate, nms keeps three, their boxes scaled back to the original
+pixels, crops read by the digits model). Served by one
 worker of [models.NAME] sections alone, on both brokers; every answer equals the
 steps run by hand on that request alone."""
 
@@ -18,12 +21,13 @@ import pytest
 from tests import pipeline_functions as fn
 from tests.onnx_models import conv_detector, ranker, run_alone
 from tests.serving import wire
-from worker.compute.ops.crops import crop_boxes
 from worker.compute.engines import load_engine
+from worker.compute.ops.crops import crop_boxes
+from worker.compute.ops.nms import nms
 from worker.config import ModelConfig
 from worker.contract import Tensor
 from worker.model.inputs.image import resolve
-from worker.model.preprocess import preprocess
+from worker.model.preprocess import ImagePreprocess, preprocess
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import spawn_worker
 from worker.ops.topics import Collector, produce_all
@@ -80,6 +84,45 @@ inputs = {{ image = "request.pixels", boxes = "peak.boxes" }}
 name = "digit"
 model = "digits"
 inputs = {{ image = "crop.crops" }}
+
+[pipelines.cascade]
+topics = ["{cascade}"]
+inputs = {{ pixels = "uint8 [H, W, 1]" }}
+outputs = {{ digit = "digit.topk_indices", kept = "keep.indices" }}
+[[pipelines.cascade.steps]]
+name = "small"
+op = "resize"
+preprocess = {{ size = [32, 32], channels = 1, mean = [0.0], std = [1.0] }}
+inputs = {{ image = "request.pixels" }}
+[[pipelines.cascade.steps]]
+name = "detect"
+model = "detector"
+inputs = {{ x = "small.image" }}
+[[pipelines.cascade.steps]]
+name = "cands"
+function = "tests.pipeline_functions:candidates"
+inputs = {{ heat = "detect.heat" }}
+outputs = {{ boxes = "float32 [n, 4]", scores = "float32 [n]" }}
+[[pipelines.cascade.steps]]
+name = "keep"
+op = "nms"
+iou_threshold = 0.3
+max_boxes = 3
+inputs = {{ boxes = "cands.boxes", scores = "cands.scores" }}
+[[pipelines.cascade.steps]]
+name = "orig"
+function = "tests.pipeline_functions:to_pixels"
+inputs = {{ boxes = "keep.boxes", pixels = "request.pixels" }}
+outputs = {{ boxes = "float32 [kept, 4]" }}
+[[pipelines.cascade.steps]]
+name = "crop"
+op = "crop_boxes"
+size = [8, 8]
+inputs = {{ image = "request.pixels", boxes = "orig.boxes" }}
+[[pipelines.cascade.steps]]
+name = "digit"
+model = "digits"
+inputs = {{ image = "crop.crops" }}
 """
 
 
@@ -100,7 +143,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     rank_path, det_path = ranker(tmp_path / "ranker.onnx"), conv_detector(tmp_path / "det.onnx")
-    topics = {"scored": f"{names['requests']}.scored", "read": f"{names['requests']}.read"}
+    topics = {p: f"{names['requests']}.{p}" for p in ("scored", "read", "cascade")}
     config = tmp_path / "worker.toml"
     config.write_text(CONFIG.format(ranker=rank_path, detector=det_path, **topics))
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
@@ -114,18 +157,22 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     w = spawn_worker(broker.bootstrap, input_topics=list(topics.values()),
                      output_topic=names["results"], dlq_topic=names["dlq"],
                      group_id=names["group"], command=("run", "--config", str(config)))  # fmt: skip
-    total = len(scored) + len(read)
+    cascade = {f"c-{i}": rng.integers(0, 256, (int(rng.integers(24, 64)),
+                                               int(rng.integers(24, 64)), 1)).astype(np.uint8)
+               for i in range(16)}  # fmt: skip
+    total = len(scored) + len(read) + len(cascade)
     c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
     try:
         await asyncio.to_thread(
-            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0, "assignment"
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0, "assignment"
         )
         await produce_all(broker.bootstrap, topics["scored"], [
             (rid.encode(), wire(rid, {k: Tensor.from_numpy(v) for k, v in r.items()}))
             for rid, r in scored.items()])  # fmt: skip
-        await produce_all(broker.bootstrap, topics["read"], [
-            (rid.encode(), wire(rid, {"pixels": Tensor.from_numpy(p)}))
-            for rid, p in read.items()])  # fmt: skip
+        for pipeline, images in (("read", read), ("cascade", cascade)):
+            await produce_all(broker.bootstrap, topics[pipeline], [
+                (rid.encode(), wire(rid, {"pixels": Tensor.from_numpy(p)}))
+                for rid, p in images.items()])  # fmt: skip
         await c.start()
         assert await c.collect(lambda c: c.count() >= total, 90.0), w.log_tail()
     finally:
@@ -149,5 +196,17 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
         boxes = fn.peak_boxes(heat)["boxes"]
         crops = crop_boxes(pixels, boxes, size=(8, 8))["crops"]
         np.testing.assert_array_equal(got.outputs["boxes"].to_numpy(), boxes)
+        np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
+                                      _digits_by_hand(crops))  # fmt: skip
+    small = ImagePreprocess((32, 32), 1, 1 / 255, (0.0,), (1.0,), "NCHW", "float32")
+    for rid, pixels in cascade.items():
+        got = results[rid]
+        assert (got.status, got.model.name) == ("ok", "cascade"), got.error
+        heat = run_alone(det_path, {"x": preprocess([pixels], small)[0]})["heat"]
+        found = fn.candidates(heat)
+        kept = nms(found["boxes"], found["scores"], 0.3, max_boxes=3)
+        boxes = fn.to_pixels(kept["boxes"], pixels)["boxes"]
+        crops = crop_boxes(pixels, boxes, size=(8, 8))["crops"]
+        np.testing.assert_array_equal(got.outputs["kept"].to_numpy(), kept["indices"])
         np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
                                       _digits_by_hand(crops))  # fmt: skip

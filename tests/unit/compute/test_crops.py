@@ -15,8 +15,8 @@ from PIL import Image
 from tests.models import cpu_stage
 from tests.unit.compute.test_pipeline_stage import _jobs
 from worker.app.pipelines import StepModel, build_steps
-from worker.compute.ops.crops import crop_boxes
 from worker.compute.engines import load_engine
+from worker.compute.ops.crops import crop_boxes
 from worker.compute.pipeline import PipelineStage
 from worker.compute.steps import ModelStep
 from worker.config import ModelConfig, PipelineConfig, StepConfig
