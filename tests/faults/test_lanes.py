@@ -206,23 +206,24 @@ def answered_once(inputs: Any, observed: Any) -> None:
 class Members:
     """The workers a test started with lanes, killed when it ends."""
 
-    def __init__(self, broker: Broker, names: Mapping[str, str]) -> None:
-        self._broker, self._names = broker, names
+    def __init__(self, broker: Broker, names: Mapping[str, str], **env: str) -> None:
+        self._broker, self._names, self._env = broker, names, env
         self.started: list[WorkerProcess] = []
 
     def start(self) -> WorkerProcess:
-        self.started.append(start_with_lanes(self._broker, self._names))
+        self.started.append(start_with_lanes(self._broker, self._names, **self._env))
         return self.started[-1]
 
 
 @contextlib.asynccontextmanager
 async def members(
-    broker: Broker, names: Mapping[str, str]
+    broker: Broker, names: Mapping[str, str], **env: str
 ) -> AsyncIterator[tuple[Answers, Members]]:
-    """Results collected and workers started for the block; every request of
-    both lanes answered once it ended without failing."""
+    """Results collected and workers started for the block (``env``: more of
+    their settings); every request of both lanes answered once it ended without
+    failing."""
     answers = await Answers.start(broker, names)
-    workers = Members(broker, names)
+    workers = Members(broker, names, **env)
     try:
         yield answers, workers
     finally:
@@ -232,11 +233,17 @@ async def members(
     await every_request_answered(broker, names)
 
 
+@pytest.mark.parametrize("models", [False, True], ids=["one-model", "a-model-a-lane"])
 async def test_urgent_requests_overtake_a_backlog_and_a_sigkill_loses_nothing(
-    broker: Broker, names: dict[str, str]
+    broker: Broker, names: dict[str, str], models: bool
 ) -> None:
+    """``models``: the urgent topic answered by [model], the bulk backlog by a
+    [models.bulk] of its own (issue 64: lanes were refused with several models)."""
     urgent, bulk = await _backlog(broker, names)
-    async with members(broker, names) as (answers, workers):
+    env = {"INFER_WORKER_MODEL__PATH": "builtin:digits", "INFER_WORKER_MODEL__TOPICS": urgent,
+           "INFER_WORKER_MODELS__BULK__PATH": "builtin:digits",
+           "INFER_WORKER_MODELS__BULK__TOPICS": bulk} if models else {}  # fmt: skip
+    async with members(broker, names, **env) as (answers, workers):
         w1 = workers.start()
         await wait_assigned([w1], 2 * PARTS)
         await urgent_overtakes_bulk(broker, urgent, w1)

@@ -69,7 +69,8 @@ REFUSED = [
                                        "reload_interval_s = 5", 1),
      "model.reload_interval_s: a model a pipeline runs is not swapped while serving"),
     (TWO_MODELS + '[[kafka.lanes]]\ntopics = ["scores"]\npriority = 0\n[[kafka.lanes]]\n'
-     'topics = ["texts"]\npriority = 1\n', "kafka.lanes: priority lanes and several models"),
+     'topics = ["texts"]\npriority = 1\nown_process = true\n',
+     "kafka.lanes[1].own_process: a lane in a process of its own serves one model's"),
     ('state_topic = "states"\n' + TWO_MODELS,
      "kafka.state_topic: with several models, name each stateful model's changelog"),
     (TWO_MODELS.replace('topics = ["texts"]', 'topics = ["texts"]\nstate_topic = "scores"'),

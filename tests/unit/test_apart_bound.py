@@ -6,7 +6,7 @@ bound is kept; a lone model keeps a lone model's bound."""
 from __future__ import annotations
 
 from worker.app.lanes import APART_MIN_INFLIGHT, apart_bound, backpressure
-from worker.config import BatchingConfig, ModelConfig, Settings
+from worker.config import BatchingConfig, KafkaConfig, ModelConfig, Settings
 
 
 def test_a_derived_bound_is_one_batch_at_least_256_and_a_set_one_is_kept() -> None:
@@ -20,8 +20,11 @@ def test_a_derived_bound_is_one_batch_at_least_256_and_a_set_one_is_kept() -> No
 
 def test_several_models_are_bounded_apart_and_one_model_as_before() -> None:
     one = Settings()
-    alone = backpressure(one)
+    alone, _ = backpressure(one)
     assert not alone.apart and alone.lanes[0].max_records == one.batching.max_inflight_records
+    two = Settings(kafka=KafkaConfig(input_topics=("a", "b")))
     other = Settings(model=ModelConfig(name="bulk"))
-    apart = backpressure(one, [one, other])
+    apart, ranks = backpressure(two, [two, other], {"a": 0, "b": 1})
+    assert ranks == {"a": 0, "b": 1}  # each topic its model's rank
     assert apart.apart and [b.max_records for b in apart.lanes] == [256, 256]
+    assert apart.labels == ["digits", "bulk"] and apart.groups is None

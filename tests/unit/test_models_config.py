@@ -81,11 +81,30 @@ def test_refused_with_the_key_as_written(tmp_path: Path, env: dict[str, str], me
     assert message in str(refused.value)
 
 
-def test_lanes_and_several_models_are_refused(tmp_path: Path) -> None:
-    lanes = '\n[[kafka.lanes]]\ntopics = ["digits.requests"]\npriority = 0\n' \
-            '[[kafka.lanes]]\ntopics = ["reviews.requests", "more.reviews"]\npriority = 1\n'
-    with pytest.raises(ConfigError, match=r"kafka\.lanes: priority lanes and several models"):
-        _load(tmp_path, TWO + lanes)
+def test_lanes_with_several_models_rank_each_model_s_lanes(tmp_path: Path) -> None:
+    """Priority lanes beside several models (refused before): one pause decision
+    per (model, lane), each on its model's counts, the urgent lane's bounds the
+    higher; a lane in a process of its own is still refused, naming it."""
+    from worker.app.lanes import backpressure
+
+    lanes = '\n[[kafka.lanes]]\ntopics = ["digits.requests", "reviews.requests"]\n' \
+            'priority = 0\n[[kafka.lanes]]\ntopics = ["more.reviews"]\npriority = 1\n'
+    s = _load(tmp_path, TWO + lanes)
+    models = [m.settings for m in served(s)]
+    owners = {"digits.requests": 0, "reviews.requests": 1, "more.reviews": 1}
+    bp, ranks = backpressure(s, models, owners)
+    assert ranks == {"digits.requests": 0, "reviews.requests": 1, "more.reviews": 2}
+    assert bp.labels == ["digits/digits.requests", "sentiment/digits.requests",
+                         "sentiment/more.reviews"]  # fmt: skip
+    assert [lane.max_records for lane in bp.lanes] == [384, 384, 256]  # urgent: 1.5x
+    # Sentiment's two lanes decide on its whole count: 300 in flight pauses its bulk
+    # lane (bound 256) and not its urgent one (384); digits' is its own.
+    changes = bp.update_each([(0, 0), (100, 0), (200, 0)])
+    assert changes == [(2, "pause")] and not bp.is_paused(1) and not bp.is_paused(0)
+    own = lanes.replace("priority = 1\n", "priority = 1\nown_process = true\n")
+    with pytest.raises(ConfigError, match=r"kafka\.lanes\[1\]\.own_process: a lane in a "
+                       r"process of its own"):  # fmt: skip
+        _load(tmp_path, TWO + own)
 
 
 def test_one_models_topics_must_cover_the_input_topics(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ the backpressure per lane, and the per-lane metrics of each batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from worker.config import BatchingConfig, Settings
 from worker.flow.batching import BatchPolicy, Policy
@@ -74,17 +74,29 @@ def apart_bound(b: BatchingConfig) -> int:
     return max(APART_MIN_INFLIGHT, b.max_batch_size)
 
 
-def backpressure(s: Settings, models: Sequence[Settings] = ()) -> LaneBackpressure:
-    """Pausing per lane over the worker's in-flight counts; with several models
-    or pipelines (``models``: each one's settings as it runs, in the routing
-    table's order), per model over each one's own, at its own bounds: one
-    model's backlog pauses only its topics."""
+def backpressure(
+    s: Settings, models: Sequence[Settings] = (), owners: Mapping[str, int] | None = None
+) -> tuple[LaneBackpressure, dict[str, int] | None]:
+    """Pausing, and each input topic's rank in it. One model: per lane over the
+    worker's in-flight counts (the topics' ranks: their lanes'). Several models
+    or pipelines (``models``: each one's settings as it runs; ``owners``: each
+    input topic's model, by its place in ``models``): per model over each one's
+    own counts at its own bounds, so one model's backlog pauses only its topics;
+    with priority lanes too, one decision per (model, lane) on the model's
+    counts, the urgent lane's bounds the higher (it pauses last)."""
     b = s.batching
-    if len(models) > 1:
-        return LaneBackpressure.per_model(
-            [(apart_bound(m.batching), m.batching.max_inflight_bytes) for m in models],
-            [m.model.name for m in models],
-        )
-    return LaneBackpressure(
-        b.max_inflight_records, b.max_inflight_bytes, lanes=len(s.kafka.ranked_lanes)
-    )
+    if len(models) <= 1 or owners is None:
+        lanes = len(s.kafka.ranked_lanes)
+        return LaneBackpressure(b.max_inflight_records, b.max_inflight_bytes, lanes=lanes), None
+    k = s.kafka
+    n = len(k.ranked_lanes)
+    pairs = sorted({(owners[t], k.lane_rank.get(t, 0)) for t in k.input_topics})
+    bounds, labels = [], []
+    for m, lane in pairs:
+        bc, f = models[m].batching, LaneBackpressure.scale(lane, n)
+        bounds.append((int(apart_bound(bc) * f), int(bc.max_inflight_bytes * f)))
+        labels.append(models[m].model.name + (f"/{k.ranked_lanes[lane].label}" if n > 1 else ""))
+    groups = [m for m, _ in pairs] if n > 1 else None
+    rank = {pair: i for i, pair in enumerate(pairs)}
+    ranks = {t: rank[owners[t], k.lane_rank.get(t, 0)] for t in k.input_topics}
+    return LaneBackpressure.per_model(bounds, labels, groups=groups), ranks

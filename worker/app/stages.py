@@ -132,11 +132,12 @@ async def build_stages(
         others={a.stages.name: (a.binding.inputs, fit_limits(s.limits, a.binding.inputs))
                 for a in others},
     )  # fmt: skip
-    rank = {a.stages.name: i for i, a in enumerate(built)}
+    place = {a.stages.name: i for i, a in enumerate(built)}
+    pausing, ranks = backpressure(s, [a.settings for a in built],
+                                  {t: place[table.owner(t)] for t in s.kafka.input_topics})
     consumer = Consumer(
         s.kafka, intake, {a.stages.name: a.stages.jobs for a in built}, tracker, on_revoke,
-        backpressure(s, [a.settings for a in built]),
-        ranks={t: rank[o] for t, o in table.owners.items()} if others else None,
+        pausing, ranks=ranks,
     )  # fmt: skip
     committer = Committer(
         tracker,

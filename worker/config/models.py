@@ -13,8 +13,9 @@ The routing table (``Routing``, ``routing``) is the one place a request's
 answerer is decided: its topic's model or pipeline, or on ``[model]``'s topics
 (the shared ones) any model or pipeline the request names.
 
-What several models cannot do yet is refused by name (priority lanes, durable
-states in a changelog, the GPU engines, reloading a model a pipeline runs):
+What several models cannot do yet is refused by name (a priority lane in a
+process of its own, the GPU engines, reloading a model a pipeline runs, a
+changelog for a model without a topic of its own):
 docs/guides/models.md says why for each. One model, however configured, has
 all of them.
 """
@@ -246,8 +247,10 @@ def _refuse_unsupported(s: Settings, models: tuple[ServedModel, ...]) -> None:
         check(m.reload_interval_s == 0 or model.name not in in_pipelines,
               f"{model.key}.reload_interval_s", "a model a pipeline runs is not swapped "
               "while serving yet (the pipeline's step holds its engine)")  # fmt: skip
-    check(not k.lanes, "kafka.lanes", "priority lanes and several models in one worker do "
-          "not go together yet (one model per worker with lanes)")  # fmt: skip
+    alone = [i for i, lane in enumerate(k.lanes) if lane.own_process]
+    check(not alone, f"kafka.lanes[{alone[0] if alone else 0}].own_process", "a lane in a "
+          "process of its own serves one model's topics only for now (with several models, "
+          "keep the lanes in one process)")  # fmt: skip
     check(not k.state_topic, "kafka.state_topic", "with several models, name each stateful "
           "model's changelog as its own (models.NAME.state_topic)")  # fmt: skip
     changelogs: dict[str, str] = {}

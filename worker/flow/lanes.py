@@ -207,7 +207,7 @@ class LaneBackpressure:
         resume_ratio: float = 0.5,
     ) -> None:
         def scale(rank: int) -> float:
-            return 1.0 + (headroom * (lanes - 1 - rank) / (lanes - 1) if lanes > 1 else 0.0)
+            return LaneBackpressure.scale(rank, lanes, headroom)
 
         self.lanes = [
             Backpressure(int(max_records * scale(r)), int(max_bytes * scale(r)), resume_ratio)
@@ -217,17 +217,32 @@ class LaneBackpressure:
         # in-flight counts (``apart``), so one model's backlog pauses only its topics.
         self.apart = False
         self.labels: list[str] = []
+        self.groups: list[int] | None = None  # each rank's model, with lanes and models
 
     @classmethod
     def per_model(
-        cls, bounds: Sequence[tuple[int, int]], labels: Sequence[str], resume_ratio: float = 0.5
+        cls,
+        bounds: Sequence[tuple[int, int]],
+        labels: Sequence[str],
+        resume_ratio: float = 0.5,
+        groups: Sequence[int] | None = None,
     ) -> LaneBackpressure:
         """One ``Backpressure`` per model, each at its own bounds (records, bytes),
-        decided on its own counts (``update_each``)."""
+        decided on its own counts (``update_each``). ``groups``: several models
+        with priority lanes, one decision per (model, lane), each rank's group
+        its model: a rank decides on its whole model's counts (its lanes share
+        the model's in-flight work), at its own bounds (an urgent lane's higher)."""
         bp = cls(1, 1)
         bp.lanes = [Backpressure(r, b, resume_ratio) for r, b in bounds]
         bp.apart, bp.labels = True, list(labels)
+        bp.groups = list(groups) if groups is not None else None
         return bp
+
+    @staticmethod
+    def scale(rank: int, lanes: int, headroom: float = 0.5) -> float:
+        """Lane ``rank`` of ``lanes``: its bounds' factor (the most urgent, the
+        largest: it pauses last)."""
+        return 1.0 + (headroom * (lanes - 1 - rank) / (lanes - 1) if lanes > 1 else 0.0)
 
     @property
     def paused(self) -> bool:
@@ -248,7 +263,14 @@ class LaneBackpressure:
         return self.update_each([(records, nbytes)] * len(self.lanes))
 
     def update_each(self, counts: Sequence[tuple[int, int]]) -> list[tuple[int, Action]]:
-        """``update`` with each lane's (or model's) own in-flight records and bytes."""
+        """``update`` with each lane's (or model's) own in-flight records and bytes;
+        with ``groups``, each rank's model's (its ranks' counts summed)."""
+        if self.groups is not None:
+            total: dict[int, tuple[int, int]] = {}
+            for g, (records, nbytes) in zip(self.groups, counts, strict=True):
+                seen = total.get(g, (0, 0))
+                total[g] = (seen[0] + records, seen[1] + nbytes)
+            counts = [total[g] for g in self.groups]
         pairs = zip(self.lanes, counts, strict=True)
         changes = [(r, b.update(*c)) for r, (b, c) in enumerate(pairs)]
         return [(r, a) for r, a in reversed(changes) if a is not None]

@@ -83,8 +83,6 @@ def apply_backpressure(
         else:
             who = {"lane": k.ranked_lanes[rank].label}
             metrics.LANE_PAUSED.labels(**who).set(1 if action == "pause" else 0)
-        if rank == 0 and urgent is not None:
-            urgent.pause(action == "pause")
         if action == "pause":
             metrics.PAUSES.inc()
             log.info("fetch_paused", **who, inflight_records=records, inflight_bytes=nbytes)
@@ -95,6 +93,8 @@ def apply_backpressure(
             )
             metrics.RESUMES.inc()
             log.info("fetch_resumed", **who, inflight_records=records, inflight_bytes=nbytes)
+    if changes and urgent is not None:  # its partitions follow their ranks' state
+        urgent.follow(lambda t: bp.is_paused(rank_of(t)))
     if bp.paused:
         # Also covers partitions assigned by a rebalance while paused.
         consumer.pause(*(t for t in consumer.assignment() if bp.is_paused(rank_of(t))))

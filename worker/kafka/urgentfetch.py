@@ -51,7 +51,8 @@ class UrgentFetcher:
     def __init__(self, k: KafkaConfig) -> None:
         self._k = k
         self.client: AIOKafkaConsumer | None = None
-        self._paused = False  # the lane's backpressure state, applied to new partitions
+        # Whether a partition's lane (and model) is paused now: applied to new partitions.
+        self._paused: Callable[[KafkaTP], bool] = lambda tp: False
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(**fetcher_kwargs(self._k))
@@ -83,8 +84,7 @@ class UrgentFetcher:
         consumer.assign([*kept, *positions])
         for tp, offset in {**kept, **positions}.items():
             consumer.seek(tp, offset)
-        if self._paused:
-            consumer.pause(*positions)
+        consumer.pause(*(tp for tp in positions if self._paused(tp)))
         metrics.URGENT_FETCH_PARTITIONS.set(len(consumer.assignment()))
         log.info(
             "urgent_fetcher_took", partitions=sorted(f"{t.topic}:{t.partition}" for t in positions)
@@ -98,15 +98,19 @@ class UrgentFetcher:
             metrics.URGENT_FETCH_PARTITIONS.set(0)
 
     def pause(self, paused: bool) -> None:
-        """Follow the most urgent lane's backpressure."""
+        """Follow the most urgent lane's backpressure (every partition held)."""
+        self.follow(lambda tp: paused)
+
+    def follow(self, paused: Callable[[KafkaTP], bool]) -> None:
+        """Pause each partition held whose backpressure is paused (``paused``: by
+        partition; the most urgent lane's, or with several models that lane's
+        of the partition's model), resume the others."""
         self._paused = paused
         if self.client is None:
             return
         held = self.client.assignment()
-        if paused:
-            self.client.pause(*held)
-        else:
-            self.client.resume(*held)
+        self.client.pause(*(tp for tp in held if paused(tp)))
+        self.client.resume(*(tp for tp in held if not paused(tp)))
 
     def highwater(self, tp: KafkaTP) -> int | None:
         return None if self.client is None else self.client.highwater(tp)
