@@ -18,7 +18,6 @@ import numpy as np
 
 from worker.compute.cpu import CpuStage
 from worker.config.pipelines import Spec
-from worker.contract import Request, Tensor
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job
 
@@ -73,11 +72,11 @@ def unpinned(job: Job) -> Job:
 
 def fed(job: Job, step: ModelStep, unit: Tensors) -> Job:
     """``job`` as the step's model takes it: its inputs from one unit's tensors,
-    checked as that model checks a request."""
-    inputs = {name: Tensor.from_numpy(np.ascontiguousarray(_source(unit, source)))
-              for name, source in step.sources.items()}  # fmt: skip
-    request = Request(v=1, id=job.request.id if job.request else "", inputs=inputs)
-    checked, lengths = step.stage.binding.inputs.check(request)
+    checked as that model checks a request's, the arrays themselves (no wire
+    tensor made and read back)."""
+    arrays = {name: _source(unit, source) for name, source in step.sources.items()}
+    rid = job.request.id if job.request else ""
+    checked, lengths = step.stage.binding.inputs.check_arrays(arrays, rid)
     return msgspec.structs.replace(unpinned(job), inputs=checked, lengths=lengths)
 
 

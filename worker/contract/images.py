@@ -41,9 +41,10 @@ def check_image(
 
 
 def check_image_value(
-    value: InputValue, field: str, channels: int, max_pixels: int
+    value: InputValue | np.ndarray, field: str, channels: int, max_pixels: int
 ) -> np.ndarray | EncodedImage:
-    """``check_image`` for one input's value; messages name ``field``."""
+    """``check_image`` for one input's value (or a pipeline step's uint8 pixels);
+    messages name ``field``."""
     if isinstance(value, str):
         raise InvalidRequest(
             f"{field}: expected an image (a uint8 [H, W, {channels}] tensor or a JPEG, PNG "
@@ -68,6 +69,8 @@ def check_image_value(
         raise InvalidRequest(f"{field}.shape: height and width must be >= 1")
     if h * w > max_pixels:
         raise TensorTooLarge(f"{field}: {h}x{w} exceeds {max_pixels} pixels")
+    if isinstance(value, np.ndarray):  # a step's pixels: as they are, [H, W, C]
+        return value.reshape(shape)
     # A read-only view of the request's bytes, made in one call (half the cost
     # of frombuffer and reshape, per record on the event loop); the tensor's
     # rules already held its data to exactly h * w * channels bytes.

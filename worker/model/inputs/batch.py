@@ -129,31 +129,48 @@ class ModelInputs:
         ``batched``: tensors may carry a leading batch dimension of 1 (the Open
         Inference Protocol's), dropped where the input's row has one rank fewer."""
         try:
-            values: dict[str, Any] = {}
-            lengths: dict[str, int] = {}
-            given = request.inputs
-            if given.keys() != self.by_name.keys():  # a name set apart, in C
-                self._name_problem(given)
-            for kind in self.kinds:
-                value = given.get(kind.name)
-                if value is None:
-                    self._name_problem(given)
-                if batched and isinstance(value, Tensor):
-                    value = _unbatched(value, kind.row_ranks())
-                row = values[kind.name] = kind.check(value)
-                if kind.name not in self._measured:
-                    continue
-                for symbol, n in kind.lengths(row).items():
-                    seen = lengths.setdefault(symbol, n)
-                    if seen != n:
-                        others = ", ".join(f"inputs.{o}" for o in self.symbols[symbol])
-                        raise InvalidRequest(
-                            f"inputs.{kind.name}: dimension {symbol!r} is {n} but {seen} in "
-                            f"another input ({others} must agree on it)"
-                        )
+            return self._checked(request.inputs, batched)
         except InvalidRequest as exc:
             exc.request_id, exc.meta = request.id, request.meta
             raise
+
+    def check_arrays(
+        self, arrays: Mapping[str, np.ndarray], request_id: str = ""
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """``check`` for inputs a pipeline's earlier steps made: numpy arrays by
+        request input name, checked as a request's tensors (or image pixels) are,
+        with no wire tensor made and read back (no copy of their data)."""
+        try:
+            return self._checked(arrays, batched=False)
+        except InvalidRequest as exc:
+            exc.request_id = request_id
+            raise
+
+    def _checked(
+        self, given: Mapping[str, Any], batched: bool
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """One body for both callers: a request's values, or a step's arrays."""
+        values: dict[str, Any] = {}
+        lengths: dict[str, int] = {}
+        if given.keys() != self.by_name.keys():  # a name set apart, in C
+            self._name_problem(given)
+        for kind in self.kinds:
+            value = given.get(kind.name)
+            if value is None:
+                self._name_problem(given)
+            if batched and isinstance(value, Tensor):
+                value = _unbatched(value, kind.row_ranks())
+            row = values[kind.name] = kind.check(value)
+            if kind.name not in self._measured:
+                continue
+            for symbol, n in kind.lengths(row).items():
+                seen = lengths.setdefault(symbol, n)
+                if seen != n:
+                    others = ", ".join(f"inputs.{o}" for o in self.symbols[symbol])
+                    raise InvalidRequest(
+                        f"inputs.{kind.name}: dimension {symbol!r} is {n} but {seen} in "
+                        f"another input ({others} must agree on it)"
+                    )
         return values, lengths
 
     def _name_problem(self, given: Mapping[str, Any]) -> NoReturn:

@@ -54,7 +54,7 @@ class BoundImage(BoundInput):
     def free_symbols(self) -> tuple[str, ...]:
         return ()  # resized to a fixed size: every request's row has the same shape
 
-    def check(self, value: InputValue) -> np.ndarray | EncodedImage:
+    def check(self, value: InputValue | np.ndarray) -> np.ndarray | EncodedImage:
         return check_image_value(value, self.field, self.cfg.channels, self.max_pixels)
 
     def pending(self, answers: Sequence[Row]) -> bool:

@@ -37,9 +37,11 @@ class BoundTensor(BoundInput):
         self.max_length = max_length
         self._symbols = {axis: feed.symbol(axis) for axis in feed.free_axes}
 
-    def check(self, value: InputValue) -> np.ndarray:
+    def check(self, value: InputValue | np.ndarray) -> np.ndarray:
+        """A request's tensor (or a pipeline step's array: ``ModelInputs.check_arrays``)
+        held to the input's dtype and shape; its rows as a numpy array, no copy."""
         desc = self.desc
-        if not isinstance(value, Tensor):
+        if not isinstance(value, Tensor | np.ndarray):
             raise InvalidRequest(
                 f"{self.field}: expected a tensor {desc.shown()} (a map of dtype, shape, data), "
                 f"got {value_kind(value)}"
@@ -68,7 +70,7 @@ class BoundTensor(BoundInput):
                     f"{self.field}.shape[{axis}]: {got} exceeds the limit {self.max_length} on the "
                     f"free dimension {self._symbols[axis]!r} (model.inputs.{self.name}.max_length)"
                 )
-        return value.to_numpy()
+        return value if isinstance(value, np.ndarray) else value.to_numpy()
 
     def max_lengths(self) -> Mapping[str, int]:
         return {symbol: self.max_length for symbol in self._symbols.values()}

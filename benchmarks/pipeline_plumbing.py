@@ -1,0 +1,177 @@
+"""What a pipeline's model step costs beyond its model (issue 65: the copies
+between steps): a three-step pipeline (a function, then two models) built as the
+worker builds it (``Worker.prepare``: no Kafka), its stage run on batches of
+``--batch`` requests in process, each model step's time against its model's own
+engine time on the same rows.
+
+    .venv/bin/python -m benchmarks.pipeline_plumbing [--batch 64] [--batches 200]
+        [--width 1024] [--json out.json]
+
+Plumbing = step time - engine time: feeding the step (the earlier step's arrays
+checked as the model's request), batching and collating its rows, and scattering
+its answers. Run from two checkouts (PYTHONPATH=<checkout>) to compare them;
+benchmark code, not shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from worker.app.worker import Worker
+from worker.compute.engines import Engine, load_engine
+from worker.compute.pipeline import PipelineStage
+from worker.config import ModelConfig, Settings, load_settings
+from worker.contract import Request, Tensor, encode_request
+from worker.flow.messages import Batch, Job
+from worker.kafka.intake import JobFactory
+from worker.obs import metrics
+
+
+def standardise(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """The function step: raw features scaled."""
+    return {"x": ((raw - 0.5) * 2.0).astype(np.float32)}
+
+
+def _mlp(path: Path, seed: int, width: int) -> Path:
+    """x float32 [batch, width] -> y float32 [batch, width]: relu(x @ w)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).normal(0, 0.05, (width, width)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+CONFIG = """
+[metrics]
+port = 0
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
+input_topics = ["bench.requests"]
+[batching]
+max_batch_size = {batch}
+[models.first]
+path = "{first}"
+[models.second]
+path = "{second}"
+[pipelines.chain]
+topics = ["bench.requests"]
+inputs = {{ raw = "float32 [{width}]" }}
+outputs = {{ y = "b.y" }}
+[[pipelines.chain.steps]]
+name = "f"
+function = "benchmarks.pipeline_plumbing:standardise"
+inputs = {{ raw = "request.raw" }}
+outputs = {{ x = "float32 [{width}]" }}
+[[pipelines.chain.steps]]
+name = "a"
+model = "first"
+inputs = {{ x = "f.x" }}
+[[pipelines.chain.steps]]
+name = "b"
+model = "second"
+inputs = {{ x = "a.y" }}
+"""
+
+
+def _step_seconds(step: str) -> float:
+    sample = next(s for m in metrics.PIPELINE_STEP_SECONDS.collect() for s in m.samples
+                  if s.name.endswith("_sum") and s.labels.get("step") == step)  # fmt: skip
+    return float(sample.value)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        width = args.width
+        first, second = _mlp(Path(tmp, "a.onnx"), 1, width), _mlp(Path(tmp, "b.onnx"), 2, width)
+        config = Path(tmp, "worker.toml")
+        config.write_text(CONFIG.format(batch=args.batch, first=first, second=second,
+                                        width=width))  # fmt: skip
+        steps, total = asyncio.run(_steps(load_settings(config, env={}), args))
+        rng = np.random.default_rng(1)
+        engines = {}
+        for name, path in (("a", first), ("b", second)):
+            engine = cast(Engine, load_engine(ModelConfig(path=str(path))))
+            x = rng.random((args.batch, width), dtype=np.float32)
+            for _ in range(20):
+                engine.run({"x": x})
+            times = []
+            for _ in range(args.batches):
+                t0 = time.perf_counter()
+                engine.run({"x": x})
+                times.append(time.perf_counter() - t0)
+            engines[name] = statistics.mean(times)
+            engine.close()
+    out: dict[str, Any] = {"batch": args.batch, "batches": args.batches, "width": width,
+                           "batch_ms": 1000 * total / args.batches}  # fmt: skip
+    for name in ("a", "b"):
+        step, engine_s = steps[name], engines[name]
+        out[f"step_{name}_ms"] = round(1000 * step, 4)
+        out[f"engine_{name}_ms"] = round(1000 * engine_s, 4)
+        out[f"plumbing_{name}_share"] = round((step - engine_s) / step, 4)
+    out["function_step_ms"] = round(1000 * steps["f"], 4)
+    return out
+
+
+async def _steps(settings: Settings, args: argparse.Namespace) -> tuple[dict[str, float], float]:
+    """Each step's mean seconds a batch, and the batches' total, run in process."""
+    worker = Worker(settings)
+    stages = await worker.prepare()
+    try:
+        stage = cast(PipelineStage, stages.models[-1].infer)
+        intake = stages.consumer._make_job  # the intake the consumer would use
+        assert isinstance(intake, JobFactory)
+        rng = np.random.default_rng(0)
+        jobs: list[Job] = [
+            intake("bench.requests", 0, i, None, encode_request(Request(
+                v=1, id=f"r{i}", inputs={"raw": Tensor.from_numpy(
+                    rng.random(args.width, dtype=np.float32))})))
+            for i in range(args.batch)
+        ]  # fmt: skip
+        assert all(j.failure is None for j in jobs), jobs[0].failure
+        for _ in range(10):  # warm
+            await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+        before = {s: _step_seconds(s) for s in ("f", "a", "b")}
+        started = time.perf_counter()
+        for _ in range(args.batches):
+            await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+        total = time.perf_counter() - started
+        steps = {s: (_step_seconds(s) - before[s]) / args.batches for s in before}
+    finally:
+        await worker.stop()
+    return steps, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--width", type=int, default=1024, help="each model's [width, width]")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    out = run(args)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
