@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from worker.config.kafka import DEFAULT_CRASH_GUARD_TOPIC
+from worker.config.models import served
 
 if TYPE_CHECKING:
     from worker.config import Settings
@@ -35,6 +36,8 @@ class NeededTopic:
     use: Use = "write"
     # The worker stops at start (exit 2 naming ``setting``) where it is missing.
     required: bool = True
+    # The input topic it must have as many partitions as (a state changelog's).
+    co_partitioned: str = ""
 
 
 def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[NeededTopic]:
@@ -50,15 +53,24 @@ def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[Nee
                                    dict(COMPACTED), use="both", required=named))  # fmt: skip
     if k.state_topic:
         out.append(NeededTopic(k.state_topic, "kafka.state_topic", None, dict(COMPACTED),
-                               use="both", required=False))  # fmt: skip
-    changelogs = [("model", s.model), *((f"models.{n}", m) for n, m in s.models.items())]
-    for key, m in changelogs:  # each stateful model's own, beside other models
-        if m.state_topic:
-            out.append(NeededTopic(m.state_topic, f"{key}.state_topic", None, dict(COMPACTED),
-                                   use="both", required=False))  # fmt: skip
+                               use="both", required=False,
+                               co_partitioned=k.input_topics[0] if k.input_topics else ""))
+    for m in served(s):  # each stateful model's own changelog, beside other models
+        if state := _changelog(s, m.key):
+            partner = m.topics[0] if len(m.topics) == 1 else ""
+            out.append(NeededTopic(state, f"{m.key}.state_topic", None, dict(COMPACTED),
+                                   use="both", required=False, co_partitioned=partner))
     for name, p in s.pipelines.items():
         for i, step in enumerate(p.steps):
             if step.topic:  # a step's audit topic
                 out.append(NeededTopic(step.topic, f"pipelines.{name}.steps[{i}].topic",
                                        partitions))  # fmt: skip
     return out
+
+
+def _changelog(s: Settings, key: str) -> str:
+    """The changelog a model's section names (``model.state_topic`` or
+    ``models.NAME.state_topic``), or ""."""
+    if key == "model":
+        return s.model.state_topic
+    return s.models[key.removeprefix("models.")].state_topic

@@ -65,20 +65,19 @@ class Found:
     def exists(self) -> bool:
         return self.partitions > 0
 
-    def problems(self, input_partitions: int) -> list[str]:
-        """What is wrong with the topic as it exists (empty when missing or fine)."""
+    def problems(self, partner_partitions: int) -> list[str]:
+        """What is wrong with the topic as it exists (empty when missing or fine);
+        ``partner_partitions``: those of the input topic it is co-partitioned with
+        (0: none, or missing)."""
         if not self.exists:
             return []
         out = []
         for key, value in self.topic.configs.items():
             if self.configs is not None and self.configs.get(key) != value:
                 out.append(f"{key} is {self.configs.get(key) or 'unset'}, needs {value}")
-        if (
-            self.topic.partitions is None
-            and input_partitions
-            and (self.partitions != input_partitions)
-        ):
-            out.append(f"{self.partitions} partitions, the input topic {input_partitions} "
+        if partner_partitions and self.partitions != partner_partitions:
+            partner = self.topic.co_partitioned or "the input topic"
+            out.append(f"{self.partitions} partitions, {partner} {partner_partitions} "
                        "(they must be equal: co-partitioned)")  # fmt: skip
         return out
 
@@ -126,13 +125,19 @@ def input_partitions(found: Sequence[Found]) -> int:
     return next((f.partitions for f in found if f.topic.setting == "kafka.input_topics"), 0)
 
 
+def partner_partitions(found: Sequence[Found], f: Found) -> int:
+    """The partitions of the input topic ``f`` is co-partitioned with (0: none)."""
+    if not f.topic.co_partitioned:
+        return 0
+    return next((g.partitions for g in found if g.topic.name == f.topic.co_partitioned), 0)
+
+
 def report(found: Sequence[Found]) -> list[str]:
     """One line per needed topic: where the configuration names it and its state."""
-    inputs = input_partitions(found)
     lines = []
     for f in found:
         state = f"{f.partitions} partition{'s' * (f.partitions != 1)}" if f.exists else "MISSING"
-        problems = f.problems(inputs)
+        problems = f.problems(partner_partitions(found, f))
         if problems:
             state += " (" + "; ".join(problems) + ")"
         lines.append(f"{f.topic.name:<32} {f.topic.setting:<24} {state}")
@@ -145,8 +150,7 @@ def check(s: Settings) -> int:
     async def go() -> int:
         found, _ = await survey(s, needed(s))
         print("\n".join(report(found)))
-        inputs = input_partitions(found)
-        bad = [f for f in found if not f.exists or f.problems(inputs)]
+        bad = [f for f in found if not f.exists or f.problems(partner_partitions(found, f))]
         if bad:
             print(f"{len(bad)} of {len(found)} topics missing or not as needed "
                   "(infer-worker topics create --config FILE creates the missing)",
@@ -165,7 +169,8 @@ def create(s: Settings, partitions: int, replication: int | None) -> int:
         factor = replication or max(1, min(3, brokers))
         inputs = input_partitions(found) or partitions
         new = [
-            NewTopic(f.topic.name, num_partitions=f.topic.partitions or inputs,
+            NewTopic(f.topic.name,
+                     num_partitions=f.topic.partitions or partner_partitions(found, f) or inputs,
                      replication_factor=factor, topic_configs=dict(f.topic.configs))
             for f in found if not f.exists
         ]  # fmt: skip

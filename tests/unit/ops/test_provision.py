@@ -13,6 +13,7 @@ from worker.config import (
     PipelineConfig,
     Settings,
     StepConfig,
+    load_settings,
 )
 from worker.config.kafka import LaneConfig
 from worker.config.topics import COMPACTED, NeededTopic
@@ -53,7 +54,7 @@ def test_a_pipeline_step_s_topic_is_needed() -> None:
 
 
 def test_what_is_wrong_with_an_existing_topic_is_named() -> None:
-    state = NeededTopic("st", "kafka.state_topic", None, dict(COMPACTED))
+    state = NeededTopic("st", "kafka.state_topic", None, dict(COMPACTED), co_partitioned="in")
     fine = Found(state, 4, {"cleanup.policy": "compact"})
     wrong = Found(state, 2, {"cleanup.policy": "delete"})
     absent = Found(dataclasses.replace(state, name="gone"), 0, {})
@@ -61,8 +62,28 @@ def test_what_is_wrong_with_an_existing_topic_is_named() -> None:
     assert fine.problems(4) == [] and absent.problems(4) == []
     assert wrong.problems(4) == [
         "cleanup.policy is delete, needs compact",
-        "2 partitions, the input topic 4 (they must be equal: co-partitioned)",
+        "2 partitions, in 4 (they must be equal: co-partitioned)",
     ]
     lines = report([inputs, fine, wrong, absent])
     assert lines[0].split() == ["in", "kafka.input_topics", "4", "partitions"]
     assert lines[3].split()[-1] == "MISSING" and "co-partitioned" in lines[2]
+
+
+def test_each_model_s_changelog_is_co_partitioned_with_its_own_topic() -> None:
+    """Beside other models a stateful model's changelog goes with its own topic,
+    not the first input topic (topics create sizes it, topics check holds it)."""
+    s = load_settings(env={
+        "INFER_WORKER_KAFKA__INPUT_TOPICS": "scores,audio",
+        "INFER_WORKER_MODELS__SCORER__PATH": "builtin:digits",
+        "INFER_WORKER_MODELS__SCORER__TOPICS": "scores",
+        "INFER_WORKER_MODELS__VAD__PATH": "vad.onnx",
+        "INFER_WORKER_MODELS__VAD__TOPICS": "audio",
+        "INFER_WORKER_MODELS__VAD__STATE_TOPIC": "audio.states",
+    })  # fmt: skip
+    (state,) = [t for t in needed(s) if t.name == "audio.states"]
+    assert (state.setting, state.co_partitioned, state.configs) == (
+        "models.vad.state_topic", "audio", COMPACTED)
+    found = [Found(NeededTopic("scores", "kafka.input_topics", 6), 6, {}),
+             Found(NeededTopic("audio", "kafka.input_topics", 6), 2, {}),
+             Found(state, 6, dict(COMPACTED))]  # fmt: skip
+    assert "6 partitions, audio 2 (they must be equal: co-partitioned)" in report(found)[2]
