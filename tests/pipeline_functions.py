@@ -123,3 +123,19 @@ def to_pixels(boxes: np.ndarray, pixels: np.ndarray) -> dict[str, np.ndarray]:
     h, w = pixels.shape[:2]
     scale = np.array([w / 32, h / 32, w / 32, h / 32], np.float32)
     return {"boxes": (boxes * scale).astype(np.float32)}
+
+
+# A branch and an optional step (issue 65).
+
+
+def gate(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """A cheap decision: the expensive model runs only where the first feature is
+    over 1.5; the features passed on as they are."""
+    return {"go": np.array([raw[0] > 1.5], np.uint8), "features": raw.astype(np.float32)}
+
+
+def fragile(features: np.ndarray) -> dict[str, np.ndarray]:
+    """An optional step that fails some requests (a negative second feature)."""
+    if features[1] < 0:
+        raise ValueError(f"feature 1 is {features[1]:.3f}, under 0")
+    return {"y": np.sqrt(features[1:2]).astype(np.float32)}

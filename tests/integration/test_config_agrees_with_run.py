@@ -87,6 +87,8 @@ REFUSED = [
         "[pipelines.chain]\n", '[pipelines.chain]\ninputs = { pixels = "uint8 [H, W, 1]" }\n'),
      "pipelines.chain.steps[0].inputs.image: 'request.image' does not exist; the request's "
      "tensor inputs: pixels"),
+    (PIPELINE.format(first="") + 'when = "d.topk_indices"\n',
+     "pipelines.chain.steps[0].when: 'd.topk_indices': 'd' is not an earlier step"),
     (PIPELINE.format(first="").replace('model = "digits"', 'model = "translator"'),
      "pipelines.chain.steps[0].model: 'translator' is not a model this worker serves"),
     # Refused only once the models load: a tensor, an output, the memory budget.

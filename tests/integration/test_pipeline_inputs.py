@@ -6,7 +6,9 @@ fully convolutional detector finds a peak, a function makes its box, crop_boxes
 cuts it from the pixels as sent, the digits model reads the crop), and a detector
 cascade of the built-in operations (resize to 32x32 for the detector, every map
 position a candidate, nms keeps three, their boxes scaled back to the original
-pixels, crops read by the digits model). Served by one
+pixels, crops read by the digits model), and a branch and an optional step (a
+gate function decides whether the two-input model runs; an optional function
+fails some requests; answers name what did not run in ``partial``). Served by one
 worker of [models.NAME] sections alone, on both brokers; every answer equals the
 steps run by hand on that request alone."""
 
@@ -85,6 +87,27 @@ name = "digit"
 model = "digits"
 inputs = {{ image = "crop.crops" }}
 
+[pipelines.gated]
+topics = ["{gated}"]
+inputs = {{ raw = "float32 [4]", ids = "int64 [n]" }}
+outputs = {{ score = "rank.score", go = "cheap.go", checked = "check.y" }}
+[[pipelines.gated.steps]]
+name = "cheap"
+function = "tests.pipeline_functions:gate"
+inputs = {{ raw = "request.raw" }}
+outputs = {{ go = "uint8 [1]", features = "float32 [4]" }}
+[[pipelines.gated.steps]]
+name = "rank"
+model = "ranker"
+when = "cheap.go"
+inputs = {{ features = "cheap.features", ids = "request.ids" }}
+[[pipelines.gated.steps]]
+name = "check"
+function = "tests.pipeline_functions:fragile"
+optional = true
+inputs = {{ features = "cheap.features" }}
+outputs = {{ y = "float32 [1]" }}
+
 [pipelines.cascade]
 topics = ["{cascade}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
@@ -143,7 +166,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     rank_path, det_path = ranker(tmp_path / "ranker.onnx"), conv_detector(tmp_path / "det.onnx")
-    topics = {p: f"{names['requests']}.{p}" for p in ("scored", "read", "cascade")}
+    topics = {p: f"{names['requests']}.{p}" for p in ("scored", "read", "cascade", "gated")}
     config = tmp_path / "worker.toml"
     config.write_text(CONFIG.format(ranker=rank_path, detector=det_path, **topics))
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
@@ -160,15 +183,18 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     cascade = {f"c-{i}": rng.integers(0, 256, (int(rng.integers(24, 64)),
                                                int(rng.integers(24, 64)), 1)).astype(np.uint8)
                for i in range(16)}  # fmt: skip
-    total = len(scored) + len(read) + len(cascade)
+    gated = {f"g-{i}": {"raw": rng.normal(1.5, 1.0, 4).astype(np.float32),
+                        "ids": rng.integers(1, 50, 3).astype(np.int64)} for i in range(40)}
+    total = len(scored) + len(read) + len(cascade) + len(gated)
     c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
     try:
         await asyncio.to_thread(
-            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0, "assignment"
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 8, 90.0, "assignment"
         )
-        await produce_all(broker.bootstrap, topics["scored"], [
-            (rid.encode(), wire(rid, {k: Tensor.from_numpy(v) for k, v in r.items()}))
-            for rid, r in scored.items()])  # fmt: skip
+        for pipeline, tensors in (("scored", scored), ("gated", gated)):
+            await produce_all(broker.bootstrap, topics[pipeline], [
+                (rid.encode(), wire(rid, {k: Tensor.from_numpy(v) for k, v in r.items()}))
+                for rid, r in tensors.items()])  # fmt: skip
         for pipeline, images in (("read", read), ("cascade", cascade)):
             await produce_all(broker.bootstrap, topics[pipeline], [
                 (rid.encode(), wire(rid, {"pixels": Tensor.from_numpy(p)}))
@@ -210,3 +236,30 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
         np.testing.assert_array_equal(got.outputs["kept"].to_numpy(), kept["indices"])
         np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
                                       _digits_by_hand(crops))  # fmt: skip
+    skipped = failed = 0
+    for rid, r in gated.items():
+        got = results[rid]
+        assert (got.status, got.model.name) == ("ok", "gated"), got.error
+        go = bool(r["raw"][0] > 1.5)
+        fails = bool(r["raw"][1] < 0)
+        assert got.outputs["go"].to_numpy().tolist() == [int(go)]
+        want_partial: dict[str, object] = {}
+        if go:  # the expensive model ran: its answer as by hand
+            alone = run_alone(rank_path, {"features": r["raw"], "ids": r["ids"]})
+            np.testing.assert_allclose(got.outputs["score"].to_numpy(), alone["score"],
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+        else:  # skipped: no score, and the answer says why
+            assert "score" not in got.outputs
+            want_partial["skipped"] = ["rank"]
+            skipped += 1
+        if fails:  # the optional step failed it: the rest answered, the step named
+            assert "checked" not in got.outputs
+            want_partial["failed"] = [{"step": "check", "code": "inference_failed",
+                                       "message": f"ValueError: feature 1 is "
+                                                  f"{r['raw'][1]:.3f}, under 0"}]  # fmt: skip
+            failed += 1
+        else:
+            np.testing.assert_allclose(got.outputs["checked"].to_numpy(),
+                                       np.sqrt(r["raw"][1:2]), rtol=1e-6)  # fmt: skip
+        assert got.partial == (want_partial or None), (rid, got.partial)
+    assert 0 < skipped < len(gated) and 0 < failed < len(gated), (skipped, failed)

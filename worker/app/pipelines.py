@@ -92,6 +92,7 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         known = {f"{REQUEST}.{tensor}": (spec.dtype, spec.shape)
                  for tensor, spec in declared_specs(name, cfg).items()}  # fmt: skip
     steps: list[Step] = []
+    regional_steps: set[str] = set()  # the fan-out and the steps after it
     spent = 0.0  # the deadline shares of the steps so far
     for i, step in enumerate(cfg.steps):
         where = f"{at}.steps[{i}]"
@@ -115,9 +116,16 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
             function = import_function(step.function, f"{where}.function")
             steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until,
                                       step.topic, step.fan_out))  # fmt: skip
+        if step.when or step.optional:
+            _check_when(where, step, known, regional_steps, first=i == 0 and takes_request)
+            steps[-1] = dataclasses.replace(steps[-1], when=step.when, optional=step.optional)
         if isinstance(steps[-1], FunctionStep):
             for out, spec in steps[-1].outputs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
+            if steps[-1].fan_out or regional_steps:
+                regional_steps.add(step.name)
+        elif regional_steps:
+            regional_steps.add(step.name)
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
     fans = [i for i, s in enumerate(steps) if isinstance(s, FunctionStep) and s.fan_out]
@@ -133,6 +141,26 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         if text in regional and desc is not None:
             described[out] = (desc[0], ("regions", *desc[1]))
     return Built(steps, regional, described)
+
+
+def _check_when(where: str, step: StepConfig, known: Mapping[str, Desc | None],
+                regional: set[str], first: bool) -> None:  # fmt: skip
+    """A branch (``when``): an earlier tensor of one value a request; not one per
+    region (a branch per region: not yet), not on a first step that takes the
+    request as it is."""
+    if not step.when:
+        return
+    check(not first, f"{where}.when", "the first step takes the request as it is; a branch "
+          "needs the pipeline's declared inputs ([pipelines.NAME.inputs])")  # fmt: skip
+    desc = _exists(f"{where}.when", step.when, known)
+    check(step.when.partition(".")[0] not in regional, f"{where}.when", f"{step.when!r} "
+          "is one value a region: a branch is per request for now")  # fmt: skip
+    fixed = desc is not None and all(isinstance(d, int) for d in desc[1])
+    count = 1
+    for d in desc[1] if desc is not None else ():
+        count *= d if isinstance(d, int) else 1
+    check(desc is None or (fixed and count == 1), f"{where}.when", f"{step.when!r} is "
+          f"{shown(desc)}: a branch reads one value a request (true where non-zero)")
 
 
 def _request_tensors(binding: Binding) -> dict[str, Desc | None]:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import structlog
@@ -32,6 +33,7 @@ from worker.compute.steps import (
     Tensors,
     call,
     fed,
+    runs,
     stacked,
     unpinned,
 )
@@ -111,28 +113,37 @@ class PipelineStage(Stage):
         units: list[list[Tensors]] = [[base] for base in bases]
         answers: list[Answer | None] = [self._pinned_elsewhere(job) for job in jobs]
         timings: list[dict[str, int]] = [{} for _ in jobs]
+        # Per request: the steps that did not run for it (a branch not taken, an
+        # input from such a step, an optional step that failed it), as its answer
+        # names them (``partial``).
+        partial = _Partial(len(jobs))
         engine_rows = 0
         for index, step in enumerate(self._steps):
             if step.until is not None:
                 self._past_share(step.name, step.until, jobs, answers)
             live = [i for i, a in enumerate(answers) if a is None]
-            if not live:
+            live = [i for i in live if partial.runs(i, step, units[i])]
+            if not any(a is None for a in answers):
                 break
+            if not live:
+                continue
             step_started = time.monotonic()
             if isinstance(step, ModelStep):
                 engine_rows += await self._model_step(
-                    step, index, batch, jobs, live, units, answers, timings
+                    step, index, batch, jobs, live, units, answers, timings, partial
                 )
             else:
-                await self._function_step(step, jobs, live, units, answers)
+                await self._function_step(step, jobs, live, units, answers, partial)
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         for i, job in enumerate(jobs):
             if answers[i] is None:
+                ran = partial.ran(i)
                 out = {name: self._value(bases[i], units[i], source)
-                       for name, source in self._answer.items()}  # fmt: skip
+                       for name, source in self._answer.items() if ran(source)}  # fmt: skip
                 timing = {**timings[i], "infer": micros(time.monotonic() - started)}
-                steps = tuple(self._step_outputs(bases[i], units[i]))
-                answers[i] = Answer(job, out, None, timing, steps=steps)
+                steps = tuple(self._step_outputs(bases[i], units[i], ran))
+                answers[i] = Answer(job, out, None, timing, steps=steps,
+                                    partial=partial.of(i))  # fmt: skip
         service_s = time.monotonic() - started
         done = tuple(a for a in answers if a is not None)
         return Completed(batch.seq, done, engine_rows, service_s)
@@ -150,6 +161,7 @@ class PipelineStage(Stage):
         live: list[int],
         units: list[list[Tensors]],
         answers: list[Answer | None],
+        partial: _Partial,
     ) -> None:
         """Run a function on each live request's units, on the stage's threads:
         the batch's requests split among them, one hand-off per thread (a hand-off
@@ -164,7 +176,7 @@ class PipelineStage(Stage):
         for part, results in zip(parts, done, strict=True):
             for i, got in zip(part, results, strict=True):
                 if isinstance(got, str):
-                    answers[i] = self._failed(jobs[i], step.name, got)
+                    answers[i] = self._failed(jobs[i], i, step, got, units[i], partial)
                 else:
                     units[i] = got
 
@@ -178,6 +190,7 @@ class PipelineStage(Stage):
         units: list[list[Tensors]],
         answers: list[Answer | None],
         timings: list[dict[str, int]],
+        partial: _Partial,
     ) -> int:
         """Run every live unit through ``step``'s model, as one batch of it."""
         fed_to: list[tuple[int, Tensors]] = []  # (request, unit) of each step job
@@ -192,7 +205,7 @@ class PipelineStage(Stage):
             try:
                 made = [fed(job, step, unit) for unit in units[i]]
             except RecordError as exc:
-                answers[i] = self._failed(job, step.name, str(exc))
+                answers[i] = self._failed(job, i, step, str(exc), units[i], partial)
                 continue
             fed_to += [(i, unit) for unit in units[i]]
             step_jobs += made
@@ -201,7 +214,7 @@ class PipelineStage(Stage):
         done = await step.stage.run_batch(Batch(step_jobs, batch.formed_at, batch.reason,
                                                 seq=batch.seq))  # fmt: skip
         for (i, unit), answer in zip(fed_to, done.answers, strict=True):
-            if answers[i] is not None:
+            if answers[i] is not None or not partial.ran(i)(f"{step.name}."):
                 continue  # another unit of it failed already
             error = answer.error
             if index == 0 and self._first_takes_request and (answer.job.failure is not None or (
@@ -210,7 +223,7 @@ class PipelineStage(Stage):
             elif error is not None and error.code == ErrorCode.DEADLINE_EXCEEDED:
                 answers[i] = Answer(jobs[i], None, error, answer.timing_us)
             elif error is not None:  # the step failed on it, or it was not what it takes
-                answers[i] = self._failed(jobs[i], step.name, error.message)
+                answers[i] = self._failed(jobs[i], i, step, error.message, units[i], partial)
             else:
                 if not timings[i]:  # the first model step's stage times: the answer's
                     timings[i] = dict(answer.timing_us)
@@ -219,11 +232,13 @@ class PipelineStage(Stage):
                     unit[f"{step.name}.{name}"] = value
         return done.engine_rows
 
-    def _step_outputs(self, base: Tensors, units: list[Tensors]) -> list[StepOutputs]:
-        """The outputs of the steps that write them to a topic, for one request."""
+    def _step_outputs(
+        self, base: Tensors, units: list[Tensors], ran: Callable[[str], bool]
+    ) -> list[StepOutputs]:
+        """The outputs of the steps that write them to a topic and ran, for one request."""
         out = []
         for step in self._steps:
-            if step.topic:
+            if step.topic and ran(f"{step.name}."):
                 names = step.outputs if isinstance(step, FunctionStep) else step.produces
                 mine = {n: self._value(base, units, f"{step.name}.{n}") for n in names}
                 out.append(StepOutputs(step.topic, f"{self._pipeline}/{step.name}", mine))
@@ -252,10 +267,25 @@ class PipelineStage(Stage):
             f"model.version: {ref.version[:64]!r} is not served; {self._pipeline!r} serves "
             f"version {self.info.version!r}")))  # fmt: skip
 
-    def _failed(self, job: Job, step: str, problem: str) -> Answer:
-        self._step_failures[step].inc()
-        log.warning("pipeline_step_failed", pipeline=self._pipeline, step=step, error=problem)
-        error = ErrorInfo(ErrorCode.INFERENCE_FAILED, f"step {step!r}: {problem}")
+    def _failed(
+        self, job: Job, i: int, step: Step, problem: str, units: list[Tensors],
+        partial: _Partial,
+    ) -> Answer | None:
+        """Request ``i``'s answer where ``step`` failed it: ``inference_failed``
+        naming the step, or (an optional step) None: it goes on without the
+        step's outputs (dropped from every unit: some of its regions may have
+        them), and its answer names the step (``partial.failed``)."""
+        self._step_failures[step.name].inc()
+        log.warning("pipeline_step_failed", pipeline=self._pipeline, step=step.name,
+                    error=problem, optional=step.optional)  # fmt: skip
+        if step.optional:
+            if partial.fail(i, step.name, ErrorCode.INFERENCE_FAILED, problem):
+                prefix = f"{step.name}."
+                for unit in units:
+                    for key in [k for k in unit if k.startswith(prefix)]:
+                        del unit[key]
+            return None
+        error = ErrorInfo(ErrorCode.INFERENCE_FAILED, f"step {step.name!r}: {problem}")
         return Answer(job, None, error)
 
     def described_outputs(self) -> Mapping[str, Described]:
@@ -293,3 +323,46 @@ def _call_units(step: FunctionStep, units: list[Tensors]) -> list[Tensors] | str
             return got
         after += got
     return after
+
+
+class _Partial:
+    """A batch's record of the steps that did not run for each request."""
+
+    def __init__(self, requests: int) -> None:
+        self._not_run: list[set[str]] = [set() for _ in range(requests)]
+        self._skipped: list[list[str]] = [[] for _ in range(requests)]
+        self._failed: list[list[dict[str, str]]] = [[] for _ in range(requests)]
+
+    def runs(self, i: int, step: Step, units: list[Tensors]) -> bool:
+        """Whether ``step`` runs for request ``i`` (its branch is per request:
+        every unit holds the same value); recorded as skipped where not."""
+        if not units or runs(step, units[0], self._not_run[i]):
+            return True
+        self._not_run[i].add(step.name)
+        self._skipped[i].append(step.name)
+        return False
+
+    def fail(self, i: int, step: str, code: str, message: str) -> bool:
+        """Record an optional step's failure of request ``i`` (once: a model step
+        fails per unit); whether it is new."""
+        if step in self._not_run[i]:
+            return False
+        self._not_run[i].add(step)
+        self._failed[i].append({"step": step, "code": code, "message": message})
+        return True
+
+    def ran(self, i: int) -> Callable[[str], bool]:
+        """For request ``i``: whether the step of a source (``STEP.OUTPUT``) ran."""
+        not_run = self._not_run[i]
+        return lambda source: source.partition(".")[0] not in not_run
+
+    def of(self, i: int) -> dict[str, list[Any]] | None:
+        """Request ``i``'s ``partial`` field, or None where every step ran."""
+        if not self._not_run[i]:
+            return None
+        out: dict[str, list[Any]] = {}
+        if self._skipped[i]:
+            out["skipped"] = list(self._skipped[i])
+        if self._failed[i]:
+            out["failed"] = list(self._failed[i])
+        return out

@@ -35,6 +35,8 @@ class ModelStep:
     until: float | None = None
     topic: str = ""  # its outputs also written there, per request answered ok
     produces: tuple[str, ...] = ()  # its outputs' names (what its model answers with)
+    when: str = ""  # a request's tensor that must be true for the step to run ("": always)
+    optional: bool = False  # a failure leaves the request's answer partial, not failed
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class FunctionStep:
     until: float | None = None
     topic: str = ""
     fan_out: bool = False  # its outputs hold one row per region: a unit each
+    when: str = ""  # as ModelStep's
+    optional: bool = False
 
 
 Step = ModelStep | FunctionStep
@@ -78,6 +82,16 @@ def fed(job: Job, step: ModelStep, unit: Tensors) -> Job:
     rid = job.request.id if job.request else ""
     checked, lengths = step.stage.binding.inputs.check_arrays(arrays, rid)
     return msgspec.structs.replace(unpinned(job), inputs=checked, lengths=lengths)
+
+
+def runs(step: Step, unit: Tensors, not_run: set[str]) -> bool:
+    """Whether ``step`` runs for a unit: no tensor it reads (its branch's
+    included) comes from a step in ``not_run`` (skipped or failed for this
+    request), and its branch is taken (``when`` true: any non-zero value)."""
+    reads = [*step.sources.values(), *([step.when] if step.when else [])]
+    if any(s not in unit and s.partition(".")[0] in not_run for s in reads):
+        return False
+    return not step.when or step.when not in unit or bool(np.asarray(unit[step.when]).any())
 
 
 def _source(unit: Tensors, source: str) -> np.ndarray:

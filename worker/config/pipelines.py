@@ -85,6 +85,15 @@ class StepConfig:
     # axis of any length, 0 included; its declared shapes are a region's); the steps after
     # it run once per region, and an output of theirs is the regions' stacked per request.
     fan_out: bool = False
+    # A branch: the step runs for a request only where this earlier tensor ("STEP.OUTPUT" or
+    # "request.NAME", one value a request) is true (non-zero); where it is not, the step is
+    # skipped and so is every step reading its outputs: the answer leaves their outputs out
+    # and names them (partial.skipped). "" = always.
+    when: str = ""
+    # A step whose failure for a request does not fail it: the answer carries every other
+    # output and names the step and why (partial.failed); steps reading its outputs are
+    # skipped. false = a failure answers the request inference_failed.
+    optional: bool = False
     # A topic the step's outputs are also written to, one record per request the pipeline
     # answers ok (a result message named PIPELINE/STEP, keyed as the request): for audit
     # and replay; in the answer's transaction under exactly-once. "" = none.
@@ -209,6 +218,10 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                 _check_function_step(where, step)
             else:
                 _check_op_step(where, step)
+            if step.when:
+                source, _ = source_of(step.when, f"{where}.when")
+                check(source == REQUEST or source in earlier, f"{where}.when",
+                      f"{step.when!r}: {source!r} is not an earlier step or the request")
             for tensor, text in step.inputs.items():
                 source, read = source_of(text, f"{where}.inputs.{tensor}")
                 check(source == REQUEST or source in earlier, f"{where}.inputs.{tensor}",

@@ -289,9 +289,11 @@ def encode_oip_result(
     meta: Mapping[str, Any] | None,
     outputs: Mapping[str, np.ndarray] | None = None,
     error: ErrorInfo | None = None,
+    partial: Mapping[str, Any] | None = None,
 ) -> bytes:
     """An OIP v2 response (``outputs`` one row each, shaped ``[1, ...]``) or an
-    OIP error, with what the contract adds under ``parameters``."""
+    OIP error, with what the contract adds under ``parameters`` (``partial``: a
+    pipeline's answer without every step, as the msgpack result's)."""
     params: dict[str, Any] = {
         "status": "error" if error is not None else "ok",
         "source": {
@@ -303,6 +305,8 @@ def encode_oip_result(
     }
     if meta:
         params["meta"] = dict(meta)
+    if partial is not None and error is None:
+        params["partial"] = dict(partial)
     if error is not None:
         params["code"] = error.code
         body: dict[str, Any] = {"id": request_id, "error": error.message, "parameters": params}

@@ -70,6 +70,7 @@ def decode_oip_result(value: bytes) -> Result:
             outputs[out["name"]] = Tensor.from_numpy(arr[0] if arr.ndim and arr.shape[0] == 1
                                                      else arr)  # fmt: skip
         return Result(obj.get("id", ""), "ok", source, model, outputs=outputs,
-                      meta=params.get("meta"), timing_us=timing)  # fmt: skip
+                      meta=params.get("meta"), timing_us=timing,
+                      partial=params.get("partial"))  # fmt: skip
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an OIP answer: {exc!r}") from exc

@@ -39,6 +39,7 @@ RESULT_FIELDS: Final = (
     "source",
     "timing_us",
     "meta",
+    "partial",
 )
 
 
@@ -73,6 +74,7 @@ class _ResultWire(msgspec.Struct, omit_defaults=True, kw_only=True):
     source: _SourceWire
     timing_us: dict[str, int]
     meta: Any = None
+    partial: Any = None  # a pipeline's answer without every step: only when set
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -84,7 +86,7 @@ def encode_result(res: Result) -> bytes:
     outputs = {name: _tensor_wire(t) for name, t in res.outputs.items()}
     error = None if res.error is None else _ErrorWire(res.error.code, res.error.message)
     return _pack(res.v, res.id, res.status, outputs, error, res.model, res.source,
-                 res.timing_us, res.meta)  # fmt: skip
+                 res.timing_us, res.meta, res.partial)  # fmt: skip
 
 
 def _tensor_wire(t: Tensor) -> _TensorWire:
@@ -107,6 +109,7 @@ def _pack(
     source: Source,
     timing_us: Mapping[str, int],
     meta: Mapping[str, Any] | None,
+    partial: Mapping[str, Any] | None = None,
 ) -> bytes:
     """The result's msgpack bytes, byte for byte what ``msgpack.packb(map,
     use_bin_type=True)`` writes for the contract's map (a property test holds
@@ -120,6 +123,7 @@ def _pack(
         source=_SourceWire(source.topic, int(source.partition), int(source.offset)),
         timing_us={k: int(t) for k, t in timing_us.items()},
         meta=meta if meta is None or isinstance(meta, dict) else dict(meta),
+        partial=None if partial is None else dict(partial),
     )  # fmt: skip
     try:
         return _ENCODER.encode(wire)
@@ -165,6 +169,7 @@ def decode_result(value: bytes) -> Result:
         meta=expect(obj["meta"], dict, "meta") if "meta" in obj else None,
         timing_us=_decode_timing(obj["timing_us"]),
         v=v,
+        partial=expect(obj["partial"], dict, "partial") if "partial" in obj else None,
     )
 
 

@@ -144,6 +144,8 @@ class Answer(msgspec.Struct, frozen=True):
     timing_us: Mapping[str, int] = msgspec.field(default_factory=dict)
     state: StateChange | None = None
     steps: tuple[StepOutputs, ...] = ()  # a pipeline's steps' outputs bound for their topics
+    # A pipeline's answer without every step: what did not run and why (``Result.partial``).
+    partial: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,8 +238,15 @@ class Result:
     meta: Mapping[str, Any] | None = None
     timing_us: Mapping[str, int] = field(default_factory=dict)
     v: int = 1
+    # A pipeline's answer without every step (an optional extension of v1): the steps
+    # that did not run for the request ("skipped": a branch not taken, or an input from
+    # a step that did not run) and the optional steps that failed it ("failed": step,
+    # code, message); their outputs are not in ``outputs``. None: every step ran.
+    partial: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.partial is not None and self.status != "ok":
+            raise ValueError("partial: only an ok answer is partial")
         if self.status not in ("ok", "error"):
             raise ValueError(f"status: expected 'ok' or 'error', got {self.status!r}")
         if (self.status == "error") != (self.error is not None):

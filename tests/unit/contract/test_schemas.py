@@ -256,3 +256,28 @@ def test_readme_names_every_error_code_and_dlq_header() -> None:
         "worker.version",
     ):
         assert f"`{header}`" in readme
+
+
+def test_a_partial_answer_is_in_the_schema_and_reads_back_in_both_formats() -> None:
+    """``partial`` (an optional extension of v1): a pipeline's ok answer without
+    every step; only when set, and only on an ok answer."""
+    from worker.contract import decode_result
+    from worker.contract.oip import encode_oip_result
+    from worker.contract.oip_client import decode_oip_result
+
+    partial = {"skipped": ["rank"], "failed": [
+        {"step": "check", "code": "inference_failed", "message": "ValueError: no"}]}
+    res = Result(id="g-1", status="ok", source=Source("t", 0, 7), model=ModelInfo("gated", "v"),
+                 outputs={"go": Tensor.from_numpy(np.array([0], np.uint8))}, partial=partial)
+    value = encode_result(res)
+    assert errors(RESULT_SCHEMA, wire(value)) == []
+    assert decode_result(value) == res
+    plain = dataclasses.replace(res, partial=None)
+    assert "partial" not in wire(encode_result(plain))  # only when set
+    oip = encode_oip_result("g-1", res.model, res.source, {}, None,
+                            {"go": np.array([0], np.uint8)}, partial=partial)  # fmt: skip
+    assert errors(load("oip-response.json"), json.loads(oip)) == []
+    assert decode_oip_result(oip).partial == partial
+    with pytest.raises(ValueError, match="partial: only an ok answer is partial"):
+        dataclasses.replace(res, status="error", outputs={}, error=ErrorInfo(
+            "inference_failed", "x"))  # fmt: skip

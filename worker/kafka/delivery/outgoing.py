@@ -124,6 +124,7 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
         error=error,
         meta=meta,
         timing_us=timing,
+        partial=answer.partial if error is None else None,
     )
 
 
@@ -154,7 +155,7 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
     job = answer.job
     failure = job.failure
     ok = failure is None and answer.error is None and answer.outputs is not None
-    if ok and job.wire != "oip":
+    if ok and job.wire != "oip" and answer.partial is None:
         # The common case, on the hot path: encoded straight from the output rows
         # and the job's partition and offset (no Source built per answer).
         assert answer.outputs is not None
@@ -216,7 +217,7 @@ def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float)
             outputs = {name: outputs[name] for name in wanted}
     value = encode_oip_result(
         request_id, model, job.source, _timing(answer, now), meta,
-        outputs=outputs if error is None else None, error=error,
+        outputs=outputs if error is None else None, error=error, partial=answer.partial,
     )  # fmt: skip
     headers = [("id", request_id.encode()), ("content-type", JSON.encode())]
     kind: Kind = "ok" if error is None else "error"
