@@ -139,3 +139,25 @@ def fragile(features: np.ndarray) -> dict[str, np.ndarray]:
     if features[1] < 0:
         raise ValueError(f"feature 1 is {features[1]:.3f}, under 0")
     return {"y": np.sqrt(features[1:2]).astype(np.float32)}
+
+
+def regions(pixels: np.ndarray, boxes: np.ndarray) -> dict[str, np.ndarray]:
+    """A fan-out of a user's own: each box's 16x16 crop and the box, one region
+    each (so the steps after it know their region's box)."""
+    from worker.compute.ops.crops import crop_boxes
+
+    crops = crop_boxes(pixels, boxes, size=(16, 16))["crops"]
+    return {"crop": crops, "box": boxes.astype(np.float32).reshape(-1, 4)}
+
+
+def refine(crop: np.ndarray, box: np.ndarray) -> dict[str, np.ndarray]:
+    """A stand-in refiner: the region's box shrunk towards its brightest quarter."""
+    h, w = crop.shape[:2]
+    quarters = [crop[:h // 2, :w // 2], crop[:h // 2, w // 2:], crop[h // 2:, :w // 2],
+                crop[h // 2:, w // 2:]]  # fmt: skip
+    q = int(np.argmax([float(x.mean()) for x in quarters]))
+    x0, y0, x1, y1 = (float(v) for v in box)
+    dx, dy = (x1 - x0) / 4, (y1 - y0) / 4
+    shift_x, shift_y = (q % 2) * dx, (q // 2) * dy
+    return {"box": np.array([[x0 + shift_x, y0 + shift_y, x1 - dx + shift_x,
+                              y1 - dy + shift_y]], np.float32)}  # fmt: skip

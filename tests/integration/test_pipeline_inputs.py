@@ -108,6 +108,51 @@ optional = true
 inputs = {{ features = "cheap.features" }}
 outputs = {{ y = "float32 [1]" }}
 
+[pipelines.twice]
+topics = ["{twice}"]
+inputs = {{ pixels = "uint8 [H, W, 1]" }}
+outputs = {{ digit = "digit.topk_indices", refined = "refine.box", first = "split.box" }}
+[[pipelines.twice.steps]]
+name = "scale"
+function = "tests.pipeline_functions:as_floats"
+inputs = {{ pixels = "request.pixels" }}
+outputs = {{ x = "float32 [1, H, W]" }}
+[[pipelines.twice.steps]]
+name = "detect"
+model = "detector"
+inputs = {{ x = "scale.x" }}
+[[pipelines.twice.steps]]
+name = "cands"
+function = "tests.pipeline_functions:candidates"
+inputs = {{ heat = "detect.heat" }}
+outputs = {{ boxes = "float32 [n, 4]", scores = "float32 [n]" }}
+[[pipelines.twice.steps]]
+name = "keep"
+op = "nms"
+iou_threshold = 0.3
+max_boxes = 2
+inputs = {{ boxes = "cands.boxes", scores = "cands.scores" }}
+[[pipelines.twice.steps]]
+name = "split"
+function = "tests.pipeline_functions:regions"
+fan_out = true
+inputs = {{ pixels = "request.pixels", boxes = "keep.boxes" }}
+outputs = {{ crop = "uint8 [16, 16, 1]", box = "float32 [4]" }}
+[[pipelines.twice.steps]]
+name = "refine"
+function = "tests.pipeline_functions:refine"
+inputs = {{ crop = "split.crop", box = "split.box" }}
+outputs = {{ box = "float32 [1, 4]" }}
+[[pipelines.twice.steps]]
+name = "crop"
+op = "crop_boxes"
+size = [8, 8]
+inputs = {{ image = "request.pixels", boxes = "refine.box" }}
+[[pipelines.twice.steps]]
+name = "digit"
+model = "digits"
+inputs = {{ image = "crop.crops" }}
+
 [pipelines.cascade]
 topics = ["{cascade}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
@@ -166,7 +211,8 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     rank_path, det_path = ranker(tmp_path / "ranker.onnx"), conv_detector(tmp_path / "det.onnx")
-    topics = {p: f"{names['requests']}.{p}" for p in ("scored", "read", "cascade", "gated")}
+    topics = {p: f"{names['requests']}.{p}"
+              for p in ("scored", "read", "cascade", "gated", "twice")}  # fmt: skip
     config = tmp_path / "worker.toml"
     config.write_text(CONFIG.format(ranker=rank_path, detector=det_path, **topics))
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
@@ -185,17 +231,21 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
                for i in range(16)}  # fmt: skip
     gated = {f"g-{i}": {"raw": rng.normal(1.5, 1.0, 4).astype(np.float32),
                         "ids": rng.integers(1, 50, 3).astype(np.int64)} for i in range(40)}
-    total = len(scored) + len(read) + len(cascade) + len(gated)
+    twice = {f"t-{i}": rng.integers(0, 256, (int(rng.integers(24, 48)),
+                                             int(rng.integers(24, 48)), 1)).astype(np.uint8)
+             for i in range(16)}  # fmt: skip
+    total = len(scored) + len(read) + len(cascade) + len(gated) + len(twice)
     c = Collector(broker.bootstrap, [names["results"], names["dlq"]])
     try:
         await asyncio.to_thread(
-            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 8, 90.0, "assignment"
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 10, 90.0,
+            "assignment"
         )
         for pipeline, tensors in (("scored", scored), ("gated", gated)):
             await produce_all(broker.bootstrap, topics[pipeline], [
                 (rid.encode(), wire(rid, {k: Tensor.from_numpy(v) for k, v in r.items()}))
                 for rid, r in tensors.items()])  # fmt: skip
-        for pipeline, images in (("read", read), ("cascade", cascade)):
+        for pipeline, images in (("read", read), ("cascade", cascade), ("twice", twice)):
             await produce_all(broker.bootstrap, topics[pipeline], [
                 (rid.encode(), wire(rid, {"pixels": Tensor.from_numpy(p)}))
                 for rid, p in images.items()])  # fmt: skip
@@ -263,3 +313,17 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
                                        np.sqrt(r["raw"][1:2]), rtol=1e-6)  # fmt: skip
         assert got.partial == (want_partial or None), (rid, got.partial)
     assert 0 < skipped < len(gated) and 0 < failed < len(gated), (skipped, failed)
+    for rid, pixels in twice.items():  # two fan-outs: regions, then a region each again
+        got = results[rid]
+        assert (got.status, got.model.name) == ("ok", "twice"), got.error
+        heat = run_alone(det_path, {"x": fn.as_floats(pixels)["x"]})["heat"]
+        found = fn.candidates(heat)
+        kept = nms(found["boxes"], found["scores"], 0.3, max_boxes=2)
+        split = fn.regions(pixels, kept["boxes"])
+        refined = np.stack([fn.refine(c, b)["box"] for c, b in zip(split["crop"], split["box"],
+                                                                    strict=True)])  # fmt: skip
+        crops = np.concatenate([crop_boxes(pixels, b, size=(8, 8))["crops"] for b in refined])
+        np.testing.assert_array_equal(got.outputs["first"].to_numpy(), split["box"])
+        np.testing.assert_array_equal(got.outputs["refined"].to_numpy(), refined)
+        np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
+                                      _digits_by_hand(crops))  # fmt: skip

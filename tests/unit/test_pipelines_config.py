@@ -111,13 +111,9 @@ def test_the_steps_deadline_shares_add_up_to_one_at_most(tmp_path: Path) -> None
     [
         ('[{name = "mel", model = "melspec", fan_out = true}]',
          "pipelines.wakeword.steps[0].fan_out: a function step fans out"),
-        ('[{name = "mel", model = "melspec"}, {name = "a", function = "m:f", fan_out = true, '
-         'inputs = {x = "mel.output"}, outputs = {y = "float32 [3]"}}, {name = "b", function = '
-         '"m:f", fan_out = true, inputs = {x = "a.y"}, outputs = {y = "float32 [3]"}}]',
-         "pipelines.wakeword.steps[2].fan_out: a pipeline fans out once (steps[1] does)"),
     ],
 )  # fmt: skip
-def test_a_fan_out_is_a_function_s_and_happens_once(
+def test_a_fan_out_is_a_function_s(
     tmp_path: Path, steps: str, message: str
 ) -> None:
     env = {"INFER_WORKER_PIPELINES__WAKEWORD__STEPS": steps,

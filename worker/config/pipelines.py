@@ -191,7 +191,6 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
                   "input's name: letters, digits, _ and -")  # fmt: skip
             parse_spec(spec, f"{at}.inputs.{tensor}")
         earlier: set[str] = set()
-        fanned: int | None = None
         shares = [step.deadline_share for step in p.steps]
         check(all(0.0 <= x <= 1.0 for x in shares) and sum(shares) <= 1.0 + 1e-9,
               f"{at}.steps", f"deadline_share: each 0 to 1, together at most 1, got {shares}")
@@ -205,10 +204,6 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
             check(sum(map(bool, (step.model, step.function, step.op))) == 1, where,
                   "a step is a model (model = ...), a function (function = ...) or an "
                   "operation (op = \"crop_boxes\", \"resize\", \"nms\")")  # fmt: skip
-            if step.fan_out:  # an operation's fan-out: counted once the ops are known
-                check(fanned is None, f"{where}.fan_out", f"a pipeline fans out once "
-                      f"(steps[{fanned}] does)")  # fmt: skip
-                fanned = i
             check(i > 0 or bool(step.model) or bool(p.inputs), where, "the first step is a "
                   "model, whose request is the pipeline's, unless the request's tensors are "
                   f"declared ([{at}.inputs]; then a function or op may come first)")  # fmt: skip
