@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.wakeword import wakeword_toml
@@ -168,3 +169,26 @@ def test_a_step_is_one_of_model_function_or_operation(tmp_path: Path) -> None:
         load_settings(tmp_path / "worker.toml", env=env)
     message = "a step is a model (model = ...), a function (function = ...) or an operation"
     assert message in str(refused.value)
+
+
+def test_a_model_step_s_top_k_is_described_as_it_is_answered() -> None:
+    """top_k over an output of fewer columns answers that many (the stage clamps
+    it): a pipeline's later steps and its card are told the same (they were told
+    top_k, 5 here, where the model answers 2)."""
+    from typing import cast
+
+    from worker.app.pipelines import answer_outputs
+    from worker.compute.engines import Engine, load_engine
+    from worker.config import BatchingConfig, LimitsConfig, ModelConfig, PostprocessConfig
+    from worker.model.inputs import bind_model
+    from worker.model.postprocess import top_k
+
+    cfg = ModelConfig(path="builtin:sentiment", postprocess=PostprocessConfig(top_k=5))
+    engine = cast(Engine, load_engine(cfg))
+    try:
+        binding = bind_model(cfg, engine.info.io, LimitsConfig(), BatchingConfig())
+    finally:
+        engine.close()
+    described = answer_outputs(binding)
+    assert described["topk_indices"] == ("int64", (2,))
+    assert top_k(np.zeros((1, 2), np.float32), 5)[0].shape == (1, 2)  # as the stage answers

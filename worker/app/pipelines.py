@@ -248,8 +248,13 @@ def answer_outputs(binding: Binding) -> dict[str, Desc | None]:
         out[plan.raw_name] = None if raw is None else _desc(
             "float32" if cfg.normalize else raw.dtype.name, raw.shape)  # fmt: skip
     if cfg.top_k > 0:
-        out["topk_indices"] = ("int64", (cfg.top_k,))
-        out["topk_scores"] = ("float32", (cfg.top_k,))
+        # As many columns as the output has, where fewer than top_k (top_k clamps);
+        # not known before a row of a free shape comes.
+        k: int | str = cfg.top_k
+        if raw is not None:
+            k = min(k, raw.row_elements) if raw.fixed else "k"
+        out["topk_indices"] = ("int64", (k,))
+        out["topk_scores"] = ("float32", (k,))
     elif cfg.softmax:
         out["probabilities"] = None if raw is None else _desc("float32", raw.shape)
     return out
