@@ -48,3 +48,18 @@ def load_settings_from(tmp_path: Path, text: str) -> Settings:
     path = tmp_path / "worker.toml"
     path.write_text(text)
     return load_settings(path, env={})
+
+
+def test_the_pipelines_guide_s_configurations_load_as_written(tmp_path: Path) -> None:
+    """The guide's wakeword pipeline as it stands, and its pipeline with a request
+    of its own with the worker around it (its models and topics)."""
+    first, declared, _ocr = _examples("docs/guides/pipelines.md")
+    s = load_settings_from(tmp_path, first)
+    assert routing(s).owners == {"audio.requests": "wakeword"}
+    assert [step.name for step in s.pipelines["wakeword"].steps] == ["mel", "window", "embed"]
+    around = ('[kafka]\ninput_topics = ["pages.requests"]\n[models.detector]\npath = '
+              '"/models/det.onnx"\n[models.digits]\npath = "builtin:digits"\n')  # fmt: skip
+    s = load_settings_from(tmp_path, around + declared)
+    read = s.pipelines["read"]
+    assert read.inputs == {"pixels": "uint8 [H, W, 1]"} and read.steps[0].function
+    assert [step.op for step in read.steps] == ["", "", "", "crop_boxes", ""]
