@@ -40,6 +40,13 @@
 # at --procs 4; scale.mps, --procs 2 and 4 with CUDA MPS started for the step and
 # quit after it (skipped, saying so, where the host has no nvidia-cuda-mps-control);
 # profile.procs, --procs 4 under py-spy --subprocesses (every member's stacks).
+# Issue 66 (the latency users see, the engine's full rate), named only:
+#   run(command="bash scripts/gpu_session.sh scale.parts16", carry=[".whl"], timeout_s=300)
+# scale.parts16: --procs 4 over 8 partitions, then over 16, each a paced run with
+# 4 sender processes (--senders defaults to one per worker process) and the
+# ingest ceiling read by 4 bare readers at once (ingest_ceiling_readers): the
+# latency a client sees end to end, and whether more partitions lift the
+# broker's ceiling towards the engine.
 # The warm-up is kept small: two batch buckets (16 and 64), compiled once
 # (dynamic in the batch), so the first compilation is the only long wait.
 #
@@ -81,9 +88,10 @@ declare -A BUDGET=(
     [scale.raw]=85     # raw 256x256x3 at --procs 4, 5k records (broker-bound: 1 GB)
     [scale.mps]=200    # scale.jpeg at --procs 2 and 4 under CUDA MPS, started and stopped here
     [profile.procs]=150  # --procs 4 JPEGs under py-spy: the bench, the supervisor, every member
+    [scale.parts16]=200  # --procs 4 JPEGs over 8, then 16 partitions, 30k each (a run: 75-80 s warm)
 )
 STEPS=(tests.gpu bench.jpeg bench.raw)
-OPTIONAL=(profile.jpeg micro.place ab.jpeg scale.jpeg scale.raw scale.mps profile.procs)
+OPTIONAL=(profile.jpeg micro.place ab.jpeg scale.jpeg scale.raw scale.mps profile.procs scale.parts16)
 
 total_of() {  # the worst case of running these steps: set-up and steps, each with its kill grace
     local total=0 key
@@ -241,6 +249,13 @@ for s in "${steps[@]}"; do
     scale.raw)
         step scale.raw "$OUT/bench.txt" bash -c "$(declare -p SCALE; declare -f scale)"'
             scale 4 -- --payload raw --records 5000 --results-dir "$OUT/results"'
+        tail -n 30 "$OUT/bench.txt"
+        ;;
+    scale.parts16)
+        step scale.parts16 "$OUT/bench.txt" bash -c "$(declare -p SCALE; declare -f scale)"'
+            scale 4 -- --payload jpeg --records 30000 --results-dir "$OUT/results" &&
+            scale 4 -- --payload jpeg --records 30000 --partitions 16 \
+                --results-dir "$OUT/results/parts16"'
         tail -n 30 "$OUT/bench.txt"
         ;;
     scale.mps)

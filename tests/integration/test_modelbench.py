@@ -53,6 +53,8 @@ def _check_common(
     assert summary["worker_first_to_last_img_s"] > 0
     for key in ("engine_img_s", "ingest_ceiling_rec_s", "worker_img_s"):
         assert summary[key] > 0, key
+    # As many bare readers as the worker has processes (issue 66: the ceiling it meets).
+    assert summary["ingest_ceiling_readers"] == min(procs, summary["partitions"])
     # The ratios are those of the figures in the same summary.
     assert summary["worker_to_ceiling"] == pytest.approx(
         summary["worker_img_s"] / summary["ingest_ceiling_rec_s"], rel=1e-3, abs=1e-4
@@ -109,3 +111,26 @@ def test_the_text_model_takes_texts(tmp_path: Path) -> None:
     assert path.name == f"{dt.date.today().isoformat()}-cpu{os.cpu_count()}-text.json"
     _check_common(summary, "text", 1, 3000, model="sentiment")
     assert "texts/s" in stdout and "decode" not in summary["paced"]["stages"]
+
+
+async def test_the_ceiling_with_several_readers_reads_every_record_once(
+    broker: Any, names: dict[str, str]
+) -> None:
+    """``drain_ceiling(readers=N)``: N processes, each its share of the partitions,
+    together read exactly the backlog (none twice: each counts its own), timed
+    from their common start."""
+    import msgpack
+
+    from worker.bench.ceiling import drain_ceiling
+    from worker.ops.broker import create_topics
+    from worker.ops.topics import produce_all
+
+    topic, parts, n = names["requests"], 4, 2_000
+    await create_topics(broker.bootstrap, {topic: parts})
+    records = [(None, msgpack.packb({"i": i})) for i in range(n)]
+    await produce_all(broker.bootstrap, topic, records, partition_of=lambda i: i % parts)
+    counts = {p: len(range(p, n, parts)) for p in range(parts)}
+    drain = await drain_ceiling(broker.bootstrap, topic, n, readers=3, per_partition=counts)
+    assert (drain.name, drain.records) == ("ceiling x3", n) and drain.seconds > 0
+    one = await drain_ceiling(broker.bootstrap, topic, n)
+    assert (one.name, one.records) == ("ceiling", n)

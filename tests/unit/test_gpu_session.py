@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 KILL_GRACE_S = 5
 NAMED_ONLY = ["profile.jpeg", "micro.place", "ab.jpeg", "scale.jpeg", "scale.raw", "scale.mps",
-              "profile.procs"]  # fmt: skip
+              "profile.procs", "scale.parts16"]  # fmt: skip
 
 
 def _budgets() -> dict[str, int]:
@@ -106,7 +106,8 @@ def test_the_several_processes_call_and_its_rerun_each_fit_one_call() -> None:
     """Issue 55: --procs 1, 2, 4 on JPEGs and 4 on raw in one call; MPS and the
     profile of every process in the rerun."""
     b = _budgets()
-    for steps in (("scale.jpeg", "scale.raw"), ("scale.mps", "profile.procs")):
+    for steps in (("scale.jpeg", "scale.raw"), ("scale.mps", "profile.procs"),
+                  ("scale.parts16",)):  # issue 66: N readers, N senders, more partitions
         total = sum(b[k] + KILL_GRACE_S for k in ("setup.wheels", "setup.gpu", *steps))
         assert total <= 7 * 60 - 20, (steps, total)
 

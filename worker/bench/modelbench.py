@@ -5,8 +5,10 @@ ways, so the ratios between the figures mean something:
 
 1. **engine alone** (``engine_img_s``, ``engine``): the worker's own engine,
    loaded with the run's settings, on its largest batch.
-2. **ingest ceiling** (``ingest_ceiling_rec_s``): a bare aiokafka consumer that
-   msgpack-decodes the backlog and discards it (``worker.bench.ceiling``).
+2. **ingest ceiling** (``ingest_ceiling_rec_s``): bare aiokafka consumers that
+   msgpack-decode the backlog and discard it (``worker.bench.ceiling``), as many
+   readers as the worker has processes (``ingest_ceiling_readers``), each its
+   share of the partitions.
 3. **worker drain** (``worker_img_s``, ``drain``): ``infer-worker run --procs N``
    in a fresh group drains the same backlog, every request answered ``ok``;
    the rate is the drain's steady state. The backlog is sized for at least ten
@@ -123,6 +125,7 @@ async def _bench(opts: ModelBenchOptions) -> dict[str, Any]:
         "engine_batch": settings.batching.max_batch_size,
         "engine_img_s": round(engine_img_s, 1),
         "ingest_ceiling_rec_s": round(ceiling, 1),
+        "ingest_ceiling_readers": min(opts.procs, opts.partitions),
         "worker_img_s": round(drain.rate, 1),
         "worker_first_to_last_img_s": round(drain.first_to_last_rate, 1),
         "worker_drain_s": round(drain.seconds, 3),
@@ -171,8 +174,11 @@ async def _on_broker(
     await produce_all(
         broker.bootstrap, topics["requests"], backlog, partition_of=lambda i: i % parts
     )
-    ceiling = await drain_ceiling(broker.bootstrap, topics["requests"], len(backlog))
-    note(f"ingest ceiling: {ceiling.rate:,.0f} rec/s")
+    readers = min(opts.procs, parts)
+    counts = {p: len(range(p, len(backlog), parts)) for p in range(parts)}
+    ceiling = await drain_ceiling(broker.bootstrap, topics["requests"], len(backlog),
+                                  readers=readers, per_partition=counts)  # fmt: skip
+    note(f"ingest ceiling: {ceiling.rate:,.0f} rec/s ({readers} reader{'s' * (readers > 1)})")
     worker = spawn_worker(
         broker.bootstrap,
         input_topics=[topics["requests"]],

@@ -128,7 +128,8 @@ def table(summary: Mapping[str, Any]) -> str:
         busy_text += f"  ({s['gpu_busy_note']})"
     rows = [
         (f"engine alone, batch {s['engine_batch']}", f"{s['engine_img_s']:,.0f} {per_s}"),
-        ("bare consumer drain (ceiling)", f"{s['ingest_ceiling_rec_s']:,.0f} rec/s"),
+        (f"bare consumer drain (ceiling, {s.get('ingest_ceiling_readers', 1)} reader(s))",
+         f"{s['ingest_ceiling_rec_s']:,.0f} rec/s"),
         (
             f"worker drain, run --procs {s['procs']}",
             f"{s['worker_img_s']:,.0f} {per_s}  ({_fmt(s['worker_to_ceiling'], '.3g')}x the "
