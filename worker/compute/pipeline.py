@@ -256,6 +256,7 @@ class PipelineStage(Stage):
                 answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, (
                     f"step {step!r}: the steps up to it had {until:.0%} of the request's "
                     "deadline, spent before it started")))  # fmt: skip
+                metrics.EXPIRED.labels(rule="step_share").inc()  # as triage counts its own
 
     def _pinned_elsewhere(self, job: Job) -> Answer | None:
         """A request pinning a version of the pipeline other than this one is

@@ -53,7 +53,7 @@ IMAGES_DECODED = Counter(
 EXPIRED = Counter(
     "infer_expired_total",
     "Requests answered deadline_exceeded before inference, by the rule that expired them "
-    "(deadline_ms: the client's deadline; max_record_age: batching.max_record_age_ms)",
+    "(deadline_ms, max_record_age, step_share: a pipeline step's deadline_share)",
     ["rule"],
 )
 RESULTS_PRODUCED = Counter(

@@ -103,8 +103,13 @@ async def test_a_function_not_returning_what_it_declares_is_named(
 
 async def test_a_step_whose_deadline_share_is_spent_does_not_start() -> None:
     # Arrived 1 s ago with 1 s left: the steps up to f had a quarter of 2 s, spent.
+    from worker.obs import metrics
+
+    expired = metrics.EXPIRED.labels(rule="step_share")
+    before = expired._value.get()
     late = _jobs(3, deadline=1.0, ago=1.0)
     done, _ = await _run(doubled, late, until=0.25)
+    assert expired._value.get() == before + 3  # counted as triage counts its expiries
     for answer in done.answers:
         assert answer.error is not None and answer.error.code == "deadline_exceeded"
         assert answer.error.message == ("step 'f': the steps up to it had 25% of the request's "
