@@ -140,3 +140,22 @@ def test_what_config_passes_run_serves_until_kafka(tmp_path: Path, text: str) ->
     ran = _run("run", path)
     assert ran.returncode == 1, ran.stderr[-2000:]  # the models served; then no broker
     assert "kafka.bootstrap_servers: no Kafka broker answers" in ran.stderr
+
+
+def test_settings_only_loads_no_model(tmp_path: Path) -> None:
+    """``config --settings-only``: a configuration whose model cannot load here
+    (a GPU one on a laptop) is printed; the settings' own mistakes still exit 2."""
+    path = tmp_path / "worker.toml"
+    path.write_text(KAFKA + 'input_topics = ["a"]\n[model]\npath = "/nowhere/model.onnx"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    argv = [sys.executable, "-m", "worker", "config", "--config", str(path)]
+    loaded = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env,
+                            check=False)  # fmt: skip
+    assert loaded.returncode == 2 and "/nowhere/model.onnx" in loaded.stderr
+    only = subprocess.run([*argv, "--settings-only"], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)  # fmt: skip
+    assert only.returncode == 0 and '"/nowhere/model.onnx"' in only.stdout, only.stderr
+    path.write_text(KAFKA + TWO_MODELS.replace('"texts"]\n[models', '"texts", "x"]\n[models', 1))
+    wrong = subprocess.run([*argv, "--settings-only"], capture_output=True, text=True,
+                           timeout=120, env=env, check=False)  # fmt: skip
+    assert wrong.returncode == 2 and "answered by no model or pipeline" in wrong.stderr
