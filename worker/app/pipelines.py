@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.compute.cpu import CpuStage
-from worker.compute.ops import OP_KEYS, Desc, op_named, shown
+from worker.compute.ops import OP_KEYS, Desc, Regional, op_named, shown
 from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
 from worker.config import BatchingConfig, LimitsConfig
 from worker.config.checks import check
@@ -40,8 +40,6 @@ from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.inputs.tensor import BoundTensor
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
-
-Regional = tuple[str, tuple[int, ...]] | None  # a per-region tensor's, where fixed
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from worker.compute.ops import Regional
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
     FunctionStep,
@@ -50,7 +51,6 @@ from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
-Spec = tuple[str, tuple[int, ...]]  # a per-region output's dtype and fixed shape
 
 
 class PipelineStage(Stage):
@@ -67,7 +67,7 @@ class PipelineStage(Stage):
         outputs: Mapping[str, str],
         *,
         max_inflight: int,
-        regional: Mapping[str, Spec | None] | None = None,
+        regional: Mapping[str, Regional] | None = None,
         described: Mapping[str, Described] | None = None,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from worker.compute.cpu import CpuStage
+from worker.compute.ops import Regional
 from worker.config.pipelines import Spec
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job
@@ -144,8 +145,7 @@ def call(step: FunctionStep, unit: Tensors) -> list[Tensors] | str:
             for k in range(regions or 0)]  # fmt: skip
 
 
-def stacked(units: list[Tensors], source: str, spec: tuple[str, tuple[int, ...]] | None
-            ) -> np.ndarray:  # fmt: skip
+def stacked(units: list[Tensors], source: str, spec: Regional) -> np.ndarray:
     """A per-region tensor of a request's units as one tensor, regions first (a
     request with none: an empty one of the declared shape where it is fixed)."""
     if units:
