@@ -70,8 +70,14 @@ class Stages:
     models: list[ModelStages]
     writer: ResultWriter
     committer: Committer
+    # Which model or pipeline answers each request (the intake's, for the logs too).
+    routing: Routing
     # Several models: the task handing all their completed batches to the writer.
     merge: Coroutine[Any, Any, None] | None = None
+
+    def topics_of(self, name: str) -> list[str]:
+        """The input topics whose requests naming none ``name`` answers."""
+        return next((list(m.topics) for m in self.models if m.name == name), [])
 
 
 @dataclass
@@ -166,7 +172,7 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(consumer, [a.stages for a in built], writer, committer, merge)
+    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge)
 
 
 async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Binding:

@@ -27,7 +27,7 @@ from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
 from worker.config import Settings
-from worker.config.models import Routing, as_served, routing
+from worker.config.models import as_served
 from worker.config.topics import needed_topics
 from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
@@ -137,16 +137,16 @@ class Worker:
             await self._close()
             raise
         self._started = True
-        routes = routing(s) if len(self._models) > 1 or s.pipelines else None
         log.info(
             "worker_started",
             group=s.kafka.group_id,
             # Each model and pipeline with the input topics it answers as their owner.
             models={m.name: {"engine": m.engine.info.backend, "version": m.engine.info.version,
-                             "topics": _topics(routes, m.name, s)} for m in self._models},
-            **({"pipelines": {name: _topics(routes, name, s) for name in s.pipelines}}
+                             "topics": stages.topics_of(m.name)} for m in self._models},
+            **({"pipelines": {name: stages.topics_of(name) for name in s.pipelines}}
                if s.pipelines else {}),
-            **({"shared_topics": sorted(routes.shared)} if routes and routes.shared else {}),
+            **({"shared_topics": sorted(stages.routing.shared)} if stages.routing.shared
+               else {}),
         )  # fmt: skip
         metrics.set_condition("started", True)
         for model in self._models:
@@ -348,13 +348,6 @@ class Worker:
             heads = {tp: committer.last_offsets.get(tp) for tp in revoked}
             await self._guard.release(heads, timeout=budget.left(floor=0.5))
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
-
-
-def _topics(routes: Routing | None, name: str, s: Settings) -> list[str]:
-    """The input topics ``name`` answers requests naming none of (one model: every one)."""
-    if routes is None:
-        return list(s.kafka.input_topics)
-    return [t for t, owner in routes.owners.items() if owner == name]
 
 
 async def _close_within(
