@@ -117,22 +117,7 @@ name = "scale"
 function = "tests.pipeline_functions:as_floats"
 inputs = {{ pixels = "request.pixels" }}
 outputs = {{ x = "float32 [1, H, W]" }}
-[[pipelines.twice.steps]]
-name = "detect"
-model = "detector"
-inputs = {{ x = "scale.x" }}
-[[pipelines.twice.steps]]
-name = "cands"
-function = "tests.pipeline_functions:candidates"
-inputs = {{ heat = "detect.heat" }}
-outputs = {{ boxes = "float32 [n, 4]", scores = "float32 [n]" }}
-[[pipelines.twice.steps]]
-name = "keep"
-op = "nms"
-iou_threshold = 0.3
-max_boxes = 2
-inputs = {{ boxes = "cands.boxes", scores = "cands.scores" }}
-[[pipelines.twice.steps]]
+{twice_detect}[[pipelines.twice.steps]]
 name = "split"
 function = "tests.pipeline_functions:regions"
 fan_out = true
@@ -162,22 +147,7 @@ name = "small"
 op = "resize"
 preprocess = {{ size = [32, 32], channels = 1, mean = [0.0], std = [1.0] }}
 inputs = {{ image = "request.pixels" }}
-[[pipelines.cascade.steps]]
-name = "detect"
-model = "detector"
-inputs = {{ x = "small.image" }}
-[[pipelines.cascade.steps]]
-name = "cands"
-function = "tests.pipeline_functions:candidates"
-inputs = {{ heat = "detect.heat" }}
-outputs = {{ boxes = "float32 [n, 4]", scores = "float32 [n]" }}
-[[pipelines.cascade.steps]]
-name = "keep"
-op = "nms"
-iou_threshold = 0.3
-max_boxes = 3
-inputs = {{ boxes = "cands.boxes", scores = "cands.scores" }}
-[[pipelines.cascade.steps]]
+{cascade_detect}[[pipelines.cascade.steps]]
 name = "orig"
 function = "tests.pipeline_functions:to_pixels"
 inputs = {{ boxes = "keep.boxes", pixels = "request.pixels" }}
@@ -192,6 +162,34 @@ name = "digit"
 model = "digits"
 inputs = {{ image = "crop.crops" }}
 """
+
+
+def _detect_steps(pipeline: str, source: str, max_boxes: int) -> str:
+    """The detector, every map position a candidate, nms: the steps both detector
+    pipelines share (``source``: the detector's input, as each makes it)."""
+    return f"""[[pipelines.{pipeline}.steps]]
+name = "detect"
+model = "detector"
+inputs = {{ x = "{source}" }}
+[[pipelines.{pipeline}.steps]]
+name = "cands"
+function = "tests.pipeline_functions:candidates"
+inputs = {{ heat = "detect.heat" }}
+outputs = {{ boxes = "float32 [n, 4]", scores = "float32 [n]" }}
+[[pipelines.{pipeline}.steps]]
+name = "keep"
+op = "nms"
+iou_threshold = 0.3
+max_boxes = {max_boxes}
+inputs = {{ boxes = "cands.boxes", scores = "cands.scores" }}
+"""
+
+
+def _kept_by_hand(det_path: Path, x: np.ndarray, max_boxes: int) -> dict[str, np.ndarray]:
+    """The shared steps by hand: the detector on ``x``, candidates, nms."""
+    heat = run_alone(det_path, {"x": x})["heat"]
+    found = fn.candidates(heat)
+    return nms(found["boxes"], found["scores"], 0.3, max_boxes=max_boxes)
 
 
 def _digits_by_hand(crops: np.ndarray) -> np.ndarray:
@@ -214,7 +212,10 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     topics = {p: f"{names['requests']}.{p}"
               for p in ("scored", "read", "cascade", "gated", "twice")}  # fmt: skip
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(ranker=rank_path, detector=det_path, **topics))
+    config.write_text(CONFIG.format(
+        ranker=rank_path, detector=det_path, **topics,
+        twice_detect=_detect_steps("twice", "scale.x", 2),
+        cascade_detect=_detect_steps("cascade", "small.image", 3)))  # fmt: skip
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
                                            names["results"]: 1, names["dlq"]: 1})  # fmt: skip
     rng = np.random.default_rng(65)
@@ -278,9 +279,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     for rid, pixels in cascade.items():
         got = results[rid]
         assert (got.status, got.model.name) == ("ok", "cascade"), got.error
-        heat = run_alone(det_path, {"x": preprocess([pixels], small)[0]})["heat"]
-        found = fn.candidates(heat)
-        kept = nms(found["boxes"], found["scores"], 0.3, max_boxes=3)
+        kept = _kept_by_hand(det_path, preprocess([pixels], small)[0], 3)
         boxes = fn.to_pixels(kept["boxes"], pixels)["boxes"]
         crops = crop_boxes(pixels, boxes, size=(8, 8))["crops"]
         np.testing.assert_array_equal(got.outputs["kept"].to_numpy(), kept["indices"])
@@ -316,9 +315,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     for rid, pixels in twice.items():  # two fan-outs: regions, then a region each again
         got = results[rid]
         assert (got.status, got.model.name) == ("ok", "twice"), got.error
-        heat = run_alone(det_path, {"x": fn.as_floats(pixels)["x"]})["heat"]
-        found = fn.candidates(heat)
-        kept = nms(found["boxes"], found["scores"], 0.3, max_boxes=2)
+        kept = _kept_by_hand(det_path, fn.as_floats(pixels)["x"], 2)
         split = fn.regions(pixels, kept["boxes"])
         refined = np.stack([fn.refine(c, b)["box"] for c, b in zip(split["crop"], split["box"],
                                                                     strict=True)])  # fmt: skip

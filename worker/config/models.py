@@ -107,7 +107,6 @@ def _alone(s: Settings, m: ModelConfig, name: str, key: str) -> Settings:
         except ConfigError as exc:  # the kafka section's check: named as written
             message = str(exc).replace("kafka.state_topic", f"{key}.state_topic")
             raise ConfigError(message) from None
-
     return dataclasses.replace(s, kafka=kafka, model=model, models={}, pipelines={})
 
 
@@ -219,7 +218,7 @@ def check_models(s: Settings) -> None:
     check(not left, "kafka.input_topics", f"{left} answered by no model or pipeline (name "
           "each in a models.NAME.topics or a pipelines.NAME.topics)")  # fmt: skip
     if len(models) + len(s.pipelines) > 1:
-        _refuse_unsupported(s, models)
+        _refuse_unsupported(s, models, in_pipelines)
 
 
 def _within(at: str, topics: tuple[str, ...], inputs: tuple[str, ...]) -> None:
@@ -236,9 +235,11 @@ def _check_names(s: Settings, models: tuple[ServedModel, ...]) -> None:
               "[models.NAME]: every model needs a name of its own")  # fmt: skip
 
 
-def _refuse_unsupported(s: Settings, models: tuple[ServedModel, ...]) -> None:
+def _refuse_unsupported(
+    s: Settings, models: tuple[ServedModel, ...], in_pipelines: set[str]
+) -> None:
+    """``in_pipelines``: the models a pipeline runs."""
     k = s.kafka
-    in_pipelines = {step.model for p in s.pipelines.values() for step in p.steps}
     for model in models:
         m = model.config
         check(m.backend in _CPU_BACKENDS, f"{model.key}.backend",
