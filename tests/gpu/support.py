@@ -17,10 +17,10 @@ import numpy as np
 
 from worker.compute.engines.base import EngineSlot
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
-from worker.contract import EncodedImage, sniff_format
+from worker.contract import EncodedImage, Request, sniff_format
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
-from worker.model.inputs import bind_model
+from worker.model.inputs import ModelInputs, bind_model
 from worker.model.io import EngineInfo, ModelIO, TensorDesc
 from worker.model.shapes import SlotShapes
 
@@ -44,6 +44,17 @@ def make_jobs(images: Sequence[np.ndarray | bytes], *, deadline: float | None = 
             job.inputs["image"] = image
         jobs.append(job)
     return jobs
+
+
+def request_jobs(inputs: ModelInputs, requests: Sequence[dict[str, Any]]) -> list[Job]:
+    """One job per request's inputs, checked as intake checks them."""
+    out = []
+    for i, given in enumerate(requests):
+        request = Request(v=1, id=str(i), inputs=given)
+        values, lengths = inputs.check(request)
+        out.append(Job(TopicPartition("gpu-any", 0), i, None, time.monotonic(), None,
+                       request=request, inputs=values, lengths=lengths))  # fmt: skip
+    return out
 
 
 def info(

@@ -31,13 +31,14 @@ from worker.compute.engines import load_engine
 from worker.compute.engines.base import EngineSlot
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.config.model import TensorInput
-from worker.contract import Request, Tensor
-from worker.flow.messages import Batch, Completed, Job, TopicPartition
-from worker.model.inputs import ModelInputs, bind
+from worker.contract import Tensor
+from worker.flow.messages import Batch, Completed
+from worker.model.inputs import bind
 from worker.model.io import ModelIO, TensorDesc
 from worker.model.shapes import SlotShapes, dense
 
 from .support import queues, run_stage
+from .support import request_jobs as jobs
 
 pytestmark = pytest.mark.gpu
 
@@ -107,16 +108,6 @@ def ranker_engine(seed: int = 0) -> RankerEngine:
     emb = rng.normal(size=VOCAB).astype(np.float32)
     emb[0] = 0
     return RankerEngine(rng.normal(size=(4, 1)).astype(np.float32), emb)
-
-
-def jobs(inputs: ModelInputs, requests: list[dict[str, Any]]) -> list[Job]:
-    out = []
-    for i, given in enumerate(requests):
-        request = Request(v=1, id=str(i), inputs=given)
-        values, lengths = inputs.check(request)
-        out.append(Job(TopicPartition("gpu-any", 0), i, None, time.monotonic(), None,
-                       request=request, inputs=values, lengths=lengths))  # fmt: skip
-    return out
 
 
 async def gpu_answers(

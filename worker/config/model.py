@@ -252,8 +252,10 @@ class ModelConfig:
     # docs/guides/models.md); () in [model] = every input topic no [models.NAME] or pipeline
     # names, and in the one [models.NAME] of a worker = every input topic.
     topics: tuple[str, ...] = ()
-    # The engine: ONNX Runtime on the CPU (the default), TensorRT or torch on a GPU.
-    backend: Literal["onnxruntime", "tensorrt", "torch"] = "onnxruntime"
+    # The engine: ONNX Runtime on the CPU (the default), TensorRT or torch on a GPU; or
+    # "gpu-twin": an ONNX file through the GPU stage's code on the CPU (NumPy for CuPy,
+    # ONNX Runtime for the engine), to test a GPU configuration without a device. Never fast.
+    backend: Literal["onnxruntime", "tensorrt", "torch", "gpu-twin"] = "onnxruntime"
     # The shorthand for a classifier's one image input: the request input's name
     # (fed to the model's only image-shaped input) and its [model.preprocess].
     # "" = "image", and the shorthand applies only where this or [model.preprocess]
@@ -310,7 +312,8 @@ class ModelConfig:
             check(
                 not (self.backend == "onnxruntime" and cfg.device == "gpu"),
                 f"{name}.device",
-                "'gpu' needs backend tensorrt or torch (onnxruntime preprocesses on the CPU)",
+                "'gpu' needs backend tensorrt, torch or gpu-twin (onnxruntime preprocesses on "
+                "the CPU)",
             )
         check(len(set(self.outputs)) == len(self.outputs), "model.outputs", "names repeat")
         for name, axis in self.output_axes.items():

@@ -228,6 +228,12 @@ GPU_SLOTS_BUSY = Gauge(
     "GPU: slots holding a batch now (all busy and batches waiting: the device is the limit)",
     _MODEL,
 )
+GPU_MODEL_MEMORY = Gauge(
+    "infer_gpu_model_memory_bytes",
+    "GPU memory a model took as its stage started (engine and slot ring: the process's "
+    "allocators before and after; gpu.memory_fraction bounds the sum)",
+    ["model"],
+)
 # Device-wide GPU gauges carry the device's uuid: several processes on one device
 # each publish them, and max by (uuid) takes one series per device (monitor.py).
 _DEVICE = ["device", "uuid"]
@@ -246,8 +252,7 @@ GPU_PROCESS_MEMORY = Gauge(
 )
 GPU_UTILIZATION = Gauge(
     "infer_gpu_utilization_ratio",
-    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1; "
-    "max by uuid)",
+    "GPU: fraction of the last sample period a kernel ran on the device (NVML, 0..1; max by uuid)",
     _DEVICE,
 )
 

@@ -15,7 +15,8 @@ from worker.flow.errors import ConfigError
 from worker.model.files import resolve_model_path
 from worker.model.io import EngineInfo
 
-GPU_BACKENDS = ("tensorrt", "torch")
+# The backends served by the GPU stage; "gpu-twin" on its CPU twin (engines/twin.py).
+GPU_BACKENDS = ("tensorrt", "torch", "gpu-twin")
 
 
 def is_gpu_backend(backend: str) -> bool:
@@ -31,7 +32,7 @@ def load_engine(
     buckets: Sequence[int] = (),
 ) -> Engine | GpuEngine:
     """The engine for ``cfg.backend``: a CPU ``Engine`` for ``onnxruntime``, a
-    ``GpuEngine`` for ``tensorrt`` and ``torch`` (``device``, ``max_batch_size``
+    ``GpuEngine`` for ``tensorrt``, ``torch`` and ``gpu-twin`` (``device``, ``max_batch_size``
     apply to those; ``cuda_graphs`` to TensorRT; ``buckets``, the padded batch
     sizes, to both; torch takes its other settings from ``cfg.torch``)."""
     path = resolve_model_path(cfg.path)
@@ -51,6 +52,10 @@ def load_engine(
         return TorchEngine(
             path, cfg, device=device, max_batch_size=max_batch_size, buckets=buckets or None
         )
+    if cfg.backend == "gpu-twin":
+        from worker.compute.engines.twin import TwinEngine
+
+        return TwinEngine(path, cfg, max_batch_size=max_batch_size, buckets=buckets or None)
     raise ConfigError(
         f"model.backend: {cfg.backend!r} is not available in this build of the worker"
     )

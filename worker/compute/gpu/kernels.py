@@ -17,6 +17,7 @@ CuPy is imported inside functions only: this module imports on CPU-only hosts.
 
 from __future__ import annotations
 
+import importlib
 import math
 import threading
 from functools import cache, lru_cache
@@ -124,31 +125,37 @@ ENTRY_POINTS: Final = {
 }
 
 
-_modules: dict[tuple[int, str, Defines], Any] = {}
-_functions: dict[tuple[int, str, Defines], dict[str, Any]] = {}
+# Keyed by (the CuPy module's id: CuPy or its twin, device, file, defines).
+_modules: dict[tuple[int, int, str, Defines], Any] = {}
+_functions: dict[tuple[int, int, str, Defines], dict[str, Any]] = {}
 _modules_lock = threading.Lock()
 
 
-def load_module(name: str, defines: Defines, device: int | None = None) -> Any:
+def load_module(name: str, defines: Defines, device: int | None = None, cupy: Any = None) -> Any:
     """The compiled and loaded ``cupy.RawModule`` for ``name`` on ``device``.
 
     Compiling takes hundreds of milliseconds, so it happens once and under a
     lock (several slot threads may ask at once); every entry point is fetched
     here, which forces compilation and loading now rather than on a hot path.
+    ``cupy``: CuPy (the default) or its CPU twin (``worker.compute.gpu.twin``),
+    whose modules are the kernels' NumPy references.
     """
-    return _load(name, defines, device)[0]
+    return _load(name, defines, device, cupy)[0]
 
 
-def kernel(name: str, entry: str, defines: Defines, device: int | None = None) -> Any:
+def kernel(
+    name: str, entry: str, defines: Defines, device: int | None = None, cupy: Any = None
+) -> Any:
     """The ``cupy.RawKernel`` for one entry point, looked up without allocating."""
-    return _load(name, defines, device)[1][entry]
+    return _load(name, defines, device, cupy)[1][entry]
 
 
-def _load(name: str, defines: Defines, device: int | None) -> tuple[Any, dict[str, Any]]:
-    import cupy
+def _load(name: str, defines: Defines, device: int | None, cupy: Any) -> tuple[Any, dict[str, Any]]:
+    if cupy is None:
+        cupy = importlib.import_module("cupy")
 
     dev = int(cupy.cuda.runtime.getDevice()) if device is None else device
-    key = (dev, name, defines)
+    key = (id(cupy), dev, name, defines)
     module = _modules.get(key)
     if module is not None:
         return module, _functions[key]
@@ -175,6 +182,7 @@ def preprocess_batch(
     cfg: ImagePreprocess,
     stream: Any,
     device: int | None = None,
+    cupy: Any = None,
 ) -> None:
     """Enqueue the fused resize + normalise + layout kernel on ``stream``.
 
@@ -192,7 +200,7 @@ def preprocess_batch(
         raise ValueError(f"{n_images} images exceed the buffers ({out.shape[0]} rows)")
     if table.dtype != np.int64 or packed.dtype != np.uint8:
         raise ValueError("preprocess takes uint8 packed images and an int64 table")
-    fn = kernel("preprocess.cu", "preprocess_batch", preprocess_defines(cfg), device)
+    fn = kernel("preprocess.cu", "preprocess_batch", preprocess_defines(cfg), device, cupy)
     h, w = cfg.size
     total = n_images * h * w
     grid = min(MAX_GRID, math.ceil(total / PREPROCESS_BLOCK))
@@ -210,6 +218,7 @@ def softmax_topk(
     softmax: bool,
     stream: Any,
     device: int | None = None,
+    cupy: Any = None,
 ) -> None:
     """Enqueue softmax (optional) + top-k over each of the first ``n_rows`` rows.
 
@@ -228,14 +237,20 @@ def softmax_topk(
     if out_indices.shape[1:] != (k,) or out_scores.shape[1:] != (k,):
         raise ValueError(f"top-k buffers must have {k} columns")
     defines = postprocess_defines(num_classes, top_k, softmax, str(logits.dtype))
-    fn = kernel("postprocess.cu", "softmax_topk", defines, device)
+    fn = kernel("postprocess.cu", "softmax_topk", defines, device, cupy)
     block = postprocess_block_size(num_classes)
     with stream:
         fn((n_rows,), (block,), (logits, np.int32(n_rows), out_indices, out_scores))
 
 
 def softmax_rows(
-    logits: Any, n_rows: int, out: Any, *, stream: Any, device: int | None = None
+    logits: Any,
+    n_rows: int,
+    out: Any,
+    *,
+    stream: Any,
+    device: int | None = None,
+    cupy: Any = None,
 ) -> None:
     """Enqueue a numerically stable softmax over each of the first ``n_rows`` rows
     (flattened) into float32 ``out`` of the same shape."""
@@ -248,7 +263,7 @@ def softmax_rows(
         raise ValueError(f"{n_rows} rows exceed the buffers")
     # top_k only selects a specialisation that softmax_rows does not use: share it.
     defines = postprocess_defines(num_classes, 1, True, str(logits.dtype))
-    fn = kernel("postprocess.cu", "softmax_rows", defines, device)
+    fn = kernel("postprocess.cu", "softmax_rows", defines, device, cupy)
     block = postprocess_block_size(num_classes)
     with stream:
         fn((n_rows,), (block,), (logits, np.int32(n_rows), out))

@@ -36,7 +36,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from worker.compute.engines.base import GpuEngine
-from worker.compute.engines.cuda import translate_gpu_error
+from worker.compute.engines.cuda import buffer_address, translate_gpu_error
 from worker.compute.gpu import kernels
 from worker.compute.gpu.nvjpeg import NvJpeg
 from worker.compute.gpu.plan import PostprocessPlan
@@ -109,7 +109,7 @@ class Launcher:
         """Compile and load every kernel this stage will launch, now."""
         if self._image is not None:
             defines = kernels.preprocess_defines(self._image.cfg)
-            kernels.load_module("preprocess.cu", defines, device)
+            kernels.load_module("preprocess.cu", defines, device, self._cupy)
         plan = self._plan
         if plan.topk or plan.gpu_softmax_rows:
             pp = plan.post
@@ -119,7 +119,7 @@ class Launcher:
                 pp.softmax if plan.topk else True,
                 str(plan.raw.dtype),
             )
-            kernels.load_module("postprocess.cu", defines, device)
+            kernels.load_module("postprocess.cu", defines, device, self._cupy)
 
     def submit(self, slot: Slot, chunk: Chunk, wake: Wake) -> tuple[float, WorkerError | None]:
         """Enqueue the whole chunk on the slot's stream.
@@ -161,7 +161,7 @@ class Launcher:
             dst = slot.host_results[name]
             src = slot.device_buffer(name)
             nbytes = n * math.prod(slot.run_shapes[name]) * dst.dtype.itemsize
-            memcpy(dst.ctypes.data, src.data.ptr, nbytes, _D2H, stream.ptr)
+            memcpy(dst.ctypes.data, buffer_address(src), nbytes, _D2H, stream.ptr)
         return host_seconds
 
     def _stage_host(self, slot: Slot, chunk: Chunk) -> float:
@@ -181,7 +181,7 @@ class Launcher:
         memcpy = self._cupy.cuda.runtime.memcpyAsync
         for name, view in collated.items():
             dst = slot.engine_inputs[name]
-            memcpy(dst.data.ptr, view.ctypes.data, view.nbytes, _H2D, slot.stream.ptr)
+            memcpy(buffer_address(dst), view.ctypes.data, view.nbytes, _H2D, slot.stream.ptr)
         return host_seconds
 
     def _stage_packed(self, slot: Slot, images: list[StagedImage]) -> None:
@@ -197,17 +197,16 @@ class Launcher:
         assert packed is not None and table is not None
         packing = pack_batch(images, packed, table)
         if packing.host_bytes:
-            memcpy(
-                slot.dev_packed.data.ptr, packed.ctypes.data, packing.host_bytes, _H2D, stream.ptr
-            )
-        memcpy(slot.dev_table.data.ptr, table.ctypes.data, n * 3 * 8, _H2D, stream.ptr)
+            memcpy(buffer_address(slot.dev_packed), packed.ctypes.data, packing.host_bytes, _H2D,
+                   stream.ptr)  # fmt: skip
+        memcpy(buffer_address(slot.dev_table), table.ctypes.data, n * 3 * 8, _H2D, stream.ptr)
         if packing.on_device:
             if self._nvjpeg is None:
                 raise ValueError("device images staged without an nvJPEG decoder")
             self._nvjpeg.place(slot, packing.on_device)
         kernels.preprocess_batch(
             slot.dev_packed, slot.dev_table, n, slot.engine_inputs[self._image.desc.name],
-            cfg=self._image.cfg, stream=stream, device=slot.device,
+            cfg=self._image.cfg, stream=stream, device=slot.device, cupy=self._cupy,
         )  # fmt: skip
 
     def _postprocess_on_device(self, slot: Slot, n: int) -> None:
@@ -217,12 +216,11 @@ class Launcher:
             kernels.softmax_topk(
                 raw, n, slot.results["topk_indices"], slot.results["topk_scores"],
                 top_k=plan.topk, softmax=bool(plan.post.softmax),
-                stream=slot.stream, device=slot.device,
+                stream=slot.stream, device=slot.device, cupy=self._cupy,
             )  # fmt: skip
         elif plan.gpu_softmax_rows:
-            kernels.softmax_rows(
-                raw, n, slot.results["probabilities"], stream=slot.stream, device=slot.device
-            )
+            kernels.softmax_rows(raw, n, slot.results["probabilities"], stream=slot.stream,
+                                 device=slot.device, cupy=self._cupy)  # fmt: skip
 
     def collect(
         self, slot: Slot, n: int, host_seconds: float

@@ -25,6 +25,7 @@ waiting and accounting are unit-tested on CPU with fake slots.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -320,8 +321,12 @@ class Slot:
         return f"Slot(index={self.index}, device={self.device})"
 
     @classmethod
-    def create(cls, index: int, layout: SlotLayout, allocations: Allocations) -> Slot:
-        import cupy
+    def create(
+        cls, index: int, layout: SlotLayout, allocations: Allocations, cupy: Any = None
+    ) -> Slot:
+        """``cupy``: the CuPy module (or its CPU twin, ``twin``); default CuPy's."""
+        if cupy is None:
+            cupy = importlib.import_module("cupy")
 
         def device(shape: tuple[int, ...], dtype: Any) -> Any:
             # zeros, not empty: rows past a short batch (padding up to an engine's

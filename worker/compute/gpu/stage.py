@@ -34,6 +34,7 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import structlog
@@ -88,12 +89,14 @@ class GpuStage(Stage):
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
         budget: MemoryBudget | None = None,
+        cupy: Any = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
         (kernel compilation, engine contexts): construct it off the event loop.
         ``binding``: the model's inputs and outputs as the worker bound them;
         ``preferred_batch_sizes``: the batch buckets; ``budget``: the process's
-        share of the device, which the slot ring must fit (checked first)."""
+        share of the device, which the slot ring must fit (checked first);
+        ``cupy``: CuPy (the default) or its CPU twin (``twin``)."""
         super().__init__(
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time, room=room,
@@ -109,7 +112,7 @@ class GpuStage(Stage):
             if gpu.decode == "nvjpeg" and image is not None
             else None
         )
-        self._cupy = import_cupy()
+        self._cupy = cupy if cupy is not None else import_cupy()
         self._engine = engine
         self._image = image
         self._host = host_kinds(inputs, image)
@@ -167,7 +170,7 @@ class GpuStage(Stage):
         slots: list[Slot] = []
         try:
             for index in range(count):
-                slot = Slot.create(index, self.layout, self.allocations)
+                slot = Slot.create(index, self.layout, self.allocations, self._cupy)
                 slots.append(slot)
                 slot.context = self._engine.create_context(slot)
                 if self._nvjpeg is not None:
