@@ -31,6 +31,23 @@ path = "builtin:sentiment"
 topics = ["texts"]
 """
 
+TWIN_MODELS = """
+input_topics = ["a", "b"]
+[gpu]
+num_slots = 2
+memory_fraction = 0.009
+[models.first]
+path = "builtin:digits"
+backend = "gpu-twin"
+topics = ["a"]
+preprocess = { device = "gpu" }
+[models.second]
+path = "builtin:digits"
+backend = "gpu-twin"
+topics = ["b"]
+preprocess = { device = "gpu" }
+"""
+
 PIPELINE = """
 input_topics = ["scores", "texts"]
 [model]
@@ -63,8 +80,9 @@ REFUSED = [
      "models.reader.topics: ['elsewhere'] not in kafka.input_topics"),
     ('input_topics = ["a"]\n[model]\npath = "builtin:digits"\n[models.x]\n'
      'path = "builtin:digits"\ntopics = ["a"]\n', "model.topics: [model] answers no input topic"),
-    (TWO_MODELS + 'backend = "torch"\n',
-     "models.reader.backend: 'torch': several models in one worker run on the CPU path"),
+    (TWO_MODELS.replace('topics = ["scores"]', 'topics = ["scores"]\nbackend = "gpu-twin"')
+     + 'backend = "torch"\n',
+     "models.scorer.backend: 'gpu-twin' beside tensorrt or torch: the worker's one device"),
     (PIPELINE.format(first="").replace('topics = ["scores"]', 'topics = ["scores"]\n'
                                        "reload_interval_s = 5", 1),
      "model.reload_interval_s: a model a pipeline runs is not swapped while serving"),
@@ -97,6 +115,10 @@ REFUSED = [
     (TWO_MODELS + 'outputs = ["nope"]\n', "models.reader.outputs"),
     (TWO_MODELS + "[limits]\nmax_models_memory_mb = 1\n",
      "limits.max_models_memory_mb: the models hold"),
+    # Two GPU models (on the GPU stage's CPU twin) whose slot rings together exceed
+    # half the process's share of the device: the second is refused naming the first.
+    (TWIN_MODELS, "the slot ring alone needs 64 MiB (2 slots x 32 MiB: every input, output "
+     "and staging buffer at batching.max_batch_size rows), beside first 64 MiB"),
 ]  # fmt: skip
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.compute.cpu import CpuStage
 from worker.compute.ops import OP_KEYS, Desc, Regional, op_named, shown
+from worker.compute.stage import Stage
 from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
 from worker.config import BatchingConfig, LimitsConfig
 from worker.config.checks import check
@@ -44,12 +44,12 @@ from worker.model.io import EngineInfo, ModelIO, TensorDesc
 
 @dataclass(frozen=True)
 class StepModel:
-    """What a model step is built from: the model's engine and binding, and a
-    stage factory (its own threads and buffers for this pipeline)."""
+    """What a model step is built from: the model's engine and binding, and its
+    stage for this pipeline (its own threads and buffers, or GPU slots)."""
 
     info: EngineInfo
     binding: Binding
-    stage: CpuStage
+    stage: Stage
 
 
 def pipeline_info(name: str, request: ModelIO, cfg: PipelineConfig,

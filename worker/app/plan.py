@@ -38,12 +38,12 @@ BATCH_ROWS: Final = (64, 256)
 @dataclass(frozen=True)
 class RunPlan:
     device: Literal["cpu", "gpu"]
-    device_name: str  # "cpu" or "cuda:N", as the build-info metric says
+    device_name: str  # "cpu", "cuda:N" or "gpu-twin", as the build-info metric says
     # "exactly-once": results, DLQ records and offsets in one transaction.
     exactly_once: bool
     # The batch sizes a compiled engine is warmed at (padded up to on a GPU).
     batch_buckets: tuple[int, ...]
-    # Batches run at once: CPU threads with their buffers, or GPU slots.
+    # Batches a CPU model runs at once (threads with their buffers).
     inflight: int
     # Exactly-once: completed batches one transaction carries at most.
     transaction_batches: int
@@ -62,29 +62,38 @@ class RunPlan:
     reloads: bool = False
     # GPU: the share of the device's memory this process holds (budget.py); 0 on the CPU.
     gpu_memory_fraction: float = 0.0
+    # Batches a GPU model runs at once: its slots (gpu.num_slots, else as the CPU's).
+    slots: int = 0
+
+    def inflight_of(self, backend: str) -> int:
+        """Batches a model of ``backend`` runs at once: its slots on the GPU stage,
+        its threads on the CPU stage."""
+        return self.slots if is_gpu_backend(backend) else self.inflight
 
     @classmethod
     def of(cls, s: Settings) -> RunPlan:
         b, k = s.batching, s.kafka
-        # The models served (several: all on the CPU path, none reloaded, as
-        # worker.config.models checks; one: its own settings, whatever section).
-        models = [m.config for m in served(s)]
-        gpu = any(is_gpu_backend(m.backend) for m in models)
-        reloads = any(m.reload_interval_s > 0 for m in models)
-        if gpu and reloads:
-            raise ConfigError(
-                "model.reload_interval_s: swapping a model while serving runs on the CPU "
-                "path (backend onnxruntime); the GPU stage compiles and captures its engines "
-                "per slot at start"
-            )
+        # The models served (one: its own settings, whatever section configured it;
+        # several: each on the CPU or GPU stage as its backend says).
+        models = served(s)
+        gpu = [m.config.backend for m in models if is_gpu_backend(m.config.backend)]
+        for m in models:
+            if is_gpu_backend(m.config.backend) and m.config.reload_interval_s > 0:
+                raise ConfigError(
+                    f"{m.key}.reload_interval_s: swapping a model while serving runs on the "
+                    "CPU path (backend onnxruntime); the GPU stage compiles and captures its "
+                    "engines per slot at start"
+                )
+        reloads = any(m.config.reload_interval_s > 0 for m in models)
+        twin = bool(gpu) and all(backend == "gpu-twin" for backend in gpu)
         request_timeout = k.request_timeout_s
         return cls(
             device="gpu" if gpu else "cpu",
-            device_name=f"cuda:{s.gpu.device}" if gpu else "cpu",
+            device_name="gpu-twin" if twin else f"cuda:{s.gpu.device}" if gpu else "cpu",
             exactly_once=exactly_once(k),
             batch_buckets=bucket_sizes(b.max_batch_size, b.preferred_batch_sizes),
-            inflight=(s.gpu.num_slots or b.max_inflight_batches) if gpu
-            else b.max_inflight_batches,
+            inflight=b.max_inflight_batches,
+            slots=s.gpu.num_slots or b.max_inflight_batches,
             transaction_batches=k.transaction_batches or b.max_inflight_batches,
             max_pending_acks=2 * b.max_inflight_batches,
             crash_guard_window=b.max_batch_size * b.max_inflight_batches + k.max_poll_records,

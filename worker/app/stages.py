@@ -31,7 +31,9 @@ from worker.app.pipelines import (
 from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import CpuStage
-from worker.compute.engines import Engine, GpuEngine
+from worker.compute.engines import Engine, GpuEngine, is_gpu_backend
+from worker.compute.engines.cuda import cupy_for
+from worker.compute.gpu.budget import DeviceShare
 from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
 from worker.config import PipelineConfig, Settings
@@ -120,14 +122,16 @@ async def build_stages(
     b = s.batching
     table = routing(s) if len(models) > 1 or s.pipelines else Routing.one(models[0].name)
     bindings = _Bindings(plan)  # each model bound and probed once, whoever runs it
+    device = _Device(s, plan, models)
     by_name = {m.name: m for m in models}
     built: list[_Answerer] = []
     for name in table.answerers:
         if name in by_name:
-            built.append(await _model_stages(by_name[name], plan, tracker, bindings))
+            built.append(await _model_stages(by_name[name], plan, tracker, bindings, device))
         else:
             built.append(await _pipeline_stages(name, s.pipelines[name], plan, by_name,
-                                                tracker, bindings))  # fmt: skip
+                                                tracker, bindings, device))  # fmt: skip
+    device.check_used()  # every GPU stage started: what they hold, against the share
     for a in built:  # the topics each answers requests naming none of
         a.stages.topics = tuple(t for t in s.kafka.input_topics
                                 if table.owner(t) == a.stages.name)  # fmt: skip
@@ -181,7 +185,7 @@ async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngin
     start-up)."""
     with settings_named(key):  # a [models.NAME]'s errors name its keys as written
         binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
-        if plan.device == "cpu":
+        if not is_gpu_backend(s.model.backend):
             await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs,
                                     s.model.name)  # fmt: skip
     # The outputs its answers carry (model.outputs and postprocessing applied).
@@ -205,7 +209,7 @@ class _Bindings:
 
 
 async def _model_stages(
-    m: LoadedModel, plan: RunPlan, tracker: OffsetTracker, bindings: _Bindings
+    m: LoadedModel, plan: RunPlan, tracker: OffsetTracker, bindings: _Bindings, device: _Device
 ) -> _Answerer:
     binding = await bindings.of(m)
 
@@ -215,8 +219,9 @@ async def _model_stages(
         policy: Policy[Job], room: Room,
     ) -> Stage:  # fmt: skip
         return await _inference_stage(
-            m.settings, plan, batches, completed, m.engine, policy, binding, tracker, room
-        )
+            m.settings, plan, batches, completed, m.engine, policy, binding, tracker, room,
+            device, m.name,
+        )  # fmt: skip
 
     return await _answerer(m.settings, binding, plan, stage)
 
@@ -239,7 +244,7 @@ async def _answerer(s: Settings, binding: Binding, plan: RunPlan, build: StageBu
     )
     policy = batch_policy(s)  # one FIFO, or the priority lanes ([[kafka.lanes]])
     # A batch is cut when a thread or slot can start it (worker.flow.room).
-    room = Room(plan.inflight)
+    room = Room(plan.inflight_of(s.model.backend))
     infer = await build(batches, completed, policy, room)
     batcher = MicroBatcher(jobs, batches, policy, room=room)
     return _Answerer(ModelStages(s.model.name, jobs, batcher, infer, completed, s), s, binding)
@@ -252,11 +257,12 @@ async def _pipeline_stages(
     models: Mapping[str, LoadedModel],
     tracker: OffsetTracker,
     bindings: _Bindings,
+    device: _Device,
 ) -> _Answerer:
     """A pipeline's stages: its intake (its declared tensors' checks, else its
     first model's), its batcher, and a stage that runs each batch through the
-    steps, each model step on a stage of its own over the model's engine
-    (``worker.compute.pipeline``)."""
+    steps, each model step on a stage of its own over the model's engine (the
+    CPU or the GPU stage, as the model's backend says: ``worker.compute.pipeline``)."""
     first = models[next(step.model for step in p.steps if step.model)]
     # The settings its intake and batching run with: its first model's, named as
     # the pipeline (results and metrics name it).
@@ -266,12 +272,9 @@ async def _pipeline_stages(
     for model in dict.fromkeys(step.model for step in p.steps if step.model):
         m = models[model]
         bound = await bindings.of(m)
-        mb = m.settings.batching
-        step_stage = CpuStage(
-            asyncio.Queue(), asyncio.Queue(), m.engine, bound,
-            max_batch_size=mb.max_batch_size, max_inflight=plan.inflight,
-            max_attempts=mb.max_attempts,
-            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch),
+        step_stage = await _inference_stage(
+            m.settings, plan, asyncio.Queue(), asyncio.Queue(), m.engine, None, bound, tracker,
+            None, device, f"{name}.{model}",
         )  # fmt: skip
         steps[model] = StepModel(m.engine.info, bound, step_stage)
     built = build_steps(name, p, steps)
@@ -303,42 +306,63 @@ async def _inference_stage(
     batches: asyncio.Queue[Batch[Job] | None],
     completed: asyncio.Queue[asyncio.Future[Completed] | None],
     engine: Engine | GpuEngine,
-    policy: Policy[Job],
+    policy: Policy[Job] | None,
     binding: Binding,
     tracker: OffsetTracker,
-    room: Room,
+    room: Room | None,
+    device: _Device,
+    ring: str,
 ) -> Stage:
-    """The CPU stage, or the GPU stage with its slot ring (allocated once, off the
-    event loop: kernel compilation and engine contexts take a while)."""
+    """The CPU stage, or the GPU stage with its slot ring, as the model's backend
+    says. ``policy`` and ``room``: its batcher's (None for a pipeline's step,
+    which its pipeline's stage runs); ``ring``: what its share of the device is
+    counted under (the model's name; a pipeline's step: ``PIPELINE.MODEL``)."""
     b = s.batching
-    if plan.device == "cpu":
+    observe = policy.observe_service_time if policy is not None else None
+    if not is_gpu_backend(s.model.backend):
         return CpuStage(
             batches, completed, engine, binding,
             max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
-            max_attempts=b.max_attempts, on_service_time=policy.observe_service_time,
+            max_attempts=b.max_attempts, on_service_time=observe,
             owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch), room=room,
         )  # fmt: skip
-    from worker.compute.gpu.budget import DeviceShare
     from worker.compute.gpu.stage import GpuStage
 
     def build() -> GpuStage:
-        # The process's share of the device's memory, capped before the slots and
-        # the warm-up allocate, and checked after them (run --procs N on one GPU).
-        share = DeviceShare(s.gpu.device, plan.gpu_memory_fraction, s.model.backend == "torch")
-        stage = GpuStage(
+        # Allocated once, off the event loop (kernel compilation and engine contexts
+        # take a while); measured against the process's share of the device.
+        share = device.share(s.model.backend)
+        return share.measure(ring, lambda: GpuStage(
             batches, completed, cast(GpuEngine, engine), binding,
-            max_batch_size=b.max_batch_size, num_slots=plan.inflight, gpu=s.gpu,
+            max_batch_size=b.max_batch_size, num_slots=plan.slots, gpu=s.gpu,
             preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,
-            on_service_time=policy.observe_service_time, room=room, budget=share.budget,
-        )  # fmt: skip
-        try:
-            share.check_used()
-        except BaseException:
-            stage.close()
-            raise
-        return stage
+            on_service_time=observe, room=room, budget=share.slots_for(ring), cupy=share.cupy,
+        ))  # fmt: skip
 
     return await asyncio.to_thread(build)
+
+
+class _Device:
+    """The process's one share of the GPU (``worker.compute.gpu.budget``), made
+    for the first GPU stage and shared by every other: each model's slot ring
+    is checked beside the others' and what each takes is measured; capped
+    before the first allocates, checked once every stage has started."""
+
+    def __init__(self, s: Settings, plan: RunPlan, models: Sequence[LoadedModel]) -> None:
+        self._gpu = s.gpu
+        self._fraction = plan.gpu_memory_fraction
+        self._torch = any(m.settings.model.backend == "torch" for m in models)
+        self._share: DeviceShare | None = None
+
+    def share(self, backend: str) -> DeviceShare:
+        if self._share is None:
+            self._share = DeviceShare(self._gpu.device, self._fraction, self._torch,
+                                      cupy_for(backend))  # fmt: skip
+        return self._share
+
+    def check_used(self) -> None:
+        if self._share is not None:
+            self._share.check_used()
 
 
 def crash_guard(

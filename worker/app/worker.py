@@ -177,7 +177,7 @@ class Worker:
             ),
         ]
         stage_of = {m.name: m.infer for m in stages.models}
-        for model in self._models:  # the CPU stage: the plan refuses reloading on a GPU
+        for model in self._models:  # CPU models: the plan refuses reloading a GPU model
             if model.settings.model.reload_interval_s > 0 and model.name in stage_of:
                 info = model.engine.info
                 labels = {"version": __version__, "model": info.name, "backend": info.backend,
@@ -185,7 +185,7 @@ class Worker:
                 stage = cast(CpuStage, stage_of[model.name])
                 watch = watch_model(model.settings, stage, info.version, labels)
                 self._support.append(self._spawn(watch, f"model-reload-{model.name}"))
-        if self.plan.device == "gpu":
+        if self.plan.device == "gpu" and self.plan.device_name != "gpu-twin":
             from worker.compute.gpu.monitor import watch_gpu
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))

@@ -2,9 +2,10 @@
 per request (``[pipelines.NAME]``, docs/guides/pipelines.md).
 
 A model step runs the batch's requests as that model's own stage runs a batch
-(``CpuStage.run_batch``: rows of one length together, poison isolated by
-bisection, deadlines honoured), so the crops of many requests form one batch of
-the next model; a function step runs once per request on the stage's threads
+(``Stage.run_batch``, on the CPU stage or, for a GPU model, the GPU stage's
+slots: rows of one length together, poison isolated by bisection, deadlines
+honoured), so the crops of many requests form one batch of the next model; a
+function step runs once per request on the stage's threads
 (``worker.compute.steps``). Between steps the tensors stay in memory: a
 request's tensors so far, by ``STEP.OUTPUT`` and ``request.NAME``, feed the next
 step's inputs, checked as the next model checks a request's. After a fan-out

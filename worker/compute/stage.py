@@ -75,6 +75,10 @@ class Stage(ABC):
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         """Start running ``batch``; the future completes with its answers."""
 
+    async def run_batch(self, batch: Batch[Job]) -> Completed:
+        """``batch`` run to its answers (a pipeline's step runs its model's stage so)."""
+        return await (await self.dispatch(batch))
+
     def described_outputs(self) -> Mapping[str, Described] | None:
         """The outputs a card of its own shows (a pipeline's); None: the model
         file's, as its engine declares them."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from worker.compute.cpu import CpuStage
 from worker.compute.ops import Regional
+from worker.compute.stage import Stage
 from worker.config.pipelines import Spec
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job
@@ -29,7 +29,7 @@ Function = Callable[..., object]  # returns a dict of arrays (checked: a user's 
 @dataclass(frozen=True)
 class ModelStep:
     name: str
-    stage: CpuStage  # the model's own stage for this pipeline (its threads and buffers)
+    stage: Stage  # the model's own stage for this pipeline (its threads and buffers, or slots)
     sources: Mapping[str, str]  # the model's request input -> "STEP.OUTPUT" / "request.NAME"
     # The share of a request's deadline spent once this step may no longer start (the
     # steps' deadline_share summed up to it); None: the request's deadline alone.

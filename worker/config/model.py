@@ -240,6 +240,14 @@ class StateConfig:
               "must be >= 0")  # fmt: skip
 
 
+# The backends the GPU stage serves ("gpu-twin": on its CPU twin, worker.compute.gpu.twin).
+GPU_BACKENDS = ("tensorrt", "torch", "gpu-twin")
+
+
+def is_gpu_backend(backend: str) -> bool:
+    return backend in GPU_BACKENDS
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # Results' model.name and metric labels; "" = derived from path (builtin:NAME

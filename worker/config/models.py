@@ -14,8 +14,8 @@ answerer is decided: its topic's model or pipeline, or on ``[model]``'s topics
 (the shared ones) any model or pipeline the request names.
 
 What several models cannot do yet is refused by name (a priority lane in a
-process of its own, the GPU engines, reloading a model a pipeline runs, a
-changelog for a model without a topic of its own):
+process of its own, reloading a model a pipeline runs, a changelog for a
+model without a topic of its own, the GPU's CPU twin beside a GPU):
 docs/guides/models.md says why for each. One model, however configured, has
 all of them.
 """
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from worker.config.checks import as_written, check
-from worker.config.model import BundledModel, name_of
+from worker.config.model import BundledModel, is_gpu_backend, name_of
 from worker.config.pipelines import check_pipelines
 from worker.flow.errors import ConfigError, InvalidRequest, UnknownModel
 
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from worker.config import Settings
     from worker.config.model import ModelConfig
 
-#: Backends the CPU stage runs: several models are served on the CPU path only.
-_CPU_BACKENDS = ("onnxruntime",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +238,12 @@ def _refuse_unsupported(
 ) -> None:
     """``in_pipelines``: the models a pipeline runs."""
     k = s.kafka
+    twins = {m.config.backend == "gpu-twin" for m in models if is_gpu_backend(m.config.backend)}
     for model in models:
         m = model.config
-        check(m.backend in _CPU_BACKENDS, f"{model.key}.backend",
-              f"{m.backend!r}: several models in one worker run on the CPU path "
-              "(onnxruntime) for now")  # fmt: skip
+        check(len(twins) < 2 or m.backend != "gpu-twin", f"{model.key}.backend",
+              "'gpu-twin' beside tensorrt or torch: the worker's one device is either a "
+              "GPU or its CPU twin")  # fmt: skip
         check(m.reload_interval_s == 0 or model.name not in in_pipelines,
               f"{model.key}.reload_interval_s", "a model a pipeline runs is not swapped "
               "while serving yet (the pipeline's step holds its engine)")  # fmt: skip

@@ -11,16 +11,10 @@ from collections.abc import Sequence
 
 from worker.compute.engines.base import Engine, GpuEngine
 from worker.config import ModelConfig
+from worker.config.model import GPU_BACKENDS, is_gpu_backend
 from worker.flow.errors import ConfigError
 from worker.model.files import resolve_model_path
 from worker.model.io import EngineInfo
-
-# The backends served by the GPU stage; "gpu-twin" on its CPU twin (engines/twin.py).
-GPU_BACKENDS = ("tensorrt", "torch", "gpu-twin")
-
-
-def is_gpu_backend(backend: str) -> bool:
-    return backend in GPU_BACKENDS
 
 
 def load_engine(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -43,6 +43,12 @@ MIB = 2**20
 ENGINE_RESERVE = 0.5
 
 Started = TypeVar("Started")
+
+
+class SlotBudget(Protocol):
+    """What a GPU stage checks its slot ring with before allocating it."""
+
+    def check_slots(self, slot_bytes: int, slots: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -141,14 +147,14 @@ class DeviceShare:
             from worker.compute.engines.cuda import import_cupy
 
             cupy = import_cupy()
-        self._cupy = cupy
+        self.cupy = cupy
         self._torch = importlib.import_module("torch") if torch_engine else None
-        with self._cupy.cuda.Device(device):
-            _free, total = self._cupy.cuda.runtime.memGetInfo()
+        with self.cupy.cuda.Device(device):
+            _free, total = self.cupy.cuda.runtime.memGetInfo()
         self.budget = MemoryBudget(device, int(total), fraction)
         self.rings: dict[str, int] = {}  # model -> its slot ring's device bytes
         self.models: dict[str, int] = {}  # model -> what it took as its stage started
-        cap(self._cupy, self._torch, self.budget)
+        cap(self.cupy, self._torch, self.budget)
         log.info("gpu_memory_share", device=device, fraction=fraction,
                  budget_mib=round(self.budget.bytes / MIB, 1))  # fmt: skip
 
@@ -169,7 +175,7 @@ class DeviceShare:
         return started
 
     def used(self) -> int:
-        return used_bytes(self._cupy, self._torch, self.budget.device)
+        return used_bytes(self.cupy, self._torch, self.budget.device)
 
     def check_used(self) -> None:
         self.budget.check_used(self.used(), self.models)

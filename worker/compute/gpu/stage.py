@@ -42,7 +42,7 @@ import structlog
 from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import import_cupy, translate_gpu_error
 from worker.compute.gpu import nvjpeg
-from worker.compute.gpu.budget import MemoryBudget
+from worker.compute.gpu.budget import SlotBudget
 from worker.compute.gpu.completion import SlotWatch
 from worker.compute.gpu.launch import Chunk, Launcher
 from worker.compute.gpu.plan import (
@@ -88,7 +88,7 @@ class GpuStage(Stage):
         max_attempts: int = 2,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
-        budget: MemoryBudget | None = None,
+        budget: SlotBudget | None = None,
         cupy: Any = None,
     ) -> None:
         """Allocates every slot now (start-up, not the hot path); may take a while
