@@ -14,30 +14,25 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import structlog
 
+from worker.app.inference import Bindings, GpuShare, inference_stage
 from worker.app.lanes import backpressure, batch_policy
 from worker.app.loading import LoadedModel
 from worker.app.pipelines import (
     StepModel,
-    answer_outputs,
     build_steps,
     declared_inputs,
     declared_io,
     pipeline_info,
 )
 from worker.app.plan import RunPlan
-from worker.app.probe import check_declarations
-from worker.compute.cpu import CpuStage
-from worker.compute.engines import Engine, GpuEngine, is_gpu_backend
-from worker.compute.engines.cuda import cupy_for
-from worker.compute.gpu.budget import DeviceShare
 from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
 from worker.config import PipelineConfig, Settings
-from worker.config.models import Routing, routing, settings_named
+from worker.config.models import Routing, routing
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Batch, Completed, Job
@@ -56,8 +51,8 @@ from worker.kafka.guarded import Protection
 from worker.kafka.intake import JobFactory
 from worker.kafka.lease import GroupLease
 from worker.kafka.listener import RevokeHook
-from worker.model.inputs import Binding, bind_model
-from worker.model.inputs.binding import fit_limits, summary
+from worker.model.inputs import Binding
+from worker.model.inputs.binding import fit_limits
 from worker.obs.tracing import Tracer
 
 log = structlog.get_logger(__name__)
@@ -121,8 +116,8 @@ async def build_stages(
     the intake and its inference stage."""
     b = s.batching
     table = routing(s) if len(models) > 1 or s.pipelines else Routing.one(models[0].name)
-    bindings = _Bindings(plan)  # each model bound and probed once, whoever runs it
-    device = _Device(s, plan, models)
+    bindings = Bindings(plan)  # each model bound and probed once, whoever runs it
+    device = GpuShare(s, plan, models)
     by_name = {m.name: m for m in models}
     built: list[_Answerer] = []
     for name in table.answerers:
@@ -179,37 +174,8 @@ async def build_stages(
     return Stages(consumer, [a.stages for a in built], writer, committer, table, merge)
 
 
-async def _bound(key: str, s: Settings, plan: RunPlan, engine: Engine | GpuEngine) -> Binding:
-    """A model's binding (``key``: where it is configured, which its errors
-    name), probed on the CPU path (the GPU stage's engines run per slot, after
-    start-up)."""
-    with settings_named(key):  # a [models.NAME]'s errors name its keys as written
-        binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
-        if not is_gpu_backend(s.model.backend):
-            await asyncio.to_thread(check_declarations, engine, binding.io, binding.outputs,
-                                    s.model.name)  # fmt: skip
-    # The outputs its answers carry (model.outputs and postprocessing applied).
-    log.info("model_inputs", model=s.model.name, inputs=summary(binding.inputs),
-             outputs=list(answer_outputs(binding)))  # fmt: skip
-    return binding
-
-
-class _Bindings:
-    """Each model's binding, decided (and probed) once however many stages run
-    it: its own, and each pipeline's step."""
-
-    def __init__(self, plan: RunPlan) -> None:
-        self._plan = plan
-        self._bound: dict[str, Binding] = {}
-
-    async def of(self, m: LoadedModel) -> Binding:
-        if m.name not in self._bound:
-            self._bound[m.name] = await _bound(m.key, m.settings, self._plan, m.engine)
-        return self._bound[m.name]
-
-
 async def _model_stages(
-    m: LoadedModel, plan: RunPlan, tracker: OffsetTracker, bindings: _Bindings, device: _Device
+    m: LoadedModel, plan: RunPlan, tracker: OffsetTracker, bindings: Bindings, device: GpuShare
 ) -> _Answerer:
     binding = await bindings.of(m)
 
@@ -218,9 +184,9 @@ async def _model_stages(
         completed: asyncio.Queue[asyncio.Future[Completed] | None],
         policy: Policy[Job], room: Room,
     ) -> Stage:  # fmt: skip
-        return await _inference_stage(
+        return await inference_stage(
             m.settings, plan, batches, completed, m.engine, policy, binding, tracker, room,
-            device, m.name,
+            device, m.key, m.name,
         )  # fmt: skip
 
     return await _answerer(m.settings, binding, plan, stage)
@@ -256,8 +222,8 @@ async def _pipeline_stages(
     plan: RunPlan,
     models: Mapping[str, LoadedModel],
     tracker: OffsetTracker,
-    bindings: _Bindings,
-    device: _Device,
+    bindings: Bindings,
+    device: GpuShare,
 ) -> _Answerer:
     """A pipeline's stages: its intake (its declared tensors' checks, else its
     first model's), its batcher, and a stage that runs each batch through the
@@ -272,9 +238,9 @@ async def _pipeline_stages(
     for model in dict.fromkeys(step.model for step in p.steps if step.model):
         m = models[model]
         bound = await bindings.of(m)
-        step_stage = await _inference_stage(
+        step_stage = await inference_stage(
             m.settings, plan, asyncio.Queue(), asyncio.Queue(), m.engine, None, bound, tracker,
-            None, device, f"{name}.{model}",
+            None, device, m.key, f"{name}.{model}",
         )  # fmt: skip
         steps[model] = StepModel(m.engine.info, bound, step_stage)
     built = build_steps(name, p, steps)
@@ -298,71 +264,6 @@ async def _pipeline_stages(
                              on_service_time=policy.observe_service_time, room=room)  # fmt: skip
 
     return await _answerer(s, binding, plan, stage)
-
-
-async def _inference_stage(
-    s: Settings,
-    plan: RunPlan,
-    batches: asyncio.Queue[Batch[Job] | None],
-    completed: asyncio.Queue[asyncio.Future[Completed] | None],
-    engine: Engine | GpuEngine,
-    policy: Policy[Job] | None,
-    binding: Binding,
-    tracker: OffsetTracker,
-    room: Room | None,
-    device: _Device,
-    ring: str,
-) -> Stage:
-    """The CPU stage, or the GPU stage with its slot ring, as the model's backend
-    says. ``policy`` and ``room``: its batcher's (None for a pipeline's step,
-    which its pipeline's stage runs); ``ring``: what its share of the device is
-    counted under (the model's name; a pipeline's step: ``PIPELINE.MODEL``)."""
-    b = s.batching
-    observe = policy.observe_service_time if policy is not None else None
-    if not is_gpu_backend(s.model.backend):
-        return CpuStage(
-            batches, completed, engine, binding,
-            max_batch_size=b.max_batch_size, max_inflight=plan.inflight,
-            max_attempts=b.max_attempts, on_service_time=observe,
-            owns=lambda job: tracker.owns(job.tp, job.offset, job.epoch), room=room,
-        )  # fmt: skip
-    from worker.compute.gpu.stage import GpuStage
-
-    def build() -> GpuStage:
-        # Allocated once, off the event loop (kernel compilation and engine contexts
-        # take a while); measured against the process's share of the device.
-        share = device.share(s.model.backend)
-        return share.measure(ring, lambda: GpuStage(
-            batches, completed, cast(GpuEngine, engine), binding,
-            max_batch_size=b.max_batch_size, num_slots=plan.slots, gpu=s.gpu,
-            preferred_batch_sizes=b.preferred_batch_sizes, max_attempts=b.max_attempts,
-            on_service_time=observe, room=room, budget=share.slots_for(ring), cupy=share.cupy,
-        ))  # fmt: skip
-
-    return await asyncio.to_thread(build)
-
-
-class _Device:
-    """The process's one share of the GPU (``worker.compute.gpu.budget``), made
-    for the first GPU stage and shared by every other: each model's slot ring
-    is checked beside the others' and what each takes is measured; capped
-    before the first allocates, checked once every stage has started."""
-
-    def __init__(self, s: Settings, plan: RunPlan, models: Sequence[LoadedModel]) -> None:
-        self._gpu = s.gpu
-        self._fraction = plan.gpu_memory_fraction
-        self._torch = any(m.settings.model.backend == "torch" for m in models)
-        self._share: DeviceShare | None = None
-
-    def share(self, backend: str) -> DeviceShare:
-        if self._share is None:
-            self._share = DeviceShare(self._gpu.device, self._fraction, self._torch,
-                                      cupy_for(backend))  # fmt: skip
-        return self._share
-
-    def check_used(self) -> None:
-        if self._share is not None:
-            self._share.check_used()
 
 
 def crash_guard(

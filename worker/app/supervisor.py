@@ -47,6 +47,7 @@ from worker.compute.engines import is_gpu_backend
 from worker.compute.gpu.budget import resolve_fraction
 from worker.config import LaneConfig, Settings
 from worker.config.lanes import lanes_literal, strings_literal
+from worker.config.models import served
 from worker.flow.errors import ConfigError
 from worker.kafka.topiccheck import idle_members, partition_counts
 
@@ -92,7 +93,7 @@ def members(settings: Settings, procs: int) -> list[dict[str, str]]:
             if member and k.transactional_id:
                 env["INFER_WORKER_KAFKA__TRANSACTIONAL_ID"] = f"{k.transactional_id}-{member}"
             out.append(env)
-    if is_gpu_backend(settings.model.backend):
+    if any(is_gpu_backend(m.config.backend) for m in served(settings)):
         # Every member on one device (gpu.device): each gets an equal share of its
         # memory unless one is set (worker.compute.gpu.budget).
         share = resolve_fraction(settings.gpu.memory_fraction, len(out))
@@ -129,7 +130,8 @@ def compile_threads(
     16 cores held 64 (four compile pools of 16 in the H200 profile of `--procs
     4`, each about 13 s of start-up CPU). An operator's setting is kept; other
     engines compile nothing."""
-    if settings.model.backend != "torch" or members <= 1 or COMPILE_THREADS in environ:
+    torch = any(m.config.backend == "torch" for m in served(settings))
+    if not torch or members <= 1 or COMPILE_THREADS in environ:
         return {}
     return {COMPILE_THREADS: str(max(1, (cpus or 1) // members))}
 

@@ -12,8 +12,9 @@ import pytest
 from worker.app.plan import RunPlan
 from worker.app.supervisor import members
 from worker.compute.gpu.budget import MemoryBudget, cap, resolve_fraction, used_bytes
-from worker.config import GpuConfig, ModelConfig, Settings
+from worker.config import GpuConfig, ModelConfig, Settings, load_settings
 from worker.flow.errors import ConfigError
+from worker.ops.processes import override_env
 
 GIB = 2**30
 
@@ -36,6 +37,24 @@ def test_run_procs_gives_each_member_on_the_device_an_equal_share() -> None:
     fixed = Settings(model=gpu.model, gpu=GpuConfig(memory_fraction=0.2))
     assert {m["INFER_WORKER_GPU__MEMORY_FRACTION"] for m in members(fixed, 4)} == {"0.2"}
     assert all("INFER_WORKER_GPU__MEMORY_FRACTION" not in m for m in members(Settings(), 4))
+
+
+def test_a_gpu_model_among_several_gives_the_members_their_shares() -> None:
+    """Several models, one of them on the GPU stage: each member's share is as
+    for one GPU model (the models' rings share it), and the plan has the GPU's
+    slots for that model and the CPU's threads for the other."""
+    env = override_env({"kafka.input_topics": '["a", "b"]', "gpu.num_slots": "3",
+                        "batching.max_inflight_batches": "5",
+                        "models.cpu.path": "builtin:digits", "models.cpu.topics": '["a"]',
+                        "models.gpu.path": "m.pt", "models.gpu.backend": "torch",
+                        "models.gpu.topics": '["b"]'})  # fmt: skip
+    s = load_settings(env=env)
+    assert {m["INFER_WORKER_GPU__MEMORY_FRACTION"] for m in members(s, 2)} == {"0.5"}
+    plan = RunPlan.of(s)
+    assert (plan.device, plan.inflight_of("onnxruntime"), plan.inflight_of("torch")) == (
+        "gpu", 5, 3)  # fmt: skip
+    twin = load_settings(env={**env, "INFER_WORKER_MODELS__GPU__BACKEND": "gpu-twin"})
+    assert RunPlan.of(twin).device_name == "gpu-twin"
 
 
 def test_a_slot_ring_that_leaves_the_engine_too_little_is_refused() -> None:
