@@ -11,7 +11,7 @@ COPY worker ./worker
 COPY kernels ./kernels
 RUN pip wheel --no-cache-dir --constraint constraints.txt --wheel-dir /wheels .
 
-# GPU image: the worker with extras [gpu,torch] (CuPy kernels, the torch engine on
+# GPU image: the worker with extras [gpu,torch,registry] (CuPy kernels, the torch engine on
 # the CUDA-stream slot ring) on the CUDA runtime (NVRTC, which CuPy compiles the
 # kernels with at start-up; torch's wheels bring their own CUDA libraries, so the
 # host driver must support both CUDA 12.6 and the CUDA release of the torch wheel
@@ -28,7 +28,7 @@ RUN useradd --create-home --uid 10001 worker
 COPY --from=build /wheels /wheels
 COPY constraints.txt /etc/infer-worker/constraints.txt
 RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt \
-        --find-links /wheels "$(ls /wheels/infer_worker-*.whl)[gpu,torch]" \
+        --find-links /wheels "$(ls /wheels/infer_worker-*.whl)[gpu,torch,registry]" \
     && rm -rf /wheels
 # The repository ships the digits model as ONNX (the CPU path's format): rebuild it
 # as TorchScript for the torch engine, checked against ONNX Runtime on the held-out
@@ -50,7 +50,8 @@ FROM python:3.12-slim AS cpu
 RUN useradd --create-home --uid 10001 worker
 COPY --from=build /wheels /wheels
 COPY constraints.txt /etc/infer-worker/constraints.txt
-RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt /wheels/*.whl \
+RUN pip install --no-cache-dir --constraint /etc/infer-worker/constraints.txt \
+        --find-links /wheels "$(ls /wheels/infer_worker-*.whl)[registry]" \
     && rm -rf /wheels
 COPY worker.example.toml /etc/infer-worker/worker.toml
 USER worker

@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINTS = ROOT / "constraints.txt"
 # Every extra something in this repository installs. Not `tensorrt` (PyPI serves a
 # stub that downloads from NVIDIA's index) nor `minilm` (a one-off export script's).
-EXTRAS = ("embedded", "dev", "torch", "quantize", "gpu", "bench", "tracing", "plot", "train")
+EXTRAS = (
+    "embedded", "dev", "torch", "quantize", "gpu", "bench", "tracing", "plot", "train", "registry",
+)
 HEADER = """\
 # Pinned by scripts/lock.py (`make lock`): pyproject.toml's requirements with the
 # extras {extras},
@@ -64,11 +66,11 @@ def resolve() -> dict[str, str]:
 
 
 def check_images(pins: dict[str, str]) -> None:
-    """The images' requirements (the Dockerfile: the core, [gpu,torch] and onnx) resolve
+    """The images' requirements (the Dockerfile: the core, [gpu,torch,registry] and onnx) resolve
     within ``pins`` to wheels for their Python 3.12 on Linux x86-64; raises if not."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    reqs = [*project["dependencies"], *extras["gpu"], *extras["torch"], "onnx"]
+    reqs = [*project["dependencies"], *extras["gpu"], *extras["torch"], *extras["registry"], "onnx"]
     tags = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 40)]
     tags += ["manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64", "any"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,7 @@ import pytest
 
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_runtime import KafkaUnavailable, kafka_libs
+from devkit.schema_registry import SchemaRegistryServer
 from tests import required_tools
 from worker.ops.broker import Broker, BrokerKind, EmbeddedBroker
 from worker.ops.children import children_die_with_this_process
@@ -96,6 +97,22 @@ def kafka_broker() -> Iterator[KafkaCluster]:
     require_kafka()
     with KafkaCluster() as b:
         yield b
+
+
+@pytest.fixture(scope="session")
+def schema_registry() -> Iterator[SchemaRegistryServer]:
+    """A real Schema Registry (Apicurio's, in memory), once per test process.
+    Tests register subjects named after their own topics."""
+    try:
+        server = SchemaRegistryServer().start()
+    except KafkaUnavailable as exc:
+        if _in_ci():
+            raise
+        pytest.skip(f"Schema Registry unavailable: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(params=BROKER_KINDS)

@@ -282,7 +282,7 @@ def test_gpu_worker_requests_a_gpu_and_builds_the_gpu_stage() -> None:
     base = stages["gpu"][0]
     assert base.split()[1].startswith("nvidia/cuda:") and "runtime" in base
     runs = " ".join(stages["gpu"])
-    assert "[gpu,torch]" in runs
+    assert "[gpu,torch,registry]" in runs
     # The model it serves is not in the repository: the gpu stage must make it.
     assert not settings.model.path.startswith("builtin:")
     assert settings.model.path in runs, "the gpu stage does not write the model it serves"

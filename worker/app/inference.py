@@ -17,8 +17,8 @@ from worker.app.plan import RunPlan
 from worker.app.probe import check_declarations
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine, is_gpu_backend
-from worker.compute.engines.cuda import cupy_for
 from worker.compute.gpu.budget import DeviceShare
+from worker.compute.gpu.twin import cupy_for
 from worker.compute.stage import Stage
 from worker.config import Settings
 from worker.config.models import settings_named

@@ -23,12 +23,14 @@ from worker.app.lanes import backpressure, batch_policy
 from worker.app.loading import LoadedModel
 from worker.app.pipelines import (
     StepModel,
+    answer_outputs,
     build_steps,
     declared_inputs,
     declared_io,
     pipeline_info,
 )
 from worker.app.plan import RunPlan
+from worker.app.registry import registered
 from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
 from worker.config import PipelineConfig, Settings
@@ -130,12 +132,17 @@ async def build_stages(
     for a in built:  # the topics each answers requests naming none of
         a.stages.topics = tuple(t for t in s.kafka.input_topics
                                 if table.owner(t) == a.stages.name)  # fmt: skip
+    # The registry's result schema: every output any answerer gives (Avro requests).
+    outputs = {name: desc for a in built for name, desc in
+               (a.stages.infer.described_outputs() or answer_outputs(a.binding)).items()}
+    registry = await registered(s, outputs)
     first, *others = built
     intake = JobFactory(
         first.binding.inputs, fit_limits(s.limits, first.binding.inputs),
         b.max_record_age_ms, s.kafka.content_type, first.stages.name, routing=table,
         others={a.stages.name: (a.binding.inputs, fit_limits(s.limits, a.binding.inputs))
                 for a in others},
+        schemas=registry.schemas if registry is not None else None,
     )  # fmt: skip
     place = {a.stages.name: i for i, a in enumerate(built)}
     pausing, ranks = backpressure(s, [a.settings for a in built],
@@ -162,7 +169,8 @@ async def build_stages(
     changelogs = {a.stages.name: a.settings.kafka.state_topic for a in built
                   if a.settings.kafka.state_topic}  # fmt: skip
     parts = WriterParts(completed, s.kafka, infos, tracker, committer, budget, tracer,
-                        state_topics=changelogs)  # fmt: skip
+                        state_topics=changelogs,
+                        avro=registry.results if registry is not None else None)  # fmt: skip
     writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(

@@ -26,6 +26,7 @@ from worker.config.model import (
 )
 from worker.config.models import check_models
 from worker.config.pipelines import PipelineConfig, StepConfig
+from worker.config.registry import SchemaRegistryConfig
 from worker.config.runtime import (
     BatchingConfig,
     DlqConfig,
@@ -62,6 +63,9 @@ class Settings:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Requests and results in a Schema Registry's wire format (Avro):
+    # docs/guides/schema-registry.md.
+    schema_registry: SchemaRegistryConfig = field(default_factory=SchemaRegistryConfig)
 
     def __post_init__(self) -> None:
         check_models(self)  # every input topic answered by exactly one model or pipeline
@@ -91,6 +95,7 @@ __all__ = [
     "PipelineConfig",
     "PostprocessConfig",
     "PreprocessConfig",
+    "SchemaRegistryConfig",
     "Secret",
     "Settings",
     "ShutdownConfig",

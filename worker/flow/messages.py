@@ -22,7 +22,7 @@ from worker.flow.errors import RecordError
 from worker.flow.values import ErrorInfo, Request, Source
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
-Wire = Literal["msgpack", "oip"]
+Wire = Literal["msgpack", "oip", "avro"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +76,9 @@ class Job(msgspec.Struct, frozen=True):
     epoch: int = 0  # the tracker epoch of its partition when read (stale if it changed)
     expiry: ExpiryRule | None = None  # which rule set ``deadline``
     timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
-    # How it came and is answered: msgpack (contract v1) or Open Inference Protocol
-    # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants.
+    # How it came and is answered: msgpack (contract v1), Open Inference Protocol
+    # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants, or
+    # Avro in the Schema Registry's format ("avro", ``worker.contract.avro``).
     wire: Wire = "msgpack"
     outputs_wanted: tuple[str, ...] | None = None
     trace: TraceContext | None = None  # the record's W3C trace context, if it had one

@@ -304,7 +304,10 @@ class Consumer:
             )  # fmt: skip
         queued = 0
         try:
+            schemas = self._make_job.schemas
             for record in records[redelivered:]:
+                if schemas is not None:  # a new schema id: fetched before the record is read
+                    await schemas.ready(record.value)
                 if self._stopping.is_set():
                     return
                 if stamp < self._revoked_at:

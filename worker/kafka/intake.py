@@ -14,12 +14,16 @@ from typing import Any
 from worker.config import LimitsConfig
 from worker.config.models import Routing
 from worker.contract import Limits, decode_request
+from worker.contract.avro import InputsView, request_of, schema_id
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
 from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request
+from worker.kafka.registry import Schemas
 from worker.model.inputs import ModelInputs
+from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
 from worker.obs.tracing import parse as parse_trace
 
 Headers = Sequence[tuple[str, bytes]]
@@ -46,6 +50,7 @@ class JobFactory:
         *,
         routing: Routing | None = None,
         others: Mapping[str, tuple[ModelInputs, LimitsConfig]] | None = None,
+        schemas: Schemas | None = None,
     ) -> None:
         """``inputs``: the request inputs of ``model`` (its name, which its jobs
         carry: ``Job.model``), which each request is checked against
@@ -53,12 +58,16 @@ class JobFactory:
         content-type header is read (``kafka.content_type``). Several models and
         pipelines: ``routing`` decides each request's answerer, and ``others``
         holds every other answerer's inputs and limits; a record is decoded
-        within the widest limits, then checked against its answerer's inputs."""
+        within the widest limits, then checked against its answerer's inputs.
+        ``schemas``: the Schema Registry's request schemas (``schema_registry``),
+        which a record in the registry's format (Avro) is read with."""
         self._max_age_ms = max_record_age_ms
         self._default_json = content_type == JSON
         self.model = model
         self._routing = routing or Routing.one(model)
         self._inputs = {model: inputs, **{n: i for n, (i, _) in (others or {}).items()}}
+        self.schemas = schemas
+        self._views = {name: _view(i) for name, i in self._inputs.items()} if schemas else {}
         every = [Limits.of(limits), *(Limits.of(x) for _, x in (others or {}).values())]
         self._codec_limits = Limits(
             max_record_bytes=max(x.max_record_bytes for x in every),
@@ -92,7 +101,11 @@ class JobFactory:
         failure: RecordError | None = None
         model = self._routing.owner(topic)  # a record failing before it names one: its topic's
         try:
-            if self._is_json(headers):
+            sid = schema_id(value) if value is not None and value[:1] == b"\x00" else None
+            if sid is not None:
+                wire = "avro"
+                request = self._avro(topic, value or b"", sid)
+            elif self._is_json(headers):
                 wire = "oip"
                 oip = decode_oip_request(value, self._codec_limits)
                 request, outputs_wanted = oip.request, oip.outputs
@@ -116,6 +129,22 @@ class JobFactory:
             timestamp_ms=timestamp_ms, wire=wire, outputs_wanted=outputs_wanted, trace=trace,
             model=model,
         )  # fmt: skip
+
+    def _avro(self, topic: str, value: bytes, sid: int) -> Request:
+        """A record in the Schema Registry's format, read with its schema (fetched
+        before: ``Schemas.ready``) as the model it names (or its topic's) takes it."""
+        if self.schemas is None:
+            raise UndecodableRecord(f"a Schema Registry record (schema id {sid}): this worker "
+                                    "has no schema_registry.url")  # fmt: skip
+        schema = self.schemas.get(sid)
+        record = schema.read(value)
+        named = record.get("model")
+        rid = record.get("id")
+        model = self._routing.answerer(
+            topic, named if isinstance(named, str) else None,
+            request_id=rid if isinstance(rid, str) else "", meta=None,
+        )  # fmt: skip
+        return request_of(record, schema, self._views[model])
 
     def _is_json(self, headers: Headers | None) -> bool:
         """A record's content-type header, else ``kafka.content_type``; a content
@@ -144,3 +173,11 @@ class JobFactory:
             if deadline is None or stale_at < deadline:
                 deadline, expiry = stale_at, "max_record_age"
         return deadline, expiry
+
+
+def _view(inputs: ModelInputs) -> InputsView:
+    """What an Avro request's fields become, by the answerer's inputs."""
+    images = frozenset(k.name for k in inputs.kinds if isinstance(k, BoundImage))
+    fixed = {k.name: (k.desc.dtype.name, k.desc.fixed_shape)
+             for k in inputs.kinds if isinstance(k, BoundTensor) and k.desc.fixed}
+    return InputsView(frozenset(k.name for k in inputs.kinds), images, fixed)

@@ -17,9 +17,9 @@ from tests.gpu.support import gpu_stage, make_jobs, queues, run_stage
 from tests.gpu.support import request_jobs as jobs
 from tests.models import cpu_stage
 from worker.compute.engines import load_engine
-from worker.compute.engines.cuda import cupy_for
 from worker.compute.gpu import twin
 from worker.compute.gpu.budget import DeviceShare
+from worker.compute.gpu.twin import cupy_for
 from worker.config import BatchingConfig, GpuConfig, LimitsConfig, ModelConfig
 from worker.config.model import PostprocessConfig, PreprocessConfig
 from worker.flow.errors import ConfigError

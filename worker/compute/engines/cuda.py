@@ -135,16 +135,6 @@ def import_cupy() -> Any:
     return cupy
 
 
-def cupy_for(backend: str) -> Any:
-    """The CuPy a GPU backend's stage runs on: CuPy with a device, or for
-    ``gpu-twin`` its CPU twin (``worker.compute.gpu.twin``)."""
-    if backend == "gpu-twin":
-        from worker.compute.gpu import twin
-
-        return twin.cupy()
-    return import_cupy()
-
-
 def gpu_name(device: int = 0) -> str:
     import cupy
 

@@ -258,3 +258,13 @@ def cupy() -> Any:
         if "cupy" not in _shared:
             _shared["cupy"] = make()
         return _shared["cupy"]
+
+
+def cupy_for(backend: str) -> Any:
+    """The CuPy a GPU backend's stage runs on: CuPy with a device, or for
+    ``gpu-twin`` the process's twin."""
+    if backend == "gpu-twin":
+        return cupy()
+    from worker.compute.engines.cuda import import_cupy
+
+    return import_cupy()

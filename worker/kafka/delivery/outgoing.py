@@ -21,6 +21,7 @@ from worker.contract import (
     Tensor,
     encode_result,
 )
+from worker.contract.avro import AvroResults
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
@@ -72,6 +73,9 @@ class OutRecord(msgspec.Struct):
 class Topics:
     output: str
     dlq: str
+    # The output topic's result schema in the Schema Registry (``schema_registry``):
+    # what an Avro request's answer is encoded with.
+    avro: AvroResults | None = None
 
 
 def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
@@ -148,14 +152,15 @@ def record_for(
         out.headers.extend(trace.headers())
     if out.size <= max_bytes:
         return out
-    return fallback(out, ErrorCode.TOO_LARGE, "record exceeds kafka.max_request_size", model)
+    return fallback(out, ErrorCode.TOO_LARGE, "record exceeds kafka.max_request_size", model,
+                    topics.avro)  # fmt: skip
 
 
 def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
     job = answer.job
     failure = job.failure
     ok = failure is None and answer.error is None and answer.outputs is not None
-    if ok and job.wire != "oip" and answer.partial is None:
+    if ok and job.wire == "msgpack" and answer.partial is None:
         # The common case, on the hot path: encoded straight from the output rows
         # and the job's partition and offset (no Source built per answer).
         assert answer.outputs is not None
@@ -188,13 +193,21 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
         job,
         topics.output,
         job.key,
-        encode_result(result),
+        _result_value(result, job, topics),
         [("id", result.id.encode())],
         result.status,
         seq,
         request_id=result.id,
         error=result.error,
     )
+
+
+def _result_value(result: Result, job: Job, topics: Topics) -> bytes:
+    """A result in the request's format: Avro with the output topic's registered
+    schema for an Avro request, else msgpack."""
+    if job.wire == "avro" and topics.avro is not None:
+        return topics.avro.encode(result)
+    return encode_result(result)
 
 
 def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
@@ -225,7 +238,10 @@ def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float)
                     request_id=request_id, error=error)  # fmt: skip
 
 
-def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) -> OutRecord:
+def fallback(
+    out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo,
+    avro: AvroResults | None = None,
+) -> OutRecord:  # fmt: skip
     """A small record for what could not be produced as it is (too large for
     the producer, or refused for good by the broker): results become a ``code``
     error result without outputs or meta; DLQ records keep their headers but not
@@ -260,7 +276,7 @@ def fallback(out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo) 
         job,
         out.topic,
         out.key,
-        encode_result(result),
+        _result_value(result, job, Topics(out.topic, "", avro)),
         [("id", out.request_id.encode()), *trace],
         "error",
         out.seq,

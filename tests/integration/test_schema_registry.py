@@ -1,0 +1,184 @@
+"""Requests and results in the Schema Registry's Avro format (issue 67), with a
+real registry (Apicurio's, ``devkit.schema_registry``) and on both brokers.
+
+A client that is not ours does what a user's code would: confluent-kafka's
+``SchemaRegistryClient`` and ``AvroSerializer`` register the request schema and
+write the requests; its ``AvroDeserializer`` reads the worker's results with the
+schema the worker registered. Every answer equals the model run alone on that
+request: a two-input tensor model (arrays of floats and longs), the digits
+model (PNG files as bytes, named by the request on the shared topic). The
+request schema evolves while the worker runs (a field added with a default: v2
+is read without a restart); a record naming a schema id the registry does not
+have goes to the DLQ with the reason; msgpack requests on the same topic are
+answered in msgpack as ever."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from devkit.schema_registry import SchemaRegistryServer
+from tests.onnx_models import ranker, run_alone
+from tests.serving import wire
+from worker.config import ModelConfig
+from worker.contract import Tensor
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import spawn_worker
+from worker.ops.samples import Sample, labelled_samples
+from worker.ops.topics import Collector, produce_all
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("onnx")
+sr = pytest.importorskip("confluent_kafka.schema_registry")
+avro = pytest.importorskip("confluent_kafka.schema_registry.avro")
+serialization = pytest.importorskip("confluent_kafka.serialization")
+
+RANK_V1: dict[str, Any] = {
+    "type": "record", "name": "RankRequest", "namespace": "shop", "fields": [
+        {"name": "id", "type": "string"},
+        {"name": "features", "type": {"type": "array", "items": "float"}},
+        {"name": "ids", "type": {"type": "array", "items": "long"}},
+        {"name": "meta", "type": ["null", {"type": "map", "values": "string"}],
+         "default": None},
+    ],
+}  # fmt: skip
+# v2: a field added with a default, for another reader of the topic.
+RANK_V2 = {**RANK_V1, "fields": [*RANK_V1["fields"],
+                                  {"name": "channel", "type": "string", "default": "web"}]}
+DIGITS: dict[str, Any] = {
+    "type": "record", "name": "DigitRequest", "namespace": "shop", "fields": [
+        {"name": "id", "type": "string"},
+        {"name": "model", "type": ["null", "string"], "default": None},
+        {"name": "image", "type": "bytes"},
+    ],
+}  # fmt: skip
+
+CONFIG = """
+[schema_registry]
+url = "{url}"
+[model]
+path = "{ranker}"
+[models.digits]
+path = "builtin:digits"
+"""
+
+
+def _serializer(client: Any, schema: dict[str, Any]) -> Any:
+    import json
+
+    return avro.AvroSerializer(client, json.dumps(schema), conf={"auto.register.schemas": True})
+
+
+def _digits_alone(samples: list[Sample]) -> list[int]:
+    """The bundled digits model's top class of each sample, run directly."""
+    from worker.compute.engines import load_engine
+    from worker.model.inputs.image import resolve
+    from worker.model.preprocess import preprocess
+
+    cfg = ModelConfig()
+    engine = load_engine(cfg)
+    desc = engine.info.io.inputs[0]
+    batch = preprocess([s.image for s in samples], resolve(cfg.preprocess, desc))
+    logits = engine.run({desc.name: batch})[engine.info.output_names[0]]
+    engine.close()
+    return [int(i) for i in np.asarray(logits).argmax(axis=1)]
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image[:, :, 0]).save(out, format="PNG")
+    return out.getvalue()
+
+
+async def test_avro_requests_answered_in_avro_beside_msgpack(
+    broker: Broker, names: dict[str, str], tmp_path: Path, schema_registry: SchemaRegistryServer
+) -> None:
+    rank_path = ranker(tmp_path / "ranker.onnx")
+    config = tmp_path / "worker.toml"
+    config.write_text(CONFIG.format(url=schema_registry.url, ranker=rank_path))
+    topic, results_topic = names["requests"], names["results"]
+    await create_topics(broker.bootstrap, {topic: 2, results_topic: 1, names["dlq"]: 1})
+    client = sr.SchemaRegistryClient({"url": schema_registry.url})
+    context = serialization.SerializationContext(topic, serialization.MessageField.VALUE)
+    rng = np.random.default_rng(67)
+    ranked = {f"r-{i}": (rng.normal(size=4).astype(np.float32),
+                         rng.integers(1, 50, int(rng.integers(1, 9))).astype(np.int64))
+              for i in range(30)}  # fmt: skip
+    samples = labelled_samples(1)[:20]
+    records: list[tuple[bytes, bytes]] = []
+    for version, schema in ((0, RANK_V1), (1, RANK_V2)):
+        serialize = _serializer(client, schema)
+        for rid, (features, ids) in list(ranked.items())[version * 20 : 20 + version * 10]:
+            value = {"id": rid, "features": features.tolist(), "ids": ids.tolist(),
+                     "meta": {"shop": "7"}}  # fmt: skip
+            records.append((rid.encode(), serialize(value, context)))
+    digits = _serializer(sr.SchemaRegistryClient({"url": schema_registry.url}), DIGITS)
+    # Another subject on the same topic (record name strategy in a user's producer is
+    # theirs to choose; here the topic's subject holds the ranker's, so register apart).
+    digits_context = serialization.SerializationContext(f"{topic}.digits",
+                                                        serialization.MessageField.VALUE)
+    for s in samples:
+        value = {"id": f"d-{s.id}", "model": "digits", "image": _png(s.image)}
+        records.append((f"d-{s.id}".encode(), digits(value, digits_context)))
+    unknown = b"\x00" + (987_654).to_bytes(4, "big") + b"\x02\x04ab"
+    records.append((b"unknown", unknown))
+    features, ids = ranked["r-0"]
+    records.append((b"m-0", wire("m-0", {"features": Tensor.from_numpy(features),
+                                         "ids": Tensor.from_numpy(ids)})))  # fmt: skip
+    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=results_topic,
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)))  # fmt: skip
+    c = Collector(broker.bootstrap, [results_topic, names["dlq"]])
+    total = len(records)
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0, "assignment"
+        )
+        await produce_all(broker.bootstrap, topic, records)
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= total, 90.0), w.log_tail()
+    finally:
+        await c.stop()
+        assert w.terminate() == 0, w.log_tail()
+    dlq = c.records.get(names["dlq"], [])
+    assert [r.record_key for r in dlq] == [b"unknown"]
+    reason = dlq[0].headers["error.message"].decode()
+    assert "schema id 987654 is not in the schema registry" in reason, reason
+    assert dlq[0].value == unknown  # the request's bytes, as sent
+    read = avro.AvroDeserializer(sr.SchemaRegistryClient({"url": schema_registry.url}))
+    out_context = serialization.SerializationContext(results_topic,
+                                                     serialization.MessageField.VALUE)
+    answers: dict[str, dict[str, Any]] = {}
+    for r in c.records[results_topic]:
+        if r.record_key == b"m-0":
+            msgpack = r.result()  # the msgpack request: answered in msgpack
+            np.testing.assert_allclose(msgpack.outputs["score"].to_numpy(),
+                                       run_alone(rank_path, {"features": features,
+                                                             "ids": ids})["score"], rtol=1e-6)
+            continue
+        assert r.value[:1] == b"\x00", r.value[:20]
+        answer = read(r.value, out_context)
+        answers[answer["id"]] = answer
+    assert len(answers) == len(ranked) + len(samples)
+    for rid, (features, ids) in ranked.items():
+        got = answers[rid]
+        assert (got["status"], got["model"]["name"], got["error"]) == ("ok", "ranker", None)
+        assert got["meta"] == {"shop": "7"}
+        alone = run_alone(rank_path, {"features": features, "ids": ids})
+        assert got["score"]["shape"] == [1]
+        np.testing.assert_allclose(got["score"]["values"], alone["score"], rtol=1e-6)
+        np.testing.assert_allclose(got["token_scores"]["values"], alone["token_scores"],
+                                   rtol=1e-6)  # fmt: skip
+        assert got["topk_indices"] is None  # the digits model's outputs: not this answer's
+    want = _digits_alone(samples)
+    for s, label in zip(samples, want, strict=True):
+        got = answers[f"d-{s.id}"]
+        assert (got["status"], got["model"]["name"]) == ("ok", "digits"), got["error"]
+        assert got["topk_indices"]["values"][0] == label

@@ -1,0 +1,156 @@
+"""The Schema Registry (``[schema_registry]``): its HTTP API, the request schemas
+by id, and the result schema registered at start-up.
+
+Confluent's REST API, which Apicurio Registry also serves (``/apis/ccompat/v7``):
+``GET /schemas/ids/{id}`` and ``POST /subjects/{subject}/versions``. Calls run
+on a thread (the standard library's HTTP client: two calls, no dependency),
+with basic auth and TLS as configured; the password is never logged.
+
+Request schemas are fetched once per id, before the record is made a job
+(``Schemas.ready``, awaited by the consumer), so the intake reads them from
+memory. A schema the registry does not have is an answer at once: the record
+goes to the DLQ naming the id. A registry that cannot be reached is asked again
+with backoff for ``lookup_timeout_ms``, the partition's records waiting (the
+ones already known keep flowing where no unknown id comes before them); then the
+record goes to the DLQ with the reason, and the next record with that id asks
+again. Nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any, Final
+from urllib.parse import quote
+
+import structlog
+
+from worker.config import SchemaRegistryConfig
+from worker.contract.avro import WriterSchema, schema_id
+from worker.flow.backoff import Backoff
+from worker.flow.errors import UndecodableRecord
+
+log = structlog.get_logger(__name__)
+
+CONTENT_TYPE: Final = "application/vnd.schemaregistry.v1+json"
+
+
+class NotFound(Exception):
+    """The registry answered: it has no such schema."""
+
+
+class Unreachable(Exception):
+    """No answer from the registry that serves the call (connection, timeout, a
+    refusal: 401, 403, 409, a 5xx)."""
+
+
+class SchemaRegistry:
+    """Blocking calls to the registry: run them on a thread."""
+
+    def __init__(self, cfg: SchemaRegistryConfig) -> None:
+        self._base = cfg.url.rstrip("/")
+        self._timeout = cfg.request_timeout_ms / 1000.0
+        self._headers = {"Accept": CONTENT_TYPE, "Content-Type": CONTENT_TYPE}
+        if cfg.username:
+            secret = cfg.password.reveal() if cfg.password is not None else ""
+            token = base64.b64encode(f"{cfg.username}:{secret}".encode()).decode()
+            self._headers["Authorization"] = f"Basic {token}"
+        self._tls = (
+            ssl.create_default_context(cafile=cfg.ca_file or None)
+            if self._base.startswith("https://")
+            else None
+        )
+
+    def schema(self, sid: int) -> tuple[str, str]:
+        """Schema ``sid``'s type (AVRO, PROTOBUF, JSON) and text."""
+        body = self._call("GET", f"/schemas/ids/{sid}")
+        return str(body.get("schemaType") or "AVRO"), str(body["schema"])
+
+    def register(self, subject: str, schema: Mapping[str, Any]) -> int:
+        """Register an Avro schema under ``subject`` (the id it already has, if any)."""
+        payload = {"schema": json.dumps(schema, separators=(",", ":")), "schemaType": "AVRO"}
+        body = self._call("POST", f"/subjects/{quote(subject, safe='')}/versions", payload)
+        return int(body["id"])
+
+    def _call(self, method: str, path: str, payload: object | None = None) -> dict[str, Any]:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self._base + path, data=data, method=method,
+                                     headers=self._headers)  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout, context=self._tls) as resp:
+                body = json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            text = exc.read()[:300].decode("utf-8", "replace")
+            if exc.code == 404:
+                raise NotFound(f"{method} {path}: 404 {text}") from exc
+            # Refused (401, 403, 409, ...) or failing: the caller decides what it means.
+            raise Unreachable(f"{method} {path}: {exc.code} {text}") from exc
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, not JSON
+            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(body, dict):
+            raise Unreachable(f"{method} {path}: the answer is not a JSON object")
+        return body
+
+
+class Schemas:
+    """Request schemas by id: fetched once (``ready``), read by the intake (``get``)."""
+
+    def __init__(self, registry: SchemaRegistry, lookup_timeout_s: float) -> None:
+        self._registry = registry
+        self._lookup_timeout_s = lookup_timeout_s
+        self._known: dict[int, WriterSchema] = {}
+        self._refused: dict[int, str] = {}  # ids the registry answered for: why not
+        self._failed: dict[int, str] = {}  # ids not reached this time: why (asked again)
+
+    async def ready(self, value: bytes | None) -> None:
+        """Before ``value`` is made a job: its schema fetched if it names one not
+        seen yet (returns at once for every other record)."""
+        sid = schema_id(value) if value else None
+        if sid is None or sid in self._known or sid in self._refused:
+            return
+        self._failed.pop(sid, None)
+        await self._fetch(sid)
+
+    def get(self, sid: int) -> WriterSchema:
+        """The schema of a record ``ready`` has seen; ``UndecodableRecord`` (the
+        DLQ, with the reason) when there is none."""
+        found = self._known.get(sid)
+        if found is not None:
+            return found
+        reason = self._refused.get(sid) or self._failed.pop(sid, None)
+        raise UndecodableRecord(reason or f"schema id {sid}: not looked up")
+
+    async def _fetch(self, sid: int) -> None:
+        backoff = Backoff(0.1, cap=5.0)
+        started = time.monotonic()
+        while True:
+            try:
+                kind, text = await asyncio.to_thread(self._registry.schema, sid)
+                break
+            except NotFound:
+                self._refused[sid] = f"schema id {sid} is not in the schema registry"
+                return
+            except Unreachable as exc:
+                waited = time.monotonic() - started
+                if waited >= self._lookup_timeout_s:
+                    self._failed[sid] = (f"schema id {sid}: the schema registry did not answer "
+                                         f"for {waited:.0f}s ({exc})")  # fmt: skip
+                    log.error("schema_registry_unreachable", schema_id=sid, error=str(exc))
+                    return
+                log.warning("schema_registry_retry", schema_id=sid, error=str(exc))
+                await asyncio.sleep(backoff.next())
+        if kind != "AVRO":
+            self._refused[sid] = f"schema id {sid} is {kind}: the worker reads Avro"
+            return
+        try:
+            self._known[sid] = WriterSchema.of(sid, text)
+        except ValueError as exc:
+            self._refused[sid] = str(exc)
+            return
+        log.info("schema_registered_seen", schema_id=sid)
