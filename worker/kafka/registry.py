@@ -137,14 +137,15 @@ class Schemas:
                 self._refused[sid] = f"schema id {sid} is not in the schema registry"
                 return
             except Unreachable as exc:
-                waited = time.monotonic() - started
-                if waited >= self._lookup_timeout_s:
+                left = self._lookup_timeout_s - (time.monotonic() - started)
+                if left <= 0:
                     self._failed[sid] = (f"schema id {sid}: the schema registry did not answer "
-                                         f"for {waited:.0f}s ({exc})")  # fmt: skip
+                                         f"for {self._lookup_timeout_s:.0f}s ({exc})")  # fmt: skip
                     log.error("schema_registry_unreachable", schema_id=sid, error=str(exc))
                     return
                 log.warning("schema_registry_retry", schema_id=sid, error=str(exc))
-                await asyncio.sleep(backoff.next())
+                # Never past the lookup time: the last try comes as it ends.
+                await asyncio.sleep(min(backoff.next(), left))
         if kind != "AVRO":
             self._refused[sid] = f"schema id {sid} is {kind}: the worker reads Avro"
             return
