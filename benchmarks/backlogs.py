@@ -5,6 +5,7 @@ not shipped."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,3 +72,67 @@ def payload(
         "INFER_WORKER_MODEL__INPUTS__IDS__MAX_LENGTH": "128",
     }
     return records, env
+
+
+def avro_backlog(
+    records: list[tuple[bytes | None, bytes]], registry_url: str, subject: str
+) -> list[tuple[bytes | None, bytes]]:
+    """The same requests in the Schema Registry's Avro format: tensors as flat arrays
+    of their item type (the model input's shape), texts as strings; the schema
+    registered under ``subject``. Tensors and texts only (an image's pixels have no
+    Avro form the worker reads as pixels)."""
+    import io
+
+    import fastavro
+
+    from worker.config import SchemaRegistryConfig
+    from worker.contract import decode_request
+    from worker.kafka.registry import SchemaRegistry
+
+    items = {"float32": "float", "float64": "double", "int32": "int", "int64": "long"}
+    first = decode_request(records[0][1])
+    fields: list[dict[str, object]] = [{"name": "id", "type": "string"}]
+    for name, value in first.inputs.items():
+        if isinstance(value, str):
+            fields.append({"name": name, "type": "string"})
+        elif isinstance(value, Tensor) and value.dtype in items:
+            fields.append({"name": name, "type": {"type": "array", "items": items[value.dtype]}})
+        else:
+            raise SystemExit(f"--avro: input {name!r} has no Avro form here (tensors, texts)")
+    schema = {"type": "record", "name": "DrainRequest", "fields": fields}
+    sid = SchemaRegistry(SchemaRegistryConfig(url=registry_url)).register(subject, schema)
+    parsed = fastavro.parse_schema(schema)
+    out: list[tuple[bytes | None, bytes]] = []
+    for key, value in records:
+        request = decode_request(value)
+        record: dict[str, object] = {"id": request.id}
+        for name, given in request.inputs.items():
+            flat = given if isinstance(given, str) else given.to_numpy().reshape(-1).tolist()
+            record[name] = flat
+        buf = io.BytesIO()
+        buf.write(b"\x00" + sid.to_bytes(4, "big"))
+        fastavro.schemaless_writer(buf, parsed, record)
+        out.append((key, buf.getvalue()))
+    return out
+
+
+def avro_status(registry_url: str) -> Callable[[bytes], str]:
+    """A result's status read from its Avro bytes, with the schema of its id."""
+    import io
+    import json
+
+    import fastavro
+
+    from worker.config import SchemaRegistryConfig
+    from worker.kafka.registry import SchemaRegistry
+
+    registry = SchemaRegistry(SchemaRegistryConfig(url=registry_url))
+    parsed: dict[int, object] = {}
+
+    def status(value: bytes) -> str:
+        sid = int.from_bytes(value[1:5], "big")
+        if sid not in parsed:
+            parsed[sid] = fastavro.parse_schema(json.loads(registry.schema(sid)[1]))
+        return str(fastavro.schemaless_reader(io.BytesIO(value[5:]), parsed[sid], None)["status"])
+
+    return status

@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.drain --records 30000 [--repeat 3] [--peers ...]
         [--json out.json]
     .venv/bin/python -m benchmarks.drain --payload text|tensor --peers   # the other input kinds
+    .venv/bin/python -m benchmarks.drain --payload tensor --avro   # Avro beside msgpack
 
 Starts the embedded broker, produces a backlog over ``--partitions`` and drains
 the same records several times, one after the other, on the same machine. The
@@ -42,21 +43,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.backlogs import otlp_sink, payload
+from benchmarks.backlogs import avro_backlog, avro_status, otlp_sink, payload
 from benchmarks.cpu import CpuWindow
 from benchmarks.peers import NAMES as PEERS
 from benchmarks.peers import argv as peer_argv
 from benchmarks.peers import package_argv
 from devkit.apache_kafka import KafkaCluster
 from devkit.kafka_security import grant_everything, listener_variants, secured_cluster
+from devkit.schema_registry import SchemaRegistryServer
 from worker.bench.ceiling import Drain, arrivals_after, drain_ceiling
 from worker.contract import decode_request
 from worker.contract.oip_client import encode_oip_request
@@ -78,7 +82,9 @@ async def drain_worker(
     procs: int = 1,
     peer: str | None = None,
     isolation_level: str = "read_uncommitted",
+    status: Callable[[bytes], str] | None = None,
 ) -> Drain:
+    """``status``: reads a result's status (default: a msgpack or JSON result's)."""
     collector = Collector(bootstrap, [topics["results"]], isolation_level=isolation_level)
     await collector.start()
     worker = spawn_worker(
@@ -112,7 +118,8 @@ async def drain_worker(
         worker.kill()
         await collector.stop()
     results = collector.records[topics["results"]]
-    bad = [r for r in results if r.result().status != "ok"]
+    bad = [r for r in results
+           if (status(r.value) if status else r.result().status) != "ok"]  # fmt: skip
     if bad or exit_code != 0:
         raise RuntimeError(f"{len(bad)} results not ok, worker exit {exit_code}")
     times = [r.received_at for r in results]
@@ -158,6 +165,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     names += list(variants)
     if args.oip:
         names.append("worker-oip")
+    if args.avro:
+        names.append("worker-avro")
     runs: dict[str, list[Drain]] = {name: [] for name in names}
     env = {**payload_env, **dict(item.split("=", 1) for item in args.env)}
     sink = (
@@ -177,7 +186,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         if args.broker == "embedded"
         else KafkaCluster(1)
     )
-    with broker:
+    registry = SchemaRegistryServer().start() if args.avro else None
+    with broker, contextlib.ExitStack() as stack:
+        if registry is not None:
+            stack.callback(registry.stop)
         if secured:  # the listeners' ports are known once the cluster started
             await grant_everything(broker.bootstrap, "User:worker")
             variants.update(listener_variants(secured[0], secured[1], _BENCH_PASSWORD))
@@ -186,6 +198,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             oip = [(k, encode_oip_request(decode_request(v))) for k, v in records]
             await create_topics(broker.bootstrap, {"drain.requests.oip": args.partitions})
             await produce_all(broker.bootstrap, "drain.requests.oip", oip,
+                              partition_of=lambda i: i % args.partitions)  # fmt: skip
+        if registry is not None:  # the same requests in Avro
+            avro = avro_backlog(records, registry.url, "drain.requests.avro-value")
+            await create_topics(broker.bootstrap, {"drain.requests.avro": args.partitions})
+            await produce_all(broker.bootstrap, "drain.requests.avro", avro,
                               partition_of=lambda i: i % args.partitions)  # fmt: skip
         await create_topics(
             broker.bootstrap,
@@ -213,12 +230,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     if name == "worker-oip":
                         drained = {**topics, "requests": "drain.requests.oip"}
                         extra = {"INFER_WORKER_KAFKA__CONTENT_TYPE": "application/json"}
+                    if name == "worker-avro" and registry is not None:
+                        drained = {**topics, "requests": "drain.requests.avro"}
+                        extra = {"INFER_WORKER_SCHEMA_REGISTRY__URL": registry.url}
                     d = await drain_worker(
                         broker.bootstrap, drained, len(records), f"{name}{i}", {**env, **extra},
                         baseline_path if name == "baseline" else None,
                         1 if name == "baseline" else args.procs,
                         name if name in args.peers else None,
                         isolation,
+                        avro_status(registry.url)
+                        if name == "worker-avro" and registry is not None else None,
                     )  # fmt: skip
                     d.name = name
                 runs[name].append(d)
@@ -228,7 +250,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                          f"{d.host_busy:.0%} busy)" if name != "ceiling" else ")"),
                       file=sys.stderr, flush=True)  # fmt: skip
     ratios = [w.rate / c.rate for w, c in zip(runs["worker"], runs["ceiling"], strict=True)]
-    others = [*variants, *(["worker-oip"] if args.oip else [])]
+    others = [*variants, *(["worker-oip"] if args.oip else []),
+              *(["worker-avro"] if args.avro else [])]  # fmt: skip
     summary: dict[str, object] = {
         "broker": args.broker,
         "payload": args.payload,
@@ -329,6 +352,12 @@ def main() -> int:
         "--oip",
         action="store_true",
         help="also drain the same requests as Open Inference Protocol JSON (worker-oip)",
+    )
+    parser.add_argument(
+        "--avro",
+        action="store_true",
+        help="also drain the same requests in Avro, the Schema Registry's format, with a "
+        "real registry (worker-avro; --payload tensor or text)",
     )
     parser.add_argument(
         "--variant",

@@ -22,13 +22,14 @@ A request record's fields, by name:
   ``string`` a text. A null leaves the input out.
 
 A result is the record ``RESULT`` (``result_schema``): ``v``, ``id``,
-``status``, ``model``, ``error``, ``source``, ``timing_us``, ``meta``, and one
-field per output the worker can answer with (``{shape, values}``, nullable,
-null where the answer has no such output).
+``status``, ``model``, ``error``, ``source``, ``timing_us``, ``meta``,
+``partial``, and one field per output the worker can answer with (``{shape,
+values}``, nullable, null where the answer has no such output).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -49,6 +50,7 @@ RESERVED: Final = (
 _ITEM_DTYPES: Final = {
     "float": "float32", "double": "float64", "int": "int32", "long": "int64", "boolean": "bool",
 }  # fmt: skip
+_WIRE: Final = {name: np.dtype(name).newbyteorder("<") for name in _ITEM_DTYPES.values()}
 # A dtype's Avro item type in results (wider where Avro has no narrower one).
 _AVRO_OF: Final = {
     "float32": "float", "float16": "float", "float64": "double", "int64": "long",
@@ -195,13 +197,16 @@ def _input(name: str, value: Any, field: _Field, shape: Any, takes: InputsView) 
         dtype, row = fixed
         return Tensor(dtype, row, value)  # its size is checked against the shape here
     if isinstance(value, list):
-        arr = np.asarray(value, dtype=field.dtype or None)
+        if not field.dtype:  # an array of no numeric item type
+            return Tensor.from_numpy(np.asarray(value))
+        # Straight into wire form (little-endian, C order): no dtype look-ups per record.
+        arr = np.array(value, dtype=_WIRE[field.dtype])
         if shape is not None:
             arr = arr.reshape([int(d) for d in shape])
         elif (arr.ndim == 1 and not field.nested and fixed is not None
               and len(fixed[1]) != 1 and arr.size == int(np.prod(fixed[1]))):  # fmt: skip
             arr = arr.reshape(fixed[1])
-        return Tensor.from_numpy(np.ascontiguousarray(arr))
+        return Tensor(field.dtype, arr.shape, arr.tobytes())
     raise ValueError(f"an Avro {type(value).__name__} is not a model input")
 
 
@@ -210,6 +215,7 @@ def _input(name: str, value: Any, field: _Field, shape: Any, takes: InputsView) 
 OutputDesc = tuple[str, tuple[Any, ...]] | None  # an output's dtype and shape, if declared
 
 
+@functools.lru_cache(maxsize=1024)
 def field_name(output: str) -> str:
     """An output's field: its name where Avro takes it, else with ``_`` for each
     character it does not."""
@@ -237,6 +243,14 @@ def result_schema(
             {"name": "offset", "type": "long"}]}},
         {"name": "timing_us", "type": {"type": "map", "values": "long"}},
         {"name": "meta", "type": ["null", {"type": "map", "values": "string"}], "default": None},
+        # A pipeline's answer without every step (the v1 contract's optional partial).
+        {"name": "partial", "type": ["null", {"type": "record", "name": "Partial", "fields": [
+            {"name": "skipped", "type": {"type": "array", "items": "string"}, "default": []},
+            {"name": "failed", "type": {"type": "array", "items": {
+                "type": "record", "name": "Failed", "fields": [
+                    {"name": "step", "type": "string"}, {"name": "code", "type": "string"},
+                    {"name": "message", "type": "string"}]}}, "default": []}]}],
+         "default": None},
     ]  # fmt: skip
     taken = {f["name"] for f in fields}
     for output, desc in sorted(outputs.items()):
@@ -263,37 +277,52 @@ class AvroResults:
         self.schema_id = registered_id
         self._parsed = _fastavro().parse_schema(dict(schema))
         self._header = MAGIC + registered_id.to_bytes(4, "big")
-        self._typed: dict[str, bool] = {}
-        self._fields: dict[str, str] = {}
+        prefix = f"{schema['namespace']}." if schema.get("namespace") else ""
+        self._error, self._partial = f"{prefix}Error", f"{prefix}Partial"
+        # Each output field's record: its full name (the union's branch, named when
+        # written: fastavro then need not try each branch against the value), and
+        # whether it carries typed values.
+        self._outputs: dict[str, tuple[str, bool]] = {}
+        namespace = schema.get("namespace", "")
         for f in schema["fields"]:
             branch = f["type"][1] if isinstance(f["type"], list) else None
             if isinstance(branch, dict) and branch.get("name", "").startswith("Output_"):
-                self._typed[f["name"]] = any(x["name"] == "values" for x in branch["fields"])
+                typed = any(x["name"] == "values" for x in branch["fields"])
+                full = f"{namespace}.{branch['name']}" if namespace else branch["name"]
+                self._outputs[f["name"]] = (full, typed)
 
-    def encode(self, result: Result) -> bytes:
+    def encode(self, result: Result, arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
+        """``result`` in Avro; ``arrays``: its outputs as the stage gave them, instead
+        of ``result.outputs`` (no wire tensor made for an answer sent in Avro)."""
         record: dict[str, Any] = {
             "v": result.v, "id": result.id, "status": result.status,
             "model": {"name": result.model.name, "version": result.model.version},
             "error": None if result.error is None
-            else {"code": result.error.code, "message": result.error.message},
+            else (self._error, {"code": result.error.code, "message": result.error.message}),
             "source": {"topic": result.source.topic, "partition": result.source.partition,
                        "offset": result.source.offset},
             "timing_us": dict(result.timing_us),
             "meta": None if result.meta is None
             else {str(k): str(v) for k, v in result.meta.items()},
+            "partial": None if result.partial is None
+            else (self._partial, {"skipped": list(result.partial.get("skipped", [])),
+                                  "failed": list(result.partial.get("failed", []))}),
         }  # fmt: skip
-        for output, tensor in result.outputs.items():
+        outputs: Mapping[str, Any] = result.outputs if arrays is None else arrays
+        for output, given in outputs.items():
             key = field_name(output)
-            typed = self._typed.get(key)
-            if typed is None:
+            named = self._outputs.get(key)
+            if named is None:
                 continue  # an output the schema does not name: not sent
-            arr = tensor.to_numpy()
+            tensor = given if isinstance(given, Tensor) else None
+            arr = tensor.to_numpy() if tensor is not None else np.asarray(given)
             value: dict[str, Any] = {"shape": list(arr.shape)}
-            if typed:
+            if named[1]:
                 value["values"] = arr.reshape(-1).tolist()
             else:
+                tensor = tensor or Tensor.from_numpy(arr)
                 value["dtype"], value["data"] = tensor.dtype, tensor.data
-            record[key] = value
+            record[key] = (named[0], value)
         out = io.BytesIO()
         out.write(self._header)
         _fastavro().schemaless_writer(out, self._parsed, record)

@@ -306,8 +306,8 @@ class Consumer:
         try:
             schemas = self._make_job.schemas
             for record in records[redelivered:]:
-                if schemas is not None:  # a new schema id: fetched before the record is read
-                    await schemas.ready(record.value)
+                if schemas is not None and schemas.unseen(record.value):
+                    await schemas.ready(record.value)  # fetched before the record is read
                 if self._stopping.is_set():
                     return
                 if stamp < self._revoked_at:

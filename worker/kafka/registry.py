@@ -108,6 +108,14 @@ class Schemas:
         self._refused: dict[int, str] = {}  # ids the registry answered for: why not
         self._failed: dict[int, str] = {}  # ids not reached this time: why (asked again)
 
+    def unseen(self, value: bytes | None) -> bool:
+        """Whether ``value`` names a schema id not looked up yet (cheap: no
+        coroutine per record for the common case)."""
+        if not value or value[:1] != b"\x00":
+            return False
+        sid = schema_id(value)
+        return sid is not None and sid not in self._known and sid not in self._refused
+
     async def ready(self, value: bytes | None) -> None:
         """Before ``value`` is made a job: its schema fetched if it names one not
         seen yet (returns at once for every other record)."""

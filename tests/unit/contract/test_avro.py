@@ -138,6 +138,13 @@ def test_results_encode_to_the_schema_made_from_the_outputs() -> None:
     assert back[field_name("odd-name")] == {"shape": [1, 2], "dtype": "uint8", "data": b"\x01\x02"}
     assert (back["id"], back["status"], back["meta"], back["error"]) == ("r1", "ok", {"k": "v"},
                                                                          None)  # fmt: skip
+    partial = Result(id="r2", status="ok", source=Source("in", 0, 1), model=ModelInfo("p", "1"),
+                     partial={"skipped": ["rank"], "failed": [
+                         {"step": "check", "code": "inference_failed", "message": "no"}]})
+    back = fastavro.schemaless_reader(io.BytesIO(results.encode(partial)[5:]),
+                                      fastavro.parse_schema(schema), None)  # fmt: skip
+    assert back["partial"] == {"skipped": ["rank"], "failed": [
+        {"step": "check", "code": "inference_failed", "message": "no"}]}  # fmt: skip
     with pytest.raises(ValueError, match="is taken"):
         result_schema("R", "n", {"a-b": None, "a_b": None})
 

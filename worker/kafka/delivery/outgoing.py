@@ -106,8 +106,11 @@ def _timing(answer: Answer, now: float) -> dict[str, int]:
     return timing
 
 
-def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
-    """The wire result for one answer (never for a DLQ-bound record)."""
+def build_result(
+    answer: Answer, model: ModelInfo, now: float, tensors: bool = True
+) -> Result:
+    """The wire result for one answer (never for a DLQ-bound record); ``tensors``:
+    its outputs as wire tensors (not where they are encoded from the arrays)."""
     job = answer.job
     timing = _timing(answer, now)
     request_id, meta = _echo(job)
@@ -116,7 +119,7 @@ def build_result(answer: Answer, model: ModelInfo, now: float) -> Result:
     if failure is not None:
         error = ErrorInfo.from_error(failure)  # contract code, message length capped
     outputs = {}
-    if error is None:
+    if error is None and tensors:
         assert answer.outputs is not None
         outputs = {name: Tensor.from_numpy(arr) for name, arr in answer.outputs.items()}
     return Result(
@@ -188,12 +191,14 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
         return OutRecord(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
     if job.wire == "oip":
         return _oip(answer, model, topics, seq, now)
-    result = build_result(answer, model, now)
+    avro = topics.avro if job.wire == "avro" else None
+    result = build_result(answer, model, now, tensors=avro is None)
     return OutRecord(
         job,
         topics.output,
         job.key,
-        _result_value(result, job, topics),
+        avro.encode(result, answer.outputs if ok else None) if avro is not None
+        else encode_result(result),
         [("id", result.id.encode())],
         result.status,
         seq,
