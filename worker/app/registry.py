@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import structlog
 
 from worker.config import Settings
-from worker.contract.avro import AvroResults, OutputDesc, result_schema
+from worker.contract.avro import AvroResults, result_schema
+from worker.contract.registered import OutputDesc
 from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.registry import NotFound, SchemaRegistry, Schemas, Unreachable
 

@@ -14,9 +14,9 @@ from typing import Any
 from worker.config import LimitsConfig
 from worker.config.models import Routing
 from worker.contract import Limits, decode_request
-from worker.contract.avro import InputsView, request_of, schema_id
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
+from worker.contract.registered import InputsView, request_of, schema_id
 from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request

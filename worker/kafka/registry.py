@@ -32,7 +32,8 @@ from urllib.parse import quote
 import structlog
 
 from worker.config import SchemaRegistryConfig
-from worker.contract.avro import WriterSchema, schema_id
+from worker.contract.avro import WriterSchema
+from worker.contract.registered import schema_id
 from worker.flow.backoff import Backoff
 from worker.flow.errors import UndecodableRecord
 

@@ -18,15 +18,8 @@ import numpy as np
 import pytest
 
 from worker.config import SchemaRegistryConfig
-from worker.contract.avro import (
-    AvroResults,
-    InputsView,
-    WriterSchema,
-    field_name,
-    request_of,
-    result_schema,
-    schema_id,
-)
+from worker.contract.avro import AvroResults, WriterSchema, result_schema
+from worker.contract.registered import InputsView, field_name, request_of, schema_id
 from worker.flow.errors import ConfigError, InvalidRequest, UndecodableRecord
 from worker.flow.values import EncodedImage, ModelInfo, Result, Source, Tensor
 from worker.kafka.registry import SchemaRegistry, Schemas
