@@ -10,6 +10,7 @@ import io
 import json
 from pathlib import Path
 
+import fastavro
 import numpy as np
 import pytest
 
@@ -25,7 +26,6 @@ from .conftest import FAST_GROUP, no_crash_in_log, reads_more
 
 pytestmark = pytest.mark.faults
 pytest.importorskip("onnx")
-fastavro = pytest.importorskip("fastavro")
 
 PARTS, N = 2, 1200
 SCHEMA = {

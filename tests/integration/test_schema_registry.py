@@ -19,8 +19,12 @@ import io
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka.schema_registry as sr
 import numpy as np
 import pytest
+from confluent_kafka import serialization
+from confluent_kafka.schema_registry import avro
+from confluent_kafka.schema_registry import json_schema as js
 
 from devkit.schema_registry import SchemaRegistryServer
 from tests.onnx_models import ranker, run_alone
@@ -34,9 +38,6 @@ from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
-sr = pytest.importorskip("confluent_kafka.schema_registry")
-avro = pytest.importorskip("confluent_kafka.schema_registry.avro")
-serialization = pytest.importorskip("confluent_kafka.serialization")
 
 RANK_V1: dict[str, Any] = {
     "type": "record", "name": "RankRequest", "namespace": "shop", "fields": [
@@ -182,3 +183,82 @@ async def test_avro_requests_answered_in_avro_beside_msgpack(
         got = answers[f"d-{s.id}"]
         assert (got["status"], got["model"]["name"]) == ("ok", "digits"), got["error"]
         assert got["topk_indices"]["values"][0] == label
+
+
+RANK_JSON: dict[str, Any] = {
+    "$schema": "http://json-schema.org/draft-07/schema#", "title": "RankRequest",
+    "type": "object", "required": ["id", "features", "ids"], "properties": {
+        "id": {"type": "string"},
+        "features": {"type": "array", "items": {"type": "number"}},
+        "ids": {"type": "array", "items": {"type": "integer"}},
+        "note": {"type": ["string", "null"]},
+    },
+}  # fmt: skip
+
+
+async def test_json_schema_requests_answered_in_json_schema(
+    broker: Broker, names: dict[str, str], tmp_path: Path, schema_registry: SchemaRegistryServer
+) -> None:
+    """``formats = ["jsonschema"]``: JSON Schema requests (confluent-kafka's
+    JSONSerializer) answered as JSON objects under the registered result schema
+    (its JSONDeserializer reads them); a record its schema refuses is answered
+    ``invalid_request`` naming the field; an Avro record goes to the DLQ saying the
+    worker reads JSON Schema only."""
+    import json
+
+    rank_path = ranker(tmp_path / "ranker.onnx")
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[schema_registry]\nurl = "{schema_registry.url}"\n'
+                      f'formats = ["jsonschema"]\n[model]\npath = "{rank_path}"\n')
+    topic, results_topic = names["requests"], names["results"]
+    await create_topics(broker.bootstrap, {topic: 2, results_topic: 1, names["dlq"]: 1})
+    client = sr.SchemaRegistryClient({"url": schema_registry.url})
+    context = serialization.SerializationContext(topic, serialization.MessageField.VALUE)
+    serialize = js.JSONSerializer(json.dumps(RANK_JSON), client)
+    rng = np.random.default_rng(68)
+    ranked = {f"j-{i}": (rng.normal(size=4).astype(np.float32),
+                         rng.integers(1, 50, int(rng.integers(1, 9))).astype(np.int64))
+              for i in range(20)}  # fmt: skip
+    records = [(rid.encode(), serialize({"id": rid, "features": f.tolist(), "ids": i.tolist(),
+                                         "note": None}, context))
+               for rid, (f, i) in ranked.items()]  # fmt: skip
+    # Valid JSON under the schema's id, but not what the schema allows.
+    sid = int.from_bytes(records[0][1][1:5], "big")
+    bad = b"\x00" + sid.to_bytes(4, "big") + b'{"id": "bad", "features": "x", "ids": [1]}'
+    records.append((b"bad", bad))
+    avro_context = serialization.SerializationContext(f"{topic}.avro",
+                                                      serialization.MessageField.VALUE)
+    records.append((b"avro", _serializer(client, RANK_V1)(
+        {"id": "avro", "features": [0.0] * 4, "ids": [1], "meta": None}, avro_context)))
+    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=results_topic,
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)))  # fmt: skip
+    c = Collector(broker.bootstrap, [results_topic, names["dlq"]])
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0, "assignment"
+        )
+        await produce_all(broker.bootstrap, topic, records)
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= len(records), 90.0), w.log_tail()
+    finally:
+        await c.stop()
+        assert w.terminate() == 0, w.log_tail()
+    (dlq,) = c.records[names["dlq"]]
+    assert dlq.record_key == b"avro"
+    assert "the worker reads ['jsonschema'] (schema_registry.formats)" in dlq.headers[
+        "error.message"].decode()  # fmt: skip
+    read = js.JSONDeserializer(None, schema_registry_client=client)
+    out_context = serialization.SerializationContext(results_topic,
+                                                     serialization.MessageField.VALUE)
+    answers = {a["id"]: a for a in (read(r.value, out_context) for r in c.records[results_topic])}
+    assert len(answers) == len(ranked) + 1
+    for rid, (features, ids) in ranked.items():
+        got = answers[rid]
+        assert (got["status"], got["model"]["name"]) == ("ok", "ranker"), got["error"]
+        alone = run_alone(rank_path, {"features": features, "ids": ids})
+        np.testing.assert_allclose(got["score"]["values"], alone["score"], rtol=1e-6)
+        assert got["token_scores"]["shape"] == [len(ids)]
+    refused = answers["bad"]
+    assert (refused["status"], refused["error"]["code"]) == ("error", "invalid_request")
+    assert refused["error"]["message"].startswith("features: 'x' is not of type 'array'")

@@ -29,7 +29,6 @@ from worker.ops.broker import create_topics
 from worker.ops.processes import spawn_worker
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("confluent_kafka.schema_registry.avro")
 
 PAGE = ROOT / "docs/guides/schema-registry.md"
 

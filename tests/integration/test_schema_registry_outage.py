@@ -12,8 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka.schema_registry as sr
+import fastavro
 import numpy as np
 import pytest
+from confluent_kafka import serialization
+from confluent_kafka.schema_registry import avro
 
 from devkit.schema_registry import SchemaRegistryServer
 from tests.onnx_models import ranker, run_alone
@@ -23,10 +27,6 @@ from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
-fastavro = pytest.importorskip("fastavro")
-sr = pytest.importorskip("confluent_kafka.schema_registry")
-avro = pytest.importorskip("confluent_kafka.schema_registry.avro")
-serialization = pytest.importorskip("confluent_kafka.serialization")
 
 SCHEMA: dict[str, Any] = {
     "type": "record", "name": "RankRequest", "namespace": "shop", "fields": [

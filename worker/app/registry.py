@@ -1,6 +1,7 @@
-"""The Schema Registry at start-up (``[schema_registry]``): the result schema made
-from every answerer's outputs and registered under the output topic's subject,
-before Kafka is contacted; a registry that cannot be reached, or refuses the
+"""The Schema Registry at start-up (``[schema_registry]``): a result schema made
+from every answerer's outputs for each format answered in
+(``schema_registry.formats``) and registered under the output topic's subject,
+before Kafka is contacted; a registry that cannot be reached, or refuses a
 schema, stops start-up with exit 2 naming the setting."""
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import structlog
 
 from worker.config import Settings
-from worker.contract.avro import AvroResults, result_schema
-from worker.contract.registered import OutputDesc
+from worker.contract import avro, json_schema
+from worker.contract.registered import Format, OutputDesc, ResultEncoder
 from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.registry import NotFound, SchemaRegistry, Schemas, Unreachable
 
@@ -22,10 +24,11 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Registered:
-    """What the intake reads request schemas from, and the writer encodes with."""
+    """What the intake reads request schemas from, and the writer encodes with
+    (by format)."""
 
     schemas: Schemas
-    results: AvroResults
+    results: Mapping[Format, ResultEncoder]
 
 
 async def registered(s: Settings, outputs: Mapping[str, OutputDesc]) -> Registered | None:
@@ -33,20 +36,31 @@ async def registered(s: Settings, outputs: Mapping[str, OutputDesc]) -> Register
     cfg = s.schema_registry
     if not cfg.enabled:
         return None
-    try:
-        schema = result_schema(cfg.result_name, cfg.result_namespace, outputs)
-    except ValueError as exc:
-        raise ConfigError(f"schema_registry: the result schema: {exc}") from exc
-    subject = cfg.subject(s.kafka.output_topic)
     registry = SchemaRegistry(cfg)
-    try:
-        sid = await asyncio.to_thread(registry.register, subject, schema)
-        results = AvroResults(schema, sid)
-    except (Unreachable, NotFound) as exc:
-        raise ConfigError(f"schema_registry.url: registering the result schema under "
-                          f"{subject!r} failed: {exc}") from exc  # fmt: skip
-    except UndecodableRecord as exc:  # fastavro missing
-        raise ConfigError(f"schema_registry.url: {exc}") from exc
-    log.info("result_schema_registered", subject=subject, schema_id=sid,
-             outputs=sorted(outputs))  # fmt: skip
-    return Registered(Schemas(registry, cfg.lookup_timeout_ms / 1000.0), results)
+    results: dict[Format, ResultEncoder] = {}
+    for fmt in cast(tuple[Format, ...], cfg.formats):
+        made = avro if fmt == "avro" else json_schema
+        try:
+            schema = made.result_schema(cfg.result_name, cfg.result_namespace, outputs)
+        except ValueError as exc:
+            raise ConfigError(f"schema_registry: the {fmt} result schema: {exc}") from exc
+        subject = cfg.subject(s.kafka.output_topic, fmt)
+        kind = "AVRO" if fmt == "avro" else "JSON"
+        try:
+            sid = await asyncio.to_thread(registry.register, subject, schema, kind)
+            results[fmt] = _encoder(fmt, schema, sid)
+        except (Unreachable, NotFound) as exc:
+            raise ConfigError(f"schema_registry.url: registering the {fmt} result schema under "
+                              f"{subject!r} failed: {exc}") from exc  # fmt: skip
+        except UndecodableRecord as exc:  # the codec's library missing
+            raise ConfigError(f"schema_registry.formats: {exc}") from exc
+        log.info("result_schema_registered", format=fmt, subject=subject, schema_id=sid,
+                 outputs=sorted(outputs))  # fmt: skip
+    schemas = Schemas(registry, cfg.lookup_timeout_ms / 1000.0, tuple(results))
+    return Registered(schemas, results)
+
+
+def _encoder(fmt: Format, schema: dict[str, Any], sid: int) -> ResultEncoder:
+    if fmt == "avro":
+        return avro.AvroResults(schema, sid)
+    return json_schema.JsonResults(schema, sid)

@@ -170,7 +170,7 @@ async def build_stages(
                   if a.settings.kafka.state_topic}  # fmt: skip
     parts = WriterParts(completed, s.kafka, infos, tracker, committer, budget, tracer,
                         state_topics=changelogs,
-                        avro=registry.results if registry is not None else None)  # fmt: skip
+                        registered=registry.results if registry is not None else {})  # fmt: skip
     writer: ResultWriter
     if plan.exactly_once:
         lease = GroupLease(

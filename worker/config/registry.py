@@ -17,9 +17,9 @@ _AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class SchemaRegistryConfig:
     """A Confluent-compatible Schema Registry (Confluent's, or Apicurio's ccompat API).
     With ``url`` set, a record whose value starts with the registry's magic byte (0)
-    and a schema id is read with that schema (Avro), and answered in Avro with the
-    worker's result schema, registered at start-up; msgpack and Open Inference
-    Protocol JSON records keep working on the same topics."""
+    and a schema id is read with that schema (Avro or JSON Schema), and answered in
+    its format with the worker's result schema, registered at start-up; msgpack and
+    Open Inference Protocol JSON records keep working on the same topics."""
 
     # The registry's base URL, e.g. "http://registry:8081" or Apicurio's
     # "http://registry:8080/apis/ccompat/v7"; "" = off (a record in the registry's format
@@ -32,6 +32,10 @@ class SchemaRegistryConfig:
     # TLS: the certificate authority (PEM) that signed the registry's certificate; "" = the
     # system's.
     ca_file: str = ""
+    # The registry formats read and answered in: "avro", "jsonschema" (a record of
+    # another format goes to the DLQ saying so). A result schema is registered for each:
+    # the first under the subject below, each other under SUBJECT-FORMAT.
+    formats: tuple[str, ...] = ("avro",)
     # The subject the result schema is registered under: "topic" (OUTPUT_TOPIC-value),
     # "record" (NAMESPACE.NAME) or "topic_record" (OUTPUT_TOPIC-NAMESPACE.NAME).
     subject_strategy: Literal["topic", "record", "topic_record"] = "topic"
@@ -61,6 +65,11 @@ class SchemaRegistryConfig:
             check(all(_AVRO_NAME.fullmatch(p) for p in parts), f"schema_registry.{key}",
                   f"{getattr(self, key)!r}: an Avro name (letters, digits, _; "
                   "dotted for a namespace)")  # fmt: skip
+        known = ("avro", "jsonschema")
+        odd = [f for f in self.formats if f not in known]
+        check(not odd and bool(self.formats) and len(set(self.formats)) == len(self.formats),
+              "schema_registry.formats", f"{list(self.formats)}: one or more of {list(known)}, "
+              "each once")  # fmt: skip
         check(self.request_timeout_ms > 0, "schema_registry.request_timeout_ms", "must be > 0")
         check(self.lookup_timeout_ms >= 0, "schema_registry.lookup_timeout_ms", "must be >= 0")
 
@@ -68,11 +77,14 @@ class SchemaRegistryConfig:
     def enabled(self) -> bool:
         return bool(self.url)
 
-    def subject(self, topic: str) -> str:
-        """The subject of ``topic``'s result schema (``subject_strategy``)."""
+    def subject(self, topic: str, fmt: str = "") -> str:
+        """The subject of ``topic``'s result schema in ``fmt`` (``subject_strategy``;
+        a format after the first: its name appended)."""
         full = f"{self.result_namespace}.{self.result_name}"
         if self.subject_strategy == "record":
-            return full
-        if self.subject_strategy == "topic_record":
-            return f"{topic}-{full}"
-        return f"{topic}-value"
+            subject = full
+        elif self.subject_strategy == "topic_record":
+            subject = f"{topic}-{full}"
+        else:
+            subject = f"{topic}-value"
+        return subject if not fmt or fmt == self.formats[0] else f"{subject}-{fmt}"

@@ -26,6 +26,7 @@ from worker.contract.registered import (
     HEADER_BYTES,
     MAGIC,
     Field,
+    Format,
     OutputDesc,
     field_name,
     output_value,
@@ -66,6 +67,10 @@ class WriterSchema:
     schema_id: int
     parsed: Any  # fastavro's parsed schema
     fields: Mapping[str, Field]
+
+    @property
+    def format(self) -> Format:
+        return "avro"
 
     @classmethod
     def of(cls, schema_id: int, text: str) -> WriterSchema:

@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 
@@ -43,6 +43,10 @@ RESERVED: Final = (
 WIRE: Final = {name: np.dtype(name).newbyteorder("<")
                for name in ("float32", "float64", "int32", "int64", "bool")}  # fmt: skip
 _NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The registry formats the worker reads and answers in (schema_registry.formats),
+# by the registry's schemaType.
+Format = Literal["avro", "jsonschema"]
+FORMATS: Final[dict[str, Format]] = {"AVRO": "avro", "JSON": "jsonschema"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class RequestSchema(Protocol):
 
     @property
     def schema_id(self) -> int: ...
+
+    @property
+    def format(self) -> Format: ...
 
     @property
     def fields(self) -> Mapping[str, Field]: ...
@@ -192,6 +199,14 @@ def output_value(given: Any, typed: bool) -> dict[str, Any]:
         tensor = tensor or Tensor.from_numpy(arr)
         value["dtype"], value["data"] = tensor.dtype, tensor.data
     return value
+
+
+class ResultEncoder(Protocol):
+    """Results of one format, under its registered result schema."""
+
+    def encode(self, result: Result, arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
+        """``arrays``: the outputs as the stage gave them, instead of the result's."""
+        ...
 
 
 def outputs_of(result: Result, arrays: Mapping[str, np.ndarray] | None) -> Mapping[str, Any]:

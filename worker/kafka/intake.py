@@ -16,7 +16,7 @@ from worker.config.models import Routing
 from worker.contract import Limits, decode_request
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
-from worker.contract.registered import InputsView, request_of, schema_id
+from worker.contract.registered import InputsView, RequestSchema, request_of, schema_id
 from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request
@@ -103,8 +103,9 @@ class JobFactory:
         try:
             sid = schema_id(value) if value is not None and value[:1] == b"\x00" else None
             if sid is not None:
-                wire = "avro"
-                request = self._avro(topic, value or b"", sid)
+                schema = self._schema(sid)
+                wire = schema.format  # its answer, an error's too, in the request's format
+                request = self._registered(topic, value or b"", schema)
             elif self._is_json(headers):
                 wire = "oip"
                 oip = decode_oip_request(value, self._codec_limits)
@@ -130,13 +131,16 @@ class JobFactory:
             model=model,
         )  # fmt: skip
 
-    def _avro(self, topic: str, value: bytes, sid: int) -> Request:
-        """A record in the Schema Registry's format, read with its schema (fetched
-        before: ``Schemas.ready``) as the model it names (or its topic's) takes it."""
+    def _schema(self, sid: int) -> RequestSchema:
+        """The request schema of id ``sid`` (fetched before: ``Schemas.ready``)."""
         if self.schemas is None:
             raise UndecodableRecord(f"a Schema Registry record (schema id {sid}): this worker "
                                     "has no schema_registry.url")  # fmt: skip
-        schema = self.schemas.get(sid)
+        return self.schemas.get(sid)
+
+    def _registered(self, topic: str, value: bytes, schema: RequestSchema) -> Request:
+        """A record in a Schema Registry format, read with its schema as the model
+        it names (or its topic's) takes it."""
         record = schema.read(value)
         named = record.get("model")
         rid = record.get("id")

@@ -25,7 +25,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -33,7 +33,8 @@ import structlog
 
 from worker.config import SchemaRegistryConfig
 from worker.contract.avro import WriterSchema
-from worker.contract.registered import schema_id
+from worker.contract.json_schema import JsonRequestSchema
+from worker.contract.registered import FORMATS, Format, RequestSchema, schema_id
 from worker.flow.backoff import Backoff
 from worker.flow.errors import UndecodableRecord
 
@@ -73,9 +74,10 @@ class SchemaRegistry:
         body = self._call("GET", f"/schemas/ids/{sid}")
         return str(body.get("schemaType") or "AVRO"), str(body["schema"])
 
-    def register(self, subject: str, schema: Mapping[str, Any]) -> int:
-        """Register an Avro schema under ``subject`` (the id it already has, if any)."""
-        payload = {"schema": json.dumps(schema, separators=(",", ":")), "schemaType": "AVRO"}
+    def register(self, subject: str, schema: Mapping[str, Any], kind: str = "AVRO") -> int:
+        """Register a schema of ``kind`` (AVRO, JSON) under ``subject`` (the id it
+        already has, if any)."""
+        payload = {"schema": json.dumps(schema, separators=(",", ":")), "schemaType": kind}
         body = self._call("POST", f"/subjects/{quote(subject, safe='')}/versions", payload)
         return int(body["id"])
 
@@ -99,13 +101,21 @@ class SchemaRegistry:
         return body
 
 
+AVRO_ONLY: tuple[Format, ...] = ("avro",)
+
+
 class Schemas:
     """Request schemas by id: fetched once (``ready``), read by the intake (``get``)."""
 
-    def __init__(self, registry: SchemaRegistry, lookup_timeout_s: float) -> None:
+    def __init__(
+        self, registry: SchemaRegistry, lookup_timeout_s: float,
+        formats: Collection[Format] = AVRO_ONLY,
+    ) -> None:  # fmt: skip
+        """``formats``: the ones answered in (a result schema registered for each)."""
         self._registry = registry
         self._lookup_timeout_s = lookup_timeout_s
-        self._known: dict[int, WriterSchema] = {}
+        self._formats = frozenset(formats)
+        self._known: dict[int, RequestSchema] = {}
         self._refused: dict[int, str] = {}  # ids the registry answered for: why not
         self._failed: dict[int, str] = {}  # ids not reached this time: why (asked again)
 
@@ -126,7 +136,7 @@ class Schemas:
         self._failed.pop(sid, None)
         await self._fetch(sid)
 
-    def get(self, sid: int) -> WriterSchema:
+    def get(self, sid: int) -> RequestSchema:
         """The schema of a record ``ready`` has seen; ``UndecodableRecord`` (the
         DLQ, with the reason) when there is none."""
         found = self._known.get(sid)
@@ -155,11 +165,14 @@ class Schemas:
                 log.warning("schema_registry_retry", schema_id=sid, error=str(exc))
                 # Never past the lookup time: the last try comes as it ends.
                 await asyncio.sleep(min(backoff.next(), left))
-        if kind != "AVRO":
-            self._refused[sid] = f"schema id {sid} is {kind}: the worker reads Avro"
+        fmt = FORMATS.get(kind)
+        if fmt is None or fmt not in self._formats:
+            self._refused[sid] = (f"schema id {sid} is {kind}: the worker reads "
+                                  f"{sorted(self._formats)} (schema_registry.formats)")  # fmt: skip
             return
         try:
-            self._known[sid] = WriterSchema.of(sid, text)
+            self._known[sid] = (WriterSchema.of(sid, text) if fmt == "avro"
+                                else JsonRequestSchema.of(sid, text))  # fmt: skip
         except ValueError as exc:
             self._refused[sid] = str(exc)
             return

@@ -73,7 +73,8 @@ class Answers:
         self._tracer = parts.tracer or Tracer()
         self._seq = 0
         self._rejections = RateLimited(burst=10, interval=10.0)
-        self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic, avro=parts.avro)
+        self._topics = Topics(output=kafka.output_topic, dlq=kafka.dlq_topic,
+                              registered=parts.registered)  # fmt: skip
         self._shadow = kafka.shadow  # a shadow writes no DLQ records
         # The request latency's lane label, by input topic (one lane without lanes).
         self._lane_of = {t: lane.label for lane in kafka.ranked_lanes for t in lane.topics}
@@ -201,7 +202,7 @@ class Answers:
                 assert failure is not None
                 answered = ModelInfo(record.model_name, record.model_version)
                 nxt = fallback(record, refusal_code(failure), repr(failure), answered,
-                               self._topics.avro)  # fmt: skip
+                               self._topics.registered)  # fmt: skip
             todo.append((nxt, verdict))
         return todo
 

@@ -8,7 +8,7 @@ too-large record becomes) is unit-tested without a broker. ``AtLeastOnceWriter``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import msgspec
@@ -21,14 +21,14 @@ from worker.contract import (
     Tensor,
     encode_result,
 )
-from worker.contract.avro import AvroResults
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
 from worker.contract.ok_results import encode_ok_at
+from worker.contract.registered import Format, ResultEncoder
 from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
-from worker.flow.messages import Answer, Job, StateChange, StepOutputs, TraceContext
+from worker.flow.messages import Answer, Job, StateChange, StepOutputs, TraceContext, Wire
 from worker.kafka.changelog import encode_state
 
 # Room for the record batch framing around one record, so a result that passes
@@ -73,9 +73,15 @@ class OutRecord(msgspec.Struct):
 class Topics:
     output: str
     dlq: str
-    # The output topic's result schema in the Schema Registry (``schema_registry``):
-    # what an Avro request's answer is encoded with.
-    avro: AvroResults | None = None
+    # The output topic's registered result schemas by format (``schema_registry``): what
+    # the answer of a request in a registry format is encoded with.
+    registered: Mapping[Format, ResultEncoder] = field(default_factory=dict)
+
+    def encoder(self, wire: Wire) -> ResultEncoder | None:
+        """The results of a request that came in ``wire``: a registry format's."""
+        if wire == "avro" or wire == "jsonschema":  # noqa: PLR1714 (narrows the Literal)
+            return self.registered.get(wire)
+        return None
 
 
 def dlq_headers(job: Job, code: str, message: str, stage: str) -> list[tuple[str, bytes]]:
@@ -156,7 +162,7 @@ def record_for(
     if out.size <= max_bytes:
         return out
     return fallback(out, ErrorCode.TOO_LARGE, "record exceeds kafka.max_request_size", model,
-                    topics.avro)  # fmt: skip
+                    topics.registered)  # fmt: skip
 
 
 def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
@@ -191,13 +197,13 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
         return OutRecord(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
     if job.wire == "oip":
         return _oip(answer, model, topics, seq, now)
-    avro = topics.avro if job.wire == "avro" else None
-    result = build_result(answer, model, now, tensors=avro is None)
+    registered = topics.encoder(job.wire)
+    result = build_result(answer, model, now, tensors=registered is None)
     return OutRecord(
         job,
         topics.output,
         job.key,
-        avro.encode(result, answer.outputs if ok else None) if avro is not None
+        registered.encode(result, answer.outputs if ok else None) if registered is not None
         else encode_result(result),
         [("id", result.id.encode())],
         result.status,
@@ -208,11 +214,10 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
 
 
 def _result_value(result: Result, job: Job, topics: Topics) -> bytes:
-    """A result in the request's format: Avro with the output topic's registered
-    schema for an Avro request, else msgpack."""
-    if job.wire == "avro" and topics.avro is not None:
-        return topics.avro.encode(result)
-    return encode_result(result)
+    """A result in the request's format: a registry format's with the output
+    topic's registered schema, else msgpack."""
+    registered = topics.encoder(job.wire)
+    return registered.encode(result) if registered is not None else encode_result(result)
 
 
 def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float) -> OutRecord:
@@ -245,7 +250,7 @@ def _oip(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: float)
 
 def fallback(
     out: OutRecord, code: FallbackCode, reason: str, model: ModelInfo,
-    avro: AvroResults | None = None,
+    registered: Mapping[Format, ResultEncoder] | None = None,
 ) -> OutRecord:  # fmt: skip
     """A small record for what could not be produced as it is (too large for
     the producer, or refused for good by the broker): results become a ``code``
@@ -281,7 +286,7 @@ def fallback(
         job,
         out.topic,
         out.key,
-        _result_value(result, job, Topics(out.topic, "", avro)),
+        _result_value(result, job, Topics(out.topic, "", registered or {})),
         [("id", out.request_id.encode()), *trace],
         "error",
         out.seq,

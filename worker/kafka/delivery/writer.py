@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaProducer
 
 from worker.config import KafkaConfig
 from worker.contract import ModelInfo
-from worker.contract.avro import AvroResults
+from worker.contract.registered import Format, ResultEncoder
 from worker.flow.budget import FailureBudget
 from worker.flow.messages import Completed, TopicPartition
 from worker.flow.offsets import OffsetTracker
@@ -69,9 +69,9 @@ class WriterParts:
     # Each stateful model's state changelog, by name (a model not here keeps its
     # states in memory): where its answers' state records go.
     state_topics: Mapping[str, str] = field(default_factory=dict)
-    # The output topic's registered result schema (schema_registry): Avro requests'
-    # answers are encoded with it.
-    avro: AvroResults | None = None
+    # The output topic's registered result schemas by format (schema_registry): a
+    # request in a registry format is answered in it.
+    registered: Mapping[Format, ResultEncoder] = field(default_factory=dict)
 
 
 class Completions:

@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+import fastavro
 import numpy as np
 import pytest
 
@@ -21,11 +22,9 @@ from worker.config import SchemaRegistryConfig
 from worker.contract.avro import AvroResults, WriterSchema, result_schema
 from worker.contract.registered import InputsView, field_name, request_of, schema_id
 from worker.flow.errors import ConfigError, InvalidRequest, UndecodableRecord
-from worker.flow.values import EncodedImage, ModelInfo, Result, Source, Tensor
+from worker.flow.values import EncodedImage, ErrorInfo, ModelInfo, Result, Source, Tensor
 from worker.kafka.registry import SchemaRegistry, Schemas
 from worker.ops.broker import free_port
-
-fastavro = pytest.importorskip("fastavro")
 
 SCHEMA: dict[str, Any] = {
     "type": "record", "name": "Req", "fields": [
@@ -170,3 +169,51 @@ def test_registry_settings_are_checked_and_the_password_never_shown() -> None:
         SchemaRegistryConfig(url="http://r", password="x")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"schema_registry\.result_name"):
         SchemaRegistryConfig(result_name="not-a-name")
+
+
+def test_json_schema_requests_and_results() -> None:
+    """JSON Schema: properties by type (nullable, base64 bytes), a record its
+    schema refuses answered naming the field, and every result valid under the
+    result schema made for it."""
+    import base64
+
+    import jsonschema
+
+    from worker.contract.json_schema import JsonRequestSchema, JsonResults
+    from worker.contract.json_schema import result_schema as json_result_schema
+
+    schema = {"type": "object", "required": ["id"], "properties": {
+        "id": {"type": "string"},
+        "x": {"type": ["array", "null"], "items": {"type": "number"}},
+        "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+        "raw": {"anyOf": [{"type": "null"}, {"type": "string", "contentEncoding": "base64"}]},
+        "text": {"type": "string"}}}  # fmt: skip
+    parsed = JsonRequestSchema.of(4, json.dumps(schema))
+    raw = np.arange(4, dtype="<i2").reshape(2, 2)
+    record = {"id": "j1", "x": [1, 2, 3, 4, 5, 6], "grid": [[1, 2]], "text": "hi",
+              "raw": base64.b64encode(raw.tobytes()).decode()}  # fmt: skip
+    value = b"\x00\x00\x00\x00\x04" + json.dumps(record).encode()
+    req = request_of(parsed.read(value), parsed, TAKES)
+    assert req.inputs["x"].to_numpy().dtype == np.float32
+    assert req.inputs["x"].to_numpy().shape == (2, 3)
+    assert req.inputs["grid"].to_numpy().dtype == np.int64
+    np.testing.assert_array_equal(req.inputs["raw"].to_numpy(), raw)
+    assert req.inputs["text"] == "hi" and parsed.format == "jsonschema"
+    with pytest.raises(InvalidRequest, match=r"grid\.0: 'a' is not of type 'array'") as refused:
+        parsed.read(b"\x00\x00\x00\x00\x04" + b'{"id": "j2", "grid": ["a"]}')
+    assert refused.value.request_id == "j2"
+    outputs = {"score": ("float32", (1,)), "blob": None}
+    made = json_result_schema("InferenceResult", "infer_worker", outputs)
+    results = JsonResults(made, 9)
+    ok = Result(id="j1", status="ok", source=Source("in", 0, 3), model=ModelInfo("m", "1"),
+                outputs={"score": Tensor.from_numpy(np.array([0.25], np.float32)),
+                         "blob": Tensor.from_numpy(np.array([7], np.uint8))})  # fmt: skip
+    err = Result(id="j2", status="error", source=Source("in", 0, 4), model=ModelInfo("m", "1"),
+                 error=ErrorInfo("invalid_request", "no"))  # fmt: skip
+    for result in (ok, err):
+        encoded = results.encode(result)
+        assert encoded[:5] == b"\x00\x00\x00\x00\x09"
+        jsonschema.validate(json.loads(encoded[5:]), made)
+    back = json.loads(results.encode(ok)[5:])
+    assert back["score"] == {"shape": [1], "values": [0.25]}
+    assert base64.b64decode(back["blob"]["data"]) == b"\x07"
