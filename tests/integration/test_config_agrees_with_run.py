@@ -117,7 +117,8 @@ REFUSED = [
      "limits.max_models_memory_mb: the models hold"),
     # The Schema Registry cannot be reached: the result schema is not registered.
     (TWO_MODELS + '[schema_registry]\nurl = "http://127.0.0.1:1"\nrequest_timeout_ms = 500\n',
-     "schema_registry.url: registering the result schema under 'infer.results-value' failed"),
+     "schema_registry.url: registering the avro result schema under 'infer.results-value' "
+     "failed"),
     # Two GPU models (on the GPU stage's CPU twin) whose slot rings together exceed
     # half the process's share of the device: the second is refused naming the first.
     (TWIN_MODELS, "the slot ring alone needs 64 MiB (2 slots x 32 MiB: every input, output "

@@ -114,4 +114,4 @@ async def test_cached_schemas_serve_and_a_new_id_waits_then_goes_to_the_dlq(
         features, ids = {**first, **during, **after}[got["id"]][1]
         assert (r.value[:5], got["status"]) == (b"\x00" + sid.to_bytes(4, "big"), "ok")
         alone = run_alone(rank_path, {"features": features, "ids": ids})["score"]
-        np.testing.assert_allclose(got["score"]["values"], alone, rtol=1e-6)
+        np.testing.assert_allclose(got["score"]["values"], alone, rtol=1e-5, atol=1e-6)

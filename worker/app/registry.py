@@ -14,7 +14,7 @@ from typing import Any, cast
 import structlog
 
 from worker.config import Settings
-from worker.contract import avro, json_schema
+from worker.contract import avro, json_schema, protobuf
 from worker.contract.registered import Format, OutputDesc, ResultEncoder
 from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.registry import NotFound, SchemaRegistry, Schemas, Unreachable
@@ -39,15 +39,13 @@ async def registered(s: Settings, outputs: Mapping[str, OutputDesc]) -> Register
     registry = SchemaRegistry(cfg)
     results: dict[Format, ResultEncoder] = {}
     for fmt in cast(tuple[Format, ...], cfg.formats):
-        made = avro if fmt == "avro" else json_schema
         try:
-            schema = made.result_schema(cfg.result_name, cfg.result_namespace, outputs)
+            schema = _schema(fmt, cfg.result_name, cfg.result_namespace, outputs)
         except ValueError as exc:
             raise ConfigError(f"schema_registry: the {fmt} result schema: {exc}") from exc
         subject = cfg.subject(s.kafka.output_topic, fmt)
-        kind = "AVRO" if fmt == "avro" else "JSON"
         try:
-            sid = await asyncio.to_thread(registry.register, subject, schema, kind)
+            sid = await asyncio.to_thread(registry.register, subject, _text(schema), _KINDS[fmt])
             results[fmt] = _encoder(fmt, schema, sid)
         except (Unreachable, NotFound) as exc:
             raise ConfigError(f"schema_registry.url: registering the {fmt} result schema under "
@@ -60,7 +58,25 @@ async def registered(s: Settings, outputs: Mapping[str, OutputDesc]) -> Register
     return Registered(schemas, results)
 
 
-def _encoder(fmt: Format, schema: dict[str, Any], sid: int) -> ResultEncoder:
+_KINDS: dict[Format, str] = {"avro": "AVRO", "jsonschema": "JSON", "protobuf": "PROTOBUF"}
+
+
+def _schema(fmt: Format, name: str, namespace: str, outputs: Mapping[str, OutputDesc]) -> Any:
+    if fmt == "avro":
+        return avro.result_schema(name, namespace, outputs)
+    if fmt == "jsonschema":
+        return json_schema.result_schema(name, namespace, outputs)
+    return protobuf.result_schema(name, namespace, outputs)
+
+
+def _text(schema: Any) -> Any:
+    """What is registered: Avro's and JSON Schema's JSON, Protobuf's serialized file."""
+    return protobuf.serialized(schema) if not isinstance(schema, dict) else schema
+
+
+def _encoder(fmt: Format, schema: Any, sid: int) -> ResultEncoder:
     if fmt == "avro":
         return avro.AvroResults(schema, sid)
-    return json_schema.JsonResults(schema, sid)
+    if fmt == "jsonschema":
+        return json_schema.JsonResults(schema, sid)
+    return protobuf.ProtobufResults(schema, sid)

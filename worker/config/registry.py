@@ -17,7 +17,7 @@ _AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class SchemaRegistryConfig:
     """A Confluent-compatible Schema Registry (Confluent's, or Apicurio's ccompat API).
     With ``url`` set, a record whose value starts with the registry's magic byte (0)
-    and a schema id is read with that schema (Avro or JSON Schema), and answered in
+    and a schema id is read with that schema (Avro, JSON Schema, Protobuf), answered in
     its format with the worker's result schema, registered at start-up; msgpack and
     Open Inference Protocol JSON records keep working on the same topics."""
 
@@ -32,7 +32,7 @@ class SchemaRegistryConfig:
     # TLS: the certificate authority (PEM) that signed the registry's certificate; "" = the
     # system's.
     ca_file: str = ""
-    # The registry formats read and answered in: "avro", "jsonschema" (a record of
+    # The registry formats read and answered in: "avro", "jsonschema", "protobuf" (a record of
     # another format goes to the DLQ saying so). A result schema is registered for each:
     # the first under the subject below, each other under SUBJECT-FORMAT.
     formats: tuple[str, ...] = ("avro",)
@@ -65,7 +65,7 @@ class SchemaRegistryConfig:
             check(all(_AVRO_NAME.fullmatch(p) for p in parts), f"schema_registry.{key}",
                   f"{getattr(self, key)!r}: an Avro name (letters, digits, _; "
                   "dotted for a namespace)")  # fmt: skip
-        known = ("avro", "jsonschema")
+        known = ("avro", "jsonschema", "protobuf")
         odd = [f for f in self.formats if f not in known]
         check(not odd and bool(self.formats) and len(set(self.formats)) == len(self.formats),
               "schema_registry.formats", f"{list(self.formats)}: one or more of {list(known)}, "

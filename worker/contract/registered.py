@@ -45,8 +45,8 @@ WIRE: Final = {name: np.dtype(name).newbyteorder("<")
 _NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The registry formats the worker reads and answers in (schema_registry.formats),
 # by the registry's schemaType.
-Format = Literal["avro", "jsonschema"]
-FORMATS: Final[dict[str, Format]] = {"AVRO": "avro", "JSON": "jsonschema"}
+Format = Literal["avro", "jsonschema", "protobuf"]
+FORMATS: Final[dict[str, Format]] = {"AVRO": "avro", "JSON": "jsonschema", "PROTOBUF": "protobuf"}
 
 
 @dataclass(frozen=True)

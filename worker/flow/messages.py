@@ -22,7 +22,7 @@ from worker.flow.errors import RecordError
 from worker.flow.values import ErrorInfo, Request, Source
 
 ExpiryRule = Literal["deadline_ms", "max_record_age"]
-Wire = Literal["msgpack", "oip", "avro", "jsonschema"]
+Wire = Literal["msgpack", "oip", "avro", "jsonschema", "protobuf"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class Job(msgspec.Struct, frozen=True):
     timestamp_ms: int | None = None  # the Kafka record's timestamp (wall clock, epoch ms)
     # How it came and is answered: msgpack (contract v1), Open Inference Protocol
     # JSON ("oip", ``worker.contract.oip``), which may name the outputs it wants, or a
-    # Schema Registry format ("avro", "jsonschema": ``worker.contract.registered``).
+    # Schema Registry format ("avro", "jsonschema", "protobuf": ``contract.registered``).
     wire: Wire = "msgpack"
     outputs_wanted: tuple[str, ...] | None = None
     trace: TraceContext | None = None  # the record's W3C trace context, if it had one

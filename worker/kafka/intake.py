@@ -140,8 +140,16 @@ class JobFactory:
 
     def _registered(self, topic: str, value: bytes, schema: RequestSchema) -> Request:
         """A record in a Schema Registry format, read with its schema as the model
-        it names (or its topic's) takes it."""
-        record = schema.read(value)
+        it names (or its topic's) takes it. The codecs are other libraries' code
+        on bytes a client chose: anything else they raise sends the record to the
+        DLQ with the reason, never stops the worker."""
+        try:
+            record = schema.read(value)
+        except RecordError:
+            raise
+        except Exception as exc:  # boundary: fastavro's, jsonschema's, protobuf's
+            raise UndecodableRecord(f"schema {schema.schema_id}: {type(exc).__name__}: "
+                                    f"{str(exc)[:200]}") from exc  # fmt: skip
         named = record.get("model")
         rid = record.get("id")
         model = self._routing.answerer(

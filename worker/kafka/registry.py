@@ -34,6 +34,7 @@ import structlog
 from worker.config import SchemaRegistryConfig
 from worker.contract.avro import WriterSchema
 from worker.contract.json_schema import JsonRequestSchema
+from worker.contract.protobuf import ProtobufRequestSchema
 from worker.contract.registered import FORMATS, Format, RequestSchema, schema_id
 from worker.flow.backoff import Backoff
 from worker.flow.errors import UndecodableRecord
@@ -69,15 +70,18 @@ class SchemaRegistry:
             else None
         )
 
-    def schema(self, sid: int) -> tuple[str, str]:
-        """Schema ``sid``'s type (AVRO, PROTOBUF, JSON) and text."""
-        body = self._call("GET", f"/schemas/ids/{sid}")
+    def schema(self, sid: int, serialized: bool = False) -> tuple[str, str]:
+        """Schema ``sid``'s type (AVRO, PROTOBUF, JSON) and text; ``serialized``: a
+        Protobuf schema as a base64 FileDescriptorProto (Confluent's format=serialized)."""
+        body = self._call("GET", f"/schemas/ids/{sid}" + ("?format=serialized" if serialized
+                                                             else ""))  # fmt: skip
         return str(body.get("schemaType") or "AVRO"), str(body["schema"])
 
-    def register(self, subject: str, schema: Mapping[str, Any], kind: str = "AVRO") -> int:
-        """Register a schema of ``kind`` (AVRO, JSON) under ``subject`` (the id it
-        already has, if any)."""
-        payload = {"schema": json.dumps(schema, separators=(",", ":")), "schemaType": kind}
+    def register(self, subject: str, schema: Mapping[str, Any] | str, kind: str = "AVRO") -> int:
+        """Register a schema of ``kind`` (AVRO, JSON: its JSON; PROTOBUF: its text)
+        under ``subject`` (the id it already has, if any)."""
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        payload = {"schema": text, "schemaType": kind}
         body = self._call("POST", f"/subjects/{quote(subject, safe='')}/versions", payload)
         return int(body["id"])
 
@@ -171,9 +175,22 @@ class Schemas:
                                   f"{sorted(self._formats)} (schema_registry.formats)")  # fmt: skip
             return
         try:
-            self._known[sid] = (WriterSchema.of(sid, text) if fmt == "avro"
-                                else JsonRequestSchema.of(sid, text))  # fmt: skip
+            self._known[sid] = await self._read(sid, fmt, text)
+        except Unreachable as exc:
+            self._failed[sid] = f"schema id {sid}: {exc}"
+            return
         except ValueError as exc:
             self._refused[sid] = str(exc)
             return
-        log.info("schema_registered_seen", schema_id=sid)
+        log.info("schema_registered_seen", schema_id=sid, format=fmt)
+
+    async def _read(self, sid: int, fmt: Format, text: str) -> RequestSchema:
+        if fmt == "avro":
+            return WriterSchema.of(sid, text)
+        if fmt == "jsonschema":
+            return JsonRequestSchema.of(sid, text)
+        try:
+            return ProtobufRequestSchema.of(sid, text)
+        except ValueError:  # a .proto text: the registry may serialize it (Confluent's does)
+            _, text = await asyncio.to_thread(self._registry.schema, sid, True)
+            return ProtobufRequestSchema.of(sid, text)

@@ -12,6 +12,8 @@ import asyncio
 import io
 import json
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import fastavro
@@ -217,3 +219,84 @@ def test_json_schema_requests_and_results() -> None:
     back = json.loads(results.encode(ok)[5:])
     assert back["score"] == {"shape": [1], "values": [0.25]}
     assert base64.b64decode(back["blob"]["data"]) == b"\x07"
+
+
+def test_protobuf_requests_and_results() -> None:
+    """Protobuf: a request message found by its indexes (a nested one too), its
+    repeated fields as arrays; a result written as the registered message and
+    read back by a class made from the same file."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    from worker.contract.protobuf import (
+        ProtobufRequestSchema,
+        ProtobufResults,
+        descriptor_of,
+        serialized,
+    )
+    from worker.contract.protobuf import result_schema as proto_result_schema
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="r.proto", package="p", syntax="proto3")
+    outer = fdp.message_type.add(name="Outer")
+    inner = outer.nested_type.add(name="Req")
+    inner.field.add(name="id", number=1, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    inner.field.add(name="x", number=2, type=f.TYPE_FLOAT, label=f.LABEL_REPEATED)
+    inner.field.add(name="text", number=3, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    req_class = message_factory.GetMessageClass(pool.FindMessageTypeByName("p.Outer.Req"))
+    schema = ProtobufRequestSchema.of(12, serialized(fdp))
+    # Indexes [0, 0]: zigzag varints 2 (count), 0, 0.
+    value = b"\x00\x00\x00\x00\x0c\x04\x00\x00" + req_class(
+        id="q1", x=[1, 2, 3, 4, 5, 6], text="hey").SerializeToString()
+    record = schema.read(value)
+    assert record == {"id": "q1", "x": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "text": "hey"}
+    with pytest.raises(UndecodableRecord, match=r"schema 12 has no message \[3\]"):
+        schema.read(b"\x00\x00\x00\x00\x0c\x02\x06")
+    with pytest.raises(ValueError, match=r"a \.proto text"):
+        descriptor_of('syntax = "proto3"; message A { string id = 1; }')
+    made = proto_result_schema("InferenceResult", "infer_worker",
+                               {"score": ("float32", (1,)), "blob": None})  # fmt: skip
+    results = ProtobufResults(made, 21)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(descriptor_of(serialized(made)))
+    result_class = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("infer_worker.InferenceResult"))
+    ok = Result(id="r", status="ok", source=Source("in", 1, 2), model=ModelInfo("m", "1"),
+                outputs={"score": Tensor.from_numpy(np.array([0.5], np.float32)),
+                         "blob": Tensor.from_numpy(np.array([9], np.uint8))},
+                meta={"k": "v"}, timing_us={"total": 4})  # fmt: skip
+    encoded = results.encode(ok)
+    assert encoded[:6] == b"\x00\x00\x00\x00\x15\x00"
+    back = result_class.FromString(encoded[6:])
+    assert (back.id, back.status, list(back.score.values), back.blob.data) == (
+        "r", "ok", [0.5], b"\x09")  # fmt: skip
+    assert dict(back.meta) == {"k": "v"} and back.timing_us["total"] == 4
+    err = Result(id="e", status="error", source=Source("in", 1, 3), model=ModelInfo("m", "1"),
+                 error=ErrorInfo("invalid_request", "bad"))  # fmt: skip
+    back = result_class.FromString(results.encode(err)[6:])
+    assert (back.error.code, back.HasField("score")) == ("invalid_request", False)
+
+
+def test_a_codec_failure_on_a_record_goes_to_the_dlq_not_the_worker() -> None:
+    """Whatever a registry format's library raises on a client's bytes becomes
+    the record's DLQ reason (the intake never raises)."""
+    from worker.config import LimitsConfig
+    from worker.kafka.intake import JobFactory
+    from worker.model.inputs import ModelInputs
+
+    class Breaks:
+        schema_id = 3
+        format = "protobuf"
+        fields: Mapping[str, Any] = MappingProxyType({})
+
+        def read(self, value: bytes) -> dict[str, Any]:
+            raise AttributeError("a library's bug")
+
+    cfg = SchemaRegistryConfig(url="http://127.0.0.1:1")
+    schemas = Schemas(SchemaRegistry(cfg), 0.0)
+    schemas._known[3] = Breaks()  # type: ignore[assignment]
+    make = JobFactory(ModelInputs([]), LimitsConfig(), model="m", schemas=schemas)
+    job = make("t", 0, 5, None, b"\x00\x00\x00\x00\x03\x00\x01", 0)
+    assert isinstance(job.failure, UndecodableRecord)
+    assert "schema 3: AttributeError: a library's bug" in str(job.failure)

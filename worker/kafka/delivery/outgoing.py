@@ -79,7 +79,7 @@ class Topics:
 
     def encoder(self, wire: Wire) -> ResultEncoder | None:
         """The results of a request that came in ``wire``: a registry format's."""
-        if wire == "avro" or wire == "jsonschema":  # noqa: PLR1714 (narrows the Literal)
+        if wire == "avro" or wire == "jsonschema" or wire == "protobuf":  # noqa: PLR1714 (narrows)
             return self.registered.get(wire)
         return None
 
