@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +188,26 @@ async def test_avro_requests_answered_in_avro_beside_msgpack(
         got = answers[f"d-{s.id}"]
         assert (got["status"], got["model"]["name"]) == ("ok", "digits"), got["error"]
         assert got["topk_indices"]["values"][0] == label
+    # The tools read the Avro answers with the registry: verify finds every request
+    # answered (the unknown id's in the DLQ), consume prints each result.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    common = ["--bootstrap-servers", broker.bootstrap, "--schema-registry", schema_registry.url]
+    verified = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "worker", "verify", *common, "--input-topics",
+                         topic, "--output-topic", results_topic, "--dlq-topic", names["dlq"],
+                         "--strict"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    consumed = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "worker", "consume", *common, "--json",
+                         "--timeout", "5"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "INFER_WORKER_KAFKA__OUTPUT_TOPIC": results_topic,
+             "INFER_WORKER_KAFKA__DLQ_TOPIC": names["dlq"]},
+    )  # fmt: skip
+    lines = [json.loads(line) for line in consumed.stdout.splitlines() if line.startswith("{")]
+    assert {line["id"] for line in lines} == set(answers) | {"m-0"}, consumed.stderr[-2000:]
 
 
 RANK_JSON: dict[str, Any] = {

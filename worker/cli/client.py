@@ -46,8 +46,10 @@ def _inputs(given: list[str]) -> tuple[str | None, dict[str, Path]]:
 
 def consume_command(args: argparse.Namespace) -> int:
     from worker.ops.produce import run_consume
+    from worker.ops.verify.cli import results_registry
 
-    return run_consume(client_settings(args).kafka, args.id, args.timeout, args.json)
+    return run_consume(client_settings(args).kafka, args.id, args.timeout, args.json,
+                       results_registry(args))  # fmt: skip
 
 
 def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
@@ -136,4 +138,9 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
     c.add_argument("--id", action="append", default=[], help="wait for this request id")
     c.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     c.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    c.add_argument(
+        "--schema-registry", metavar="URL",
+        help="read results in a Schema Registry format (Avro, JSON Schema, Protobuf) with "
+        "this registry (default: the config's schema_registry.url)",
+    )  # fmt: skip
     kafka_flags(c)

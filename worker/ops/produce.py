@@ -29,16 +29,17 @@ import numpy as np
 from aiokafka import AIOKafkaProducer
 
 from worker.config import KafkaConfig, LimitsConfig
-from worker.contract import Result, decode_request, decode_result
+from worker.contract import Result, decode_request
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
-from worker.contract.oip_client import decode_oip_result, encode_oip_request
+from worker.contract.oip_client import encode_oip_request
 from worker.flow.deadline import Deadline
 from worker.flow.errors import ConfigError
 from worker.kafka.clients import started
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 from worker.kafka.topiccheck import existing_topics, require_topics
+from worker.ops.registered import RegistryResults
 from worker.ops.requests import (
     OUTPUT_LABELS,
     LabelledRequest,
@@ -184,11 +185,13 @@ async def watch(
     timeout: float | None,
     json_lines: bool,
     include_dlq: bool = True,
+    registry: RegistryResults | None = None,
 ) -> Watched:
     """Print results (of ``ids`` only, when given) as they arrive, until each
-    of ``ids`` is answered or ``timeout``."""
+    of ``ids`` is answered or ``timeout``; ``registry``: reads results in a
+    Schema Registry format."""
     topics = [kafka.output_topic] + ([kafka.dlq_topic] if include_dlq else [])
-    collector = Collector(connection(kafka), topics)
+    collector = Collector(connection(kafka), topics, registry=registry)
     await collector.start()
     wanted = set(ids or ())
     seen: set[str] = set()
@@ -209,8 +212,7 @@ async def watch(
         if wanted and rid not in wanted:
             return
         try:
-            is_json = rec.headers.get("content-type", b"").startswith(JSON.encode())
-            result = decode_oip_result(rec.value) if is_json else decode_result(rec.value)
+            result = rec.result()
         except Exception as exc:  # boundary: a foreign or corrupt record on the topic
             print(f"(unreadable record at {topic}/{rec.partition}@{rec.offset}: {exc})")
             return
@@ -321,11 +323,11 @@ def run_produce(
 
 
 def run_consume(
-    kafka: KafkaConfig, ids: Sequence[str], timeout: float | None, json_lines: bool
-) -> int:
-    seen = run_tool(
-        kafka, watch(kafka, ids=set(ids) or None, timeout=timeout, json_lines=json_lines)
-    )
+    kafka: KafkaConfig, ids: Sequence[str], timeout: float | None, json_lines: bool,
+    registry: RegistryResults | None = None,
+) -> int:  # fmt: skip
+    seen = run_tool(kafka, watch(kafka, ids=set(ids) or None, timeout=timeout,
+                                 json_lines=json_lines, registry=registry))  # fmt: skip
     return 1 if seen.missing else 0
 
 

@@ -20,9 +20,10 @@ from aiokafka.structs import TopicPartition
 
 from worker.contract import Result, decode_result
 from worker.flow.deadline import Deadline
-from worker.flow.errors import ConfigError
+from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.clients import started, topic_partitions
 from worker.kafka.credentials import Connection, connect_kwargs
+from worker.ops.registered import RegistryResults
 
 
 @dataclass
@@ -98,10 +99,19 @@ class Collected:
     offset: int
     received_at: float  # monotonic
     timestamp_ms: int = 0  # the record's Kafka timestamp (its producer's clock)
+    # What reads a result in a Schema Registry format (the collector's, if it has one).
+    registry: RegistryResults | None = None
 
     def result(self) -> Result:
         """The result, read in its format (an Open Inference Protocol JSON answer
-        carries ``content-type: application/json``)."""
+        carries ``content-type: application/json``; one in a Schema Registry
+        format starts with its magic byte, 0: read with the registry)."""
+        if self.value[:1] == b"\x00":
+            if self.registry is None:
+                raise UndecodableRecord("a result in a Schema Registry format: give the tool "
+                                        "the registry (--schema-registry URL, or the "
+                                        "configuration's schema_registry.url)")  # fmt: skip
+            return self.registry.result(self.value)
         if self.headers.get("content-type", b"").startswith(b"application/json"):
             from worker.contract.oip_client import decode_oip_result
 
@@ -164,6 +174,8 @@ class Collector:
     records: dict[str, list[Collected]] = field(default_factory=dict)
     # "read_committed": only records of committed transactions (exactly-once output).
     isolation_level: str = "read_uncommitted"
+    # Reads results in a Schema Registry format (``Collected.result``); None: none is read.
+    registry: RegistryResults | None = None
     _consumer: AIOKafkaConsumer | None = None
     _gaps: OffsetGaps = field(default_factory=OffsetGaps)
 
@@ -237,7 +249,7 @@ class Collector:
                         break
                     headers = {k: bytes(v) for k, v in (m.headers or ())}
                     bucket.append(Collected(m.key, m.value, headers, m.partition, m.offset,
-                                            now, m.timestamp))  # fmt: skip
+                                            now, m.timestamp, self.registry))  # fmt: skip
             if progress is not None:
                 progress(self)
         return True

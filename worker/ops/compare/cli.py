@@ -19,7 +19,7 @@ from worker.ops.compare.join import Comparison
 from worker.ops.compare.read import read_results
 from worker.ops.compare.results import Side
 from worker.ops.topics import offsets_since
-from worker.ops.verify.cli import add_reading_arguments, emit
+from worker.ops.verify.cli import add_reading_arguments, emit, results_registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                 input_topic=args.input_topic, label_key=args.label_key,
                 idle_timeout=args.idle_timeout, timeout=args.timeout,
                 isolation_level=read_isolation(kafka, args.read_committed),
+                registry=results_registry(args),
             )
         )  # fmt: skip
     except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``), or a

@@ -9,6 +9,7 @@ from worker.flow.errors import InvalidRequest, WorkerError
 from worker.kafka.credentials import Connection
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.results import SIDES, ResultRow, Side
+from worker.ops.registered import RegistryResults
 from worker.ops.topics import Collected, Collector, Draining
 
 
@@ -22,6 +23,7 @@ async def read_results(
     idle_timeout: float = 2.0,
     timeout: float = 60.0,
     isolation_level: str = "read_uncommitted",
+    registry: RegistryResults | None = None,
 ) -> bool:
     """Read both result topics (and ``input_topic``, with each request's
     ``meta[label_key]``) from the beginning into ``comparison``; True when they
@@ -38,7 +40,7 @@ async def read_results(
     feed = _Feed(topics, comparison, input_topic, label_key, idle_timeout)
     collector = Collector(
         bootstrap, [*names, *([input_topic] if input_topic else [])],
-        isolation_level=isolation_level,
+        isolation_level=isolation_level, registry=registry,
     )  # fmt: skip
     await collector.start()
     try:

@@ -13,6 +13,7 @@ from worker.flow.errors import ConfigError
 from worker.kafka.clients import read_isolation
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
+from worker.ops.registered import RegistryResults
 from worker.ops.verify.check import check
 from worker.ops.verify.read import read_topics
 
@@ -52,10 +53,24 @@ def emit(text: str, doc: dict[str, Any], json_path: str | None) -> None:
             fh.write("\n")
 
 
+def results_registry(args: argparse.Namespace) -> RegistryResults | None:
+    """What reads results in a Schema Registry format: ``--schema-registry``, else
+    the configuration's ``schema_registry``; None without either."""
+    cfg = load_settings(args.config).schema_registry
+    if args.schema_registry:
+        cfg = dataclasses.replace(cfg, url=args.schema_registry)
+    return RegistryResults(cfg) if cfg.enabled else None
+
+
 def add_reading_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``verify`` and ``compare`` read topics with, and where they report."""
     parser.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
+    )
+    parser.add_argument(
+        "--schema-registry", metavar="URL",
+        help="read results in a Schema Registry format (Avro, JSON Schema, Protobuf) with "
+        "this registry (default: the config's schema_registry.url)",
     )
     parser.add_argument(
         "--read-committed",
@@ -114,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 idle_timeout=args.idle_timeout,
                 timeout=args.timeout,
                 isolation_level=read_isolation(kafka, args.read_committed),
+                registry=results_registry(args),
             ),
         )
     except ConfigError as exc:  # Kafka refused or missed the settings (``run_tool``), or a

@@ -12,6 +12,7 @@ from typing import Final
 from worker.contract.dlq import DlqHeader
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
+from worker.ops.registered import RegistryResults
 from worker.ops.topics import Collected, Collector, Draining
 from worker.ops.verify.report import InputRecord, Kind, Reply, Unparseable
 
@@ -75,6 +76,7 @@ async def read_topics(
     idle_timeout: float = 2.0,
     timeout: float = 60.0,
     isolation_level: str = "read_uncommitted",
+    registry: RegistryResults | None = None,
 ) -> tuple[dict[str, dict[int, list[int]]], Observed]:
     """Read every record of the input, output and DLQ topics from the beginning.
 
@@ -86,7 +88,8 @@ async def read_topics(
     ``seek_to_end`` and ``offsets_for_times`` wrongly, and a verifier that
     trusted them would report phantom losses. The price is that answers still
     being produced after the quiet period are missed; give ``idle_timeout``
-    more than the worker's longest pause. With ``isolation_level``
+    more than the worker's longest pause. ``registry``: reads answers in a Schema
+    Registry format. With ``isolation_level``
     "read_committed" only committed transactions' records are read (the
     answers of a worker running exactly-once).
 
@@ -107,8 +110,9 @@ async def read_topics(
 
     sorter = _Sorter(inputs_unique, output_topic, dlq_topic, idle_timeout)
     collector = Collector(
-        bootstrap, [*inputs_unique, *answer_topics], isolation_level=isolation_level
-    )
+        bootstrap, [*inputs_unique, *answer_topics], isolation_level=isolation_level,
+        registry=registry,
+    )  # fmt: skip
     await collector.start()
     try:
         # The collector reads every partition the metadata lists: record them
