@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -129,3 +130,62 @@ class SchemaRegistryServer:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class SecuredFront:
+    """HTTPS with basic auth in front of a registry (``url``), as a secured
+    registry presents itself: every call must carry ``username``/``password``
+    (401 otherwise) over TLS with ``keystore`` (a PEM of key and certificate
+    chain, e.g. ``devkit.kafka_pki``'s for 127.0.0.1), and is passed on to the
+    registry as it came. Test-only; ``seen`` counts the calls let through."""
+
+    def __init__(self, backend: str, keystore: Path, username: str, password: str) -> None:
+        import base64
+        import http.server
+        import ssl
+        import threading
+
+        expected = "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode()
+        front = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                if self.headers.get("Authorization") != expected:
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="registry"')
+                    self.end_headers()
+                    return
+                front.seen += 1
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                target = backend.split("/apis/", maxsplit=1)[0] + self.path
+                req = urllib.request.Request(target, data=body, method=self.command, headers={
+                    k: v for k, v in self.headers.items()
+                    if k.lower() in ("content-type", "accept")})  # fmt: skip
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as resp:
+                        status, payload = resp.status, resp.read()
+                except urllib.error.HTTPError as exc:
+                    status, payload = exc.code, exc.read()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = _forward
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.seen = 0
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(str(keystore))
+        self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self._server.server_address[1]}{API}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
