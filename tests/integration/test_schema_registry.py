@@ -36,7 +36,7 @@ from tests.onnx_models import ranker, run_alone
 from tests.serving import wire
 from worker.config import ModelConfig
 from worker.contract import Tensor
-from worker.ops.broker import Broker, create_topics
+from worker.ops.broker import Broker, EmbeddedBroker, create_topics
 from worker.ops.processes import spawn_worker
 from worker.ops.samples import Sample, labelled_samples
 from worker.ops.topics import Collector, produce_all
@@ -373,3 +373,53 @@ async def test_protobuf_requests_answered_in_protobuf(
         np.testing.assert_allclose(list(got.score.values), alone["score"], rtol=1e-5, atol=1e-6)
         assert list(got.token_scores.shape) == [len(ids)]
         assert got.source.topic == topic and got.timing_us["total"] > 0
+
+
+async def test_produce_sends_each_format_and_reads_its_answers(
+    embedded_broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path,
+    schema_registry: SchemaRegistryServer,
+) -> None:  # fmt: skip
+    """``produce --schema-registry``: the digits samples (pixels as integers, the
+    image input's) in each format, the schema made from the first request and
+    registered by the tool, every answer read back with the registry and ok
+    (exit 0) from a worker answering all three formats."""
+    topic, results_topic = names["requests"], names["results"]
+    await create_topics(embedded_broker.bootstrap, {topic: 1, results_topic: 1, names["dlq"]: 1})
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[schema_registry]\nurl = "{schema_registry.url}"\n'
+                      'formats = ["avro", "jsonschema", "protobuf"]\n')  # fmt: skip
+    w = spawn_worker(embedded_broker.bootstrap, input_topics=[topic], output_topic=results_topic,
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+    env |= {"INFER_WORKER_KAFKA__INPUT_TOPICS": topic,
+            "INFER_WORKER_KAFKA__OUTPUT_TOPIC": results_topic}  # fmt: skip
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 1, 90.0, "assignment"
+        )
+        for fmt in ("avro", "jsonschema", "protobuf"):
+            sent = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
+                                 embedded_broker.bootstrap, "--samples", "6", "--timeout", "60",
+                                 "--json", "--schema-registry", schema_registry.url,
+                                 "--schema-format", fmt],
+                capture_output=True, text=True, timeout=120, env=env, check=False,
+            )  # fmt: skip
+            assert sent.returncode == 0, (fmt, sent.stdout[-2000:], sent.stderr[-2000:])
+            answers = [json.loads(line) for line in sent.stdout.splitlines()
+                       if line.startswith("{")]  # fmt: skip
+            assert len(answers) == 6 and all(a["status"] == "ok" for a in answers), (fmt, answers)
+    finally:
+        assert w.terminate() == 0, w.log_tail()
+    assert not await _any_dlq(embedded_broker, names["dlq"])
+
+
+async def _any_dlq(broker: Broker, dlq: str) -> bool:
+    c = Collector(broker.bootstrap, [dlq])
+    await c.start()
+    try:
+        await c.collect(lambda c: c.count() > 0, 2.0)
+    finally:
+        await c.stop()
+    return c.count() > 0

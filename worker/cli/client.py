@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from worker.cli.common import Subparsers, add_command, client_settings, kafka_flags
+from worker.config import SchemaRegistryConfig, Settings
 
 
 def produce_command(args: argparse.Namespace) -> int:
@@ -21,8 +23,16 @@ def produce_command(args: argparse.Namespace) -> int:
         topic=args.topic, texts=args.text, input_name=input_name, sample_model=args.model,
         oip=args.oip, meta=parse_meta(args.meta), count=args.count, rate=args.rate,
         model_name=args.model_name, model_version=args.model_version, named=named,
-        allow_errors=args.allow_errors,
+        allow_errors=args.allow_errors, registry=_registry(args, s),
+        registry_format=args.schema_format,
     )  # fmt: skip
+
+
+def _registry(args: argparse.Namespace, s: Settings) -> SchemaRegistryConfig | None:
+    """``--schema-registry``: the requests in its format (``--schema-format``)."""
+    if not args.schema_registry:
+        return None
+    return dataclasses.replace(s.schema_registry, url=args.schema_registry)
 
 
 def _inputs(given: list[str]) -> tuple[str | None, dict[str, Path]]:
@@ -120,6 +130,16 @@ def add_client(sub: Subparsers[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-wait", action="store_true", help="send only; do not wait for answers")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
     p.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    p.add_argument(
+        "--schema-registry", metavar="URL",
+        help="send the requests in a Schema Registry format (--schema-format), their schema "
+        "made from the first request's inputs and registered under TOPIC-value; the "
+        "answers read with the registry",
+    )  # fmt: skip
+    p.add_argument(
+        "--schema-format", choices=("avro", "jsonschema", "protobuf"), default="avro",
+        help="with --schema-registry: the format (default avro)",
+    )  # fmt: skip
     p.add_argument(
         "--allow-errors", action="store_true",
         help="exit 0 though some answers are errors (default: exit 1, as for a request "

@@ -16,9 +16,10 @@ A request record's fields, by name:
   it, and a field added for another is no error): an array of numbers or
   booleans (nested arrays give the shape; a flat one takes the shape of a field
   ``NAME_shape``, else the model input's fixed shape) becomes a tensor of the
-  item type's dtype (the format says which); bytes an image file where the
-  input is an image, else the input's raw tensor (its dtype and fixed shape); a
-  string a text. A null leaves the input out.
+  item type's dtype (the format says which; integers for an image input are its
+  uint8 pixels); bytes an image file where the input is an image, else the
+  input's raw tensor (its dtype and fixed shape); a string a text. A null
+  leaves the input out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ RESERVED: Final = (
 )  # fmt: skip
 # The dtypes an array field's items may have, in wire form (little-endian).
 WIRE: Final = {name: np.dtype(name).newbyteorder("<")
-               for name in ("float32", "float64", "int32", "int64", "bool")}  # fmt: skip
+               for name in ("float32", "float64", "int32", "int64", "bool", "uint8")}  # fmt: skip
 _NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The registry formats the worker reads and answers in (schema_registry.formats),
 # by the registry's schemaType.
@@ -145,14 +146,16 @@ def _input(name: str, value: Any, field: Field, shape: Any, takes: InputsView) -
     if isinstance(value, list):
         if not field.dtype:  # an array of no numeric item type
             return Tensor.from_numpy(np.asarray(value))
+        # An image's pixels (integers 0..255): uint8, as a msgpack request sends them.
+        dtype = "uint8" if name in takes.images and field.dtype.startswith("int") else field.dtype
         # Straight into wire form (little-endian, C order): no dtype look-ups per record.
-        arr = np.array(value, dtype=WIRE[field.dtype])
+        arr = np.array(value, dtype=WIRE[dtype])
         if shape is not None:
             arr = arr.reshape([int(d) for d in shape])
         elif (arr.ndim == 1 and not field.nested and fixed is not None
               and len(fixed[1]) != 1 and arr.size == int(np.prod(fixed[1]))):  # fmt: skip
             arr = arr.reshape(fixed[1])
-        return Tensor(field.dtype, arr.shape, arr.tobytes())
+        return Tensor(dtype, arr.shape, arr.tobytes())
     raise ValueError(f"a {type(value).__name__} is not a model input")
 
 

@@ -28,11 +28,12 @@ import msgspec
 import numpy as np
 from aiokafka import AIOKafkaProducer
 
-from worker.config import KafkaConfig, LimitsConfig
+from worker.config import KafkaConfig, LimitsConfig, SchemaRegistryConfig
 from worker.contract import Result, decode_request
 from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip_client import encode_oip_request
+from worker.contract.registered import Format
 from worker.flow.deadline import Deadline
 from worker.flow.errors import ConfigError
 from worker.kafka.clients import started
@@ -40,6 +41,7 @@ from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
 from worker.kafka.topiccheck import existing_topics, require_topics
 from worker.ops.registered import RegistryResults
+from worker.ops.registry_requests import RequestEncoder
 from worker.ops.requests import (
     OUTPUT_LABELS,
     LabelledRequest,
@@ -74,11 +76,13 @@ async def send(
     total: int | None = None,
     rate: float = 0.0,
     setting: str = "--topic",
+    registry: RequestEncoder | None = None,
 ) -> int:
     """Send ``requests`` (``total`` of them, when known, for the progress line),
     at most ``rate`` a second when > 0, each acknowledged by the broker before
     this returns; with ``oip``, as Open Inference Protocol JSON (header
-    ``content-type: application/json``) instead of msgpack. The topic is checked
+    ``content-type: application/json``) instead of msgpack; with ``registry``, in
+    its Schema Registry format. The topic is checked
     first: a missing one is a ``ConfigError`` naming ``setting``, not a wait on
     metadata that ends as "no broker answers". Returns how many were sent."""
     producer = AIOKafkaProducer(
@@ -96,7 +100,9 @@ async def send(
                 delay = start + sent / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            value = encode_oip_request(decode_request(r.value)) if oip else r.value
+            value = (encode_oip_request(decode_request(r.value)) if oip
+                     else registry.encode(decode_request(r.value)) if registry is not None
+                     else r.value)  # fmt: skip
             headers = [("content-type", JSON.encode())] if oip else []
             pending.append(await producer.send(topic, value, key=r.id.encode(), headers=headers))
             while len(pending) > _IN_FLIGHT or (pending and pending[0].done()):
@@ -273,13 +279,17 @@ def run_produce(
     model_version: str | None = None,
     named: Mapping[str, Path] | None = None,
     allow_errors: bool = False,
+    registry: SchemaRegistryConfig | None = None,
+    registry_format: Format = "avro",
 ) -> int:
     """Send the files, texts and samples given (cycled to ``count`` requests when
     set, ``rate`` a second when > 0) to ``topic`` (default: the configuration's
     first input topic), then, with ``wait``, print each answer as it arrives;
     ``model_name``: the model each request names (several models in one worker);
-    ``named``: one more request of these named inputs. Exit status 1 when an
-    answer did not come in time, or came as an error (unless ``allow_errors``)."""
+    ``named``: one more request of these named inputs; ``registry``: the requests
+    in ``registry_format`` of that Schema Registry, their answers read with it.
+    Exit status 1 when an answer did not come in time, or came as an error
+    (unless ``allow_errors``)."""
     if rate < 0:
         raise ConfigError(f"--rate must be >= 0 (requests a second; 0 = as fast as acked), "
                           f"got {rate:g}")  # fmt: skip
@@ -307,14 +317,16 @@ def run_produce(
     target = topic or kafka.input_topics[0]
     setting = "--topic" if topic else "kafka.input_topics"
 
+    encoder = RequestEncoder(registry, registry_format, target) if registry else None
+    reader = RegistryResults(registry) if registry else None
+
     async def go() -> int:
         await send(kafka, target, noted(stream), request_size(limits), oip, total=total,
-                   rate=rate, setting=setting)  # fmt: skip
+                   rate=rate, setting=setting, registry=encoder)  # fmt: skip
         if not wait:
             return 0
-        seen = await watch(
-            kafka, ids=ids, timeout=timeout, json_lines=json_lines, include_dlq=False
-        )
+        seen = await watch(kafka, ids=ids, timeout=timeout, json_lines=json_lines,
+                           include_dlq=False, registry=reader)  # fmt: skip
         if seen.errors and not allow_errors:
             print(f"{seen.errors} of {len(ids)} answered with an error", file=sys.stderr)
         return 1 if seen.missing or (seen.errors and not allow_errors) else 0
