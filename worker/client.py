@@ -30,14 +30,14 @@ import time
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from worker.config import KafkaConfig
+from worker.config import KafkaConfig, SchemaRegistryConfig
 from worker.contract import (
     EncodedImage,
     ModelRef,
@@ -51,9 +51,12 @@ from worker.contract import (
 from worker.contract.limits import DEFAULT_LIMITS
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip_client import decode_oip_result, encode_oip_request
+from worker.contract.registered import Format
 from worker.kafka.clients import topic_partitions
 from worker.kafka.credentials import security_kwargs
 from worker.kafka.diagnose import explain
+from worker.kafka.registry_requests import RequestEncoder
+from worker.kafka.registry_results import RegistryResults
 
 
 def _as_image(image: np.ndarray | bytes | None) -> np.ndarray | bytes:
@@ -104,16 +107,30 @@ class InferenceClient:
         output_topic: str = "infer.results",
         input_name: str = "image",
         max_request_size: int = DEFAULT_LIMITS.max_record_bytes + 64 * 1024,
-        wire: Literal["msgpack", "oip"] = "msgpack",
+        wire: Literal["msgpack", "oip", "avro", "jsonschema", "protobuf"] = "msgpack",
         security: Mapping[str, Any] | None = None,
+        schema_registry: SchemaRegistryConfig | None = None,
     ) -> None:
-        """``wire``: how requests travel: msgpack (contract v1), or Open Inference
-        Protocol v2 JSON (``content-type: application/json``); answers are read in
-        either format. ``security``: aiokafka's security arguments for a secured
-        cluster (``security_protocol``, ``ssl_context``, ``sasl_*``); the worker's
-        own settings give them with ``worker.kafka.credentials.security_kwargs``
+        """``wire``: how requests travel: msgpack (contract v1), Open Inference
+        Protocol v2 JSON (``content-type: application/json``), or a Schema
+        Registry format (``avro``, ``jsonschema``, ``protobuf``; needs
+        ``schema_registry``, and the worker's ``schema_registry.formats`` to
+        include it: the request schema is made from the first request's inputs
+        and registered under the input topic's subject, docs/guides/
+        schema-registry.md); answers are read in any of them. ``security``:
+        aiokafka's security arguments for a secured cluster
+        (``security_protocol``, ``ssl_context``, ``sasl_*``); the worker's own
+        settings give them with ``worker.kafka.credentials.security_kwargs``
         (docs/guides/secure.md)."""
+        registered = wire in ("avro", "jsonschema", "protobuf")
+        if registered and (schema_registry is None or not schema_registry.enabled):
+            raise ValueError(f"wire {wire!r} needs schema_registry (its url)")
         self._wire = wire
+        self._encoder = (RequestEncoder(schema_registry, cast(Format, wire), input_topic)
+                         if registered and schema_registry is not None else None)  # fmt: skip
+        self._results = (RegistryResults(schema_registry)
+                         if schema_registry is not None and schema_registry.enabled
+                         else None)  # fmt: skip
         self._bootstrap = bootstrap_servers
         self._security = dict(security or {})
         self._input_topic = input_topic
@@ -234,7 +251,10 @@ class InferenceClient:
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
         oip = self._wire == "oip"
-        value = encode_oip_request(request) if oip else encode_request(request)
+        if self._encoder is not None:  # the registry is asked once (a schema), on a thread
+            value = await asyncio.to_thread(self._encoder.encode, request)
+        else:
+            value = encode_oip_request(request) if oip else encode_request(request)
         headers = [("content-type", JSON.encode())] if oip else []
         try:
             await self._producer.send_and_wait(
@@ -257,6 +277,15 @@ class InferenceClient:
                         json_answer = headers.get("content-type", b"").startswith(JSON.encode())
                         decode = decode_oip_result if json_answer else decode_result
                         try:
-                            fut.set_result(decode(record.value))
+                            if record.value[:1] == b"\x00" and self._results is not None:
+                                # A registry format's: its schema fetched once, off the loop.
+                                result = await asyncio.to_thread(self._results.result,
+                                                                 record.value)  # fmt: skip
+                            else:
+                                result = decode(record.value)
                         except Exception as exc:  # boundary: a corrupt record is its caller's error
-                            fut.set_exception(exc)
+                            if not fut.done():
+                                fut.set_exception(exc)
+                            continue
+                        if not fut.done():  # the caller may have given up meanwhile
+                            fut.set_result(result)

@@ -423,3 +423,45 @@ async def _any_dlq(broker: Broker, dlq: str) -> bool:
     finally:
         await c.stop()
     return c.count() > 0
+
+
+@pytest.mark.parametrize("wire", ["avro", "jsonschema", "protobuf"])
+async def test_the_python_client_in_each_registry_format(
+    embedded_broker: EmbeddedBroker, names: dict[str, str], tmp_path: Path,
+    schema_registry: SchemaRegistryServer, wire: str,
+) -> None:  # fmt: skip
+    """``InferenceClient(wire=FORMAT, schema_registry=...)``: requests of a
+    two-input model in the format, each answer read back as the contract's
+    Result, equal to the model alone."""
+    from worker.client import InferenceClient
+    from worker.config import SchemaRegistryConfig
+
+    rank_path = ranker(tmp_path / "ranker.onnx")
+    topic, results_topic = names["requests"], names["results"]
+    await create_topics(embedded_broker.bootstrap, {topic: 1, results_topic: 1, names["dlq"]: 1})
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[schema_registry]\nurl = "{schema_registry.url}"\nformats = ["{wire}"]\n'
+                      f'[model]\npath = "{rank_path}"\n')  # fmt: skip
+    w = spawn_worker(embedded_broker.bootstrap, input_topics=[topic], output_topic=results_topic,
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)))  # fmt: skip
+    rng = np.random.default_rng(70)
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 1, 90.0, "assignment"
+        )
+        async with InferenceClient(
+            embedded_broker.bootstrap, input_topic=topic, output_topic=results_topic,
+            wire=wire, schema_registry=SchemaRegistryConfig(url=schema_registry.url),  # type: ignore[arg-type]
+        ) as client:  # fmt: skip
+            for _ in range(4):
+                features = rng.normal(size=4).astype(np.float32)
+                ids = rng.integers(1, 50, int(rng.integers(1, 6))).astype(np.int64)
+                result = await client.infer(inputs={"features": features, "ids": ids},
+                                            timeout=30)  # fmt: skip
+                assert (result.status, result.model.name) == ("ok", "ranker"), result.error
+                alone = run_alone(rank_path, {"features": features, "ids": ids})
+                np.testing.assert_allclose(result.outputs["score"].to_numpy(), alone["score"],
+                                           rtol=1e-5, atol=1e-6)  # fmt: skip
+    finally:
+        assert w.terminate() == 0, w.log_tail()

@@ -39,9 +39,9 @@ from worker.flow.errors import ConfigError
 from worker.kafka.clients import started
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
+from worker.kafka.registry_requests import RequestEncoder
+from worker.kafka.registry_results import RegistryResults
 from worker.kafka.topiccheck import existing_topics, require_topics
-from worker.ops.registered import RegistryResults
-from worker.ops.registry_requests import RequestEncoder
 from worker.ops.requests import (
     OUTPUT_LABELS,
     LabelledRequest,

@@ -23,7 +23,7 @@ from worker.flow.deadline import Deadline
 from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.clients import started, topic_partitions
 from worker.kafka.credentials import Connection, connect_kwargs
-from worker.ops.registered import RegistryResults
+from worker.kafka.registry_results import RegistryResults
 
 
 @dataclass

@@ -7,9 +7,9 @@ from worker.contract import decode_request
 from worker.contract.oip import decode_oip_request
 from worker.flow.errors import InvalidRequest, WorkerError
 from worker.kafka.credentials import Connection
+from worker.kafka.registry_results import RegistryResults
 from worker.ops.compare.join import Comparison
 from worker.ops.compare.results import SIDES, ResultRow, Side
-from worker.ops.registered import RegistryResults
 from worker.ops.topics import Collected, Collector, Draining
 
 

@@ -13,7 +13,7 @@ from worker.flow.errors import ConfigError
 from worker.kafka.clients import read_isolation
 from worker.kafka.credentials import connection
 from worker.kafka.diagnose import run_tool
-from worker.ops.registered import RegistryResults
+from worker.kafka.registry_results import RegistryResults
 from worker.ops.verify.check import check
 from worker.ops.verify.read import read_topics
 

@@ -12,7 +12,7 @@ from typing import Final
 from worker.contract.dlq import DlqHeader
 from worker.flow.errors import WorkerError
 from worker.kafka.credentials import Connection
-from worker.ops.registered import RegistryResults
+from worker.kafka.registry_results import RegistryResults
 from worker.ops.topics import Collected, Collector, Draining
 from worker.ops.verify.report import InputRecord, Kind, Reply, Unparseable
 
