@@ -155,7 +155,9 @@ def _input(name: str, value: Any, field: Field, shape: Any, takes: InputsView) -
         elif (arr.ndim == 1 and not field.nested and fixed is not None
               and len(fixed[1]) != 1 and arr.size == int(np.prod(fixed[1]))):  # fmt: skip
             arr = arr.reshape(fixed[1])
-        return Tensor(dtype, arr.shape, arr.tobytes())
+        # The array itself, as a pipeline step's are (``ModelInputs`` checks both): no
+        # wire tensor made for bytes nobody reads back.
+        return arr
     raise ValueError(f"a {type(value).__name__} is not a model input")
 
 

@@ -99,6 +99,7 @@ def test_cli_config_file_supplies_topics_and_flags_win(
         "idle_timeout": 0.5,
         "timeout": 60.0,
         "isolation_level": "read_uncommitted",  # the config runs at-least-once
+        "registry": None,  # no schema_registry.url: results are msgpack or JSON
     }
     doc = json.loads(out.read_text())
     assert doc["ok"] is True and doc["complete"] is True
