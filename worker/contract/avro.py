@@ -193,7 +193,13 @@ class AvroResults:
             record["error"] = (self._error, record["error"])
         if record["partial"] is not None:
             record["partial"] = (self._partial, record["partial"])
-        for output, given in outputs_of(result, arrays).items():
+        return self._write(record, outputs_of(result, arrays))
+
+    def encode_ok(self, record: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+        return self._write(record, arrays)
+
+    def _write(self, record: dict[str, Any], outputs: Mapping[str, Any]) -> bytes:
+        for output, given in outputs.items():
             key = field_name(output)
             named = self._outputs.get(key)
             if named is not None:  # an output the schema does not name: not sent

@@ -203,8 +203,13 @@ class JsonResults:
         }  # fmt: skip
 
     def encode(self, result: Result, arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
-        record = result_record(result)
-        for output, given in outputs_of(result, arrays).items():
+        return self._write(result_record(result), outputs_of(result, arrays))
+
+    def encode_ok(self, record: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+        return self._write(record, arrays)
+
+    def _write(self, record: dict[str, Any], outputs: Mapping[str, Any]) -> bytes:
+        for output, given in outputs.items():
             key = field_name(output)
             typed = self._typed.get(key)
             if typed is None:

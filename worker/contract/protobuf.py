@@ -246,11 +246,16 @@ class ProtobufResults:
         }  # fmt: skip
 
     def encode(self, result: Result, arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
-        record = result_record(result)
+        return self._write(result_record(result), outputs_of(result, arrays))
+
+    def encode_ok(self, record: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+        return self._write(record, arrays)
+
+    def _write(self, record: dict[str, Any], outputs: Mapping[str, Any]) -> bytes:
         for name in ("error", "partial", "meta"):
             if record[name] is None:
                 del record[name]
-        for output, given in outputs_of(result, arrays).items():
+        for output, given in outputs.items():
             key = field_name(output)
             typed = self._typed.get(key)
             if typed is not None:

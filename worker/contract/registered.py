@@ -213,6 +213,26 @@ class ResultEncoder(Protocol):
         """``arrays``: the outputs as the stage gave them, instead of the result's."""
         ...
 
+    def encode_ok(self, record: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+        """An ok answer (the hot path): its envelope as ``ok_record`` made it, and
+        its outputs as the stage gave them."""
+        ...
+
+
+def ok_record(
+    request_id: str, model_name: str, version: str, topic: str, partition: int, offset: int,
+    timing_us: Mapping[str, int], meta: Mapping[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """An ok answer's envelope, as ``result_record`` makes it, without a ``Result``."""
+    return {
+        "v": 1, "id": request_id, "status": "ok",
+        "model": {"name": model_name, "version": version}, "error": None,
+        "source": {"topic": topic, "partition": partition, "offset": offset},
+        "timing_us": timing_us,
+        "meta": None if meta is None else {str(k): str(v) for k, v in meta.items()},
+        "partial": None,
+    }  # fmt: skip
+
 
 def outputs_of(result: Result, arrays: Mapping[str, np.ndarray] | None) -> Mapping[str, Any]:
     """A result's outputs: the stage's arrays where given (no wire tensors made)."""

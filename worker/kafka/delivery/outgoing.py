@@ -25,7 +25,7 @@ from worker.contract.dlq import DlqHeader
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import encode_oip_result
 from worker.contract.ok_results import encode_ok_at
-from worker.contract.registered import Format, ResultEncoder
+from worker.contract.registered import Format, ResultEncoder, ok_record
 from worker.flow.codes import MAX_ERROR_MESSAGE_CHARS, ErrorCode
 from worker.flow.errors import CrashLoop, InvalidRequest, UndecodableRecord
 from worker.flow.messages import Answer, Job, StateChange, StepOutputs, TraceContext, Wire
@@ -183,6 +183,18 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
             job, topics.output, job.key, encoded, [("id", request_id.encode())], "ok", seq,
             request_id=request_id,
         )  # fmt: skip
+    registered = topics.encoder(job.wire)
+    if ok and registered is not None and answer.partial is None:
+        # As hot a path in a registry format: the envelope made without a Result.
+        assert answer.outputs is not None
+        request_id, meta = _echo(job)
+        tp = job.tp
+        record = ok_record(request_id, model.name, model.version, tp.topic, tp.partition,
+                           job.offset, _timing(answer, now), meta)  # fmt: skip
+        return OutRecord(
+            job, topics.output, job.key, registered.encode_ok(record, answer.outputs),
+            [("id", request_id.encode())], "ok", seq, request_id=request_id,
+        )  # fmt: skip
     if isinstance(failure, UndecodableRecord):
         # The stage that set it aside: decoding, or the crash guard (named as its code).
         stage = ErrorCode.CRASH_LOOP if isinstance(failure, CrashLoop) else "decode"
@@ -197,7 +209,6 @@ def _encoded(answer: Answer, model: ModelInfo, topics: Topics, seq: int, now: fl
         return OutRecord(job, topics.dlq, job.key, value, headers, "dlq", seq, error=error)
     if job.wire == "oip":
         return _oip(answer, model, topics, seq, now)
-    registered = topics.encoder(job.wire)
     result = build_result(answer, model, now, tensors=registered is None)
     return OutRecord(
         job,
