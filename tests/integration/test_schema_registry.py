@@ -465,3 +465,29 @@ async def test_the_python_client_in_each_registry_format(
                                            rtol=1e-5, atol=1e-6)  # fmt: skip
     finally:
         assert w.terminate() == 0, w.log_tail()
+
+
+def test_compare_reads_a_label_from_a_registry_request(
+    schema_registry: SchemaRegistryServer, tmp_path: Path
+) -> None:
+    """``compare --label-key`` on a topic of registry requests: each request's
+    ``meta[label_key]`` read with the request schema of its id (here Avro)."""
+    import fastavro
+
+    from worker.config import SchemaRegistryConfig
+    from worker.kafka.registry import SchemaRegistry
+    from worker.kafka.registry_results import RegistryResults
+    from worker.ops.compare.join import Comparison
+    from worker.ops.compare.read import _Feed
+    from worker.ops.topics import Collected
+
+    cfg = SchemaRegistryConfig(url=schema_registry.url)
+    sid = SchemaRegistry(cfg).register(f"labels-{tmp_path.name}-value", RANK_V1)
+    out = io.BytesIO(b"\x00" + sid.to_bytes(4, "big"))
+    out.seek(5)
+    fastavro.schemaless_writer(out, fastavro.parse_schema(RANK_V1), {
+        "id": "r", "features": [0.0] * 4, "ids": [1], "meta": {"label": "7"}})  # fmt: skip
+    rec = Collected(b"r", out.getvalue(), {}, 0, 0, 0.0, 0, RegistryResults(cfg))
+    feed = _Feed({"baseline": "b", "candidate": "c"}, Comparison(label_key="label"), "in",
+                 "label", 1.0)  # fmt: skip
+    assert feed._label(rec) == "7"

@@ -22,7 +22,7 @@ import numpy as np
 
 from worker.config import SchemaRegistryConfig
 from worker.contract import ErrorInfo, ModelInfo, Result, Source, Tensor
-from worker.contract.registered import HEADER_BYTES, RESERVED, schema_id
+from worker.contract.registered import HEADER_BYTES, RESERVED, RequestSchema, schema_id
 from worker.flow.errors import UndecodableRecord
 from worker.kafka.registry import NotFound, SchemaRegistry, Unreachable
 
@@ -42,6 +42,21 @@ class RegistryResults:
     def __init__(self, cfg: SchemaRegistryConfig) -> None:
         self._registry = SchemaRegistry(cfg)
         self._readers: dict[int, Reader] = {}
+        self._requests: dict[int, RequestSchema] = {}
+
+    def request(self, value: bytes) -> dict[str, Any]:
+        """A request's fields (``compare --label-key`` reads its ``meta``), read with
+        the request schema of its id; ``UndecodableRecord`` where it cannot be."""
+        sid = schema_id(value)
+        if sid is None:
+            raise UndecodableRecord("not in the Schema Registry's format")
+        if sid not in self._requests:
+            try:
+                kind, text = self._registry.schema(sid)
+            except (NotFound, Unreachable) as exc:
+                raise UndecodableRecord(f"schema id {sid}: {exc}") from exc
+            self._requests[sid] = _request_schema(kind, text, sid)
+        return self._requests[sid].read(value)
 
     def result(self, value: bytes) -> Result:
         """``UndecodableRecord`` for a value that is no result this can read."""
@@ -59,6 +74,21 @@ class RegistryResults:
             return _result(record, dtypes)
         except (KeyError, TypeError, ValueError) as exc:
             raise UndecodableRecord(f"not a result of schema {sid}: {exc}") from exc
+
+
+def _request_schema(kind: str, text: str, sid: int) -> RequestSchema:
+    from worker.contract.avro import WriterSchema
+    from worker.contract.json_schema import JsonRequestSchema
+    from worker.contract.protobuf import ProtobufRequestSchema
+
+    try:
+        if kind == "AVRO":
+            return WriterSchema.of(sid, text)
+        if kind == "JSON":
+            return JsonRequestSchema.of(sid, text)
+        return ProtobufRequestSchema.of(sid, text)
+    except ValueError as exc:
+        raise UndecodableRecord(str(exc)) from exc
 
 
 def _reader(kind: str, text: str, sid: int, registry: SchemaRegistry) -> Reader:

@@ -87,11 +87,12 @@ class _Feed(Draining):
             return None
         json = rec.headers.get("content-type", b"").startswith(b"application/json")
         try:
-            meta = (
-                decode_oip_request(rec.value).request.meta
-                if json
-                else decode_request(rec.value).meta
-            )
+            if rec.value[:1] == b"\x00" and rec.registry is not None:  # a registry format's
+                meta = rec.registry.request(rec.value).get("meta")
+            elif json:
+                meta = decode_oip_request(rec.value).request.meta
+            else:
+                meta = decode_request(rec.value).meta
         except InvalidRequest as exc:
             meta = exc.meta
         except (ValueError, WorkerError):
