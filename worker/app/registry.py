@@ -14,7 +14,6 @@ from typing import Any, cast
 import structlog
 
 from worker.config import Settings
-from worker.contract import avro, json_schema, protobuf
 from worker.contract.registered import Format, OutputDesc, ResultEncoder
 from worker.flow.errors import ConfigError, UndecodableRecord
 from worker.kafka.registry import NotFound, SchemaRegistry, Schemas, Unreachable
@@ -62,6 +61,9 @@ _KINDS: dict[Format, str] = {"avro": "AVRO", "jsonschema": "JSON", "protobuf": "
 
 
 def _schema(fmt: Format, name: str, namespace: str, outputs: Mapping[str, OutputDesc]) -> Any:
+    # The formats' modules (and their libraries) load only where one is configured.
+    from worker.contract import avro, json_schema, protobuf
+
     if fmt == "avro":
         return avro.result_schema(name, namespace, outputs)
     if fmt == "jsonschema":
@@ -71,10 +73,14 @@ def _schema(fmt: Format, name: str, namespace: str, outputs: Mapping[str, Output
 
 def _text(schema: Any) -> Any:
     """What is registered: Avro's and JSON Schema's JSON, Protobuf's serialized file."""
+    from worker.contract import protobuf
+
     return protobuf.serialized(schema) if not isinstance(schema, dict) else schema
 
 
 def _encoder(fmt: Format, schema: Any, sid: int) -> ResultEncoder:
+    from worker.contract import avro, json_schema, protobuf
+
     if fmt == "avro":
         return avro.AvroResults(schema, sid)
     if fmt == "jsonschema":

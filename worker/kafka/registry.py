@@ -32,9 +32,6 @@ from urllib.parse import quote
 import structlog
 
 from worker.config import SchemaRegistryConfig
-from worker.contract.avro import WriterSchema
-from worker.contract.json_schema import JsonRequestSchema
-from worker.contract.protobuf import ProtobufRequestSchema
 from worker.contract.registered import FORMATS, Format, RequestSchema, schema_id
 from worker.flow.backoff import Backoff
 from worker.flow.errors import UndecodableRecord
@@ -185,6 +182,11 @@ class Schemas:
         log.info("schema_registered_seen", schema_id=sid, format=fmt)
 
     async def _read(self, sid: int, fmt: Format, text: str) -> RequestSchema:
+        # The formats' modules (and their libraries) load with the first schema of one.
+        from worker.contract.avro import WriterSchema
+        from worker.contract.json_schema import JsonRequestSchema
+        from worker.contract.protobuf import ProtobufRequestSchema
+
         if fmt == "avro":
             return WriterSchema.of(sid, text)
         if fmt == "jsonschema":
