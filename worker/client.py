@@ -251,8 +251,11 @@ class InferenceClient:
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
         oip = self._wire == "oip"
-        if self._encoder is not None:  # the registry is asked once (a schema), on a thread
+        if self._encoder is not None and not self._encoder.registered:
+            # The first request registers the schema: an HTTP call, off the loop.
             value = await asyncio.to_thread(self._encoder.encode, request)
+        elif self._encoder is not None:
+            value = self._encoder.encode(request)
         else:
             value = encode_oip_request(request) if oip else encode_request(request)
         headers = [("content-type", JSON.encode())] if oip else []

@@ -172,7 +172,8 @@ class Schemas:
                                   f"{sorted(self._formats)} (schema_registry.formats)")  # fmt: skip
             return
         try:
-            self._known[sid] = await self._read(sid, fmt, text)
+            self._known[sid] = await asyncio.to_thread(request_schema, sid, fmt, text,
+                                                       self._registry)  # fmt: skip
         except Unreachable as exc:
             self._failed[sid] = f"schema id {sid}: {exc}"
             return
@@ -181,18 +182,22 @@ class Schemas:
             return
         log.info("schema_registered_seen", schema_id=sid, format=fmt)
 
-    async def _read(self, sid: int, fmt: Format, text: str) -> RequestSchema:
-        # The formats' modules (and their libraries) load with the first schema of one.
-        from worker.contract.avro import WriterSchema
-        from worker.contract.json_schema import JsonRequestSchema
-        from worker.contract.protobuf import ProtobufRequestSchema
 
-        if fmt == "avro":
-            return WriterSchema.of(sid, text)
-        if fmt == "jsonschema":
-            return JsonRequestSchema.of(sid, text)
-        try:
-            return ProtobufRequestSchema.of(sid, text)
-        except ValueError:  # a .proto text: the registry may serialize it (Confluent's does)
-            _, text = await asyncio.to_thread(self._registry.schema, sid, True)
-            return ProtobufRequestSchema.of(sid, text)
+
+def request_schema(sid: int, fmt: Format, text: str, registry: SchemaRegistry) -> RequestSchema:
+    """Schema ``sid`` (``text``, as the registry served it) read as a request schema
+    of ``fmt``; ``ValueError`` naming what is wrong with it. Blocking: a Protobuf
+    ``.proto`` text is asked for again serialized (Confluent's registry does)."""
+    # The formats' modules (and their libraries) load with the first schema of one.
+    from worker.contract.avro import WriterSchema
+    from worker.contract.json_schema import JsonRequestSchema
+    from worker.contract.protobuf import ProtobufRequestSchema
+
+    if fmt == "avro":
+        return WriterSchema.of(sid, text)
+    if fmt == "jsonschema":
+        return JsonRequestSchema.of(sid, text)
+    try:
+        return ProtobufRequestSchema.of(sid, text)
+    except ValueError:
+        return ProtobufRequestSchema.of(sid, registry.schema(sid, serialized=True)[1])

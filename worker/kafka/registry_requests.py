@@ -53,6 +53,11 @@ class RequestEncoder:
         self._header = b""
         self._message: Any = None  # Protobuf's class
 
+    @property
+    def registered(self) -> bool:
+        """Whether the schema is registered (``encode`` makes no registry call then)."""
+        return self._kinds is not None
+
     def encode(self, request: Request) -> bytes:
         kinds = {name: _kind_of(v) for name, v in request.inputs.items()}
         if self._kinds is None:

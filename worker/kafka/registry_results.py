@@ -22,9 +22,9 @@ import numpy as np
 
 from worker.config import SchemaRegistryConfig
 from worker.contract import ErrorInfo, ModelInfo, Result, Source, Tensor
-from worker.contract.registered import HEADER_BYTES, RESERVED, RequestSchema, schema_id
+from worker.contract.registered import FORMATS, HEADER_BYTES, RESERVED, RequestSchema, schema_id
 from worker.flow.errors import UndecodableRecord
-from worker.kafka.registry import NotFound, SchemaRegistry, Unreachable
+from worker.kafka.registry import NotFound, SchemaRegistry, Unreachable, request_schema
 
 _ENVELOPE: Final = frozenset(
     {"v", "id", "status", "model", "error", "source", "timing_us", "meta", "partial"}
@@ -47,27 +47,23 @@ class RegistryResults:
     def request(self, value: bytes) -> dict[str, Any]:
         """A request's fields (``compare --label-key`` reads its ``meta``), read with
         the request schema of its id; ``UndecodableRecord`` where it cannot be."""
-        sid = schema_id(value)
-        if sid is None:
-            raise UndecodableRecord("not in the Schema Registry's format")
+        sid = _schema_id(value)
         if sid not in self._requests:
+            kind, text = self._schema(sid)
+            fmt = FORMATS.get(kind)
             try:
-                kind, text = self._registry.schema(sid)
-            except (NotFound, Unreachable) as exc:
-                raise UndecodableRecord(f"schema id {sid}: {exc}") from exc
-            self._requests[sid] = _request_schema(kind, text, sid)
+                if fmt is None:
+                    raise ValueError(f"schema id {sid} is {kind}")
+                self._requests[sid] = request_schema(sid, fmt, text, self._registry)
+            except (ValueError, Unreachable) as exc:
+                raise UndecodableRecord(str(exc)) from exc
         return self._requests[sid].read(value)
 
     def result(self, value: bytes) -> Result:
         """``UndecodableRecord`` for a value that is no result this can read."""
-        sid = schema_id(value)
-        if sid is None:
-            raise UndecodableRecord("not in the Schema Registry's format")
+        sid = _schema_id(value)
         if sid not in self._readers:
-            try:
-                kind, text = self._registry.schema(sid)
-            except (NotFound, Unreachable) as exc:
-                raise UndecodableRecord(f"schema id {sid}: {exc}") from exc
+            kind, text = self._schema(sid)
             self._readers[sid] = _reader(kind, text, sid, self._registry)
         try:
             record, dtypes = self._readers[sid](value)
@@ -75,20 +71,18 @@ class RegistryResults:
         except (KeyError, TypeError, ValueError) as exc:
             raise UndecodableRecord(f"not a result of schema {sid}: {exc}") from exc
 
+    def _schema(self, sid: int) -> tuple[str, str]:
+        try:
+            return self._registry.schema(sid)
+        except (NotFound, Unreachable) as exc:
+            raise UndecodableRecord(f"schema id {sid}: {exc}") from exc
 
-def _request_schema(kind: str, text: str, sid: int) -> RequestSchema:
-    from worker.contract.avro import WriterSchema
-    from worker.contract.json_schema import JsonRequestSchema
-    from worker.contract.protobuf import ProtobufRequestSchema
 
-    try:
-        if kind == "AVRO":
-            return WriterSchema.of(sid, text)
-        if kind == "JSON":
-            return JsonRequestSchema.of(sid, text)
-        return ProtobufRequestSchema.of(sid, text)
-    except ValueError as exc:
-        raise UndecodableRecord(str(exc)) from exc
+def _schema_id(value: bytes) -> int:
+    sid = schema_id(value)
+    if sid is None:
+        raise UndecodableRecord("not in the Schema Registry's format")
+    return sid
 
 
 def _reader(kind: str, text: str, sid: int, registry: SchemaRegistry) -> Reader:
