@@ -251,24 +251,7 @@ async def test_json_schema_requests_answered_in_json_schema(
     sid = int.from_bytes(records[0][1][1:5], "big")
     bad = b"\x00" + sid.to_bytes(4, "big") + b'{"id": "bad", "features": "x", "ids": [1]}'
     records.append((b"bad", bad))
-    avro_context = serialization.SerializationContext(f"{topic}.avro",
-                                                      serialization.MessageField.VALUE)
-    records.append((b"avro", _serializer(client, RANK_V1)(
-        {"id": "avro", "features": [0.0] * 4, "ids": [1], "meta": None}, avro_context)))
-    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=results_topic,
-                     dlq_topic=names["dlq"], group_id=names["group"],
-                     command=("run", "--config", str(config)))  # fmt: skip
-    c = Collector(broker.bootstrap, [results_topic, names["dlq"]])
-    try:
-        await asyncio.to_thread(
-            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0, "assignment"
-        )
-        await produce_all(broker.bootstrap, topic, records)
-        await c.start()
-        assert await c.collect(lambda c: c.count() >= len(records), 90.0), w.log_tail()
-    finally:
-        await c.stop()
-        assert w.terminate() == 0, w.log_tail()
+    c = await _served_beside_an_avro_record(broker, names, config, client, records)
     (dlq,) = c.records[names["dlq"]]
     assert dlq.record_key == b"avro"
     assert "the worker reads ['jsonschema'] (schema_registry.formats)" in dlq.headers[
@@ -334,24 +317,7 @@ async def test_protobuf_requests_answered_in_protobuf(
     records = [(rid.encode(), serialize(message(id=rid, features=f.tolist(), ids=i.tolist(),
                                                 channel="app"), context))
                for rid, (f, i) in ranked.items()]  # fmt: skip
-    avro_context = serialization.SerializationContext(f"{topic}.avro",
-                                                      serialization.MessageField.VALUE)
-    records.append((b"avro", _serializer(client, RANK_V1)(
-        {"id": "avro", "features": [0.0] * 4, "ids": [1], "meta": None}, avro_context)))
-    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=results_topic,
-                     dlq_topic=names["dlq"], group_id=names["group"],
-                     command=("run", "--config", str(config)))  # fmt: skip
-    c = Collector(broker.bootstrap, [results_topic, names["dlq"]])
-    try:
-        await asyncio.to_thread(
-            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0, "assignment"
-        )
-        await produce_all(broker.bootstrap, topic, records)
-        await c.start()
-        assert await c.collect(lambda c: c.count() >= len(records), 90.0), w.log_tail()
-    finally:
-        await c.stop()
-        assert w.terminate() == 0, w.log_tail()
+    c = await _served_beside_an_avro_record(broker, names, config, client, records)
     (dlq,) = c.records[names["dlq"]]
     assert dlq.record_key == b"avro"
     # The result message, as an application would generate it from the registered file.
@@ -491,3 +457,31 @@ def test_compare_reads_a_label_from_a_registry_request(
     feed = _Feed({"baseline": "b", "candidate": "c"}, Comparison(label_key="label"), "in",
                  "label", 1.0)  # fmt: skip
     assert feed._label(rec) == "7"
+
+
+async def _served_beside_an_avro_record(
+    broker: Broker, names: dict[str, str], config: Path, client: Any,
+    records: list[tuple[bytes, bytes]],
+) -> Collector:  # fmt: skip
+    """``records`` and one Avro request (key ``avro``) served by a worker of
+    ``config`` on two partitions; everything it wrote, once all is answered."""
+    topic, results_topic = names["requests"], names["results"]
+    avro_context = serialization.SerializationContext(f"{topic}.avro",
+                                                      serialization.MessageField.VALUE)
+    records = [*records, (b"avro", _serializer(client, RANK_V1)(
+        {"id": "avro", "features": [0.0] * 4, "ids": [1], "meta": None}, avro_context))]
+    w = spawn_worker(broker.bootstrap, input_topics=[topic], output_topic=results_topic,
+                     dlq_topic=names["dlq"], group_id=names["group"],
+                     command=("run", "--config", str(config)))  # fmt: skip
+    c = Collector(broker.bootstrap, [results_topic, names["dlq"]])
+    try:
+        await asyncio.to_thread(
+            w.wait_until, lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0, "assignment"
+        )
+        await produce_all(broker.bootstrap, topic, records)
+        await c.start()
+        assert await c.collect(lambda c: c.count() >= len(records), 90.0), w.log_tail()
+    finally:
+        await c.stop()
+        assert w.terminate() == 0, w.log_tail()
+    return c
