@@ -161,3 +161,15 @@ def refine(crop: np.ndarray, box: np.ndarray) -> dict[str, np.ndarray]:
     shift_x, shift_y = (q % 2) * dx, (q // 2) * dy
     return {"box": np.array([[x0 + shift_x, y0 + shift_y, x1 - dx + shift_x,
                               y1 - dy + shift_y]], np.float32)}  # fmt: skip
+
+
+def bright(tile: np.ndarray) -> dict[str, np.ndarray]:
+    """A branch per region: whether a tile's top-left pixel is brighter than
+    mid-grey (the tiles of one image are shifted: they differ there)."""
+    return {"go": np.array([tile[0, 0, 0] > 127], np.bool_)}
+
+
+def strip(tile: np.ndarray) -> dict[str, np.ndarray]:
+    """A per-region output whose regions differ in shape: the first 1 to 5 pixels
+    of a tile's first row (as many as its first pixel says)."""
+    return {"row": np.ascontiguousarray(tile[0, : 1 + int(tile[0, 0, 0]) % 5, 0])}

@@ -6,7 +6,8 @@ fully convolutional detector finds a peak, a function makes its box, crop_boxes
 cuts it from the pixels as sent, the digits model reads the crop), and a detector
 cascade of the built-in operations (resize to 32x32 for the detector, every map
 position a candidate, nms keeps three, their boxes scaled back to the original
-pixels, crops read by the digits model), and a branch and an optional step (a
+pixels, crops read by the digits model where a branch per crop says so, and a
+per-crop output of varying length answered ragged), and a branch and an optional step (a
 gate function decides whether the two-input model runs; an optional function
 fails some requests; answers name what did not run in ``partial``). Served by one
 worker of [models.NAME] sections alone, on both brokers; every answer equals the
@@ -141,7 +142,12 @@ inputs = {{ image = "crop.crops" }}
 [pipelines.cascade]
 topics = ["{cascade}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
-outputs = {{ digit = "digit.topk_indices", kept = "keep.indices" }}
+ragged = ["row"]
+[pipelines.cascade.outputs]
+digit = "digit.topk_indices"
+kept = "keep.indices"
+lit = "lit.go"
+row = "strip.row"
 [[pipelines.cascade.steps]]
 name = "small"
 op = "resize"
@@ -158,9 +164,20 @@ op = "crop_boxes"
 size = [8, 8]
 inputs = {{ image = "request.pixels", boxes = "orig.boxes" }}
 [[pipelines.cascade.steps]]
+name = "lit"
+function = "tests.pipeline_functions:bright"
+inputs = {{ tile = "crop.crops" }}
+outputs = {{ go = "bool [1]" }}
+[[pipelines.cascade.steps]]
 name = "digit"
 model = "digits"
+when = "lit.go"
 inputs = {{ image = "crop.crops" }}
+[[pipelines.cascade.steps]]
+name = "strip"
+function = "tests.pipeline_functions:strip"
+inputs = {{ tile = "crop.crops" }}
+outputs = {{ row = "uint8 [n]" }}
 """
 
 
@@ -276,6 +293,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
         np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
                                       _digits_by_hand(crops))  # fmt: skip
     small = ImagePreprocess((32, 32), 1, 1 / 255, (0.0,), (1.0,), "NCHW", "float32")
+    mixed = uneven = 0  # requests whose crops went both ways at the branch; of uneven strips
     for rid, pixels in cascade.items():
         got = results[rid]
         assert (got.status, got.model.name) == ("ok", "cascade"), got.error
@@ -283,8 +301,23 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
         boxes = fn.to_pixels(kept["boxes"], pixels)["boxes"]
         crops = crop_boxes(pixels, boxes, size=(8, 8))["crops"]
         np.testing.assert_array_equal(got.outputs["kept"].to_numpy(), kept["indices"])
-        np.testing.assert_array_equal(got.outputs["digit"].to_numpy()[:, 0],
-                                      _digits_by_hand(crops))  # fmt: skip
+        # A branch per region: the digits model ran on the lit crops alone, in order.
+        lit = np.array([fn.bright(c)["go"][0] for c in crops], np.bool_)
+        mixed += bool(lit.any() and not lit.all())
+        np.testing.assert_array_equal(got.outputs["lit"].to_numpy()[:, 0], lit)
+        assert got.partial is None
+        digits = got.outputs["digit"].to_numpy()
+        assert digits.shape == (int(lit.sum()), 3)
+        if lit.any():
+            np.testing.assert_array_equal(digits[:, 0], _digits_by_hand(crops[lit]))
+        # Regions of different shapes, ragged: each crop's strip, read back per region.
+        strips = [fn.strip(c)["row"] for c in crops]
+        uneven += len({len(r) for r in strips}) > 1
+        got_strips = got.regions("row")
+        assert len(got_strips) == len(strips)
+        for a, b in zip(got_strips, strips, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert mixed and uneven, (mixed, uneven)
     skipped = failed = 0
     for rid, r in gated.items():
         got = results[rid]

@@ -23,7 +23,14 @@ import numpy as np
 
 from worker.compute.ops import OP_KEYS, Desc, Regional, op_named, shown
 from worker.compute.stage import Stage
-from worker.compute.steps import FunctionStep, ModelStep, Step, import_function
+from worker.compute.steps import (
+    SHAPES,
+    FunctionStep,
+    ModelStep,
+    PipelinePlan,
+    Step,
+    import_function,
+)
 from worker.config import BatchingConfig, LimitsConfig
 from worker.config.checks import check
 from worker.config.model import TensorInput
@@ -64,20 +71,11 @@ def pipeline_info(name: str, request: ModelIO, cfg: PipelineConfig,
     return EngineInfo("pipeline", name, f"pipeline:{digest}", request, None)
 
 
-@dataclass(frozen=True)
-class Built:
-    """A pipeline's steps, checked; the tensors that are per region (a fan-out's
-    and after), each with its dtype and shape where fixed; and the pipeline's
-    outputs as declared (a regional one per region)."""
-
-    steps: list[Step]
-    regional: dict[str, Regional]
-    outputs: dict[str, Desc | None]
-
-
-def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel]) -> Built:
-    """The pipeline's steps, checked (see the module docstring); ``models``: the
-    model steps' by model name."""
+def build_plan(name: str, cfg: PipelineConfig,
+               models: Mapping[str, StepModel]) -> PipelinePlan:  # fmt: skip
+    """The pipeline's plan: its steps, checked (see the module docstring), the
+    tensors that are per region, its answer as declared; ``models``: the model
+    steps' by model name."""
     at = f"pipelines.{name}"
     first = cfg.steps[0]
     takes_request = not cfg.inputs  # the first step's model takes the request as it is
@@ -90,7 +88,6 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
         known = {f"{REQUEST}.{tensor}": (spec.dtype, spec.shape)
                  for tensor, spec in declared_specs(name, cfg).items()}  # fmt: skip
     steps: list[Step] = []
-    regional_steps: set[str] = set()  # the fan-out and the steps after it
     spent = 0.0  # the deadline shares of the steps so far
     for i, step in enumerate(cfg.steps):
         where = f"{at}.steps[{i}]"
@@ -115,15 +112,11 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
             steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until,
                                       step.topic, step.fan_out))  # fmt: skip
         if step.when or step.optional:
-            _check_when(where, step, known, regional_steps, first=i == 0 and takes_request)
+            _check_when(where, step, known, first=i == 0 and takes_request)
             steps[-1] = dataclasses.replace(steps[-1], when=step.when, optional=step.optional)
         if isinstance(steps[-1], FunctionStep):
             for out, spec in steps[-1].outputs.items():
                 known[f"{step.name}.{out}"] = (spec.dtype, spec.shape)
-            if steps[-1].fan_out or regional_steps:
-                regional_steps.add(step.name)
-        elif regional_steps:
-            regional_steps.add(step.name)
     for out, text in cfg.outputs.items():
         _exists(f"{at}.outputs.{out}", text, known)
     # Several fan-outs: each region fans out again (a cascade); the tensors of the
@@ -137,29 +130,34 @@ def build_steps(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel])
     described = {out: known[text] for out, text in cfg.outputs.items()}
     for out, text in cfg.outputs.items():  # a regional one: the regions' stacked
         desc = known[text]
-        if text in regional and desc is not None:
+        if out in cfg.ragged:
+            check(text in regional, f"{at}.ragged", f"{out!r} ({text!r}) is one tensor a "
+                  "request, not one a region: only a per-region output is answered ragged")
+            rank = len(desc[1]) if desc is not None else None
+            described[out] = None if desc is None else (desc[0], ("values",))
+            described[out + SHAPES] = ("int64", ("regions", rank))
+        elif text in regional and desc is not None:
             described[out] = (desc[0], ("regions", *desc[1]))
-    return Built(steps, regional, described)
+    return PipelinePlan(tuple(steps), dict(cfg.outputs), regional, described,
+                        frozenset(cfg.ragged), first_takes_request=takes_request)
 
 
 def _check_when(where: str, step: StepConfig, known: Mapping[str, Desc | None],
-                regional: set[str], first: bool) -> None:  # fmt: skip
-    """A branch (``when``): an earlier tensor of one value a request; not one per
-    region (a branch per region: not yet), not on a first step that takes the
-    request as it is."""
+                first: bool) -> None:  # fmt: skip
+    """A branch (``when``): an earlier tensor of one value a request (or, after a
+    fan-out, one value a region: a branch per region); not on a first step that
+    takes the request as it is."""
     if not step.when:
         return
     check(not first, f"{where}.when", "the first step takes the request as it is; a branch "
           "needs the pipeline's declared inputs ([pipelines.NAME.inputs])")  # fmt: skip
     desc = _exists(f"{where}.when", step.when, known)
-    check(step.when.partition(".")[0] not in regional, f"{where}.when", f"{step.when!r} "
-          "is one value a region: a branch is per request for now")  # fmt: skip
     fixed = desc is not None and all(isinstance(d, int) for d in desc[1])
     count = 1
     for d in desc[1] if desc is not None else ():
         count *= d if isinstance(d, int) else 1
     check(desc is None or (fixed and count == 1), f"{where}.when", f"{step.when!r} is "
-          f"{shown(desc)}: a branch reads one value a request (true where non-zero)")
+          f"{shown(desc)}: a branch reads one value a request, or a region (true where non-zero)")
 
 
 def _request_tensors(binding: Binding) -> dict[str, Desc | None]:

@@ -24,7 +24,7 @@ from worker.app.loading import LoadedModel
 from worker.app.pipelines import (
     StepModel,
     answer_outputs,
-    build_steps,
+    build_plan,
     declared_inputs,
     declared_io,
     pipeline_info,
@@ -251,7 +251,7 @@ async def _pipeline_stages(
             None, device, m.key, f"{name}.{model}",
         )  # fmt: skip
         steps[model] = StepModel(m.engine.info, bound, step_stage)
-    built = build_steps(name, p, steps)
+    built = build_plan(name, p, steps)
     binding = steps[first.name].binding
     if p.inputs:  # the request is the pipeline's own: checked against what it declares
         io = declared_io(name, p)
@@ -265,10 +265,8 @@ async def _pipeline_stages(
         completed: asyncio.Queue[asyncio.Future[Completed] | None],
         policy: Policy[Job], room: Room,
     ) -> Stage:  # fmt: skip
-        return PipelineStage(batches, completed, info, binding, built.steps, p.outputs,
-                             max_inflight=plan.inflight, regional=built.regional,
-                             first_takes_request=not p.inputs,
-                             described=built.outputs,
+        return PipelineStage(batches, completed, info, binding, built,
+                             max_inflight=plan.inflight,
                              on_service_time=policy.observe_service_time, room=room)  # fmt: skip
 
     return await _answerer(s, binding, plan, stage)

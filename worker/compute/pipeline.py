@@ -10,9 +10,12 @@ function step runs once per request on the stage's threads
 request's tensors so far, by ``STEP.OUTPUT`` and ``request.NAME``, feed the next
 step's inputs, checked as the next model checks a request's. After a fan-out
 step a request is several units, one per region, each run by the steps after
-it; its answer stacks their outputs. A request a step fails (any of its units)
-is answered ``inference_failed`` naming the step (and the tensor, where one was
-not what the step takes); the other requests of the batch go on.
+it (a branch on a per-region tensor runs a step on the regions where it is true:
+``worker.compute.branches``); its answer stacks their outputs, or gives each
+region's values and shape where the plan answers an output ragged. A request a
+step fails (any of its units) is answered ``inference_failed`` naming the step
+(and the tensor, where one was not what the step takes); the other requests of
+the batch go on.
 """
 
 from __future__ import annotations
@@ -21,21 +24,22 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import structlog
 
-from worker.compute.ops import Regional
+from worker.compute.branches import Partial
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
+    SHAPES,
     FunctionStep,
     ModelStep,
+    PipelinePlan,
     Step,
     Tensors,
     call,
     fed,
-    runs,
+    ragged,
     stacked,
     unpinned,
 )
@@ -64,42 +68,31 @@ class PipelineStage(Stage):
         completed_out: asyncio.Queue[asyncio.Future[Completed] | None],
         info: EngineInfo,
         binding: Binding,
-        steps: list[Step],
-        outputs: Mapping[str, str],
+        plan: PipelinePlan,
         *,
         max_inflight: int,
-        regional: Mapping[str, Regional] | None = None,
-        described: Mapping[str, Described] | None = None,
         on_service_time: ServiceTimeHook | None = None,
         room: Room | None = None,
-        first_takes_request: bool = True,
     ) -> None:
         """``info``: the pipeline as results name it; ``binding``: what a request
         is checked against at intake (its declared tensors', or its first step's
-        model's); ``first_takes_request``: the first step is a model whose request
-        is the pipeline's, checked at intake (else every step reads the request's
-        tensors as ``request.NAME``, models' checked as fed); ``outputs``: the
-        answer's outputs, each from "STEP.OUTPUT"; ``regional``: the sources that
-        are per region (after a fan-out), each with its declared dtype and shape
-        where fixed (a request without regions gets an empty tensor of it);
-        ``described``: the outputs as declared, for the pipeline's card."""
+        model's); ``plan``: its steps and answer, built and checked once."""
         super().__init__(
             batches_in, completed_out, info, binding,
             max_attempts=1, on_service_time=on_service_time, room=room,
         )  # fmt: skip
         self._pipeline = info.name
-        self._first_takes_request = first_takes_request
-        self._steps = steps
-        self._answer = dict(outputs)
-        self._regional = dict(regional or {})
-        self._described = dict(described or {})
+        self._plan = plan
+        self._first_takes_request = plan.first_takes_request
+        self._steps = plan.steps
+        self._regional = plan.regional
         self._threads = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
         self._step_seconds = {
-            s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in steps
+            s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in self._steps
         }
         self._step_failures = {
-            s.name: metrics.PIPELINE_STEP_FAILURES.labels(info.name, s.name) for s in steps
+            s.name: metrics.PIPELINE_STEP_FAILURES.labels(info.name, s.name) for s in self._steps
         }
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
@@ -117,15 +110,18 @@ class PipelineStage(Stage):
         # Per request: the steps that did not run for it (a branch not taken, an
         # input from such a step, an optional step that failed it), as its answer
         # names them (``partial``).
-        partial = _Partial(len(jobs))
+        partial = Partial(len(jobs))
         engine_rows = 0
         for index, step in enumerate(self._steps):
             if step.until is not None:
                 self._past_share(step.name, step.until, jobs, answers)
-            live = [i for i, a in enumerate(answers) if a is None]
-            live = [i for i in live if partial.runs(i, step, units[i])]
             if not any(a is None for a in answers):
                 break
+            # Per live request, the units the step runs on (a branch per region
+            # runs for some of its regions; the others pass it by unchanged).
+            chosen = {i: partial.chosen(i, step, units[i], self._regional)
+                      for i, a in enumerate(answers) if a is None}  # fmt: skip
+            live = {i: keep for i, keep in chosen.items() if keep is not None}
             if not live:
                 continue
             step_started = time.monotonic()
@@ -138,16 +134,39 @@ class PipelineStage(Stage):
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         for i, job in enumerate(jobs):
             if answers[i] is None:
-                ran = partial.ran(i)
-                out = {name: self._value(bases[i], units[i], source)
-                       for name, source in self._answer.items() if ran(source)}  # fmt: skip
                 timing = {**timings[i], "infer": micros(time.monotonic() - started)}
-                steps = tuple(self._step_outputs(bases[i], units[i], ran))
-                answers[i] = Answer(job, out, None, timing, steps=steps,
-                                    partial=partial.of(i))  # fmt: skip
+                answers[i] = self._answer(job, bases[i], units[i], partial, i, timing)
         service_s = time.monotonic() - started
         done = tuple(a for a in answers if a is not None)
         return Completed(batch.seq, done, engine_rows, service_s)
+
+    def _answer(self, job: Job, base: Tensors, units: list[Tensors], partial: Partial, i: int,
+                timing: dict[str, int]) -> Answer:  # fmt: skip
+        """A request's answer once every step ran: the pipeline's outputs (a
+        per-region one stacked, or ragged where the plan says), and its step
+        records; ``inference_failed`` naming the output where its regions differ
+        in shape and it is not answered ragged."""
+        ran = partial.ran(i)
+        out: dict[str, np.ndarray] = {}
+        plan = self._plan
+        for name, source in plan.answer.items():
+            if not ran(source):
+                continue
+            if name in plan.ragged:
+                out[name], out[name + SHAPES] = ragged(units, source, plan.described.get(name))
+                continue
+            try:
+                out[name] = self._value(base, units, source)
+            except ValueError:
+                return Answer(job, None, ErrorInfo(ErrorCode.INFERENCE_FAILED, (
+                    f"output {name!r}: {_shapes(units, source)}; a per-region output whose "
+                    f"regions differ in shape is answered ragged (pipelines.{self._pipeline}"
+                    f".ragged = [{name!r}])")))  # fmt: skip
+        try:
+            steps = tuple(self._step_outputs(base, units, ran))
+        except ValueError as exc:
+            return Answer(job, None, ErrorInfo(ErrorCode.INFERENCE_FAILED, str(exc)))
+        return Answer(job, out, None, timing, steps=steps, partial=partial.of(i))
 
     def _value(self, base: Tensors, units: list[Tensors], source: str) -> np.ndarray:
         """A request's tensor: its own, or its regions' stacked (after a fan-out)."""
@@ -159,19 +178,21 @@ class PipelineStage(Stage):
         self,
         step: FunctionStep,
         jobs: list[Job],
-        live: list[int],
+        live: Mapping[int, list[bool]],
         units: list[list[Tensors]],
         answers: list[Answer | None],
-        partial: _Partial,
+        partial: Partial,
     ) -> None:
-        """Run a function on each live request's units, on the stage's threads:
-        the batch's requests split among them, one hand-off per thread (a hand-off
-        per request cost about 70 us each, more than many functions)."""
+        """Run a function on each live request's chosen units, on the stage's
+        threads: the batch's requests split among them, one hand-off per thread
+        (a hand-off per request cost about 70 us each, more than many functions)."""
         loop = asyncio.get_running_loop()
-        share = -(-len(live) // self._threads)  # requests per thread, rounded up
-        parts = [live[k : k + share] for k in range(0, len(live), share)]
+        order = list(live)
+        share = -(-len(order) // self._threads)  # requests per thread, rounded up
+        parts = [order[k : k + share] for k in range(0, len(order), share)]
         done = await asyncio.gather(*(
-            loop.run_in_executor(self._pool, _call_each, step, [units[i] for i in part])
+            loop.run_in_executor(self._pool, _call_each, step,
+                                 [(units[i], live[i]) for i in part])
             for part in parts
         ))  # fmt: skip
         for part, results in zip(parts, done, strict=True):
@@ -187,28 +208,30 @@ class PipelineStage(Stage):
         index: int,
         batch: Batch[Job],
         jobs: list[Job],
-        live: list[int],
+        live: Mapping[int, list[bool]],
         units: list[list[Tensors]],
         answers: list[Answer | None],
         timings: list[dict[str, int]],
-        partial: _Partial,
+        partial: Partial,
     ) -> int:
-        """Run every live unit through ``step``'s model, as one batch of it."""
+        """Run every live request's chosen units through ``step``'s model, as one
+        batch of it."""
         fed_to: list[tuple[int, Tensors]] = []  # (request, unit) of each step job
         step_jobs: list[Job] = []
-        for i in live:
+        for i, keep in live.items():
             job = jobs[i]
             if index == 0 and self._first_takes_request:  # checked at intake as its model's
                 units[i][0].update(_request_tensors(job))
                 fed_to.append((i, units[i][0]))
                 step_jobs.append(unpinned(job))
                 continue
+            mine = [unit for unit, k in zip(units[i], keep, strict=True) if k]
             try:
-                made = [fed(job, step, unit) for unit in units[i]]
+                made = [fed(job, step, unit) for unit in mine]
             except RecordError as exc:
                 answers[i] = self._failed(job, i, step, str(exc), units[i], partial)
                 continue
-            fed_to += [(i, unit) for unit in units[i]]
+            fed_to += [(i, unit) for unit in mine]
             step_jobs += made
         if not step_jobs:
             return 0
@@ -236,12 +259,21 @@ class PipelineStage(Stage):
     def _step_outputs(
         self, base: Tensors, units: list[Tensors], ran: Callable[[str], bool]
     ) -> list[StepOutputs]:
-        """The outputs of the steps that write them to a topic and ran, for one request."""
+        """The outputs of the steps that write them to a topic and ran, for one
+        request (a per-region one stacked; a ValueError naming the step where its
+        regions differ in shape)."""
         out = []
         for step in self._steps:
             if step.topic and ran(f"{step.name}."):
                 names = step.outputs if isinstance(step, FunctionStep) else step.produces
-                mine = {n: self._value(base, units, f"{step.name}.{n}") for n in names}
+                mine = {}
+                for n in names:
+                    source = f"{step.name}.{n}"
+                    try:
+                        mine[n] = self._value(base, units, source)
+                    except ValueError:
+                        raise ValueError(f"step {step.name!r}'s record for {step.topic!r}: "
+                                         f"{source!r} {_shapes(units, source)}") from None
                 out.append(StepOutputs(step.topic, f"{self._pipeline}/{step.name}", mine))
         return out
 
@@ -271,7 +303,7 @@ class PipelineStage(Stage):
 
     def _failed(
         self, job: Job, i: int, step: Step, problem: str, units: list[Tensors],
-        partial: _Partial,
+        partial: Partial,
     ) -> Answer | None:
         """Request ``i``'s answer where ``step`` failed it: ``inference_failed``
         naming the step, or (an optional step) None: it goes on without the
@@ -291,7 +323,7 @@ class PipelineStage(Stage):
         return Answer(job, None, error)
 
     def described_outputs(self) -> Mapping[str, Described]:
-        return self._described
+        return self._plan.described
 
     def forget(self, revoked: set[TopicPartition]) -> None:
         for step in self._steps:
@@ -311,15 +343,21 @@ def _request_tensors(job: Job) -> Tensors:
     return {f"{REQUEST}.{k}": v for k, v in job.inputs.items() if isinstance(v, np.ndarray)}
 
 
-def _call_each(step: FunctionStep, requests: list[list[Tensors]]) -> list[list[Tensors] | str]:
-    """``call`` on each request's units in turn, on one stage thread."""
-    return [_call_units(step, units) for units in requests]
+def _call_each(
+    step: FunctionStep, requests: list[tuple[list[Tensors], list[bool]]]
+) -> list[list[Tensors] | str]:
+    """``call`` on each request's chosen units in turn, on one stage thread."""
+    return [_call_units(step, units, keep) for units, keep in requests]
 
 
-def _call_units(step: FunctionStep, units: list[Tensors]) -> list[Tensors] | str:
-    """One request's units after the step, or why it failed (its first unit that did)."""
+def _call_units(step: FunctionStep, units: list[Tensors], keep: list[bool]) -> list[Tensors] | str:
+    """One request's units after the step (a unit it does not run on as it
+    was), or why it failed (its first unit that did)."""
     after: list[Tensors] = []
-    for unit in units:
+    for unit, k in zip(units, keep, strict=True):
+        if not k:
+            after.append(unit)
+            continue
         got = call(step, unit)
         if isinstance(got, str):
             return got
@@ -327,44 +365,8 @@ def _call_units(step: FunctionStep, units: list[Tensors]) -> list[Tensors] | str
     return after
 
 
-class _Partial:
-    """A batch's record of the steps that did not run for each request."""
-
-    def __init__(self, requests: int) -> None:
-        self._not_run: list[set[str]] = [set() for _ in range(requests)]
-        self._skipped: list[list[str]] = [[] for _ in range(requests)]
-        self._failed: list[list[dict[str, str]]] = [[] for _ in range(requests)]
-
-    def runs(self, i: int, step: Step, units: list[Tensors]) -> bool:
-        """Whether ``step`` runs for request ``i`` (its branch is per request:
-        every unit holds the same value); recorded as skipped where not."""
-        if not units or runs(step, units[0], self._not_run[i]):
-            return True
-        self._not_run[i].add(step.name)
-        self._skipped[i].append(step.name)
-        return False
-
-    def fail(self, i: int, step: str, code: str, message: str) -> bool:
-        """Record an optional step's failure of request ``i`` (once: a model step
-        fails per unit); whether it is new."""
-        if step in self._not_run[i]:
-            return False
-        self._not_run[i].add(step)
-        self._failed[i].append({"step": step, "code": code, "message": message})
-        return True
-
-    def ran(self, i: int) -> Callable[[str], bool]:
-        """For request ``i``: whether the step of a source (``STEP.OUTPUT``) ran."""
-        not_run = self._not_run[i]
-        return lambda source: source.partition(".")[0] not in not_run
-
-    def of(self, i: int) -> dict[str, list[Any]] | None:
-        """Request ``i``'s ``partial`` field, or None where every step ran."""
-        if not self._not_run[i]:
-            return None
-        out: dict[str, list[Any]] = {}
-        if self._skipped[i]:
-            out["skipped"] = list(self._skipped[i])
-        if self._failed[i]:
-            out["failed"] = list(self._failed[i])
-        return out
+def _shapes(units: list[Tensors], source: str) -> str:
+    """How a request's regions of ``source`` differ, as messages say it."""
+    shapes = list(dict.fromkeys(tuple(u[source].shape) for u in units if source in u))
+    shown = ", ".join(str(list(sh)) for sh in shapes[:3])
+    return f"its regions differ in shape ({shown}{', ...' if len(shapes) > 3 else ''})"

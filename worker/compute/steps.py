@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from worker.compute.ops import Regional
+from worker.compute.ops import Desc, Regional
 from worker.compute.stage import Stage
 from worker.config.pipelines import Spec
 from worker.flow.errors import ConfigError, InvalidRequest
@@ -55,6 +55,32 @@ class FunctionStep:
 
 Step = ModelStep | FunctionStep
 
+SHAPES = ".shapes"  # a ragged output's companion: each region's shape
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline as it runs, built once from its configuration on its models'
+    own tensor descriptions and checked there (``worker.app.pipelines``): what
+    the pipeline's stage reads, and nothing else."""
+
+    steps: tuple[Step, ...]
+    # The answer's outputs, each name -> its source ("STEP.OUTPUT").
+    answer: Mapping[str, str]
+    # The sources that are per region (a fan-out's and after), each with its dtype and
+    # fixed shape where it has one (a request without regions gets an empty one).
+    regional: Mapping[str, Regional]
+    # The answer's outputs as declared, for the pipeline's card and the result schemas
+    # (a per-region one with a leading "regions" axis; a ragged one as its values and
+    # NAME.shapes).
+    described: Mapping[str, Desc | None]
+    # The answer's outputs in the ragged layout: each region's values flat, one after
+    # another, and NAME.shapes (int64 [regions, rank]) each region's shape.
+    ragged: frozenset[str] = frozenset()
+    # The first step is a model whose request is the pipeline's (checked at intake as
+    # that model's); else the request's tensors are declared and every step reads them.
+    first_takes_request: bool = True
+
 
 def import_function(path: str, at: str) -> Function:
     """``module:function``, imported (a ConfigError naming ``at`` when it cannot be)."""
@@ -83,16 +109,6 @@ def fed(job: Job, step: ModelStep, unit: Tensors) -> Job:
     rid = job.request.id if job.request else ""
     checked, lengths = step.stage.binding.inputs.check_arrays(arrays, rid)
     return msgspec.structs.replace(unpinned(job), inputs=checked, lengths=lengths)
-
-
-def runs(step: Step, unit: Tensors, not_run: set[str]) -> bool:
-    """Whether ``step`` runs for a unit: no tensor it reads (its branch's
-    included) comes from a step in ``not_run`` (skipped or failed for this
-    request), and its branch is taken (``when`` true: any non-zero value)."""
-    reads = [*step.sources.values(), *([step.when] if step.when else [])]
-    if any(s not in unit and s.partition(".")[0] in not_run for s in reads):
-        return False
-    return not step.when or step.when not in unit or bool(np.asarray(unit[step.when]).any())
 
 
 def _source(unit: Tensors, source: str) -> np.ndarray:
@@ -146,9 +162,24 @@ def call(step: FunctionStep, unit: Tensors) -> list[Tensors] | str:
 
 
 def stacked(units: list[Tensors], source: str, spec: Regional) -> np.ndarray:
-    """A per-region tensor of a request's units as one tensor, regions first (a
-    request with none: an empty one of the declared shape where it is fixed)."""
-    if units:
-        return np.stack([u[source] for u in units])
+    """A per-region tensor of a request's units as one tensor, regions first: the
+    units that have it (a branch per region runs for some), in region order (none:
+    an empty one of the declared shape where it is fixed). A ValueError where
+    their shapes differ (an output to answer ragged)."""
+    rows = [u[source] for u in units if source in u]
+    if rows:
+        return np.stack(rows)
     dtype, shape = spec if spec is not None else ("float32", ())
     return np.zeros((0, *shape), dtype=dtype)
+
+
+def ragged(units: list[Tensors], source: str, desc: Desc | None) -> tuple[np.ndarray, np.ndarray]:
+    """A per-region tensor of a request's units in the ragged layout: every
+    region's values, flat, one region after another, and each region's shape
+    (int64 ``[regions, rank]``); regions may differ in shape."""
+    rows = [u[source] for u in units if source in u]
+    rank = len(desc[1]) if desc is not None else (rows[0].ndim if rows else 0)
+    dtype = np.dtype(desc[0]) if desc is not None else (rows[0].dtype if rows else np.float32)
+    shapes = np.array([r.shape for r in rows], dtype=np.int64).reshape(len(rows), rank)
+    values = np.concatenate([r.ravel() for r in rows]) if rows else np.zeros(0, dtype)
+    return values, shapes

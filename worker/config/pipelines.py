@@ -115,6 +115,12 @@ class PipelineConfig:
     steps: tuple[StepConfig, ...] = ()
     # The pipeline's outputs, the answer's: each output's name -> "STEP.OUTPUT".
     outputs: dict[str, str] = field(default_factory=dict)
+    # Outputs answered in the ragged layout, for per-region outputs whose regions may
+    # differ in shape (a fan-out's and after): NAME holds every region's values, flat, one
+    # region after another, and NAME.shapes (int64 [regions, rank]) each region's shape.
+    # Not listed, a per-region output is its regions stacked ([regions, ...]), and a request
+    # whose regions differ in shape is answered inference_failed naming it.
+    ragged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,3 +236,8 @@ def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:
             source, _ = source_of(text, f"{at}.outputs.{out}")
             check(source in earlier, f"{at}.outputs.{out}", f"{text!r}: {source!r} is not a "
                   "step of the pipeline")  # fmt: skip
+            check(out + ".shapes" not in p.outputs or out not in p.ragged, f"{at}.outputs",
+                  f"{out + '.shapes'!r}: the name of {out!r}'s shapes, answered ragged")
+        for out in p.ragged:
+            check(out in p.outputs, f"{at}.ragged", f"{out!r} is not one of the pipeline's "
+                  f"outputs ({', '.join(p.outputs)})")  # fmt: skip

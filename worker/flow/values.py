@@ -254,3 +254,25 @@ class Result:
                 f"error: must be set exactly when status is 'error' "
                 f"(status={self.status!r}, error={self.error!r})"
             )
+
+    def regions(self, name: str) -> list[npt.NDArray[Any]]:
+        """A pipeline's per-region output as one array a region: read from the
+        ragged layout (an optional extension of v1: ``NAME`` every region's
+        values, flat, one region after another, and ``NAME.shapes``, int64
+        ``[regions, rank]``, each region's shape), or from a stacked output
+        (``[regions, ...]``) where there is no ``NAME.shapes``. Zero-copy views."""
+        values = self.outputs[name].to_numpy()
+        shapes = self.outputs.get(name + ".shapes")
+        if shapes is None:
+            return list(values)
+        out, at = [], 0
+        for shape in shapes.to_numpy().tolist():
+            n = math.prod(shape)
+            if at + n > values.size:
+                raise ValueError(f"{name}.shapes: {shapes.shape} shapes need more than the "
+                                 f"{values.size} values of {name!r}")  # fmt: skip
+            out.append(values[at : at + n].reshape(shape))
+            at += n
+        if at != values.size:
+            raise ValueError(f"{name}: {values.size} values, its shapes account for {at}")
+        return out

@@ -5,6 +5,7 @@ and as a pipeline's step, between the digits model and the digits model again.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgspec
@@ -14,7 +15,7 @@ from PIL import Image
 
 from tests.models import cpu_stage
 from tests.unit.compute.test_pipeline_stage import _jobs
-from worker.app.pipelines import StepModel, build_steps
+from worker.app.pipelines import StepModel, build_plan
 from worker.compute.engines import load_engine
 from worker.compute.ops.crops import crop_boxes
 from worker.compute.pipeline import PipelineStage
@@ -54,13 +55,13 @@ async def test_crops_between_two_models_answer_as_each_crop_alone() -> None:
                    inputs={"image": "request.image", "boxes": "find.boxes"}),
         StepConfig(name="each", model="digits", inputs={"image": "crop.crops"}),
     ), outputs={"classes": "each.topk_indices", "crops": "crop.crops"})  # fmt: skip
-    built = build_steps("p", cfg, {"digits": StepModel(engine.info, first.binding,
+    built = build_plan("p", cfg, {"digits": StepModel(engine.info, first.binding,
                                                                   first)})  # fmt: skip
-    steps = built.steps
-    steps[3] = ModelStep("each", each, {"image": "crop.crops"})  # a stage of its own
+    built = dataclasses.replace(built, steps=(*built.steps[:3], ModelStep(
+        "each", each, {"image": "crop.crops"})))  # a stage of its own
     info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
-    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, steps,
-                          cfg.outputs, max_inflight=1, regional=built.regional)  # fmt: skip
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, built,
+                          max_inflight=1)
     jobs = _jobs(4)
     try:
         done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))

@@ -8,6 +8,7 @@ are stacked per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from tests.models import cpu_stage
 from tests.pipeline_functions import doubled
 from worker.compute.engines import load_engine
 from worker.compute.pipeline import PipelineStage
-from worker.compute.steps import FunctionStep, ModelStep
+from worker.compute.steps import FunctionStep, ModelStep, PipelinePlan
 from worker.config import ModelConfig
 from worker.config.pipelines import Spec
 from worker.contract import Request
@@ -49,8 +50,9 @@ async def _run(function: Callable[..., object], jobs: list[Job], until: float | 
     steps = [ModelStep("d", inner, {"image": "request.image"}),
              FunctionStep("f", function, {"x": "d.topk_scores"}, {"y": Spec("float32", (3,))},
                           until)]  # fmt: skip
-    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, inner.binding, steps,
-                          {"scores": "f.y", "classes": "d.topk_indices"}, max_inflight=1)
+    plan = PipelinePlan(tuple(steps), {"scores": "f.y", "classes": "d.topk_indices"}, {}, {})
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, inner.binding, plan,
+                          max_inflight=1)
     try:
         done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
         own = await alone.run_batch(Batch(jobs, time.monotonic(), "full"))
@@ -122,7 +124,7 @@ async def test_a_step_whose_deadline_share_is_spent_does_not_start() -> None:
 
 async def test_a_fan_out_runs_each_region_and_stacks_them_per_request() -> None:
     from tests.pipeline_functions import tiles
-    from worker.app.pipelines import StepModel, build_steps
+    from worker.app.pipelines import StepModel, build_plan
     from worker.config import PipelineConfig, StepConfig
 
     engine = load_engine(ModelConfig())
@@ -134,15 +136,15 @@ async def test_a_fan_out_runs_each_region_and_stacks_them_per_request() -> None:
         StepConfig(name="each", model="digits", inputs={"image": "cut.tile"}),
     ), outputs={"first": "d.topk_indices", "classes": "each.topk_indices"})  # fmt: skip
     models = {"digits": StepModel(engine.info, first.binding, first)}
-    built = build_steps("p", cfg, models)
-    steps = built.steps
-    steps[2] = ModelStep("each", regions, {"image": "cut.tile"})  # its own stage, as built
+    built = build_plan("p", cfg, models)
+    each = ModelStep("each", regions, {"image": "cut.tile"})  # its own stage, as built
+    built = dataclasses.replace(built, steps=(*built.steps[:2], each))
     assert built.regional["each.topk_indices"] == ("int64", (3,))
     assert built.regional["cut.tile"] == ("uint8", (8, 8, 1))
     assert "d.topk_indices" not in built.regional
     info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
-    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, steps,
-                          cfg.outputs, max_inflight=1, regional=built.regional)  # fmt: skip
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, built,
+                          max_inflight=1)
     jobs = _jobs(9)
     try:
         done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
