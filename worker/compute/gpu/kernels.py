@@ -30,7 +30,7 @@ import numpy as np
 from worker.flow.errors import ConfigError
 from worker.model.preprocess import ImagePreprocess
 
-KERNEL_FILES: Final = ("preprocess.cu", "postprocess.cu")
+KERNEL_FILES: Final = ("preprocess.cu", "postprocess.cu", "ops.cu")
 COMPILE_OPTIONS: Final = ("-std=c++17",)
 PREPROCESS_BLOCK: Final = 256
 MAX_GRID: Final = 1 << 16  # the kernels loop over the grid, so more blocks would add nothing
@@ -122,6 +122,8 @@ def compile_options(defines: Defines) -> tuple[str, ...]:
 ENTRY_POINTS: Final = {
     "preprocess.cu": ("preprocess_batch",),
     "postprocess.cu": ("softmax_topk", "softmax_rows"),
+    # A pipeline's built-in ops, launched by worker/compute/gpu/ops.py.
+    "ops.cu": ("crop_resize_pass", "nms_mask"),
 }
 
 

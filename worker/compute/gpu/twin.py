@@ -20,13 +20,17 @@ What stands in for what:
   was reached and ``launch_host_func`` calls its function before returning;
 - ``RawModule`` compiles nothing: each kernel entry point is the NumPy reference
   the real kernel is tested against (``worker.model.preprocess``,
-  ``worker.model.postprocess``), specialised by the same ``-D`` defines;
+  ``worker.model.postprocess``; kernels/ops.cu's in ``twin_ops``), specialised by
+  the same ``-D`` defines;
+- ``empty`` is ``zeros`` (counted the same), ``argsort`` NumPy's stable one, as
+  CuPy's is;
 - the device has ``TWIN_MEMORY_BYTES`` (16 GiB), or ``INFER_WORKER_TWIN_MEMORY_MB``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -38,6 +42,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from worker.compute.gpu import twin_ops
 from worker.model.postprocess import softmax, top_k
 from worker.model.preprocess import resize_bilinear_batch
 
@@ -175,7 +180,7 @@ class _Kernel:
 
 
 class RawModule:
-    """``kernels/preprocess.cu`` or ``postprocess.cu`` as their NumPy references."""
+    """A ``kernels/*.cu`` file as its entry points' NumPy references."""
 
     def __init__(self, code: str = "", options: Sequence[str] = (), **kwargs: Any) -> None:
         self._d = _defines(options)
@@ -186,6 +191,8 @@ class RawModule:
             "softmax_topk": self._softmax_topk,
             "softmax_rows": self._softmax_rows,
         }
+        if name in twin_ops.KERNELS:
+            return _Kernel(functools.partial(twin_ops.KERNELS[name], self._d))
         if name not in runs:
             raise AttributeError(f"the CPU twin has no kernel {name!r}")
         return _Kernel(runs[name])
@@ -241,6 +248,8 @@ def make() -> Any:
     return SimpleNamespace(
         cuda=cuda,
         zeros=pool.allocate,
+        empty=pool.allocate,
+        argsort=functools.partial(np.argsort, kind="stable"),
         RawModule=RawModule,
         get_default_memory_pool=lambda: pool,
         asnumpy=np.asarray,
