@@ -1,6 +1,7 @@
 """kernels/*.cu compile without a GPU, with the defines the worker injects at run time.
 
-Three checks, each skipped with its reason when its tool is missing:
+Three checks, each skipped with its reason when its tool is missing (kernels/ops.cu
+is also run on the CPU, in test_ops_cu_on_cpu.py):
 
 - ``nvcc -ptx`` for sm_80 and sm_90, for the default defines and for the exact
   ``-D`` sets ``worker.kernels`` builds from configs (NHWC, half output, 3 and 4
@@ -32,6 +33,7 @@ import pytest
 
 from tests.models import image_pre
 from worker.compute.gpu import kernels
+from worker.compute.gpu import ops as gpu_ops
 from worker.compute.gpu.slots import pack_images
 from worker.model.preprocess import ImagePreprocess, preprocess
 
@@ -66,6 +68,13 @@ COMBOS: dict[str, tuple[str, kernels.Defines]] = {
     },
     "postprocess-defaults": ("postprocess.cu", ()),
     **{f"postprocess-{k}": ("postprocess.cu", d) for k, d in POST_DEFINES.items()},
+    # The pipeline ops (worker.compute.gpu.ops): crops of each channel count the
+    # kernel takes, a wide one, and NMS's own specialisation (none).
+    "ops-defaults": ("ops.cu", ()),
+    "ops-nms": ("ops.cu", gpu_ops.NMS_DEFINES),
+    "ops-crop-48x320-rgb": ("ops.cu", gpu_ops.crop_defines((48, 320), 3)),
+    "ops-crop-1x1-grey": ("ops.cu", gpu_ops.crop_defines((1, 1), 1)),
+    "ops-crop-7x5-rgba": ("ops.cu", gpu_ops.crop_defines((7, 5), 4)),
 }
 
 
@@ -119,8 +128,9 @@ def test_nvcc_compiles_to_ptx(
 def test_preprocess_ptx_has_no_fused_multiply_add(
     ptx: dict[tuple[str, str], tuple[int, str, Path]],
 ) -> None:
-    # An FMA rounds once where NumPy rounds twice: the reference would not match.
-    for combo in (c for c in COMBOS if c.startswith("preprocess")):
+    # An FMA rounds once where NumPy rounds twice: the reference would not match
+    # (ops.cu's NMS IoU included).
+    for combo in (c for c in COMBOS if c.startswith(("preprocess", "ops"))):
         for arch in ARCHS:
             text = ptx[(combo, arch)][2].read_text()
             assert "fma.rn.f32" not in text, f"{combo} sm_{arch} contracts into FMA"
