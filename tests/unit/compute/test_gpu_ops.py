@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from tests.models import image_pre
 from worker.compute.gpu import ops, twin
-from worker.compute.gpu.resample import bilinear_coefficients
+from worker.compute.gpu.resample import bilinear_coefficients, crop_plan
 from worker.compute.ops.crops import crop_boxes
 from worker.compute.ops.nms import nms
 from worker.model.preprocess import preprocess
@@ -165,3 +166,22 @@ def test_resize_is_the_preprocess_kernel(cp: Any, layout: str) -> None:
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(7, 90), (50, 50)]]
     got = ops.resize_device(cp, images, cfg, stream=cp.cuda.Stream())
     np.testing.assert_array_equal(got, preprocess(images, cfg))
+
+
+@pytest.mark.parametrize("rule", [False, True])
+def test_either_pass_order_is_pillows_for_that_order(cp: Any, rule: bool) -> None:
+    """Pillow before 13 always resized horizontally first; 13 goes vertical first
+    where the height shrinks more than twice the width. Each order, forced, equals
+    Pillow's two one-axis resizes in that order (each exact on its own)."""
+    rng = np.random.default_rng(9)
+    image = rng.integers(0, 256, (300, 40, 3), dtype=np.uint8)  # 300 -> 20 rows: vertical first
+    size = (20, 30)
+    plan = crop_plan([(300, 40)], [0], [np.array([[0, 0, 40, 300]])], size, 3, rule)
+    got = ops.launch_crops(cp, image.reshape(-1), plan, stream=cp.cuda.Stream())[0]
+    bilinear = Image.Resampling.BILINEAR
+    pil = Image.fromarray(image)
+    if rule:
+        want = pil.resize((40, 20), bilinear).resize((30, 20), bilinear)
+    else:
+        want = pil.resize((30, 300), bilinear).resize((30, 20), bilinear)
+    np.testing.assert_array_equal(got, np.asarray(want))
