@@ -98,8 +98,11 @@ def build_plan(name: str, cfg: PipelineConfig,
             sources = _model_sources(where, step.inputs, model.binding, known,
                                      i == 0 and takes_request)  # fmt: skip
             produced = answer_outputs(model.binding)
+            # As columns where its stage can, unless it takes the request as it is
+            # (checked at intake as its model's, its stage's own jobs).
+            columnar = model.stage.columnar and not (i == 0 and takes_request)
             steps.append(ModelStep(step.name, model.stage, sources, until, step.topic,
-                                   tuple(produced)))  # fmt: skip
+                                   tuple(produced), columnar=columnar))  # fmt: skip
             for out, desc in produced.items():
                 known[f"{step.name}.{out}"] = desc
         elif step.op:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,6 +40,7 @@ from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
+from worker.model.inputs.tensor import BoundTensor
 from worker.model.rows import Row
 from worker.obs import metrics
 
@@ -115,6 +116,28 @@ class CpuStage(Stage):
         self._turn: asyncio.Future[None] | None = None
         self._inflight = max_inflight
         self.version: str | None = None  # None: the model the worker started with
+
+    @property
+    def columnar(self) -> bool:  # type: ignore[override]
+        """Stateless, any batch size, every input a tensor of fixed shape and no
+        output cut back to a request's length: whole-batch arrays run as they are."""
+        inputs = self._inputs
+        return (self.sequences is None and inputs.batch is None and not self._outputs.cuts
+                and all(isinstance(k, BoundTensor) and k.desc.fixed for k in inputs.kinds))
+
+    def run_columns(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One engine run over whole-batch arrays (rows first, each as its input
+        declares: the caller checked), on the caller's thread; the outputs a row
+        a request, postprocessed as each request's would be. Recorded in the
+        model's metrics as any run."""
+        n = len(next(iter(arrays.values())))
+        t0 = time.monotonic()
+        with internal_errors_fail_the_run():
+            feeds = {k.desc.name: arrays[k.name] for k in self._inputs.kinds
+                     if isinstance(k, BoundTensor)}  # fmt: skip
+            out = self._outputs.columns(self._engine.run(feeds), n)
+        self._record([_Run(n, 0.0, time.monotonic() - t0)])
+        return out
 
     async def swap(self, engine: Engine, binding: Binding, version: str) -> Engine:
         """Serve ``engine`` (bound as ``binding``, compatible with the serving one:

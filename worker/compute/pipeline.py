@@ -24,11 +24,13 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
 
 from worker.compute.branches import Partial
+from worker.compute.columns import expired, run_columns
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
     SHAPES,
@@ -56,6 +58,21 @@ from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
+
+@dataclass
+class _Progress:
+    """One batch on its way through the steps."""
+
+    batch: Batch[Job]
+    jobs: list[Job]
+    bases: list[Tensors]  # per request: its own tensors
+    units: list[list[Tensors]]  # per request: itself, or one unit per region
+    answers: list[Answer | None]  # per request: its answer, once it has one
+    timings: list[dict[str, int]]  # per request: its first model step's stage times
+    # Per request: the steps that did not run for it (a branch not taken, an input
+    # from such a step, an optional step that failed it), as its answer names them.
+    partial: Partial
+    engine_rows: int = 0
 
 
 class PipelineStage(Stage):
@@ -88,6 +105,7 @@ class PipelineStage(Stage):
         self._regional = plan.regional
         self._threads = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
+        self._together = _together(self._steps)
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in self._steps
         }
@@ -104,41 +122,94 @@ class PipelineStage(Stage):
         # Per request: its own tensors, and its units (itself, or one per region).
         bases: list[Tensors] = [{} if self._first_takes_request else _request_tensors(job)
                                 for job in jobs]  # fmt: skip
-        units: list[list[Tensors]] = [[base] for base in bases]
-        answers: list[Answer | None] = [self._pinned_elsewhere(job) for job in jobs]
-        timings: list[dict[str, int]] = [{} for _ in jobs]
-        # Per request: the steps that did not run for it (a branch not taken, an
-        # input from such a step, an optional step that failed it), as its answer
-        # names them (``partial``).
-        partial = Partial(len(jobs))
-        engine_rows = 0
-        for index, step in enumerate(self._steps):
-            if step.until is not None:
-                self._past_share(step.name, step.until, jobs, answers)
-            if not any(a is None for a in answers):
-                break
-            # Per live request, the units the step runs on (a branch per region
-            # runs for some of its regions; the others pass it by unchanged).
-            chosen = {i: partial.chosen(i, step, units[i], self._regional)
-                      for i, a in enumerate(answers) if a is None}  # fmt: skip
-            live = {i: keep for i, keep in chosen.items() if keep is not None}
+        p = _Progress(batch, jobs, bases, [[base] for base in bases],
+                      [self._pinned_elsewhere(job) for job in jobs], [{} for _ in jobs],
+                      Partial(len(jobs)))  # fmt: skip
+        loop = asyncio.get_running_loop()
+        index = 0
+        as_jobs: dict[int, list[bool]] | None = None  # a columnar step's rows, to run as jobs
+        while index < len(self._steps):
+            if as_jobs is not None:
+                await self._run_step(p, index, as_jobs)
+                index, as_jobs = index + 1, None
+            elif self._together[index]:  # with the steps after it, on one thread
+                index, as_jobs = await loop.run_in_executor(
+                    self._pool, self._run_together, p, index)  # fmt: skip
+            else:
+                live = self._live(p, index)
+                if live is None:
+                    break
+                if live:
+                    await self._run_step(p, index, live)
+                index += 1
+        for i, job in enumerate(jobs):
+            if p.answers[i] is None:
+                timing = {**p.timings[i], "infer": micros(time.monotonic() - started)}
+                p.answers[i] = self._answer(job, bases[i], p.units[i], p.partial, i, timing)
+        service_s = time.monotonic() - started
+        done = tuple(a for a in p.answers if a is not None)
+        return Completed(batch.seq, done, p.engine_rows, service_s)
+
+    def _live(self, p: _Progress, index: int) -> dict[int, list[bool]] | None:
+        """The requests step ``index`` runs for, each with the units it runs on (a
+        branch per region runs for some of its regions; the others pass it by);
+        None once every request is answered. A request whose share of its
+        deadline for the steps up to it is spent is answered first."""
+        step = self._steps[index]
+        if step.until is not None:
+            self._past_share(step.name, step.until, p.jobs, p.answers)
+        if not any(a is None for a in p.answers):
+            return None
+        chosen = {i: p.partial.chosen(i, step, p.units[i], self._regional)
+                  for i, a in enumerate(p.answers) if a is None}  # fmt: skip
+        return {i: keep for i, keep in chosen.items() if keep is not None}
+
+    async def _run_step(self, p: _Progress, index: int, live: dict[int, list[bool]]) -> None:
+        """Step ``index`` on the event loop: a model step as a batch of jobs of
+        its model's stage, a function on the stage's threads."""
+        step = self._steps[index]
+        step_started = time.monotonic()
+        if isinstance(step, ModelStep):
+            p.engine_rows += await self._model_step(step, index, p, live)
+        else:
+            await self._function_step(step, p, live)
+        self._step_seconds[step.name].observe(time.monotonic() - step_started)
+
+    def _run_together(self, p: _Progress, index: int) -> tuple[int, dict[int, list[bool]] | None]:
+        """Steps ``index`` and after, as long as they run together, on this (a
+        stage) thread: functions called in turn, model steps run as columns
+        (``worker.compute.columns``): one hand-off for them all, where each step
+        cost one or more. Returns the next step, and the rows it must run as
+        jobs where it is a model step whose columns could not run (None: as it
+        comes)."""
+        end = index
+        while end < len(self._steps) and self._together[end]:
+            end += 1
+        for k in range(index, end):
+            live = self._live(p, k)
+            if live is None:
+                return len(self._steps), None
             if not live:
                 continue
+            step = self._steps[k]
             step_started = time.monotonic()
-            if isinstance(step, ModelStep):
-                engine_rows += await self._model_step(
-                    step, index, batch, jobs, live, units, answers, timings, partial
-                )
+            if isinstance(step, FunctionStep):
+                self._kept(step, p, list(live), [_call_units(step, p.units[i], keep)
+                                                 for i, keep in live.items()])  # fmt: skip
             else:
-                await self._function_step(step, jobs, live, units, answers, partial)
+                expired(p.jobs, live, p.answers)
+                live = {i: keep for i, keep in live.items() if p.answers[i] is None}
+                rows = [(i, unit) for i, keep in live.items()
+                        for unit, k in zip(p.units[i], keep, strict=True) if k]  # fmt: skip
+                if rows and not run_columns(step, rows):
+                    return k, live
+                p.engine_rows += len(rows)
+                for i in live:
+                    if not p.timings[i]:  # the first model step's: the answer's
+                        p.timings[i] = {"queue": micros(p.batch.formed_at - p.jobs[i].arrived),
+                                        "preprocess": 0, "d2h": 0}  # fmt: skip
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
-        for i, job in enumerate(jobs):
-            if answers[i] is None:
-                timing = {**timings[i], "infer": micros(time.monotonic() - started)}
-                answers[i] = self._answer(job, bases[i], units[i], partial, i, timing)
-        service_s = time.monotonic() - started
-        done = tuple(a for a in answers if a is not None)
-        return Completed(batch.seq, done, engine_rows, service_s)
+        return end, None
 
     def _answer(self, job: Job, base: Tensors, units: list[Tensors], partial: Partial, i: int,
                 timing: dict[str, int]) -> Answer:  # fmt: skip
@@ -175,13 +246,7 @@ class PipelineStage(Stage):
         return base[source]
 
     async def _function_step(
-        self,
-        step: FunctionStep,
-        jobs: list[Job],
-        live: Mapping[int, list[bool]],
-        units: list[list[Tensors]],
-        answers: list[Answer | None],
-        partial: Partial,
+        self, step: FunctionStep, p: _Progress, live: Mapping[int, list[bool]]
     ) -> None:
         """Run a function on each live request's chosen units, on the stage's
         threads: the batch's requests split among them, one hand-off per thread
@@ -192,30 +257,28 @@ class PipelineStage(Stage):
         parts = [order[k : k + share] for k in range(0, len(order), share)]
         done = await asyncio.gather(*(
             loop.run_in_executor(self._pool, _call_each, step,
-                                 [(units[i], live[i]) for i in part])
+                                 [(p.units[i], live[i]) for i in part])
             for part in parts
         ))  # fmt: skip
         for part, results in zip(parts, done, strict=True):
-            for i, got in zip(part, results, strict=True):
-                if isinstance(got, str):
-                    answers[i] = self._failed(jobs[i], i, step, got, units[i], partial)
-                else:
-                    units[i] = got
+            self._kept(step, p, part, results)
+
+    def _kept(self, step: FunctionStep, p: _Progress, live: list[int],
+              results: list[list[Tensors] | str]) -> None:  # fmt: skip
+        """A function step's results for ``live`` requests: their units after it,
+        or their answers where it failed them."""
+        for i, got in zip(live, results, strict=True):
+            if isinstance(got, str):
+                p.answers[i] = self._failed(p.jobs[i], i, step, got, p.units[i], p.partial)
+            else:
+                p.units[i] = got
 
     async def _model_step(
-        self,
-        step: ModelStep,
-        index: int,
-        batch: Batch[Job],
-        jobs: list[Job],
-        live: Mapping[int, list[bool]],
-        units: list[list[Tensors]],
-        answers: list[Answer | None],
-        timings: list[dict[str, int]],
-        partial: Partial,
+        self, step: ModelStep, index: int, p: _Progress, live: Mapping[int, list[bool]]
     ) -> int:
         """Run every live request's chosen units through ``step``'s model, as one
         batch of it."""
+        jobs, units, answers, timings, partial = p.jobs, p.units, p.answers, p.timings, p.partial
         fed_to: list[tuple[int, Tensors]] = []  # (request, unit) of each step job
         step_jobs: list[Job] = []
         for i, keep in live.items():
@@ -235,6 +298,7 @@ class PipelineStage(Stage):
             step_jobs += made
         if not step_jobs:
             return 0
+        batch = p.batch
         done = await step.stage.run_batch(Batch(step_jobs, batch.formed_at, batch.reason,
                                                 seq=batch.seq))  # fmt: skip
         for (i, unit), answer in zip(fed_to, done.answers, strict=True):
@@ -341,6 +405,22 @@ def _request_tensors(job: Job) -> Tensors:
     """A request's tensors as the steps read them (``request.NAME``); an image
     sent as a file has none here (its first model decodes it)."""
     return {f"{REQUEST}.{k}": v for k, v in job.inputs.items() if isinstance(v, np.ndarray)}
+
+
+def _together(steps: tuple[Step, ...]) -> list[bool]:
+    """Per step: whether it runs on one thread with its neighbours (functions
+    and columnar model steps in a row, where one at least is a model step: a
+    run of functions alone keeps splitting its requests among threads)."""
+    out = [False] * len(steps)
+    start = 0
+    while start < len(steps):
+        end = start
+        while end < len(steps) and (isinstance(steps[end], FunctionStep) or steps[end].columnar):
+            end += 1
+        if any(isinstance(steps[k], ModelStep) for k in range(start, end)):
+            out[start:end] = [True] * (end - start)
+        start = end + 1
+    return out
 
 
 def _call_each(

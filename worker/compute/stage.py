@@ -17,6 +17,8 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 
+import numpy as np
+
 from worker.compute.sequences import SequenceStates
 from worker.compute.triage import ServiceTimeHook, report_service_time
 from worker.flow.errors import InferenceFailed, WorkerError
@@ -78,6 +80,16 @@ class Stage(ABC):
     async def run_batch(self, batch: Batch[Job]) -> Completed:
         """``batch`` run to its answers (a pipeline's step runs its model's stage so)."""
         return await (await self.dispatch(batch))
+
+    # Whether a pipeline may run this stage's model on whole-batch arrays
+    # (``run_columns``): a step's rows with no job or answer each.
+    columnar = False
+
+    def run_columns(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One run of the model over whole-batch arrays (by request input name,
+        rows first), on the caller's thread: its outputs, a row a request.
+        ``InferenceFailed`` where it fails. Only where ``columnar``."""
+        raise NotImplementedError(f"{type(self).__name__} runs batches of jobs only")
 
     def described_outputs(self) -> Mapping[str, Described] | None:
         """The outputs a card of its own shows (a pipeline's); None: the model

@@ -38,6 +38,9 @@ class ModelStep:
     produces: tuple[str, ...] = ()  # its outputs' names (what its model answers with)
     when: str = ""  # a request's tensor that must be true for the step to run ("": always)
     optional: bool = False  # a failure leaves the request's answer partial, not failed
+    # Its rows run as whole-batch arrays of its model's engine (worker.compute.columns),
+    # with the functions and columnar steps beside it on one thread.
+    columnar: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class FunctionStep:
     fan_out: bool = False  # its outputs hold one row per region: a unit each
     when: str = ""  # as ModelStep's
     optional: bool = False
+    columnar: bool = True  # a function runs on whichever thread its batch is on
 
 
 Step = ModelStep | FunctionStep

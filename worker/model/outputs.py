@@ -206,16 +206,26 @@ class OutputPlan:
                 "export, or leave the output out (model.outputs)"
             )
 
-    def scatter(
-        self,
-        raw: Mapping[str, np.ndarray],
-        answers: Sequence[Row],
-        forms: Mapping[str, np.ndarray] | None = None,
-    ) -> None:
-        """Fill each answer's ``outputs`` with its row of every output it carries.
-        ``forms``: the postprocessed forms when the device computed them (then
-        ``raw`` holds only the outputs passed as they are)."""
-        n = len(answers)
+    def columns(self, raw: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        """An engine run's outputs for its ``n`` rows as whole-batch arrays, a row
+        a request, as ``scatter`` would give them out (a plan with nothing cut
+        back to a request's length only: ``cuts`` empty). What a pipeline keeps
+        of a step it runs as columns, sliced per region with no answer made."""
+        assert not self.cuts
+        batch: dict[str, np.ndarray] = {}
+        raw = self._rows_first(raw, n, None)
+        for name in self.passed:
+            batch[name] = raw[name]
+        if self.active:
+            self._postprocess(raw, (), batch, {})
+        elif self.post.normalize and self.raw_name in batch:
+            batch[self.raw_name] = l2_normalize(batch[self.raw_name])
+        return batch
+
+    def _rows_first(self, raw: Mapping[str, np.ndarray], n: int,
+                    forms: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:  # fmt: skip
+        """The outputs a run must return, each checked (a row for each request, as
+        declared) and with its rows on the first axis."""
         raw = dict(raw)
         for name in self.used if forms is None else self.passed:
             arr = raw.get(name)
@@ -227,6 +237,19 @@ class OutputPlan:
                 raw[name] = arr[None]
             elif axis:
                 raw[name] = np.moveaxis(arr, axis, 0)
+        return raw
+
+    def scatter(
+        self,
+        raw: Mapping[str, np.ndarray],
+        answers: Sequence[Row],
+        forms: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Fill each answer's ``outputs`` with its row of every output it carries.
+        ``forms``: the postprocessed forms when the device computed them (then
+        ``raw`` holds only the outputs passed as they are)."""
+        n = len(answers)
+        raw = self._rows_first(raw, n, forms)
         batch: dict[str, np.ndarray] = {}  # whole-batch arrays, one row per request
         rows: dict[str, list[np.ndarray]] = {}  # per-request rows (cut back)
         for name in self.passed:
