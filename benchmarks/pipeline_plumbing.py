@@ -5,11 +5,12 @@ worker builds it (``Worker.prepare``: no Kafka), its stage run on batches of
 engine time on the same rows.
 
     .venv/bin/python -m benchmarks.pipeline_plumbing [--batch 64] [--batches 200]
-        [--width 1024] [--json out.json]
+        [--rounds 10] [--width 1024] [--json out.json]
 
-Plumbing = step time - engine time: feeding the step (the earlier step's arrays
-checked as the model's request), batching and collating its rows, and scattering
-its answers. Run from two checkouts (PYTHONPATH=<checkout>) to compare them;
+Plumbing = step time - engine time: feeding the step (the earlier step's rows,
+as columns or as jobs), running it and keeping its outputs. The engines alone run
+the same rows in rounds alternating with the pipeline's batches, so both see
+the same machine. Run from two checkouts (PYTHONPATH=<checkout>) to compare them;
 benchmark code, not shipped.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -105,34 +105,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = Path(tmp, "worker.toml")
         config.write_text(CONFIG.format(batch=args.batch, first=first, second=second,
                                         width=width))  # fmt: skip
-        steps, total = asyncio.run(_steps(load_settings(config, env={}), args))
-        rng = np.random.default_rng(1)
-        engines = {}
-        for name, path in (("a", first), ("b", second)):
-            engine = cast(Engine, load_engine(ModelConfig(path=str(path))))
-            x = rng.random((args.batch, width), dtype=np.float32)
-            for _ in range(20):
-                engine.run({"x": x})
-            times = []
-            for _ in range(args.batches):
-                t0 = time.perf_counter()
-                engine.run({"x": x})
-                times.append(time.perf_counter() - t0)
-            engines[name] = statistics.mean(times)
-            engine.close()
+        engines = {name: cast(Engine, load_engine(ModelConfig(path=str(path))))
+                   for name, path in (("a", first), ("b", second))}  # fmt: skip
+        try:
+            steps, engine_s, total = asyncio.run(_steps(load_settings(config, env={}), engines,
+                                                        args))  # fmt: skip
+        finally:
+            for engine in engines.values():
+                engine.close()
     out: dict[str, Any] = {"batch": args.batch, "batches": args.batches, "width": width,
-                           "batch_ms": 1000 * total / args.batches}  # fmt: skip
+                           "rounds": args.rounds,
+                           "batch_ms": round(1000 * total / args.batches, 4)}  # fmt: skip
     for name in ("a", "b"):
-        step, engine_s = steps[name], engines[name]
+        step, alone = steps[name], engine_s[name]
         out[f"step_{name}_ms"] = round(1000 * step, 4)
-        out[f"engine_{name}_ms"] = round(1000 * engine_s, 4)
-        out[f"plumbing_{name}_share"] = round((step - engine_s) / step, 4)
+        out[f"engine_{name}_ms"] = round(1000 * alone, 4)
+        out[f"plumbing_{name}_share"] = round((step - alone) / step, 4)
     out["function_step_ms"] = round(1000 * steps["f"], 4)
     return out
 
 
-async def _steps(settings: Settings, args: argparse.Namespace) -> tuple[dict[str, float], float]:
-    """Each step's mean seconds a batch, and the batches' total, run in process."""
+def _engine_seconds(engine: Engine, x: np.ndarray, runs: int) -> float:
+    """The engine alone's total seconds over ``runs`` runs of ``x``."""
+    started = time.perf_counter()
+    for _ in range(runs):
+        engine.run({"x": x})
+    return time.perf_counter() - started
+
+
+async def _steps(settings: Settings, engines: dict[str, Engine], args: argparse.Namespace
+                 ) -> tuple[dict[str, float], dict[str, float], float]:  # fmt: skip
+    """Each step's mean seconds a batch, each engine alone's a run of the same
+    rows, and the pipeline batches' total: in ``--rounds`` rounds, the pipeline's
+    batches and the engines' runs alternating, so both see the same machine."""
     worker = Worker(settings)
     stages = await worker.prepare()
     try:
@@ -147,23 +152,38 @@ async def _steps(settings: Settings, args: argparse.Namespace) -> tuple[dict[str
             for i in range(args.batch)
         ]  # fmt: skip
         assert all(j.failure is None for j in jobs), jobs[0].failure
+        x = rng.random((args.batch, args.width), dtype=np.float32)
         for _ in range(10):  # warm
             await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
-        before = {s: _step_seconds(s) for s in ("f", "a", "b")}
-        started = time.perf_counter()
-        for _ in range(args.batches):
-            await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
-        total = time.perf_counter() - started
-        steps = {s: (_step_seconds(s) - before[s]) / args.batches for s in before}
+            for engine in engines.values():
+                engine.run({"x": x})
+        step_s = dict.fromkeys(("f", "a", "b"), 0.0)
+        engine_s = dict.fromkeys(engines, 0.0)
+        total = 0.0
+        per_round = max(1, args.batches // args.rounds)
+        for _ in range(args.rounds):
+            before = {s: _step_seconds(s) for s in step_s}
+            started = time.perf_counter()
+            for _ in range(per_round):
+                await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+            total += time.perf_counter() - started
+            for s in step_s:
+                step_s[s] += _step_seconds(s) - before[s]
+            for name, engine in engines.items():
+                engine_s[name] += _engine_seconds(engine, x, per_round)
+        runs = per_round * args.rounds
     finally:
         await worker.stop()
-    return steps, total
+    return ({s: v / runs for s, v in step_s.items()}, {n: v / runs for n, v in engine_s.items()},
+            total * args.batches / runs)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="the pipeline's batches and the engines' runs alternate this often")
     parser.add_argument("--width", type=int, default=1024, help="each model's [width, width]")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()

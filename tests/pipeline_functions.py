@@ -180,3 +180,17 @@ def short_when_large(raw: np.ndarray) -> dict[str, np.ndarray]:
     feature (a free-length output a model of fixed inputs cannot take)."""
     features = standardise(raw)["features"]
     return {"features": features[:3] if raw[0] > 50 else features}
+
+
+def scattered_boxes(pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """A stand-in detector's boxes and scores, from the pixels: 1 to 6 boxes
+    inside the image (overlapping, for nms to thin), and one wholly outside it
+    where the second pixel is over 250 (a box crop_boxes refuses)."""
+    h, w = pixels.shape[:2]
+    n = 1 + int(pixels[0, 0, 0]) % 6
+    rng = np.random.default_rng(int(pixels[0, 0, 0]) * 256 + int(pixels[-1, -1, 0]))
+    x0, y0 = rng.uniform(0, w - 4, n), rng.uniform(0, h - 4, n)
+    boxes = np.stack([x0, y0, x0 + rng.uniform(3, w / 2, n), y0 + rng.uniform(3, h / 2, n)], 1)
+    if pixels[0, 1, 0] > 250:
+        boxes[-1] = [w + 5, h + 5, w + 9, h + 9]
+    return {"boxes": boxes.astype(np.float32), "scores": rng.random(n).astype(np.float32)}

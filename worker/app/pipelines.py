@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.compute.ops import OP_KEYS, Desc, Regional, op_named, shown
+from worker.compute.ops.device import DeviceOps
 from worker.compute.stage import Stage
 from worker.compute.steps import (
     SHAPES,
@@ -71,11 +72,12 @@ def pipeline_info(name: str, request: ModelIO, cfg: PipelineConfig,
     return EngineInfo("pipeline", name, f"pipeline:{digest}", request, None)
 
 
-def build_plan(name: str, cfg: PipelineConfig,
-               models: Mapping[str, StepModel]) -> PipelinePlan:  # fmt: skip
+def build_plan(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel],
+               device: DeviceOps | None = None) -> PipelinePlan:  # fmt: skip
     """The pipeline's plan: its steps, checked (see the module docstring), the
     tensors that are per region, its answer as declared; ``models``: the model
-    steps' by model name."""
+    steps' by model name; ``device``: where its ops run their GPU forms (a
+    pipeline running a model on the GPU), None: on the host."""
     at = f"pipelines.{name}"
     first = cfg.steps[0]
     takes_request = not cfg.inputs  # the first step's model takes the request as it is
@@ -106,7 +108,7 @@ def build_plan(name: str, cfg: PipelineConfig,
             for out, desc in produced.items():
                 known[f"{step.name}.{out}"] = desc
         elif step.op:
-            steps.append(_op_step(where, step, known, until))
+            steps.append(_op_step(where, step, known, until, device))
         else:
             for arg, text in step.inputs.items():
                 _exists(f"{where}.inputs.{arg}", text, known)
@@ -203,7 +205,8 @@ def declared_inputs(name: str, cfg: PipelineConfig, limits: LimitsConfig,
 
 
 def _op_step(
-    where: str, step: StepConfig, known: Mapping[str, Desc | None], until: float | None
+    where: str, step: StepConfig, known: Mapping[str, Desc | None], until: float | None,
+    device: DeviceOps | None,
 ) -> FunctionStep:
     """``op = "NAME"``: a built-in operation (``worker.compute.ops``), its inputs
     and settings checked, run as a function step is."""
@@ -218,8 +221,9 @@ def _op_step(
     descs = {name: _exists(f"{where}.inputs.{name}", step.inputs[name], known)
              for name in op.inputs}  # fmt: skip
     outputs = op.check(where, step, descs)
+    batched = op.device(step, device) if device is not None and op.device is not None else None
     return FunctionStep(step.name, op.bind(step), dict(step.inputs), outputs, until, step.topic,
-                        fan_out=op.fan_out)  # fmt: skip
+                        fan_out=op.fan_out, batched=batched)  # fmt: skip
 
 
 def _fixed(desc: Desc | None) -> Regional:

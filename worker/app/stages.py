@@ -31,9 +31,11 @@ from worker.app.pipelines import (
 )
 from worker.app.plan import RunPlan
 from worker.app.registry import registered
+from worker.compute.ops.device import DeviceOps
 from worker.compute.pipeline import PipelineStage
 from worker.compute.stage import Stage
 from worker.config import PipelineConfig, Settings
+from worker.config.model import is_gpu_backend
 from worker.config.models import Routing, routing
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
@@ -251,7 +253,11 @@ async def _pipeline_stages(
             None, device, m.key, f"{name}.{model}",
         )  # fmt: skip
         steps[model] = StepModel(m.engine.info, bound, step_stage)
-    built = build_plan(name, p, steps)
+    # Its ops on the GPU where it runs a model there (their CuPy kernels), else on the host.
+    gpu = [models[m].settings.model.backend for m in steps
+           if is_gpu_backend(models[m].settings.model.backend)]  # fmt: skip
+    ops = DeviceOps.on(gpu[0], s.gpu.device) if gpu else None
+    built = build_plan(name, p, steps, ops)
     binding = steps[first.name].binding
     if p.inputs:  # the request is the pipeline's own: checked against what it declares
         io = declared_io(name, p)

@@ -104,6 +104,9 @@ class CpuStage(Stage):
         self._buffers: asyncio.Queue[Buffers] = asyncio.Queue()
         for _ in range(max_inflight):
             self._buffers.put_nowait(fixed_buffers(self._inputs, max_batch_size))
+        # The most rows one run takes (the buffers' size): a pipeline's step after a
+        # fan-out hands in a batch's regions, more rows than that, run in parts.
+        self._rows = max(max_batch_size, self._inputs.batch or 0)
         states = binding.inputs.states
         self.sequences = (
             SequenceStates(states, binding.state_ttl_s, binding.max_sequences, owns)
@@ -199,7 +202,7 @@ class CpuStage(Stage):
             ):
                 started = time.monotonic()
                 if self.sequences is None:
-                    await self._run_groups(self._inputs.groups(runnable), buffers)
+                    await self._run_groups(self._groups(runnable), buffers)
                 else:
                     run = functools.partial(self._run_in_thread, buffers)
                     await self._run_sequences(runnable, run)
@@ -217,7 +220,7 @@ class CpuStage(Stage):
             loaded = [row for row in wave if self.sequences.load(row, now)]
             if not loaded:
                 continue
-            for group in self._inputs.groups(loaded):
+            for group in self._groups(loaded):
                 await run_isolating(group, run, self._max_attempts, self._metrics)
             for row in loaded:
                 if row.error is None and row.outputs is not None:
@@ -242,6 +245,12 @@ class CpuStage(Stage):
         run = functools.partial(self._run_in_thread, buffers)
         for group, failure in failures:
             await run_isolating(group, run, self._max_attempts, self._metrics, failure)
+
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
+        """The rows' runs: of one length each (``ModelInputs.groups``), none over
+        the buffers' size."""
+        n = self._rows
+        return [g[k : k + n] for g in self._inputs.groups(rows) for k in range(0, len(g), n)]
 
     async def _run_in_thread(self, buffers: Buffers, answers: list[Row]) -> None:
         loop = asyncio.get_running_loop()

@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import structlog
 
+from worker.compute.answers import answered
 from worker.compute.branches import Partial
 from worker.compute.columns import expired, run_columns
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
-    SHAPES,
     FunctionStep,
     ModelStep,
     PipelinePlan,
     Step,
     Tensors,
-    call,
+    call_each,
     fed,
-    ragged,
-    stacked,
     unpinned,
 )
 from worker.compute.triage import ServiceTimeHook, micros
@@ -50,7 +48,7 @@ from worker.config.pipelines import REQUEST
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
 from worker.flow.errors import RecordError
-from worker.flow.messages import Answer, Batch, Completed, Job, StepOutputs, TopicPartition
+from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
@@ -145,7 +143,8 @@ class PipelineStage(Stage):
         for i, job in enumerate(jobs):
             if p.answers[i] is None:
                 timing = {**p.timings[i], "infer": micros(time.monotonic() - started)}
-                p.answers[i] = self._answer(job, bases[i], p.units[i], p.partial, i, timing)
+                p.answers[i] = answered(self._plan, self._pipeline, job, bases[i], p.units[i],
+                                       p.partial.ran(i), timing, p.partial.of(i))
         service_s = time.monotonic() - started
         done = tuple(a for a in p.answers if a is not None)
         return Completed(batch.seq, done, p.engine_rows, service_s)
@@ -194,8 +193,8 @@ class PipelineStage(Stage):
             step = self._steps[k]
             step_started = time.monotonic()
             if isinstance(step, FunctionStep):
-                self._kept(step, p, list(live), [_call_units(step, p.units[i], keep)
-                                                 for i, keep in live.items()])  # fmt: skip
+                self._kept(step, p, list(live), call_each(step, [(p.units[i], keep)
+                                                                  for i, keep in live.items()]))
             else:
                 expired(p.jobs, live, p.answers)
                 live = {i: keep for i, keep in live.items() if p.answers[i] is None}
@@ -211,40 +210,6 @@ class PipelineStage(Stage):
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         return end, None
 
-    def _answer(self, job: Job, base: Tensors, units: list[Tensors], partial: Partial, i: int,
-                timing: dict[str, int]) -> Answer:  # fmt: skip
-        """A request's answer once every step ran: the pipeline's outputs (a
-        per-region one stacked, or ragged where the plan says), and its step
-        records; ``inference_failed`` naming the output where its regions differ
-        in shape and it is not answered ragged."""
-        ran = partial.ran(i)
-        out: dict[str, np.ndarray] = {}
-        plan = self._plan
-        for name, source in plan.answer.items():
-            if not ran(source):
-                continue
-            if name in plan.ragged:
-                out[name], out[name + SHAPES] = ragged(units, source, plan.described.get(name))
-                continue
-            try:
-                out[name] = self._value(base, units, source)
-            except ValueError:
-                return Answer(job, None, ErrorInfo(ErrorCode.INFERENCE_FAILED, (
-                    f"output {name!r}: {_shapes(units, source)}; a per-region output whose "
-                    f"regions differ in shape is answered ragged (pipelines.{self._pipeline}"
-                    f".ragged = [{name!r}])")))  # fmt: skip
-        try:
-            steps = tuple(self._step_outputs(base, units, ran))
-        except ValueError as exc:
-            return Answer(job, None, ErrorInfo(ErrorCode.INFERENCE_FAILED, str(exc)))
-        return Answer(job, out, None, timing, steps=steps, partial=partial.of(i))
-
-    def _value(self, base: Tensors, units: list[Tensors], source: str) -> np.ndarray:
-        """A request's tensor: its own, or its regions' stacked (after a fan-out)."""
-        if source in self._regional:
-            return stacked(units, source, self._regional[source])
-        return base[source]
-
     async def _function_step(
         self, step: FunctionStep, p: _Progress, live: Mapping[int, list[bool]]
     ) -> None:
@@ -253,10 +218,12 @@ class PipelineStage(Stage):
         (a hand-off per request cost about 70 us each, more than many functions)."""
         loop = asyncio.get_running_loop()
         order = list(live)
-        share = -(-len(order) // self._threads)  # requests per thread, rounded up
+        # An op on the device takes the batch at once; a function, its share of it.
+        threads = 1 if step.batched is not None else self._threads
+        share = -(-len(order) // threads)  # requests per thread, rounded up
         parts = [order[k : k + share] for k in range(0, len(order), share)]
         done = await asyncio.gather(*(
-            loop.run_in_executor(self._pool, _call_each, step,
+            loop.run_in_executor(self._pool, call_each, step,
                                  [(p.units[i], live[i]) for i in part])
             for part in parts
         ))  # fmt: skip
@@ -319,27 +286,6 @@ class PipelineStage(Stage):
                 for name, value in answer.outputs.items():
                     unit[f"{step.name}.{name}"] = value
         return done.engine_rows
-
-    def _step_outputs(
-        self, base: Tensors, units: list[Tensors], ran: Callable[[str], bool]
-    ) -> list[StepOutputs]:
-        """The outputs of the steps that write them to a topic and ran, for one
-        request (a per-region one stacked; a ValueError naming the step where its
-        regions differ in shape)."""
-        out = []
-        for step in self._steps:
-            if step.topic and ran(f"{step.name}."):
-                names = step.outputs if isinstance(step, FunctionStep) else step.produces
-                mine = {}
-                for n in names:
-                    source = f"{step.name}.{n}"
-                    try:
-                        mine[n] = self._value(base, units, source)
-                    except ValueError:
-                        raise ValueError(f"step {step.name!r}'s record for {step.topic!r}: "
-                                         f"{source!r} {_shapes(units, source)}") from None
-                out.append(StepOutputs(step.topic, f"{self._pipeline}/{step.name}", mine))
-        return out
 
     @staticmethod
     def _past_share(step: str, until: float, jobs: list[Job], answers: list[Answer | None]) -> None:
@@ -421,32 +367,3 @@ def _together(steps: tuple[Step, ...]) -> list[bool]:
             out[start:end] = [True] * (end - start)
         start = end + 1
     return out
-
-
-def _call_each(
-    step: FunctionStep, requests: list[tuple[list[Tensors], list[bool]]]
-) -> list[list[Tensors] | str]:
-    """``call`` on each request's chosen units in turn, on one stage thread."""
-    return [_call_units(step, units, keep) for units, keep in requests]
-
-
-def _call_units(step: FunctionStep, units: list[Tensors], keep: list[bool]) -> list[Tensors] | str:
-    """One request's units after the step (a unit it does not run on as it
-    was), or why it failed (its first unit that did)."""
-    after: list[Tensors] = []
-    for unit, k in zip(units, keep, strict=True):
-        if not k:
-            after.append(unit)
-            continue
-        got = call(step, unit)
-        if isinstance(got, str):
-            return got
-        after += got
-    return after
-
-
-def _shapes(units: list[Tensors], source: str) -> str:
-    """How a request's regions of ``source`` differ, as messages say it."""
-    shapes = list(dict.fromkeys(tuple(u[source].shape) for u in units if source in u))
-    shown = ", ".join(str(list(sh)) for sh in shapes[:3])
-    return f"its regions differ in shape ({shown}{', ...' if len(shapes) > 3 else ''})"

@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import structlog
 
 from worker.compute.ops import Desc, Regional
+from worker.compute.ops.device import Batched
 from worker.compute.stage import Stage
 from worker.config.pipelines import Spec
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job
+
+log = structlog.get_logger(__name__)
 
 Tensors = dict[str, np.ndarray]  # one unit's tensors, by "STEP.OUTPUT" / "request.NAME"
 Function = Callable[..., object]  # returns a dict of arrays (checked: a user's code)
@@ -55,6 +59,9 @@ class FunctionStep:
     when: str = ""  # as ModelStep's
     optional: bool = False
     columnar: bool = True  # a function runs on whichever thread its batch is on
+    # A built-in op's GPU form: every chosen unit of a batch at once (where the pipeline
+    # runs a model on the GPU); it raising, ``function`` runs on each unit instead.
+    batched: Batched | None = None
 
 
 Step = ModelStep | FunctionStep
@@ -125,18 +132,30 @@ def _source(unit: Tensors, source: str) -> np.ndarray:
     return found
 
 
+def arguments(step: FunctionStep, unit: Tensors) -> dict[str, np.ndarray]:
+    """A function step's keyword arguments from one unit (InvalidRequest where a
+    source has no pixels here)."""
+    return {arg: _source(unit, source) for arg, source in step.sources.items()}
+
+
 def call(step: FunctionStep, unit: Tensors) -> list[Tensors] | str:
     """Run a function step on one unit: the units after it (the same one, its
     outputs added; for a fan-out, one per region, possibly none), or why it
     failed (anything it raises, or an output not as declared)."""
     try:
-        args = {arg: _source(unit, source) for arg, source in step.sources.items()}
+        args = arguments(step, unit)
     except InvalidRequest as exc:
         return str(exc)
     try:
         got = step.function(**args)
     except Exception as exc:  # the user's code: any failure is this request's answer
         return f"{type(exc).__name__}: {exc}"
+    return outputs_of(step, unit, got)
+
+
+def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] | str:
+    """What a function step returned for one unit, held to its declaration: the
+    units after it, or why not."""
     if not isinstance(got, Mapping):
         return f"returned {type(got).__name__}, not a dict of arrays"
     regions: int | None = None
@@ -187,3 +206,64 @@ def ragged(units: list[Tensors], source: str, desc: Desc | None) -> tuple[np.nda
     shapes = np.array([r.shape for r in rows], dtype=np.int64).reshape(len(rows), rank)
     values = np.concatenate([r.ravel() for r in rows]) if rows else np.zeros(0, dtype)
     return values, shapes
+
+
+def call_each(
+    step: FunctionStep, requests: list[tuple[list[Tensors], list[bool]]]
+) -> list[list[Tensors] | str]:
+    """``call`` on each request's chosen units in turn, on one stage thread; an
+    op on the device on all of them at once (``worker.compute.ops.device``), or,
+    where its batch cannot run there, as a function."""
+    if step.batched is not None:
+        done = _call_batched(step, step.batched, requests)
+        if done is not None:
+            return done
+    return [call_units(step, units, keep) for units, keep in requests]
+
+
+def _call_batched(
+    step: FunctionStep, batched: Batched, requests: list[tuple[list[Tensors], list[bool]]]
+) -> list[list[Tensors] | str] | None:
+    """An op's device form on every chosen unit of ``requests`` at once: each
+    request's units after it, or None where the batch cannot run there."""
+    try:
+        args = [arguments(step, unit) for units, keep in requests
+                for unit, k in zip(units, keep, strict=True) if k]  # fmt: skip
+        results = iter(batched(args))
+    except Exception as exc:  # any: the NumPy operation names the request at fault
+        log.debug("pipeline_op_on_host", step=step.name, reason=str(exc))
+        return None
+    out: list[list[Tensors] | str] = []
+    for units, keep in requests:
+        after: list[Tensors] = []
+        failed = ""
+        for unit, k in zip(units, keep, strict=True):
+            got = outputs_of(step, unit, next(results)) if k else [unit]
+            if isinstance(got, str):
+                failed = failed or got
+            else:
+                after += got
+        out.append(failed or after)
+    return out
+
+
+def call_units(step: FunctionStep, units: list[Tensors], keep: list[bool]) -> list[Tensors] | str:
+    """One request's units after the step (a unit it does not run on as it
+    was), or why it failed (its first unit that did)."""
+    after: list[Tensors] = []
+    for unit, k in zip(units, keep, strict=True):
+        if not k:
+            after.append(unit)
+            continue
+        got = call(step, unit)
+        if isinstance(got, str):
+            return got
+        after += got
+    return after
+
+
+def differing(units: list[Tensors], source: str) -> str:
+    """How a request's regions of ``source`` differ, as messages say it."""
+    shapes = list(dict.fromkeys(tuple(u[source].shape) for u in units if source in u))
+    shown = ", ".join(str(list(sh)) for sh in shapes[:3])
+    return f"its regions differ in shape ({shown}{', ...' if len(shapes) > 3 else ''})"

@@ -163,3 +163,19 @@ async def test_a_fan_out_runs_each_region_and_stacks_them_per_request() -> None:
     finally:
         stage.close()
         alone.close()
+
+
+async def test_a_batch_over_the_stage_s_size_runs_in_parts_with_no_failure() -> None:
+    """A pipeline's step after a fan-out hands its model's stage every region of
+    a batch: more rows than its buffers hold, run in parts of their size (it was
+    a failed run, bisected, before the answers came)."""
+    stage = cpu_stage(ModelConfig(), max_batch_size=4)
+    failures = stage._metrics.batch_failures
+    before = failures._value.get()
+    try:
+        done = await stage.run_batch(Batch(_jobs(10), time.monotonic(), "full"))
+    finally:
+        stage.close()
+    assert done.engine_rows == 10
+    assert all(a.error is None and a.outputs is not None for a in done.answers)
+    assert failures._value.get() == before

@@ -56,7 +56,7 @@ def crop_defines(size: tuple[int, int], channels: int) -> kernels.Defines:
     return (("OUT_H", str(height)), ("OUT_W", str(width)), ("CHANNELS", str(channels)))
 
 
-def _upload(cupy: Any, host: np.ndarray, stream: Any) -> Any:
+def upload(cupy: Any, host: np.ndarray, stream: Any) -> Any:
     """A device copy of a host array, enqueued on ``stream`` (from pageable memory
     the copy is staged before the call returns, so ``host`` may go at once)."""
     host = np.ascontiguousarray(host)
@@ -67,7 +67,9 @@ def _upload(cupy: Any, host: np.ndarray, stream: Any) -> Any:
     return dev
 
 
-def _download(cupy: Any, dev: Any, host: np.ndarray, stream: Any) -> None:
+def download(cupy: Any, dev: Any, host: np.ndarray, stream: Any) -> None:
+    """``dev`` copied into ``host`` (of its shape and dtype), enqueued on ``stream``:
+    ``host`` holds it once the stream is synchronised."""
     if host.nbytes:
         cupy.cuda.runtime.memcpyAsync(host.ctypes.data, buffer_address(dev), host.nbytes, _D2H,
                                       stream.ptr)  # fmt: skip
@@ -165,13 +167,13 @@ def launch_crops(
         out = cupy.empty((n, height, width, plan.channels), np.uint8)
         if n == 0:
             return out
-        tables = [_upload(cupy, a, stream) for a in (plan.h_bounds, plan.h_coefs, plan.v_bounds,
+        tables = [upload(cupy, a, stream) for a in (plan.h_bounds, plan.h_coefs, plan.v_bounds,
                                                      plan.v_coefs)]  # fmt: skip
         h_bounds, h_coefs, v_bounds, v_coefs = tables
         tmp = cupy.empty((max(plan.tmp_bytes, 1),), np.uint8)
         fn = kernels.kernel("ops.cu", "crop_resize_pass", defines, device, cupy)
         for pass_table, src, dst in ((plan.first, pixels, tmp), (plan.second, tmp, out)):
-            table = _upload(cupy, pass_table, stream)
+            table = upload(cupy, pass_table, stream)
             largest = int((pass_table[:, 4] * pass_table[:, 5]).max())
             grid = (min(kernels.MAX_GRID, math.ceil(largest / CROP_BLOCK)), min(n, MAX_GRID_Y))
             h_taps, v_taps = np.int32(plan.h_coefs.shape[2]), np.int32(plan.v_coefs.shape[2])
@@ -219,9 +221,9 @@ def nms_device(
     host_order = np.empty(n, np.int64)
     host_scores = np.empty(n, np.float32)
     host_mask = np.empty((n, tiles), np.uint64)
-    _download(cupy, order, host_order, stream)
-    _download(cupy, scores, host_scores, stream)
-    _download(cupy, mask, host_mask, stream)
+    download(cupy, order, host_order, stream)
+    download(cupy, scores, host_scores, stream)
+    download(cupy, mask, host_mask, stream)
     stream.synchronize()
     kept = greedy_keep(host_mask, host_scores[host_order], score_threshold, max_boxes)
     indices: np.ndarray = host_order[kept]
@@ -276,7 +278,7 @@ def resize_device(
     ).reshape(-1, 3)
     with stream:
         out = cupy.empty(cfg.batch_shape(n), np.dtype(cfg.dtype))
-        dev_table = _upload(cupy, table, stream)
+        dev_table = upload(cupy, table, stream)
     kernels.preprocess_batch(packed.pixels, dev_table, n, out, cfg=cfg, stream=stream,
                              device=device, cupy=cupy)  # fmt: skip
     return out

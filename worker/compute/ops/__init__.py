@@ -4,8 +4,9 @@ adding one is a module here and a line in ``OPS``.
 Each op says the inputs it takes, the step keys it reads (any other op key set
 on its step is refused, naming it), whether it fans out, how its inputs are
 checked once the models load (returning its outputs' dtypes and one request's
-shapes, as a function step declares them), and the NumPy function a step runs
-(one request, or one region, at a time).
+shapes, as a function step declares them), the NumPy function a step runs (one
+request, or one region, at a time), and its GPU form where it has one (a
+step's rows at once, by the CuPy kernels: ``device``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker.compute.ops.device import Batched, DeviceOps
 from worker.config.pipelines import Spec, StepConfig
 from worker.flow.errors import ConfigError
 
@@ -36,6 +38,9 @@ class Op:
     fan_out: bool
     check: Check
     bind: Callable[[StepConfig], Run]  # the function of one step's settings
+    # Its GPU form (``worker.compute.ops.device``) of one step's settings, where a
+    # pipeline runs a model on the GPU; None: the NumPy function alone.
+    device: Callable[[StepConfig, DeviceOps], Batched] | None = None
 
 
 # The step keys only ops read, with their defaults: one an op does not read, set on

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import numpy as np
 from PIL import Image
 
-from worker.compute.ops import Desc, Op, Run, shown
+from worker.compute.ops import Desc, Op, Run, device, shown
+from worker.compute.ops.device import Batched, DeviceOps
 from worker.config.checks import check
 from worker.config.pipelines import Spec, StepConfig
 
@@ -67,4 +68,9 @@ def _bind(step: StepConfig) -> Run:
     return functools.partial(crop_boxes, size=(height, width))
 
 
-OP = Op("crop_boxes", ("image", "boxes"), ("size",), True, _check, _bind)
+def _device(step: StepConfig, ops: DeviceOps) -> Batched:
+    height, width = step.size
+    return device.crops(ops, (height, width))
+
+
+OP = Op("crop_boxes", ("image", "boxes"), ("size",), True, _check, _bind, _device)

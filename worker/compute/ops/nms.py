@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from worker.compute.ops import Desc, Op, Run, shown
+from worker.compute.ops import Desc, Op, Run, device, shown
+from worker.compute.ops.device import Batched, DeviceOps
 from worker.config.checks import check
 from worker.config.pipelines import Spec, StepConfig
 
@@ -64,5 +65,9 @@ def _bind(step: StepConfig) -> Run:
                              score_threshold=step.score_threshold, max_boxes=step.max_boxes)
 
 
+def _device(step: StepConfig, ops: DeviceOps) -> Batched:
+    return device.nms(ops, step.iou_threshold, step.score_threshold, step.max_boxes)
+
+
 OP = Op("nms", ("boxes", "scores"), ("iou_threshold", "score_threshold", "max_boxes"), False,
-        _check, _bind)  # fmt: skip
+        _check, _bind, _device)  # fmt: skip

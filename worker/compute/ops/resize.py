@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from worker.compute.ops import Desc, Op, Run, shown
+from worker.compute.ops import Desc, Op, Run, device, shown
+from worker.compute.ops.device import Batched, DeviceOps
 from worker.config.checks import check
 from worker.config.pipelines import Spec, StepConfig
 from worker.model.inputs.image import resolve_declared
@@ -48,4 +49,8 @@ def _bind(step: StepConfig) -> Run:
     return resize
 
 
-OP = Op("resize", ("image",), ("preprocess",), False, _check, _bind)
+def _device(step: StepConfig, ops: DeviceOps) -> Batched:
+    return device.resize(ops, resolved("resize", step))
+
+
+OP = Op("resize", ("image",), ("preprocess",), False, _check, _bind, _device)
