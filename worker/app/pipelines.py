@@ -130,7 +130,7 @@ def build_plan(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel],
     fans = [i for i, s in enumerate(steps) if isinstance(s, FunctionStep) and s.fan_out]
     fan_at = fans[0] if fans else None
     after = {s.name for s in cfg.steps[fan_at:]} if fan_at is not None else set()
-    regional = {key: _fixed(desc) for key, desc in known.items()
+    regional = {key: _empty(desc) for key, desc in known.items()
                 if key.partition(".")[0] in after}  # fmt: skip
     described = {out: known[text] for out, text in cfg.outputs.items()}
     for out, text in cfg.outputs.items():  # a regional one: the regions' stacked
@@ -226,10 +226,12 @@ def _op_step(
                         fan_out=op.fan_out, batched=batched)  # fmt: skip
 
 
-def _fixed(desc: Desc | None) -> Regional:
-    if desc is None or not all(isinstance(d, int) for d in desc[1]):
+def _empty(desc: Desc | None) -> Regional:
+    """What a request without regions is answered with, empty: the declared
+    dtype and rank, a free dimension 0 (known only from a region)."""
+    if desc is None:
         return None
-    return desc[0], tuple(d for d in desc[1] if isinstance(d, int))
+    return desc[0], tuple(d if isinstance(d, int) else 0 for d in desc[1])
 
 
 def answer_outputs(binding: Binding) -> dict[str, Desc | None]:

@@ -187,7 +187,7 @@ def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] 
 def stacked(units: list[Tensors], source: str, spec: Regional) -> np.ndarray:
     """A per-region tensor of a request's units as one tensor, regions first: the
     units that have it (a branch per region runs for some), in region order (none:
-    an empty one of the declared shape where it is fixed). A ValueError where
+    an empty one of the declared dtype and rank, ``[0, ...]``). A ValueError where
     their shapes differ (an output to answer ragged)."""
     rows = [u[source] for u in units if source in u]
     if rows:

@@ -54,7 +54,8 @@ async def test_crops_between_two_models_answer_as_each_crop_alone() -> None:
         StepConfig(name="crop", op="crop_boxes", size=(8, 8),
                    inputs={"image": "request.image", "boxes": "find.boxes"}),
         StepConfig(name="each", model="digits", inputs={"image": "crop.crops"}),
-    ), outputs={"classes": "each.topk_indices", "crops": "crop.crops"})  # fmt: skip
+    ), outputs={"classes": "each.topk_indices", "crops": "crop.crops",
+                "box": "crop.box"})  # fmt: skip
     built = build_plan("p", cfg, {"digits": StepModel(engine.info, first.binding,
                                                                   first)})  # fmt: skip
     built = dataclasses.replace(built, steps=(*built.steps[:3], ModelStep(
@@ -70,6 +71,8 @@ async def test_crops_between_two_models_answer_as_each_crop_alone() -> None:
             image = job.inputs["image"]
             crops = crop_boxes(image, np.array([[0, 0, 8, 8], [0, 0, 4, 4]]), (8, 8))["crops"]
             np.testing.assert_array_equal(answer.outputs["crops"], crops)
+            np.testing.assert_array_equal(answer.outputs["box"],  # where each crop is from
+                                          np.array([[0, 0, 8, 8], [0, 0, 4, 4]], np.float32))
             own = await alone.run_batch(Batch([msgspec.structs.replace(job, inputs={"image": c})
                                                for c in crops], time.monotonic(), "full"))
             want = np.stack([a.outputs["topk_indices"] for a in own.answers if a.outputs])

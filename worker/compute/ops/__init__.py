@@ -21,8 +21,8 @@ from worker.config.pipelines import Spec, StepConfig
 from worker.flow.errors import ConfigError
 
 Desc = tuple[str, tuple[int | str | None, ...]]  # dtype name, one request's shape
-# A per-region tensor's dtype and fixed shape (None: not fixed), what a request
-# without regions is answered with, empty.
+# A per-region tensor's dtype and shape, a free dimension 0 (None: not known before it
+# runs): what a request without regions is answered with, empty ([0, ...], its rank).
 Regional = tuple[str, tuple[int, ...]] | None
 # The step's checks once the models load: where it is configured, its settings, and
 # each input's description (None: not known before it runs) -> its outputs.

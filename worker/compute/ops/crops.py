@@ -2,8 +2,9 @@
 recogniser: an image's regions, given boxes, cropped and resized to one size, one
 per box (a fan-out: the steps after it run once per crop). Inputs ``image``
 (uint8 pixels ``[H, W, C]`` or ``[H, W]``) and ``boxes`` (``[N, 4]``: x0, y0,
-x1, y1 in pixels); ``size = [height, width]``; output ``crops``, uint8
-``[height, width, C]`` a box."""
+x1, y1 in pixels); ``size = [height, width]``; outputs ``crops``, uint8
+``[height, width, C]`` a box, and ``box``, float32 ``[4]``, the box it was cut
+from (as given: the steps after it know where their region is)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from worker.config.checks import check
 from worker.config.pipelines import Spec, StepConfig
 
 OUTPUT = "crops"
+BOX = "box"
 
 
 def crop_boxes(
@@ -46,7 +48,7 @@ def crop_boxes(
             (width, height), Image.Resampling.BILINEAR
         )
         out[k] = np.asarray(resized).reshape(height, width, channels)
-    return {OUTPUT: out}
+    return {OUTPUT: out, BOX: flat.astype(np.float32)}
 
 
 def _check(where: str, step: StepConfig, inputs: Mapping[str, Desc | None]) -> dict[str, Spec]:
@@ -60,7 +62,7 @@ def _check(where: str, step: StepConfig, inputs: Mapping[str, Desc | None]) -> d
         boxes[1][1] in (4, None) or isinstance(boxes[1][1], str))), f"{where}.inputs.boxes",
           f"{step.inputs['boxes']!r} is {shown(boxes)}: boxes are [N, 4]")  # fmt: skip
     height, width = step.size
-    return {OUTPUT: Spec("uint8", (height, width, "C"))}
+    return {OUTPUT: Spec("uint8", (height, width, "C")), BOX: Spec("float32", (4,))}
 
 
 def _bind(step: StepConfig) -> Run:

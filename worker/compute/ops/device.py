@@ -92,7 +92,8 @@ def crops(ops: DeviceOps, size: tuple[int, int]) -> Batched:
             out = crop_boxes_device(ops.cupy, dev, per_image, size, stream=ops.stream,
                                     device=ops.device)  # fmt: skip
         host = ops.download(out)
-        return [{"crops": host[starts[k] + first : starts[k] + first + n]}
+        return [{"crops": host[starts[k] + first : starts[k] + first + n],
+                 "box": per_image[k][first : first + n].astype(np.float32)}
                 for k, first, n in spans]  # fmt: skip
 
     return run
