@@ -11,6 +11,7 @@ its outputs; that is the branch's purpose, not a partial answer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,14 +29,18 @@ class Partial:
         self._skipped: list[list[str]] = [[] for _ in range(requests)]
         self._failed: list[list[dict[str, str]]] = [[] for _ in range(requests)]
 
-    def chosen(self, i: int, step: Step, units: list[Tensors],
-               regional: Mapping[str, Regional]) -> list[bool] | None:  # fmt: skip
+    def chosen(self, i: int, step: Step, units: list[Tensors], regional: Mapping[str, Regional],
+               plain: bool = False) -> list[bool] | None:  # fmt: skip
         """The units of request ``i`` that ``step`` runs on (a flag a unit), or
         None where it does not run for the request at all (recorded as skipped:
         a branch per request not taken, or an input from a step that did not
-        run for it)."""
-        reads = [*step.sources.values(), *([step.when] if step.when else [])]
+        run for it). ``plain``: the step has no branch and reads no per-region
+        tensor (``plain_step``), so where every step ran for the request so far
+        it runs on every unit, with nothing to look up."""
         not_run = self._not_run[i]
+        if plain and not not_run:
+            return _every(len(units))
+        reads = [*step.sources.values(), *([step.when] if step.when else [])]
         if any(s.partition(".")[0] in not_run for s in reads) or (
             units and step.when and step.when not in regional and step.when in units[0]
             and not _true(units[0][step.when])
@@ -74,6 +79,17 @@ class Partial:
         if self._failed[i]:
             out["failed"] = list(self._failed[i])
         return out
+
+
+def plain_step(step: Step, regional: Mapping[str, Regional]) -> bool:
+    """No branch, and no per-region tensor read (``Partial.chosen``'s ``plain``)."""
+    return not step.when and not any(s in regional for s in step.sources.values())
+
+
+@functools.cache
+def _every(n: int) -> list[bool]:
+    """Every one of ``n`` units (shared: read, never changed)."""
+    return [True] * n
 
 
 def _true(value: np.ndarray) -> bool:

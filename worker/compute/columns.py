@@ -14,6 +14,7 @@ and it does not take the request as it is (the first model, checked at intake).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -31,6 +32,27 @@ from worker.obs import metrics
 _EXPIRED: Final = "deadline passed before inference"
 
 Rows = list[tuple[int, Tensors]]  # (request, unit) of each row of the step's run
+# A batch's columnar runs' outputs by "STEP.OUTPUT": the rows each was made for, and
+# the whole array (a later model step's input, as it is, where its rows are those).
+Kept = dict[str, tuple[Rows, np.ndarray]]
+
+# Per stage thread: the arrays a step's rows are stacked into, by (step, input),
+# grown to the most rows seen. A thread runs one batch at a time, and a run's
+# outputs are arrays of the engine's own, so the next batch on the thread may
+# overwrite them: no allocation (and no page faults over fresh memory) per run.
+_columns = threading.local()
+
+
+def _column(step: str, name: str, rows: list[np.ndarray]) -> np.ndarray:
+    """``rows`` stacked into this thread's array for (step, input)."""
+    first = rows[0]
+    buffers: dict[tuple[str, str], np.ndarray] = _columns.__dict__.setdefault("buffers", {})
+    buf = buffers.get((step, name))
+    if buf is None or len(buf) < len(rows) or buf.shape[1:] != first.shape or (
+        buf.dtype != first.dtype
+    ):
+        buf = buffers[(step, name)] = np.empty((len(rows), *first.shape), first.dtype)
+    return np.stack(rows, out=buf[: len(rows)])
 
 
 def expired(jobs: Sequence[Job], live: Mapping[int, list[bool]],
@@ -45,16 +67,33 @@ def expired(jobs: Sequence[Job], live: Mapping[int, list[bool]],
             metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
 
 
-def run_columns(step: ModelStep, rows: Rows) -> bool:
+def chosen_rows(units: Sequence[list[Tensors]], live: Mapping[int, list[bool]]) -> Rows:
+    """The step's rows: each live request's chosen units, in order."""
+    rows: Rows = []
+    for i, keep in live.items():
+        mine = units[i]
+        if len(mine) == 1:  # no regions (yet): the request itself, where chosen
+            if keep[0]:
+                rows.append((i, mine[0]))
+        else:
+            rows += [(i, unit) for unit, k in zip(mine, keep, strict=True) if k]
+    return rows
+
+
+def run_columns(step: ModelStep, rows: Rows, kept: Kept) -> bool:
     """Run ``rows`` through the step's model as one batch of arrays and keep
-    each row's outputs in its unit (``STEP.OUTPUT``); False, with no unit
-    touched, where they must run as jobs instead (a row not of the input's
-    dtype and shape, a source missing, or the run failing)."""
+    each row's outputs in its unit (``STEP.OUTPUT``), and the whole arrays in
+    ``kept``; False, with no unit touched, where they must run as jobs instead
+    (a row not of the input's dtype and shape, a source missing, or the run
+    failing). An input that an earlier step's run made for these very rows, in
+    this order, is that run's array as it is: no copy between two models."""
     inputs = step.stage.binding.inputs.by_name
     arrays: dict[str, np.ndarray] = {}
     try:
         for name, source in step.sources.items():
-            column = np.stack([unit[source] for _, unit in rows])
+            column = _same_rows(kept.get(source), rows)
+            if column is None:
+                column = _column(step.name, name, [unit[source] for _, unit in rows])
             desc = inputs[name].feeds[0]  # a tensor input of fixed shape: ``columnar``
             if column.dtype != desc.dtype or column.shape[1:] != desc.shape:
                 return False
@@ -65,6 +104,17 @@ def run_columns(step: ModelStep, rows: Rows) -> bool:
     prefix = f"{step.name}."
     for name, column in out.items():
         key = prefix + name
-        for k, (_, unit) in enumerate(rows):
-            unit[key] = column[k]
+        kept[key] = (rows, column)
+        for (_, unit), row in zip(rows, column, strict=True):  # row views, made in C
+            unit[key] = row
     return True
+
+
+def _same_rows(made: tuple[Rows, np.ndarray] | None, rows: Rows) -> np.ndarray | None:
+    """An earlier run's whole output where it was made for ``rows`` (the same
+    units in the same order: no request answered or region passed by since)."""
+    if made is None or len(made[0]) != len(rows):
+        return None
+    if all(a[1] is b[1] for a, b in zip(made[0], rows, strict=True)):
+        return np.ascontiguousarray(made[1])
+    return None

@@ -24,14 +24,14 @@ import asyncio
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 
 from worker.compute.answers import answered
-from worker.compute.branches import Partial
-from worker.compute.columns import expired, run_columns
+from worker.compute.branches import Partial, plain_step
+from worker.compute.columns import Kept, chosen_rows, expired, run_columns
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
     FunctionStep,
@@ -71,6 +71,8 @@ class _Progress:
     # from such a step, an optional step that failed it), as its answer names them.
     partial: Partial
     engine_rows: int = 0
+    # Columnar model steps' outputs as whole arrays, for the model steps after them.
+    columns: Kept = field(default_factory=dict)
 
 
 class PipelineStage(Stage):
@@ -104,6 +106,7 @@ class PipelineStage(Stage):
         self._threads = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
         self._together = _together(self._steps)
+        self._plain = [plain_step(s, self._regional) for s in self._steps]
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in self._steps
         }
@@ -142,7 +145,9 @@ class PipelineStage(Stage):
                 index += 1
         for i, job in enumerate(jobs):
             if p.answers[i] is None:
-                timing = {**p.timings[i], "infer": micros(time.monotonic() - started)}
+                # The first model step's stage times; a columnar step's: queued, then run.
+                timing = {"queue": micros(batch.formed_at - job.arrived), "preprocess": 0,
+                          "d2h": 0, **p.timings[i], "infer": micros(time.monotonic() - started)}
                 p.answers[i] = answered(self._plan, self._pipeline, job, bases[i], p.units[i],
                                        p.partial.ran(i), timing, p.partial.of(i))
         service_s = time.monotonic() - started
@@ -159,7 +164,8 @@ class PipelineStage(Stage):
             self._past_share(step.name, step.until, p.jobs, p.answers)
         if not any(a is None for a in p.answers):
             return None
-        chosen = {i: p.partial.chosen(i, step, p.units[i], self._regional)
+        plain = self._plain[index]
+        chosen = {i: p.partial.chosen(i, step, p.units[i], self._regional, plain)
                   for i, a in enumerate(p.answers) if a is None}  # fmt: skip
         return {i: keep for i, keep in chosen.items() if keep is not None}
 
@@ -198,15 +204,10 @@ class PipelineStage(Stage):
             else:
                 expired(p.jobs, live, p.answers)
                 live = {i: keep for i, keep in live.items() if p.answers[i] is None}
-                rows = [(i, unit) for i, keep in live.items()
-                        for unit, k in zip(p.units[i], keep, strict=True) if k]  # fmt: skip
-                if rows and not run_columns(step, rows):
+                rows = chosen_rows(p.units, live)
+                if rows and not run_columns(step, rows, p.columns):
                     return k, live
                 p.engine_rows += len(rows)
-                for i in live:
-                    if not p.timings[i]:  # the first model step's: the answer's
-                        p.timings[i] = {"queue": micros(p.batch.formed_at - p.jobs[i].arrived),
-                                        "preprocess": 0, "d2h": 0}  # fmt: skip
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         return end, None
 
