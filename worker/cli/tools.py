@@ -1,14 +1,18 @@
-"""``infer-worker config``, ``verify``, ``compare`` and ``build-engine``: the
-operator's tools."""
+"""``infer-worker config``, ``models``, ``verify``, ``compare`` and
+``build-engine``: the operator's tools."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from worker.cli.common import Subparsers, add_command
 from worker.config import load_settings, redacted
 from worker.obs import logs
+
+if TYPE_CHECKING:
+    from worker.config.repository_files import ListedVersion
 
 
 def config_command(args: argparse.Namespace) -> int:
@@ -24,6 +28,31 @@ def config_command(args: argparse.Namespace) -> int:
         settings = asyncio.run(checked(settings))
     print(json.dumps(redacted(settings), indent=2))
     return 0
+
+
+def models_command(args: argparse.Namespace) -> int:
+    from worker.config.models import served
+    from worker.config.repository_files import listing
+
+    settings = load_settings(args.config)  # checked as run checks settings (exit 2)
+    versions = listing(settings.repository) if settings.repository.path else ()
+    rows = [("MODEL", "VERSION", "SERVED", "FROM")]
+    for m in served(settings):
+        if m.key == "model" or m.key.startswith("models."):
+            rows.append((m.name, "-", "yes", f"[{m.key}] {m.config.path}"))
+        rows += [_version_row(v, m.config.path) for v in versions if v.name == m.name]
+    names = {m.name for m in served(settings)}
+    rows += [_version_row(v, "") for v in versions if v.name not in names]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3])
+    return 0
+
+
+def _version_row(v: ListedVersion, path: str) -> tuple[str, str, str, str]:
+    """A repository version: its model file where served, else its directory."""
+    return (v.name, str(v.version), "yes" if v.served else "no",
+            path if v.served else str(v.directory))  # fmt: skip
 
 
 def build_engine_command(args: argparse.Namespace) -> int:
@@ -93,6 +122,19 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "without one); what only the models show (their inputs, outputs, memory, a "
         "pipeline's tensors) is then not checked",
     )  # fmt: skip
+
+    mod = add_command(
+        sub, "models", "list the models a configuration serves, the repository's versions",
+        "list: every model the configuration serves, in the worker's order, with where it is "
+        "configured ([model], [models.NAME]) or, for a model of the [repository], each of its "
+        "versions and which one the version policy serves; then the repository's models left "
+        "out (repository.models). The settings are checked as `run` checks them before "
+        "loading a model (exit 2 naming the key); no model is loaded, Kafka is not contacted.",
+        models_command,
+        epilog="example:\n  infer-worker models list --config worker.toml",
+    )  # fmt: skip
+    mod.add_argument("action", choices=("list",))
+    mod.add_argument("--config", help="TOML file")
 
     from worker.ops import build_engine, compare, verify
 

@@ -4,7 +4,8 @@ The key names are a public surface (see docs/guides/configure.md): every key can
 overridden by ``INFER_WORKER_<SECTION>__<KEY>`` (nested sections add more ``__``
 parts, e.g. ``INFER_WORKER_MODEL__PREPROCESS__MEAN``). Unknown keys, in the file or
 in the environment, are errors, so a typo never silently falls back to a default.
-This module does no I/O beyond reading the file it is given.
+This module does no I/O beyond reading the file it is given and the model
+repository's directory it names (``worker.config.repository_files``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from worker.config.model import (
 from worker.config.models import check_models
 from worker.config.pipelines import PipelineConfig, StepConfig
 from worker.config.registry import SchemaRegistryConfig
+from worker.config.repository import RepositoryConfig
+from worker.config.repository_files import with_repository
 from worker.config.runtime import (
     BatchingConfig,
     DlqConfig,
@@ -52,6 +55,9 @@ class Settings:
     # INFER_WORKER_MODELS__<NAME>__<KEY>: docs/guides/models.md. A configuration of
     # [models.NAME] sections alone is complete: no [model] is served then.
     models: dict[str, ModelConfig] = field(default_factory=dict)
+    # A model repository: a directory of models, each served as a [models.NAME] of its own
+    # settings file, at the version a policy names, read at start-up: docs/guides/models.md.
+    repository: RepositoryConfig = field(default_factory=RepositoryConfig)
     # Models run one after another, one answer per request: each a [pipelines.NAME] with its
     # input topics, its steps (models of the worker, functions between them) and its outputs:
     # docs/guides/pipelines.md.
@@ -72,8 +78,9 @@ class Settings:
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables."""
-    return load_tree(Settings, path, env)
+    """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables;
+    then the models of ``[repository]`` (its directory read here, once)."""
+    return load_tree(Settings, path, env, complete=with_repository)
 
 
 def redacted(settings: Settings) -> dict[str, Any]:
@@ -95,6 +102,7 @@ __all__ = [
     "PipelineConfig",
     "PostprocessConfig",
     "PreprocessConfig",
+    "RepositoryConfig",
     "SchemaRegistryConfig",
     "Secret",
     "Settings",

@@ -10,7 +10,7 @@ import dataclasses
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NewType, TypeVar, get_args, get_origin, get_type_hints
@@ -29,21 +29,40 @@ _T = TypeVar("_T")
 
 
 def load_tree(
-    root: type[_T], path: str | Path | None = None, env: Mapping[str, str] | None = None
+    root: type[_T],
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    complete: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> _T:
-    """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables."""
+    """Defaults, then the TOML file (if any), then ``INFER_WORKER_*`` variables.
+    ``complete``: given the root's converted fields before the root is made (and
+    checks itself whole), returns them with what only they lead to (the models
+    of a ``[repository]``)."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file not found: {path}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        data = read_toml(path, f"config file not found: {path}")
     _apply_env(data, env if env is not None else _os_environ())
-    tree: _T = _build(root, data, "")
+    kwargs = _fields(root, data, "")
+    tree: _T = _construct(root, complete(kwargs) if complete else kwargs, "")
     return tree
+
+
+def read_toml(path: str | Path, missing: str) -> dict[str, Any]:
+    """A TOML file's tables; ``missing``: the error when there is no such file."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(missing) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+
+def build_table(cls: type[_T], data: Mapping[str, Any], prefix: str = "") -> _T:
+    """One section built from a table read elsewhere (a repository model's
+    settings file), converted and checked as the same section of the file is."""
+    built: _T = _build(cls, data, prefix)
+    return built
 
 
 def _os_environ() -> Mapping[str, str]:
@@ -79,6 +98,10 @@ class _EnvValue:
 
 
 def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
+    return _construct(cls, _fields(cls, data, prefix), prefix)
+
+
+def _fields(cls: type[Any], data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table")
     hints = get_type_hints(cls)
@@ -86,7 +109,10 @@ def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
-    kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
+    return {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
+
+
+def _construct(cls: type[Any], kwargs: Mapping[str, Any], prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as exc:  # defensive: a shape we did not convert

@@ -7,7 +7,8 @@ alone would run them. ``[models.NAME]`` sections alone are a complete
 configuration; ``[model]`` is the shorthand for one model (named from its path)
 and, beside ``[models.NAME]``, the model answering every input topic no other
 model or pipeline names. The bundled model is served only where no model is
-configured at all.
+configured at all. A model of the ``[repository]`` is in ``Settings.models`` as
+read from its directory (``RepositoryModel``), served as a ``[models.NAME]``.
 
 The routing table (``Routing``, ``routing``) is the one place a request's
 answerer is decided: its topic's model or pipeline, or on ``[model]``'s topics
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from worker.config.checks import as_written, check
 from worker.config.model import BundledModel, is_gpu_backend, name_of
 from worker.config.pipelines import check_pipelines
+from worker.config.repository import RepositoryModel, repository_key
 from worker.flow.errors import ConfigError, InvalidRequest, UnknownModel
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     """One model of the worker: its name (results and metrics say it), where it
-    is configured (``model`` or ``models.NAME``: errors name its keys so), the
+    is configured (``model``, ``models.NAME``, or ``repository.NAME`` for a model
+    of the repository, its model.toml's keys: errors name its keys so), the
     input topics whose requests it answers when they name none, and the worker's
     settings as this model alone would run them (its stages are built from them)."""
 
@@ -68,7 +71,7 @@ def served(s: Settings) -> tuple[ServedModel, ...]:
         topics = m.topics
         if not topics and not out and len(s.models) == 1 and not s.pipelines:
             topics = s.kafka.input_topics  # the one model: every input topic, as [model]'s
-        key = f"models.{name}"
+        key = repository_key(name) if isinstance(m, RepositoryModel) else f"models.{name}"
         out.append(ServedModel(name, key, topics, _alone(s, m, name, key)))
     return tuple(out)
 
@@ -200,7 +203,7 @@ def check_models(s: Settings) -> None:
     owners += [(f"pipelines.{name}", name, p.topics) for name, p in s.pipelines.items()]
     for key, name, topics in owners:
         at = f"{key}.topics"
-        if key.startswith("models.") and name not in in_pipelines and not shared:
+        if key not in ("model", f"pipelines.{name}") and name not in in_pipelines and not shared:
             check(bool(topics), at, "names the input topics this model answers (a model a "
                   "pipeline runs, or requests name on [model]'s topics, needs none)")  # fmt: skip
         elif key == "model":
@@ -229,8 +232,11 @@ def _check_names(s: Settings, models: tuple[ServedModel, ...]) -> None:
         check(m.name == name or m.name == name_of(m.path), f"models.{name}.name",
               f"{m.name!r}: a [models.NAME] model is named by its table ({name!r})")  # fmt: skip
     if models and models[0].key == "model":
-        check(s.model.name not in s.models, "model.name", f"{s.model.name!r} is also a "
-              "[models.NAME]: every model needs a name of its own")  # fmt: skip
+        other = s.models.get(s.model.name)
+        what = "a model of the repository" if isinstance(other, RepositoryModel) else (
+            "a [models.NAME]")  # fmt: skip
+        check(other is None, "model.name", f"{s.model.name!r} is also {what}: every model "
+              "needs a name of its own")  # fmt: skip
 
 
 def _refuse_unsupported(

@@ -56,7 +56,7 @@ def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[Nee
                                use="both", required=False,
                                co_partitioned=k.input_topics[0] if k.input_topics else ""))
     for m in served(s):  # each stateful model's own changelog, beside other models
-        if state := _changelog(s, m.key):
+        if state := _changelog(s, m.key, m.name):
             partner = m.topics[0] if len(m.topics) == 1 else ""
             out.append(NeededTopic(state, f"{m.key}.state_topic", None, dict(COMPACTED),
                                    use="both", required=False, co_partitioned=partner))
@@ -68,9 +68,9 @@ def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[Nee
     return out
 
 
-def _changelog(s: Settings, key: str) -> str:
+def _changelog(s: Settings, key: str, name: str) -> str:
     """The changelog a model's section names (``model.state_topic`` or
-    ``models.NAME.state_topic``), or ""."""
+    ``models.NAME.state_topic``, a repository model's file alike), or ""."""
     if key == "model":
         return s.model.state_topic
-    return s.models[key.removeprefix("models.")].state_topic
+    return s.models[name].state_topic
