@@ -14,6 +14,7 @@ import structlog
 from worker.app.plan import RunPlan
 from worker.app.stages import ModelStages, Stages
 from worker.config import Settings
+from worker.config.models import served
 from worker.flow.errors import ConfigError
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
@@ -95,7 +96,8 @@ def _setting(s: Settings, name: str) -> str:
     """Where a model's changelog is configured, as the user wrote it."""
     if s.kafka.state_topic or not (s.models or s.pipelines):
         return "kafka.state_topic"
-    return "model.state_topic" if name not in s.models else f"models.{name}.state_topic"
+    keys = {m.name: m.key for m in served(s)}  # models.NAME, or repository.NAME
+    return f"{keys.get(name, 'model')}.state_topic"
 
 
 async def _check_changelog(
