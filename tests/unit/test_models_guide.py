@@ -20,7 +20,7 @@ def _examples(page: str) -> list[str]:
 
 
 def test_the_guide_s_models_sections_alone_route_by_topic(tmp_path: Path) -> None:
-    (example,) = _examples("docs/guides/models.md")
+    example = _examples("docs/guides/models.md")[0]
     s = load_settings_from(tmp_path, example)
     assert [m.name for m in served(s)] == ["churn", "sentiment"]  # no bundled model
     assert routing(s).owners == {"scores.requests": "churn", "reviews.requests": "sentiment",
@@ -63,3 +63,45 @@ def test_the_pipelines_guide_s_configurations_load_as_written(tmp_path: Path) ->
     read = s.pipelines["read"]
     assert read.inputs == {"pixels": "uint8 [H, W, 1]"} and read.steps[0].function
     assert [step.op for step in read.steps] == ["", "", "", "crop_boxes", ""]
+
+
+def test_the_guide_s_model_repository_serves_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The repository the guide lays out, its files as the page writes them (the
+    models real ones: a tabular scorer and the bundled digits model): the worker's
+    start-up checks pass (every model loaded, bound and probed), each topic goes
+    to its model at the version the policy serves, and ``models list`` prints
+    what the page shows."""
+    import asyncio
+    import shutil
+
+    pytest.importorskip("onnx")
+    from tests.onnx_models import tabular
+    from worker.app.preflight import checked
+    from worker.cli import main
+    from worker.model.files import bundled_file
+
+    worker_toml, *settings_files = _examples("docs/guides/models.md")[1:]
+    repo = tmp_path / "models"
+    for version in (1, 2):
+        (repo / "churn" / str(version)).mkdir(parents=True)
+        tabular(repo / "churn" / str(version) / "model.onnx", seed=version)
+    (repo / "digits" / "1").mkdir(parents=True)
+    shutil.copy(bundled_file("digits.onnx"), repo / "digits" / "1" / "model.onnx")
+    for text in settings_files:
+        first, _, body = text.partition("\n")
+        target = Path(first.removeprefix("# ").replace("/srv/models", str(repo)))
+        target.write_text(body)
+    s = load_settings_from(tmp_path, worker_toml.replace("/srv/models", str(repo)))
+    assert routing(s).owners == {"scores.requests": "churn", "images.requests": "digits"}
+    assert {m.name: m.config.path for m in served(s)} == {
+        "churn": str(repo / "churn" / "2" / "model.onnx"),
+        "digits": str(repo / "digits" / "1" / "model.onnx")}  # fmt: skip
+    asyncio.run(checked(s))  # what run checks before Kafka: loads, binds, probes
+    capsys.readouterr()  # what loading logged
+
+    assert main(["models", "list", "--config", str(tmp_path / "worker.toml")]) == 0
+    (listed,) = re.findall(r"```\n(MODEL .*?)```", (ROOT / "docs/guides/models.md").read_text(),
+                           re.S)  # fmt: skip
+    assert capsys.readouterr().out == listed.replace("/srv/models", str(repo))
