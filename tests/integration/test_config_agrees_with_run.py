@@ -185,3 +185,71 @@ def test_settings_only_loads_no_model(tmp_path: Path) -> None:
     wrong = subprocess.run([*argv, "--settings-only"], capture_output=True, text=True,
                            timeout=120, env=env, check=False)  # fmt: skip
     assert wrong.returncode == 2 and "answered by no model or pipeline" in wrong.stderr
+
+
+def _repository(root: Path) -> Path:
+    """Two models of the bundled digits file, scorer (versions 1 and 2, settings for
+    both) and reader (version 1, settings of its own)."""
+    import shutil
+
+    from worker.model.files import bundled_file
+
+    repo = root / "models"
+    for name, version in (("scorer", 1), ("scorer", 2), ("reader", 1)):
+        (repo / name / str(version)).mkdir(parents=True)
+        shutil.copy(bundled_file("digits.onnx"), repo / name / str(version) / "model.onnx")
+    (repo / "scorer" / "model.toml").write_text('topics = ["scores"]\ninput = "image"\n')
+    (repo / "reader" / "1" / "model.toml").write_text('topics = ["texts"]\ninput = "image"\n')
+    return repo
+
+
+REPOSITORY = 'input_topics = ["scores", "texts"]\n[repository]\npath = "{repo}"\n'
+
+# (a change to the repository, the configuration after [kafka], the message both name)
+REPOSITORY_REFUSED = [
+    ("", REPOSITORY.replace("{repo}", "{repo}/nowhere"), "repository.path: {repo}/nowhere is "
+     "not a directory"),
+    ("mkdir scorer/v3", REPOSITORY, "repository.path: {repo}/scorer/v3: a model's directories "
+     "are its versions"),
+    ("mkdir scorer/3", REPOSITORY, "repository.path: {repo}/scorer/3: no model file"),
+    ("settings scorer batch = 4", REPOSITORY, "{repo}/scorer/model.toml: unknown key batch"),
+    ("", REPOSITORY + 'latest = 2\n', "repository.latest: names 2 versions of 'scorer' (1, 2)"),
+    ("", REPOSITORY + '[models.reader]\npath = "builtin:digits"\n',
+     "models.reader: 'reader' is also a model of the repository"),
+    # Refused only once the model loads, named as the repository model it is.
+    ("settings scorer outputs = [\"nope\"]", REPOSITORY,
+     "repository.scorer.outputs: 'nope' not in model outputs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "text", "message"), REPOSITORY_REFUSED,
+                         ids=[m[:40] for _, _, m in REPOSITORY_REFUSED])  # fmt: skip
+def test_config_and_run_refuse_a_bad_repository_alike(
+    tmp_path: Path, change: str, text: str, message: str
+) -> None:
+    repo = _repository(tmp_path)
+    verb, _, rest = change.partition(" ")
+    if verb == "mkdir":
+        (repo / rest).mkdir()
+    elif verb == "settings":
+        model, _, line = rest.partition(" ")
+        settings = repo / model / "model.toml"
+        settings.write_text(settings.read_text() + line + "\n")
+    path = tmp_path / "worker.toml"
+    path.write_text(KAFKA + text.replace("{repo}", str(repo)))
+    for command in ("config", "run"):
+        done = _run(command, path)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert message.replace("{repo}", str(repo)) in done.stderr, (command, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, (command, done.stderr[-2000:])
+
+
+def test_what_config_passes_of_a_repository_run_serves_until_kafka(tmp_path: Path) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text(KAFKA + REPOSITORY.replace("{repo}", str(_repository(tmp_path))))
+    shown = _run("config", path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert '"scorer": {' in shown.stdout and '"reader": {' in shown.stdout
+    ran = _run("run", path)
+    assert ran.returncode == 1, ran.stderr[-2000:]  # the models served; then no broker
+    assert "kafka.bootstrap_servers: no Kafka broker answers" in ran.stderr
