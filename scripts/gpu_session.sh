@@ -47,6 +47,18 @@
 # ingest ceiling read by 4 bare readers at once (ingest_ceiling_readers): the
 # latency a client sees end to end, and whether more partitions lift the
 # broker's ceiling towards the engine.
+# Issue 66 items 3 and 4 (several models, a pipeline on the GPU), named only, in
+# one call (both run here on the CPU twin with --backend gpu-twin first):
+#   run(command="bash scripts/gpu_session.sh models.gpu pipeline.gpu", carry=[".whl"],
+#       timeout_s=420)
+# models.gpu: benchmarks.gpu_models --backend torch, ResNet-50 (bench.jpeg's) and
+# the digits MLP (TorchScript) in one worker, a GPU stage and slot ring each: each
+# model's drain, GPU memory per model against the budget (the worker's
+# gpu_model_memory lines), each model's p99 paced alone, then beside the other's
+# backlog (target <= 3x); pipeline.gpu: benchmarks.gpu_pipeline --backend torch,
+# detect -> crop_boxes (CuPy) -> digits drained from Kafka, img/s, GPU busy, every
+# answer against the same pipeline on the CPU path (99% must agree). A results
+# JSON each (<date>-<gpu>-models.json, -pipeline.json).
 # The warm-up is kept small: two batch buckets (16 and 64), compiled once
 # (dynamic in the batch), so the first compilation is the only long wait.
 #
@@ -91,9 +103,14 @@ declare -A BUDGET=(
     [scale.mps]=200    # scale.jpeg at --procs 2 and 4 under CUDA MPS, started and stopped here
     [profile.procs]=150  # --procs 4 JPEGs under py-spy: the bench, the supervisor, every member
     [scale.parts16]=200  # --procs 4 JPEGs over 8, then 16 partitions, 30k each (a run: 75-80 s warm)
+    # Issue 66 items 3 and 4, estimated (not yet run on a GPU): three worker starts
+    # (the first compiles ResNet-50: 12-18 s on an H100), 12k JPEGs drained, 3 s paced
+    # runs, the small model's paced run beside a ~40k-JPEG backlog (6 k/s x 6.5 s).
+    [models.gpu]=200
+    [pipeline.gpu]=150   # two tiny programs compiled, 20k 48x48 requests drained twice (CPU, GPU)
 )
 STEPS=(tests.gpu bench.jpeg bench.raw)
-OPTIONAL=(profile.jpeg micro.place ab.jpeg scale.jpeg scale.raw scale.mps profile.procs scale.parts16)
+OPTIONAL=(profile.jpeg micro.place ab.jpeg scale.jpeg scale.raw scale.mps profile.procs scale.parts16 models.gpu pipeline.gpu)
 
 total_of() {  # the worst case of running these steps: set-up and steps, each with its kill grace
     local total=0 key
@@ -269,6 +286,17 @@ for s in "${steps[@]}"; do
         step profile.procs "$OUT/bench.txt" py-spy record --subprocesses --rate 50 \
             --format raw -o "$OUT/profile.txt" -- "${SCALE[@]}" --procs 4 --payload jpeg \
             --records 30000 --results-dir /tmp/profile-results
+        tail -n 30 "$OUT/bench.txt"
+        ;;
+    models.gpu)
+        # One worker, two GPU models: 3 s paced runs, the backlog sized for 1.5 x that + 2 s.
+        step models.gpu "$OUT/bench.txt" python3 -m benchmarks.gpu_models --backend torch \
+            --duration 3 --slack 2 --results-dir "$OUT/results"
+        tail -n 30 "$OUT/bench.txt"
+        ;;
+    pipeline.gpu)
+        step pipeline.gpu "$OUT/bench.txt" python3 -m benchmarks.gpu_pipeline --backend torch \
+            --requests 20000 --results-dir "$OUT/results"
         tail -n 30 "$OUT/bench.txt"
         ;;
     profile.jpeg)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 KILL_GRACE_S = 5
 NAMED_ONLY = ["profile.jpeg", "micro.place", "ab.jpeg", "scale.jpeg", "scale.raw", "scale.mps",
-              "profile.procs", "scale.parts16"]  # fmt: skip
+              "profile.procs", "scale.parts16", "models.gpu", "pipeline.gpu"]  # fmt: skip
 
 
 def _budgets() -> dict[str, int]:
@@ -107,7 +107,8 @@ def test_the_several_processes_call_and_its_rerun_each_fit_one_call() -> None:
     profile of every process in the rerun."""
     b = _budgets()
     for steps in (("scale.jpeg", "scale.raw"), ("scale.mps", "profile.procs"),
-                  ("scale.parts16",)):  # issue 66: N readers, N senders, more partitions
+                  ("scale.parts16",),  # issue 66: N readers, N senders, more partitions
+                  ("models.gpu", "pipeline.gpu")):  # issue 66: several models, a pipeline
         total = sum(b[k] + KILL_GRACE_S for k in ("setup.wheels", "setup.gpu", *steps))
         assert total <= 7 * 60 - 20, (steps, total)
 
@@ -131,3 +132,19 @@ def test_scale_runs_one_benchmark_per_process_count(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", "-c", failing], capture_output=True, text=True, timeout=30,
                           check=False)  # fmt: skip
     assert proc.returncode != 0 and "--procs 4" not in proc.stdout
+
+
+def test_the_several_models_and_pipeline_steps_run_their_benchmarks_on_the_gpu() -> None:
+    """Issue 66 items 3 and 4: each step runs its benchmark module with the torch
+    backend (the twin is for this machine) into $OUT/results, and the header
+    gives the call that runs both."""
+    text = SCRIPT.read_text()
+    for name, module in (("models.gpu", "benchmarks.gpu_models"),
+                         ("pipeline.gpu", "benchmarks.gpu_pipeline")):  # fmt: skip
+        branch = re.search(rf"^\s*{re.escape(name)}\)\n(.*?)^\s*;;", text, re.M | re.S)
+        assert branch is not None, name
+        body = branch.group(1)
+        assert f"python3 -m {module} --backend torch" in body, body
+        assert '--results-dir "$OUT/results"' in body, body
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file()
+    assert 'run(command="bash scripts/gpu_session.sh models.gpu pipeline.gpu"' in text
