@@ -206,6 +206,16 @@ def test_the_repository_path_from_the_environment(tmp_path: Path) -> None:
     assert [m.name for m in served(s)] == ["reader", "scorer"]
 
 
+def test_a_stateful_repository_model_s_changelog_is_a_needed_topic(tmp_path: Path) -> None:
+    from worker.config.topics import needed_topics
+
+    repo = _repo(tmp_path)
+    (repo / "reader" / "2" / "model.toml").write_text('topics = ["b"]\nstate_topic = "b.states"\n')
+    needed = {t.name: t for t in needed_topics(_load(tmp_path, _with_repo(repo)))}
+    assert needed["b.states"].setting == "repository.reader.state_topic"
+    assert needed["b.states"].co_partitioned == "b"
+
+
 # --- refusals: the path and the key ------------------------------------------------
 
 
