@@ -17,19 +17,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 import numpy as np
 
 from worker.compute.steps import ModelStep, Tensors
+from worker.compute.triage import EXPIRED
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Answer, Job
 from worker.obs import metrics
-
-# What a model's stage answers a request past its deadline with (compute.triage).
-_EXPIRED: Final = "deadline passed before inference"
 
 Rows = list[tuple[int, Tensors]]  # (request, unit) of each row of the step's run
 # A batch's columnar runs' outputs by "STEP.OUTPUT": the rows each was made for, and
@@ -63,8 +60,9 @@ def expired(jobs: Sequence[Job], live: Mapping[int, list[bool]],
     for i in live:
         job = jobs[i]
         if job.deadline is not None and now >= job.deadline:
-            answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, _EXPIRED))
-            metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
+            rule = job.expiry or "deadline_ms"
+            answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, EXPIRED[rule]))
+            metrics.EXPIRED.labels(rule=rule).inc()
 
 
 def chosen_rows(units: Sequence[list[Tensors]], live: Mapping[int, list[bool]]) -> Rows:

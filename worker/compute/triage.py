@@ -31,7 +31,8 @@ ServiceTimeHook = Callable[[float], None]
 """Told each batch's service seconds (the batch policy flushes deadlines by it)."""
 
 
-_EXPIRED: Final[dict[ExpiryRule, str]] = {
+# What a request past its deadline (or its age limit) is answered with, by rule.
+EXPIRED: Final[dict[ExpiryRule, str]] = {
     "deadline_ms": "deadline passed before inference",
     "max_record_age": "record older than batching.max_record_age_ms before inference",
 }
@@ -57,7 +58,7 @@ def triage(batch: Batch[Job], now: float, m: metrics.ModelMetrics) -> tuple[list
             continue
         if job.deadline is not None and now >= job.deadline:
             expiry = job.expiry or "deadline_ms"
-            answer.error = ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, _EXPIRED[expiry])
+            answer.error = ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, EXPIRED[expiry])
             metrics.EXPIRED.labels(rule=job.expiry or "deadline_ms").inc()
             continue
         runnable.append(answer)
