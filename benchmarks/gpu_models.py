@@ -9,9 +9,10 @@ in one worker serving both, each its own GPU stage and slot ring.
 The models (``[models.big]``, ``[models.small]``, a topic each): with ``torch``,
 ResNet-50 as ``bench --model resnet50`` runs it (exported program, fp16,
 compiled, CUDA graphs, GPU preprocessing, nvJPEG) sent its JPEG photographs,
-and the bundled digits MLP as TorchScript (GPU preprocessing) sent digit JPEGs;
-with ``gpu-twin``, the digits model twice on the GPU stage's CPU twin, each sent
-the digit JPEGs (the wiring, not the speed: twin figures are not GPU figures).
+and the bundled digits MLP as TorchScript (GPU preprocessing) sent raw digit
+tensors; with ``gpu-twin``, the digits model twice on the GPU stage's CPU twin,
+the big one sent digit JPEGs (the wiring, not the speed: twin figures are not
+GPU figures).
 One embedded broker, one worker process each scenario, on fresh topics:
 
 1. ``alone`` (one worker): the big model drains a backlog produced before the
@@ -110,7 +111,9 @@ def settings(args: argparse.Namespace, work: Path) -> dict[str, str]:
 
 def payloads(backend: str) -> dict[str, list[Value]]:
     big = payload_inputs("resnet50" if backend == "torch" else "digits", "jpeg")[1]
-    return {"big": big, "small": payload_inputs("digits", "jpeg")[1]}
+    # The small model's as raw tensors: gpu.decode = "nvjpeg" is the worker's, and
+    # greyscale JPEGs through nvJPEG to a one-channel model are not what this measures.
+    return {"big": big, "small": payload_inputs("digits", "raw")[1]}
 
 
 Started = tuple[WorkerProcess, Collector, dict[str, str]]
