@@ -207,7 +207,8 @@ def ocr_by_hand(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     boxes = text_boxes(det.run(None, {"x": x[None]})[0][0])["boxes"]
     crops = crop_boxes(pixels(x)["image"], boxes, (48, 160))["crops"]
     probs = [rec.run(None, {"x": rec_input(c)["x"][None]})[0][0] for c in crops]
-    ids = np.stack([greedy(p)["ids"] for p in probs]) if probs else np.zeros((0,), np.int64)
+    # A page without lines: no regions, the output's rank kept ([0, steps], steps free: 0).
+    ids = np.stack([greedy(p)["ids"] for p in probs]) if probs else np.zeros((0, 0), np.int64)
     return boxes, np.stack(probs) if probs else np.zeros((0,)), ids
 
 
