@@ -191,7 +191,11 @@ def _numeric_fields() -> list[tuple[str, str, object]]:
 
 
 # Settings whose own rule starts above 1 (every other numeric setting accepts 1).
-_OWN_MINIMUM = {("kafka", "max_request_size"): "1024", ("kafka", "session_timeout_ms"): "100"}
+_OWN_MINIMUM = {
+    ("kafka", "max_request_size"): "1024",
+    ("kafka", "session_timeout_ms"): "100",
+    ("metrics", "lag_interval_ms"): "100",
+}
 
 
 @pytest.mark.parametrize(("section", "key", "tp"), _numeric_fields())

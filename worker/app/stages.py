@@ -39,6 +39,7 @@ from worker.config.model import is_gpu_backend
 from worker.config.models import Routing, routing
 from worker.flow.batching import MicroBatcher, Policy
 from worker.flow.budget import FailureBudget
+from worker.flow.drain import Shares
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
 from worker.flow.room import Room
@@ -75,6 +76,9 @@ class Stages:
     routing: Routing
     # Several models: the task handing all their completed batches to the writer.
     merge: Coroutine[Any, Any, None] | None = None
+    # The intake's count of each shared topic's records by model (the lag
+    # monitor splits the topic's backlog by it).
+    shares: Shares = dataclasses.field(default_factory=Shares)
 
     def topics_of(self, name: str) -> list[str]:
         """The input topics whose requests naming none ``name`` answers."""
@@ -139,12 +143,13 @@ async def build_stages(
                (a.stages.infer.described_outputs() or answer_outputs(a.binding)).items()}
     registry = await registered(s, outputs)
     first, *others = built
+    shares = Shares()
     intake = JobFactory(
         first.binding.inputs, fit_limits(s.limits, first.binding.inputs),
         b.max_record_age_ms, s.kafka.content_type, first.stages.name, routing=table,
         others={a.stages.name: (a.binding.inputs, fit_limits(s.limits, a.binding.inputs))
                 for a in others},
-        schemas=registry.schemas if registry is not None else None,
+        schemas=registry.schemas if registry is not None else None, shares=shares,
     )  # fmt: skip
     place = {a.stages.name: i for i, a in enumerate(built)}
     pausing, ranks = backpressure(s, [a.settings for a in built],
@@ -181,7 +186,7 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge)
+    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge, shares)
 
 
 async def _model_stages(

@@ -171,7 +171,8 @@ class Worker:
             self._spawn(watch_broker(stages.consumer, self.plan.probe_timeout_s), "probe"),
             self._spawn(
                 report_partitions(
-                    stages.consumer, self.tracker.committed, stages.committer.last_commit
+                    stages.consumer, self.tracker.committed, stages.committer.last_commit,
+                    stages.routing, stages.shares, s.metrics.lag_interval_ms / 1000.0,
                 ),
                 "partitions",
             ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 
@@ -27,7 +28,7 @@ from worker.flow.room import Room
 from worker.flow.streams import end_of_stream
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
-from worker.obs import metrics
+from worker.obs import backlog, metrics
 
 Described = tuple[str, tuple[int | str | None, ...]] | None  # an output's, where declared
 
@@ -56,6 +57,10 @@ class Stage(ABC):
         self._max_attempts = max_attempts
         self._report = report_service_time(on_service_time)
         self._metrics = metrics.model_metrics(info.name, info.version)
+        # Its answers per busy second, which its backlog drains at (the lag
+        # monitor publishes infer_seconds_to_drain from it). A pipeline's step
+        # stages never run here (``run_batch``): the pipeline's own stage times it.
+        self._busy = backlog.rate_of(info.name)
         # A stateful model's sequence states, where this stage keeps them (the CPU
         # stage; the GPU path refuses [model.state] when it is planned).
         self.sequences: SequenceStates | None = None
@@ -66,12 +71,20 @@ class Stage(ABC):
         async with end_of_stream(self._completed_out):
             while (batch := await self._batches_in.get()) is not None:
                 self._metrics.batches(batch.reason).inc()
+                self._busy.began(time.monotonic())
                 fut = await self.dispatch(batch)
                 fut.add_done_callback(self._report)
+                fut.add_done_callback(self._timed)
                 if self._room is not None:
                     fut.add_done_callback(self._room.give_back)
                 metrics.INFLIGHT_BATCHES.inc()  # the writer lowers it once produced
                 await self._completed_out.put(fut)
+
+    def _timed(self, fut: asyncio.Future[Completed]) -> None:
+        """The batch left the model: its answers count towards the busy rate (a
+        failed batch's none, its time still does: the backlog waited through it)."""
+        done = not fut.cancelled() and fut.exception() is None
+        self._busy.ended(time.monotonic(), len(fut.result().answers) if done else 0)
 
     @abstractmethod
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:

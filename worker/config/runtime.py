@@ -230,10 +230,14 @@ class MetricsConfig:
     host: str = "0.0.0.0"
     # /livez fails once the event loop has not ticked for this long.
     liveness_timeout_ms: int = 10000
+    # How often the partitions' lag and each model's backlog and seconds to drain
+    # are refreshed (each model's service rate is averaged over these windows).
+    lag_interval_ms: int = 5000
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "metrics.port", "must be 0..65535")
         check(self.liveness_timeout_ms > 0, "metrics.liveness_timeout_ms", "must be > 0")
+        check(self.lag_interval_ms >= 100, "metrics.lag_interval_ms", "must be >= 100")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from worker.contract import Limits, decode_request
 from worker.contract.oip import CONTENT_TYPE as JSON
 from worker.contract.oip import MSGPACK, decode_oip_request
 from worker.contract.registered import InputsView, RequestSchema, request_of, schema_id
+from worker.flow.drain import Shares
 from worker.flow.errors import RecordError, UndecodableRecord
 from worker.flow.messages import ExpiryRule, Job, TopicPartition, Wire
 from worker.flow.values import Request
@@ -51,6 +52,7 @@ class JobFactory:
         routing: Routing | None = None,
         others: Mapping[str, tuple[ModelInputs, LimitsConfig]] | None = None,
         schemas: Schemas | None = None,
+        shares: Shares | None = None,
     ) -> None:
         """``inputs``: the request inputs of ``model`` (its name, which its jobs
         carry: ``Job.model``), which each request is checked against
@@ -60,11 +62,15 @@ class JobFactory:
         holds every other answerer's inputs and limits; a record is decoded
         within the widest limits, then checked against its answerer's inputs.
         ``schemas``: the Schema Registry's request schemas (``schema_registry``),
-        which a record in the registry's format (Avro) is read with."""
+        which a record in the registry's format (Avro) is read with. ``shares``:
+        counts each shared topic's records by the model they went to, the split
+        of its backlog (``worker.flow.drain``)."""
         self._max_age_ms = max_record_age_ms
         self._default_json = content_type == JSON
         self.model = model
         self._routing = routing or Routing.one(model)
+        self._shared = self._routing.shared
+        self.shares = shares if shares is not None else Shares()
         self._inputs = {model: inputs, **{n: i for n, (i, _) in (others or {}).items()}}
         self.schemas = schemas
         self._views = {name: _view(i) for name, i in self._inputs.items()} if schemas else {}
@@ -123,6 +129,8 @@ class JobFactory:
             inputs, lengths = self._inputs[model].check(request, batched=wire == "oip")
         except RecordError as exc:
             failure = exc  # counted once answered (``Answers.records``)
+        if topic in self._shared:  # a failed record too: its topic's owner answers it
+            self.shares.count(topic, model)
         return Job(
             TopicPartition(topic, partition), offset, key, arrived=now, deadline=deadline,
             request=request, inputs=inputs, lengths=lengths, failure=failure,

@@ -1,6 +1,7 @@
 """Monitors beside the consumer: whether the broker answers (the "broker"
 readiness condition and the input topics' presence), and each assigned
-partition's lag and commit age (gauges), refreshed every few seconds."""
+partition's lag and commit age, with each model's backlog and seconds to drain
+(gauges), refreshed every few seconds (``metrics.lag_interval_ms``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from collections.abc import Callable
 import structlog
 from aiokafka.errors import KafkaError
 
+from worker.config.models import Routing
+from worker.flow.drain import Shares, backlog_by_model
 from worker.flow.messages import TopicPartition
 from worker.kafka.consumer import Consumer
-from worker.obs import metrics
+from worker.obs import backlog, metrics
 
 log = structlog.get_logger(__name__)
 
@@ -68,24 +71,39 @@ async def report_partitions(
     source: Consumer,
     committed: Callable[[TopicPartition], int | None],
     last_commit: dict[TopicPartition, float],
+    routing: Routing,
+    shares: Shares,
     interval: float = 5.0,
 ) -> None:
-    """Per-partition lag and commit age for the partitions this member owns.
+    """Per-partition lag and commit age for the partitions this member owns, and
+    from the same lags each model's backlog and seconds to drain
+    (``worker.flow.drain``: a topic's lag is its model's or pipeline's, a shared
+    topic's split by ``shares``, the intake's count), so all of them describe
+    one moment.
 
     Lag is the high watermark the last fetch saw minus the committed offset: what
     the group still has to answer on this partition, as the broker's own
     consumer-group lag would say (``end_offsets`` is not used: the embedded
-    broker answers it wrongly)."""
-    while True:
-        consumer = source.client
-        now = time.monotonic()
-        if consumer is not None:
-            for ktp in consumer.assignment():
-                tp = TopicPartition(ktp.topic, ktp.partition)
-                labels = (tp.topic, str(tp.partition))
-                high, done = source.highwater(ktp), committed(tp)
-                if high is not None and done is not None:
-                    metrics.PARTITION_LAG.labels(*labels).set(max(0, high - done))
-                if tp in last_commit:
-                    metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
-        await asyncio.sleep(interval)
+    broker answers it wrongly). A model whose partitions all left this member
+    loses its series at the next poll; all of them go when the task ends."""
+    try:
+        while True:
+            consumer = source.client
+            now = time.monotonic()
+            lags: list[tuple[str, int]] = []
+            if consumer is not None:
+                for ktp in consumer.assignment():
+                    tp = TopicPartition(ktp.topic, ktp.partition)
+                    labels = (tp.topic, str(tp.partition))
+                    high, done = source.highwater(ktp), committed(tp)
+                    if high is not None and done is not None:
+                        lag = max(0, high - done)
+                        metrics.PARTITION_LAG.labels(*labels).set(lag)
+                        lags.append((tp.topic, lag))
+                    if tp in last_commit:
+                        metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
+            backlog.publish(backlog_by_model(lags, routing.owner, routing.shared, shares), now)
+            shares.decay()
+            await asyncio.sleep(interval)
+    finally:
+        backlog.withdraw_all()

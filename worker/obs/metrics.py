@@ -17,8 +17,6 @@ same port answers, for Kubernetes probes and load balancers:
 
 from __future__ import annotations
 
-import threading
-import time
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -27,6 +25,26 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+
+# The autoscaling signals (worker.obs.backlog), and readiness and liveness
+# (worker.obs.health): named here too, where the stages and the metrics
+# reference (docs/hooks/reference.py) read them.
+from worker.obs.backlog import BACKLOG_RECORDS, SECONDS_TO_DRAIN
+from worker.obs.health import (
+    READY,
+    conditions,
+    is_ready,
+    loop_stale,
+    loop_ticked,
+    set_condition,
+    set_liveness_timeout,
+)
+
+# Named here, defined there (the rest of the module's names are its own).
+__all__ = [
+    "BACKLOG_RECORDS", "READY", "SECONDS_TO_DRAIN", "conditions", "is_ready", "loop_stale",
+    "loop_ticked", "set_condition", "set_liveness_timeout",
+]  # fmt: skip
 
 # From 100 us: a GPU batch computes in a millisecond or two and must not land in
 # the first bucket.
@@ -159,7 +177,6 @@ STATE_RESTORE_SECONDS = Histogram(
 RESTORED_SEQUENCES = Counter("infer_restored_sequences_total", "Sequences restored")
 COMMITS = Counter("infer_commits_total", "Successful offset commits")
 COMMIT_FAILURES = Counter("infer_commit_failures_total", "Offset commits that failed")
-READY = Gauge("infer_ready", "1 while the worker is consuming and producing normally")
 ASSIGNED_PARTITIONS = Gauge("infer_assigned_partitions", "Input partitions owned by this member")
 # Priority lanes ([[kafka.lanes]]; without lanes, one lane named after the first
 # input topic): rows, queue time, pauses and rejections per lane.
@@ -356,50 +373,3 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
     histogram._sum.inc(sum(amounts))
     for i, n in counts.items():
         histogram._buckets[i].inc(n)
-
-
-_ready = threading.Event()
-_conditions: dict[str, bool] = {"started": False}
-_lock = threading.Lock()
-
-
-def set_condition(name: str, ok: bool) -> None:
-    """Readiness is the conjunction of named conditions ("started", "broker",
-    "delivery"), each owned by one stage; ``/ready`` and ``infer_ready`` follow it."""
-    with _lock:
-        _conditions[name] = ok
-        ready = all(_conditions.values())
-    if ready:
-        _ready.set()
-    else:
-        _ready.clear()
-    READY.set(1 if ready else 0)
-
-
-# Liveness: the event loop ticks a monotonic timestamp; the HTTP thread judges it.
-_tick = [time.monotonic()]
-_live_timeout = [10.0]
-
-
-def loop_ticked() -> None:
-    """Called by the worker's event loop, ten times a second (``service.TICK_S``)."""
-    _tick[0] = time.monotonic()
-
-
-def set_liveness_timeout(seconds: float) -> None:
-    _live_timeout[0] = seconds
-
-
-def loop_stale() -> float | None:
-    """Seconds since the last tick when past the timeout, else None."""
-    age = time.monotonic() - _tick[0]
-    return age if age > _live_timeout[0] else None
-
-
-def conditions() -> dict[str, bool]:
-    with _lock:
-        return dict(_conditions)
-
-
-def is_ready() -> bool:
-    return _ready.is_set()
