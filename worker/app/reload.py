@@ -55,21 +55,31 @@ async def watch_model(s: Settings, stage: CpuStage, serving: str, labels: dict[s
             continue
         if version in (serving, refused):
             continue
-        problem = await _swap(s, stage, version)
+        problem = await swap(s, stage, version)
         if problem is None:
-            metrics.BUILD_INFO.labels(**labels, model_version=serving).set(0)
-            metrics.BUILD_INFO.labels(**labels, model_version=version).set(1)
-            log.info("model_swapped", model=s.model.name, old=serving, new=version)
-            metrics.MODEL_SWAPS.labels(outcome="swapped").inc()
+            swapped(s.model.name, serving, version, labels)
             serving, refused = version, None
         else:
-            log.error("model_swap_refused", model=s.model.name, version=version, reason=problem,
-                      serving=serving)  # fmt: skip
-            metrics.MODEL_SWAPS.labels(outcome="refused").inc()
+            swap_refused(s.model.name, version, problem, serving)
             refused = version
 
 
-async def _swap(s: Settings, stage: CpuStage, version: str) -> str | None:
+def swapped(model: str, old: str, new: str, labels: dict[str, str]) -> None:
+    """Say a version swapped in: its log line, its metric and build info."""
+    metrics.BUILD_INFO.labels(**labels, model_version=old).set(0)
+    metrics.BUILD_INFO.labels(**labels, model_version=new).set(1)
+    log.info("model_swapped", model=model, old=old, new=new)
+    metrics.MODEL_SWAPS.labels(outcome="swapped").inc()
+
+
+def swap_refused(model: str, version: str, problem: str, serving: str) -> None:
+    """Say a version was refused (the serving one goes on)."""
+    log.error("model_swap_refused", model=model, version=version, reason=problem,
+              serving=serving)  # fmt: skip
+    metrics.MODEL_SWAPS.labels(outcome="refused").inc()
+
+
+async def swap(s: Settings, stage: CpuStage, version: str) -> str | None:
     """Load, bind, check and run the new version, then swap it in; why not, if not."""
     try:
         # The CPU path's engine: RunPlan refuses reloading with a GPU backend.

@@ -19,6 +19,7 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app import cards
+from worker.app.control import controlled, converged
 from worker.app.loading import LoadedModel, close_models, load_models
 from worker.app.plan import RunPlan
 from worker.app.reload import watch_model
@@ -125,6 +126,7 @@ class Worker:
             self._check_topics(existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
             await wire_states(s, self.plan, stages, existing, self.tracker)
+            control = await self._converge(s, stages)
             await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
             await self._close()
@@ -167,6 +169,7 @@ class Worker:
             self._pipeline.append(self._spawn(stages.merge, "merge"))
         self._pipeline.append(self._spawn(stages.writer.run(), "produce"))  # last: the end
         self._support = [
+            *control,
             self._spawn(stages.committer.run(), "commit"),
             self._spawn(watch_broker(stages.consumer, self.plan.probe_timeout_s), "probe"),
             self._spawn(
@@ -206,6 +209,22 @@ class Worker:
                 by_setting.setdefault(topic.setting, []).append(topic.name)
         for setting, names in by_setting.items():
             require_topics(setting, names, existing, self.settings.kafka)
+
+    async def _converge(self, s: Settings, stages: Stages) -> list[asyncio.Task[None]]:
+        """With ``kafka.control_topic``: each repository model at the version the
+        topic sets (``worker.app.control``), before the first record is read, and
+        the task that follows the topic from then on."""
+        if not s.kafka.control_topic:
+            return []
+        control = controlled(s, self._models, {m.name: m.infer for m in stages.models},
+                             self.plan.device_name)  # fmt: skip
+        task = self._spawn(control.run(), "model-control")
+        try:
+            await converged(control, task, max(60.0, s.kafka.request_timeout_s))
+        except BaseException:
+            task.cancel()
+            raise
+        return [task]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only

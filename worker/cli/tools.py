@@ -12,6 +12,7 @@ from worker.config import load_settings, redacted
 from worker.obs import logs
 
 if TYPE_CHECKING:
+    from worker.config import Settings
     from worker.config.repository_files import ListedVersion
 
 
@@ -35,6 +36,8 @@ def models_command(args: argparse.Namespace) -> int:
     from worker.config.repository_files import listing
 
     settings = load_settings(args.config)  # checked as run checks settings (exit 2)
+    if args.action == "load":
+        return _load_version(settings, args.name, args.version)
     versions = listing(settings.repository) if settings.repository.path else ()
     rows = [("MODEL", "VERSION", "SERVED", "FROM")]
     for m in served(settings):
@@ -46,6 +49,34 @@ def models_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3])
+    return 0
+
+
+def _load_version(settings: Settings, name: str | None, version: int | None) -> int:
+    """``models load NAME --version N``: the model's desired version written to
+    the control topic, which every member reads and applies (worker.app.control);
+    checked against the repository first (exit 2 naming what is wrong)."""
+    import asyncio
+
+    from worker.config.repository_files import listing
+    from worker.flow.errors import ConfigError
+    from worker.kafka import control
+
+    topic = settings.kafka.control_topic
+    if not topic:
+        raise ConfigError("kafka.control_topic: not set: a model's version is set through it")
+    if not name or version is None:
+        raise ConfigError("models load: name the model and --version (models load NAME "
+                          "--version N)")  # fmt: skip
+    held = [v.version for v in listing(settings.repository) if v.name == name]
+    if not held:
+        raise ConfigError(f"models load: {name!r} is not a model of the repository "
+                          f"({settings.repository.path})")  # fmt: skip
+    if version not in held:
+        raise ConfigError(f"models load: {name!r} has no version {version} (it holds "
+                          f"{', '.join(map(str, held))})")  # fmt: skip
+    asyncio.run(control.write(settings.kafka, name, {"version": version}))
+    print(f"{name}: version {version} written to {topic}; every member serving it swaps it in")
     return 0
 
 
@@ -129,11 +160,18 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "configured ([model], [models.NAME]) or, for a model of the [repository], each of its "
         "versions and which one the version policy serves; then the repository's models left "
         "out (repository.models). The settings are checked as `run` checks them before "
-        "loading a model (exit 2 naming the key); no model is loaded, Kafka is not contacted.",
+        "loading a model (exit 2 naming the key); no model is loaded, Kafka is not contacted. "
+        "load NAME --version N: write the model's desired version to kafka.control_topic; "
+        "every member serving it from the repository swaps that version in while serving "
+        "(docs/guides/models.md).",
         models_command,
-        epilog="example:\n  infer-worker models list --config worker.toml",
+        epilog="examples:\n  infer-worker models list --config worker.toml\n"
+        "  infer-worker models load churn --version 3 --config worker.toml",
     )  # fmt: skip
-    mod.add_argument("action", choices=("list",))
+    mod.add_argument("action", choices=("list", "load"))
+    mod.add_argument("name", nargs="?", help="load: the repository model")
+    mod.add_argument("--version", type=int, help="load: the version to serve, a version "
+                     "directory of the model in the repository")  # fmt: skip
     mod.add_argument("--config", help="TOML file")
 
     from worker.ops import build_engine, compare, verify

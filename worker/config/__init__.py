@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.config.checks import check
 from worker.config.kafka import KafkaConfig
 from worker.config.lanes import LaneConfig
 from worker.config.loading import ENV_PREFIX, load_tree, redacted_tree
@@ -75,6 +76,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_models(self)  # every input topic answered by exactly one model or pipeline
+        check(not self.kafka.control_topic or bool(self.repository.path), "kafka.control_topic",
+              "sets the versions of the repository's models: it needs [repository] path")
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -57,6 +57,11 @@ class KafkaConfig:
     # A stateful model's state changelog (compacted; as many partitions as each
     # input topic: docs/guides/stateful.md). "" = states in memory only.
     state_topic: str = ""
+    # The models' control topic (compacted; key = a repository model's name, value = its
+    # desired state as JSON, {"version": 3}): every member reads it from the beginning
+    # and serves each model at the version its last record names, swapped in while
+    # serving (docs/guides/models.md). Needs [repository]. "" = the repository's policy.
+    control_topic: str = ""
     # A shadow deployment (a candidate read beside production, docs/guides/rollout.md): it writes no
     # DLQ records (one is only logged, and counted in infer_requests_rejected_total) and neither
     # writes nor reads crash-guard marks. It needs a group_id and an output_topic of its own.
@@ -231,6 +236,12 @@ class KafkaConfig:
             "kafka.state_topic",
             "must be a topic of its own (compacted; states only)",
         )
+        check(
+            not self.control_topic or self.control_topic not in (
+                *self.input_topics, self.output_topic, self.dlq_topic, self.state_topic),
+            "kafka.control_topic",
+            "must be a topic of its own (compacted; the models' desired states only)",
+        )  # fmt: skip
         check_lanes(self.input_topics, self.lanes)
         if self.max_partition_fetch_bytes == 0:
             derive(self, "max_partition_fetch_bytes", 65536 if self.has_lanes else 1048576)

@@ -51,6 +51,9 @@ def needed_topics(s: Settings, partitions: int = DEFAULT_PARTITIONS) -> list[Nee
             named = k.crash_guard_topic != DEFAULT_CRASH_GUARD_TOPIC
             out.append(NeededTopic(k.crash_guard_topic, "kafka.crash_guard_topic", 1,
                                    dict(COMPACTED), use="both", required=named))  # fmt: skip
+    if k.control_topic:  # read from the beginning by every member; one partition: one order
+        out.append(NeededTopic(k.control_topic, "kafka.control_topic", 1, dict(COMPACTED),
+                               use="read"))
     if k.state_topic:
         out.append(NeededTopic(k.state_topic, "kafka.state_topic", None, dict(COMPACTED),
                                use="both", required=False,

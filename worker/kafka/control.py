@@ -1,0 +1,87 @@
+"""The models' control topic (``kafka.control_topic``, compacted): each record a
+repository model's desired state, keyed by its name, read by every member alike
+from the beginning (no consumer group: no member skips a record another saw),
+then followed; and written by ``infer-worker models load``.
+
+A value is JSON, so an operator can write one with any Kafka tool
+(``{"version": 3}``); an empty value (a tombstone) deletes the key once the
+topic is compacted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition as KafkaTP
+
+from worker.config.kafka import KafkaConfig
+from worker.flow.errors import BrokerUnavailable
+from worker.kafka.clients import topic_partitions
+from worker.kafka.credentials import connection
+
+log = structlog.get_logger(__name__)
+
+Apply = Callable[[str, bytes | None], Awaitable[None]]
+
+
+async def follow(k: KafkaConfig, apply: Apply, ready: asyncio.Event | None = None) -> None:
+    """Until cancelled: the control topic's records applied in order
+    (``apply(name, value)``), from the beginning, ``ready`` set once the end
+    found at start is reached, then each new record as it comes. In order, not
+    only each key's last: a member started late then does what the members
+    before it did, record by record, and ends where they are (a record they
+    refused it refuses too). Once the topic is compacted only each key's last
+    record remains; the CLI writes only versions the repository holds, so that
+    one is what they serve."""
+    topic = k.control_topic
+    consumer = AIOKafkaConsumer(**connection(k), enable_auto_commit=False, fetch_max_wait_ms=200)
+    await consumer.start()
+    try:
+        parts = await topic_partitions(consumer, topic)
+        if not parts:
+            raise BrokerUnavailable(f"kafka.control_topic: {topic!r} does not exist")
+        tps = [KafkaTP(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        pending = set(tps)  # not yet read to the end found at start
+        while True:
+            batch = await consumer.getmany(timeout_ms=200 if pending else 1000)
+            for records in batch.values():
+                for r in records:
+                    if (name := _name(r.key)) is not None:
+                        await apply(name, r.value)
+            for tp in list(pending):
+                # The end as the last fetch answered it (end_offsets is not reliable
+                # on every broker: the embedded one answers it wrongly).
+                end = consumer.highwater(tp)
+                if end is not None and await consumer.position(tp) >= end:
+                    pending.discard(tp)
+                    if not pending and ready is not None:
+                        ready.set()
+    finally:
+        await consumer.stop()
+
+
+def _name(key: bytes | None) -> str | None:
+    """A record's model name, or None (logged) where it has none."""
+    try:
+        return key.decode() if key else None
+    except UnicodeDecodeError:
+        log.warning("model_control_record_skipped", reason="its key is not UTF-8")
+        return None
+
+
+async def write(k: KafkaConfig, name: str, state: dict[str, object] | None) -> None:
+    """One model's desired state on the control topic (None: a tombstone),
+    acknowledged by every in-sync replica."""
+    producer = AIOKafkaProducer(**connection(k), acks="all")
+    await producer.start()
+    try:
+        value = None if state is None else json.dumps(state, sort_keys=True).encode()
+        await producer.send_and_wait(k.control_topic, value, key=name.encode())
+    finally:
+        await producer.stop()
