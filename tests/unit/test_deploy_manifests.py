@@ -89,11 +89,37 @@ def test_deployment_env_is_valid_configuration_and_grace_outlasts_the_drain() ->
     assert paths == {"/livez", "/readyz"}
 
 
-def test_keda_lag_threshold_is_above_the_inflight_window() -> None:
+def keda_triggers() -> dict[str, dict[str, str]]:
     scaled = yaml.safe_load((DEPLOY / "kubernetes" / "keda-scaledobject.yaml").read_text())
-    (trigger,) = scaled["spec"]["triggers"]
+    triggers = scaled["spec"]["triggers"]
+    by_type = {t["type"]: t["metadata"] for t in triggers}
+    assert len(by_type) == len(triggers), "one trigger of each type"
+    return by_type
+
+
+def test_keda_lag_threshold_is_above_the_inflight_window() -> None:
     inflight = load_settings(env={}).batching.max_inflight_records
-    assert int(trigger["metadata"]["lagThreshold"]) > inflight
+    assert int(keda_triggers()["kafka"]["lagThreshold"]) > inflight
+
+
+def test_keda_scales_on_a_served_model_s_seconds_to_drain() -> None:
+    """The Prometheus trigger reads a series the worker serves, labelled as it
+    labels it (the default model's name), summed over the members (each reports
+    its own partitions' seconds: the sum is what KEDA's AverageValue target
+    divides by the threshold), with a threshold that outlasts the signal's own
+    refresh (the lag poll)."""
+    from worker.config.models import served
+
+    trigger = keda_triggers()["prometheus"]
+    settings = load_settings(env={})
+    query = re.fullmatch(r'sum\((\w+)\{model="([^"]+)"\}\)', trigger["query"])
+    assert query is not None, trigger["query"]
+    assert query[1] == metrics.SECONDS_TO_DRAIN._name == "infer_seconds_to_drain"
+    assert metrics.SECONDS_TO_DRAIN._labelnames == ("model",)
+    assert query[2] in {m.name for m in served(settings)}
+    assert "metricType" not in trigger  # KEDA's default, AverageValue: what sum() is for
+    assert float(trigger["threshold"]) >= 2 * settings.metrics.lag_interval_ms / 1000
+    assert trigger["ignoreNullValues"] == "true"
 
 
 # --- checked by the real tools --------------------------------------------------

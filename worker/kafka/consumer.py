@@ -86,6 +86,9 @@ class Consumer:
         self._revoked_at = 0
         self._positioned_at: dict[TopicPartition, int] = {}
         self._positioning: set[KafkaTP] = set()  # paused until positioned
+        # The group's committed offset of each partition as it was assigned: its
+        # lag's base until this member commits it (``worker.kafka.monitors``).
+        self.committed_at_assignment: dict[TopicPartition, int] = {}
         # Crash-loop protection (set by the worker when the guard topic exists).
         self.protection: Protection | None = None
         self.client: AIOKafkaConsumer | None = None
@@ -169,6 +172,7 @@ class Consumer:
                 fresh.append(tp)
             else:
                 self.client.seek(tp, committed)
+                self.committed_at_assignment[TopicPartition(tp.topic, tp.partition)] = committed
         if fresh:
             await self.client.seek_to_beginning(*fresh)
         if self.protection is not None and tps:

@@ -84,7 +84,9 @@ async def report_partitions(
     Lag is the high watermark the last fetch saw minus the committed offset: what
     the group still has to answer on this partition, as the broker's own
     consumer-group lag would say (``end_offsets`` is not used: the embedded
-    broker answers it wrongly). A model whose partitions all left this member
+    broker answers it wrongly); until this member commits a partition, the
+    group's offset it was assigned at (none: 0 where the partition is empty,
+    else unknown and not reported). A model whose partitions all left this member
     loses its series at the next poll; all of them go when the task ends."""
     try:
         while True:
@@ -96,6 +98,8 @@ async def report_partitions(
                     tp = TopicPartition(ktp.topic, ktp.partition)
                     labels = (tp.topic, str(tp.partition))
                     high, done = source.highwater(ktp), committed(tp)
+                    if done is None:  # not committed by this member yet: the group's
+                        done = source.committed_at_assignment.get(tp, 0 if high == 0 else None)
                     if high is not None and done is not None:
                         lag = max(0, high - done)
                         metrics.PARTITION_LAG.labels(*labels).set(lag)

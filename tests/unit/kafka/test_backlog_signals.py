@@ -33,6 +33,7 @@ class Lags:
     def __init__(self, high: dict[TopicPartition, int]) -> None:
         self.high = high
         self.client = self
+        self.committed_at_assignment: dict[TopicPartition, int] = {}
 
     def assignment(self) -> set[KafkaTP]:
         return {KafkaTP(tp.topic, tp.partition) for tp in self.high}
