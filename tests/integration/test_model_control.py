@@ -5,15 +5,21 @@ writes the desired version and the worker swaps it in while serving (its
 answers then carry version 1's hash and equal version 1 run alone, none lost);
 a record naming a version the repository does not hold is refused and version 1
 keeps serving; a member started afterwards reads the topic from the beginning
-and serves version 1 from its first answer."""
+and serves version 1 from its first answer; its metrics port answers the Open
+Inference Protocol's repository extension (the index, a load of version 2 that
+it then serves, an unload refused as not built)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -39,6 +45,26 @@ def _repository(root: Path, topic: str) -> Path:
         tabular(repo / "scorer" / str(version) / "model.onnx", seed=version)
     (repo / "scorer" / "model.toml").write_text(f'topics = ["{topic}"]\n')  # every version's
     return repo
+
+
+def _post(port: int, path: str, body: object = None) -> tuple[int, dict[str, Any]]:
+    """POST to the metrics port: the status and JSON answer."""
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _index(port: int) -> dict[str, str]:
+    """The repository index's scorer versions and their states."""
+    code, listed = _post(port, "/v2/repository/index")
+    assert code == 200
+    return {v["version"]: v["state"] for v in cast(list[dict[str, str]], listed)
+            if v["name"] == "scorer"}
 
 
 def _swaps(w: WorkerProcess, outcome: str) -> float:
@@ -78,7 +104,7 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
     env = {"INFER_WORKER_REPOSITORY__PATH": str(repo), "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}
     rng = np.random.default_rng(68)
     batch = {s: {f"{s}-{i}": rng.normal(size=4).astype(np.float32) for i in range(12)}
-             for s in ("before", "after", "late")}  # fmt: skip
+             for s in ("before", "after", "late", "final")}  # fmt: skip
     offsets: dict[str, int] = {}
 
     def spawn(group: str) -> WorkerProcess:
@@ -124,11 +150,25 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
         assert _swaps(late, "swapped") == 1 and _swaps(late, "refused") == 1
         answers["late"] = await _answers(broker, topic, names["results"], "late",
                                          batch["late"], offsets)  # fmt: skip
+        # The OIP repository extension on the late member's metrics port.
+        port = late.metrics_port
+        assert _index(port) == {"1": "READY", "2": "UNAVAILABLE"}
+        assert _post(port, "/v2/repository/models/scorer/unload")[0] == 400
+        load = "/v2/repository/models/scorer/load"
+        code, body = _post(port, load, {"parameters": {"version": 9}})
+        assert code == 400 and "has no version 9" in body["error"]
+        code, _ = _post(port, load, {"parameters": {"version": 2}})
+        assert code == 200
+        await asyncio.to_thread(late.wait_until, lambda m: _swaps(late, "swapped") >= 2, 60.0,
+                                "the swap back to version 2")  # fmt: skip
+        assert _index(port) == {"1": "UNAVAILABLE", "2": "READY"}
+        answers["final"] = await _answers(broker, topic, names["results"], "final",
+                                          batch["final"], offsets)  # fmt: skip
     finally:
         first.kill()
         if late is not None:
             assert late.terminate() == 0, late.log_tail()
-    served = {"before": 2, "after": 1, "late": 1}
+    served = {"before": 2, "after": 1, "late": 1, "final": 2}
     for phase, got in answers.items():
         version = served[phase]
         for rid, r in got.items():

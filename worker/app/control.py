@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import structlog
 
@@ -34,9 +34,9 @@ from worker.compute.stage import Stage
 from worker.config import Settings
 from worker.config.model import is_gpu_backend
 from worker.config.repository import RepositoryModel
-from worker.config.repository_files import load_version, scan
+from worker.config.repository_files import listing, load_version, scan
 from worker.flow.errors import BrokerUnavailable, ConfigError
-from worker.kafka.control import follow
+from worker.kafka.control import follow, write
 from worker.model.files import content_version, resolve_model_path
 from worker.obs import metrics
 
@@ -80,9 +80,56 @@ class Control:
         self._refused = dict(refused)
         self.ready = asyncio.Event()  # the topic read to its end and applied
         self.topic = s.kafka.control_topic
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Each model's version number serving (the policy's at start), for the index.
+        held = listing(s.repository) if s.repository.path else ()
+        self._numbers = {v.name: v.version for v in held if v.served}
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await follow(self._s.kafka, self.apply, self.ready)
+
+    def index(self) -> list[dict[str, Any]]:
+        """The OIP repository index (``worker.obs.repository``): every version of
+        every repository model, READY where this member serves it."""
+        ready = metrics.is_ready()
+        out = []
+        for v in listing(self._s.repository):
+            serving = self._numbers.get(v.name)
+            if serving == v.version:
+                state, reason = ("READY" if ready else "UNAVAILABLE"), ""
+            else:
+                state = "UNAVAILABLE"
+                reason = (f"version {serving} serves" if serving is not None
+                          else "not served by this worker")  # fmt: skip
+            out.append({"name": v.name, "version": str(v.version), "state": state,
+                        "reason": reason})  # fmt: skip
+        return out
+
+    def load(self, name: str, version: int | None) -> str | None:
+        """An OIP load (``worker.obs.repository``, from the metrics port's
+        thread): ``name``'s version (None: the latest the repository holds)
+        written to the control topic for every member; why not, or None."""
+        try:
+            held = [v.version for v in listing(self._s.repository) if v.name == name]
+        except ConfigError as exc:
+            return str(exc)
+        if not held:
+            return f"{name!r} is not a model of the repository ({self._s.repository.path})"
+        version = max(held) if version is None else version
+        if version not in held:
+            return f"{name!r} has no version {version} (it holds {', '.join(map(str, held))})"
+        if name not in self._models:
+            return f"{name!r}: {self._refused.get(name, 'not a model this worker serves')}"
+        if self._loop is None:
+            return "the worker does not read its control topic yet"
+        wrote = asyncio.run_coroutine_threadsafe(
+            write(self._s.kafka, name, {"version": version}), self._loop)  # fmt: skip
+        try:
+            wrote.result(timeout=self._s.kafka.request_timeout_s + 5.0)
+        except Exception as exc:  # any: the caller is told, the worker goes on
+            return f"{self.topic!r} did not take the record: {exc!r}"
+        return None
 
     async def apply(self, name: str, value: bytes | None) -> None:
         try:
@@ -103,6 +150,7 @@ class Control:
         except (ConfigError, OSError) as exc:
             return self._refuse(name, f"version {version}: {exc}")
         if hash_ == model.serving:
+            self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)
             return None
         problem = await swap(dataclasses.replace(model.settings, model=cfg), model.stage, hash_)
@@ -111,6 +159,7 @@ class Control:
             return None
         swapped(name, model.serving, hash_, model.labels)
         model.serving = hash_
+        self._numbers[name] = version
         log.info("model_control_applied", model=name, version=version, serving=hash_)
         return None
 

@@ -40,7 +40,7 @@ from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
 from worker.kafka.topiccheck import require_topics
-from worker.obs import metrics, served
+from worker.obs import metrics, repository, served
 from worker.obs.tracing import OtelTracer, Tracer
 
 log = structlog.get_logger(__name__)
@@ -224,6 +224,7 @@ class Worker:
         except BaseException:
             task.cancel()
             raise
+        repository.register(control)  # the OIP repository extension on the metrics port
         return [task]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -339,6 +340,7 @@ class Worker:
         close_models(models)
         self._tracer.close()  # exports the spans still buffered
         served.withdraw_all()
+        repository.register(None)
 
     async def __aenter__(self) -> Worker:
         await self.start()

@@ -1,7 +1,8 @@
 """The metrics port's HTTP server: ``/metrics`` (Prometheus text format),
 ``/livez`` and ``/readyz`` (``worker.obs.metrics`` keeps the metrics, the
 readiness conditions and the loop's liveness tick; see its docstring), and the
-Open Inference Protocol's ``/v2`` model endpoints (``worker.obs.served``)."""
+Open Inference Protocol's ``/v2`` model endpoints (``worker.obs.served``) and its
+model repository extension (``worker.obs.repository``, POST)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from worker.flow.errors import ConfigError
-from worker.obs import metrics, served
+from worker.obs import metrics, repository, served
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -35,6 +36,16 @@ class _Handler(BaseHTTPRequestHandler):
             failing = ", ".join(k for k, v in metrics.conditions().items() if not v)
             body = b"ready\n" if ok else f"not ready: {failing}\n".encode()
             self._reply(200 if ok else 503, body)
+        else:
+            self._reply(404, b"not found\n")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(min(length, 65536)) if length else b""
+        if path.startswith("/v2/repository/"):
+            code, answer = repository.answer(path, body)
+            self._reply(code, answer, repository.JSON)
         else:
             self._reply(404, b"not found\n")
 
