@@ -134,7 +134,7 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
                                 "the swap to version 1")  # fmt: skip
         # A record the CLI would refuse, written by another tool: refused by the worker.
         await control.write(KafkaConfig(bootstrap_servers=broker.bootstrap,
-                                        input_topics=[topic], control_topic=ctl),
+                                        input_topics=(topic,), control_topic=ctl),
                             "scorer", {"version": 7})  # fmt: skip
         await asyncio.to_thread(first.wait_until, lambda m: _swaps(first, "refused") >= 1, 60.0,
                                 "the refusal of version 7")  # fmt: skip
