@@ -83,7 +83,7 @@ inputs = {{ raw = "float32 [{width}]" }}
 outputs = {{ y = "b.y" }}
 [[pipelines.chain.steps]]
 name = "f"
-function = "benchmarks.pipeline_plumbing:standardise"
+function = "benchmarks.pipeline_plumbing:standardise"{vectorized}
 inputs = {{ raw = "request.raw" }}
 outputs = {{ x = "float32 [{width}]" }}
 [[pipelines.chain.steps]]
@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         width = args.width
         first, second = _mlp(Path(tmp, "a.onnx"), 1, width), _mlp(Path(tmp, "b.onnx"), 2, width)
         config = Path(tmp, "worker.toml")
-        config.write_text(CONFIG.format(batch=args.batch, first=first, second=second,
-                                        width=width))  # fmt: skip
+        config.write_text(CONFIG.format(batch=args.batch, first=first, second=second, width=width,
+                                        vectorized="\nvectorized = true" if args.vectorized
+                                        else ""))  # fmt: skip
         engines = {name: cast(Engine, load_engine(ModelConfig(path=str(path))))
                    for name, path in (("a", first), ("b", second))}  # fmt: skip
         try:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for engine in engines.values():
                 engine.close()
     out: dict[str, Any] = {"batch": args.batch, "batches": args.batches, "width": width,
+                           "vectorized": args.vectorized,
                            "rounds": args.rounds,
                            "batch_ms": round(1000 * total / args.batches, 4)}  # fmt: skip
     for name in ("a", "b"):
@@ -206,6 +208,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10,
                         help="the pipeline's batches and the engines' runs alternate this often")
     parser.add_argument("--width", type=int, default=1024, help="each model's [width, width]")
+    parser.add_argument("--vectorized", action="store_true",
+                        help="the function step called once a batch (vectorized = true)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     out = run(args)

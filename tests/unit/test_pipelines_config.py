@@ -112,6 +112,11 @@ def test_the_steps_deadline_shares_add_up_to_one_at_most(tmp_path: Path) -> None
     [
         ('[{name = "mel", model = "melspec", fan_out = true}]',
          "pipelines.wakeword.steps[0].fan_out: a function step fans out"),
+        ('[{name = "mel", model = "melspec", vectorized = true}]',
+         "pipelines.wakeword.steps[0].vectorized: a model step runs its rows as a batch"),
+        ('[{name = "mel", model = "melspec"}, {name = "w", function = "m:f", fan_out = true, '
+         'vectorized = true, inputs = {x = "mel.output"}, outputs = {y = "float32 [2]"}}]',
+         "pipelines.wakeword.steps[1].vectorized: a vectorized function returns a row per row"),
     ],
 )  # fmt: skip
 def test_a_fan_out_is_a_function_s(

@@ -115,7 +115,8 @@ def build_plan(name: str, cfg: PipelineConfig, models: Mapping[str, StepModel],
             specs = {o: parse_spec(t, f"{where}.outputs.{o}") for o, t in step.outputs.items()}
             function = import_function(step.function, f"{where}.function")
             steps.append(FunctionStep(step.name, function, dict(step.inputs), specs, until,
-                                      step.topic, step.fan_out))  # fmt: skip
+                                      step.topic, step.fan_out,
+                                      vectorized=step.vectorized))  # fmt: skip
         if step.when or step.optional:
             _check_when(where, step, known, first=i == 0 and takes_request)
             steps[-1] = dataclasses.replace(steps[-1], when=step.when, optional=step.optional)

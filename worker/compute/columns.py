@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from worker.compute.steps import ModelStep, Tensors
+from worker.compute.steps import FunctionStep, ModelStep, Tensors, declared_dtype
 from worker.compute.triage import EXPIRED
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
@@ -53,16 +53,20 @@ def _column(step: str, name: str, rows: list[np.ndarray]) -> np.ndarray:
 
 
 def expired(jobs: Sequence[Job], live: Mapping[int, list[bool]],
-            answers: list[Answer | None]) -> None:  # fmt: skip
+            answers: list[Answer | None]) -> bool:  # fmt: skip
     """Answer ``deadline_exceeded`` the live requests past their deadline, as a
-    model's stage does before a run (its expiries counted as its own)."""
+    model's stage does before a run (its expiries counted as its own); whether
+    any was."""
     now = time.monotonic()
+    found = False
     for i in live:
         job = jobs[i]
         if job.deadline is not None and now >= job.deadline:
             rule = job.expiry or "deadline_ms"
             answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, EXPIRED[rule]))
             metrics.EXPIRED.labels(rule=rule).inc()
+            found = True
+    return found
 
 
 def chosen_rows(units: Sequence[list[Tensors]], live: Mapping[int, list[bool]]) -> Rows:
@@ -116,3 +120,39 @@ def _same_rows(made: tuple[Rows, np.ndarray] | None, rows: Rows) -> np.ndarray |
     if all(a[1] is b[1] for a, b in zip(made[0], rows, strict=True)):
         return np.ascontiguousarray(made[1])
     return None
+
+
+def run_function_columns(step: FunctionStep, rows: Rows, kept: Kept) -> bool:
+    """A vectorized function called once on ``rows`` (each input stacked, or an
+    earlier run's array for the same rows as it is), its outputs kept as
+    columns and row views; False, with no unit touched, where the rows must go
+    one by one instead (an input missing or of shapes that do not stack, the
+    function raising, an output not a row per row as declared), which names
+    the request at fault."""
+    try:
+        args = {}
+        for arg, source in step.sources.items():
+            column = _same_rows(kept.get(source), rows)
+            # Fresh arrays, not the thread's: a function may answer with its input.
+            args[arg] = np.stack([u[source] for _, u in rows]) if column is None else column
+        got = step.function(**args)
+    except Exception:  # the user's code, or rows that do not stack: one by one, named
+        return False
+    if not isinstance(got, Mapping):
+        return False
+    out = {}
+    for name, spec in step.outputs.items():
+        value = got.get(name)
+        if not isinstance(value, np.ndarray) or value.dtype != declared_dtype(spec.dtype) or (
+            value.ndim != len(spec.shape) + 1 or value.shape[0] != len(rows)
+        ) or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, value.shape[1:],
+                                                                  strict=True)):  # fmt: skip
+            return False
+        out[name] = value
+    prefix = f"{step.name}."
+    for name, column in out.items():
+        key = prefix + name
+        kept[key] = (rows, column)
+        for (_, unit), row in zip(rows, column, strict=True):
+            unit[key] = row
+    return True

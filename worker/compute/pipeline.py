@@ -31,7 +31,13 @@ import structlog
 
 from worker.compute.answers import answered
 from worker.compute.branches import Partial, plain_step
-from worker.compute.columns import Kept, chosen_rows, expired, run_columns
+from worker.compute.columns import (
+    Kept,
+    chosen_rows,
+    expired,
+    run_columns,
+    run_function_columns,
+)
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
     FunctionStep,
@@ -71,6 +77,7 @@ class _Progress:
     # from such a step, an optional step that failed it), as its answer names them.
     partial: Partial
     engine_rows: int = 0
+    deadlines: bool = True  # whether any request of the batch has a deadline to check
     # Columnar model steps' outputs as whole arrays, for the model steps after them.
     columns: Kept = field(default_factory=dict)
 
@@ -125,7 +132,8 @@ class PipelineStage(Stage):
                                 for job in jobs]  # fmt: skip
         p = _Progress(batch, jobs, bases, [[base] for base in bases],
                       [self._pinned_elsewhere(job) for job in jobs], [{} for _ in jobs],
-                      Partial(len(jobs)))  # fmt: skip
+                      Partial(len(jobs)),
+                      deadlines=any(job.deadline is not None for job in jobs))  # fmt: skip
         loop = asyncio.get_running_loop()
         index = 0
         as_jobs: dict[int, list[bool]] | None = None  # a columnar step's rows, to run as jobs
@@ -199,11 +207,10 @@ class PipelineStage(Stage):
             step = self._steps[k]
             step_started = time.monotonic()
             if isinstance(step, FunctionStep):
-                self._kept(step, p, list(live), call_each(step, [(p.units[i], keep)
-                                                                  for i, keep in live.items()]))
+                self._call_function(step, p, live)
             else:
-                expired(p.jobs, live, p.answers)
-                live = {i: keep for i, keep in live.items() if p.answers[i] is None}
+                if p.deadlines and expired(p.jobs, live, p.answers):
+                    live = {i: keep for i, keep in live.items() if p.answers[i] is None}
                 rows = chosen_rows(p.units, live)
                 if rows and not run_columns(step, rows, p.columns):
                     return k, live
@@ -218,6 +225,9 @@ class PipelineStage(Stage):
         threads: the batch's requests split among them, one hand-off per thread
         (a hand-off per request cost about 70 us each, more than many functions)."""
         loop = asyncio.get_running_loop()
+        if step.vectorized:  # the batch's rows at once, on one thread
+            await loop.run_in_executor(self._pool, self._call_function, step, p, live)
+            return
         order = list(live)
         # An op on the device takes the batch at once; a function, its share of it.
         threads = 1 if step.batched is not None else self._threads
@@ -230,6 +240,18 @@ class PipelineStage(Stage):
         ))  # fmt: skip
         for part, results in zip(parts, done, strict=True):
             self._kept(step, p, part, results)
+
+    def _call_function(self, step: FunctionStep, p: _Progress,
+                       live: Mapping[int, list[bool]]) -> None:  # fmt: skip
+        """A function on the live requests' chosen units, on this thread: a
+        vectorized one once on all their rows where it can be, else (and any
+        other) once per unit."""
+        if step.vectorized:
+            rows = chosen_rows(p.units, live)
+            if not rows or run_function_columns(step, rows, p.columns):
+                return
+        self._kept(step, p, list(live), call_each(step, [(p.units[i], keep)
+                                                         for i, keep in live.items()]))
 
     def _kept(self, step: FunctionStep, p: _Progress, live: list[int],
               results: list[list[Tensors] | str]) -> None:  # fmt: skip

@@ -61,6 +61,9 @@ class FunctionStep:
     when: str = ""  # as ModelStep's
     optional: bool = False
     columnar: bool = True  # a function runs on whichever thread its batch is on
+    # Called once per batch with its rows stacked (worker.compute.columns), or, where they
+    # cannot be, once per unit with a leading axis of one.
+    vectorized: bool = False
     # A built-in op's GPU form: every chosen unit of a batch at once (where the pipeline
     # runs a model on the GPU); it raising, ``function`` runs on each unit instead.
     batched: Batched | None = None
@@ -149,10 +152,29 @@ def call(step: FunctionStep, unit: Tensors) -> list[Tensors] | str:
     except InvalidRequest as exc:
         return str(exc)
     try:
-        got = step.function(**args)
+        if step.vectorized:  # a batch of one: the leading axis added, then taken off
+            got = _one_row(step, step.function(**{k: v[None] for k, v in args.items()}))
+        else:
+            got = step.function(**args)
     except Exception as exc:  # the user's code: any failure is this request's answer
         return f"{type(exc).__name__}: {exc}"
     return outputs_of(step, unit, got)
+
+
+def _one_row(step: FunctionStep, got: object) -> object:
+    """A vectorized function's answer for a batch of one, as one unit's (what
+    is not a dict of one-row arrays is left for ``outputs_of`` to name)."""
+    if not isinstance(got, Mapping):
+        return got
+    out = dict(got)
+    for name in step.outputs:
+        value = out.get(name)
+        if isinstance(value, np.ndarray):
+            if value.ndim == 0 or value.shape[0] != 1:
+                raise ValueError(f"output {name!r}: {list(value.shape)}, one row for each row "
+                                 "given (1)")  # fmt: skip
+            out[name] = value[0]
+    return out
 
 
 def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] | str:
@@ -171,7 +193,7 @@ def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] 
                 return (f"output {name!r}: {list(value.shape)}, one row per region ("
                         f"{regions if regions is not None else 'a leading axis'})")  # fmt: skip
             regions = value.shape[0]
-        if value.dtype != _dtype(spec.dtype) or len(row) != len(spec.shape) or any(
+        if value.dtype != declared_dtype(spec.dtype) or len(row) != len(spec.shape) or any(
             isinstance(d, int) and d != n for d, n in zip(spec.shape, row, strict=True)
         ):
             shape = list(value.shape)
@@ -187,7 +209,7 @@ def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] 
 
 
 @functools.cache
-def _dtype(name: str) -> np.dtype[Any]:
+def declared_dtype(name: str) -> np.dtype[Any]:
     """A declared dtype (numpy parses a name, and names a dtype, anew each time:
     about 2 us, per output per request)."""
     return np.dtype(name)

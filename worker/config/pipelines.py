@@ -85,6 +85,11 @@ class StepConfig:
     # axis of any length, 0 included; its declared shapes are a region's); the steps after
     # it run once per region, and an output of theirs is the regions' stacked per request.
     fan_out: bool = False
+    # A function step only: called once per batch, each input stacked on a leading axis of
+    # the batch's rows (every region's, after a fan-out) and each output returned so, a row
+    # each (numpy code over arrays: no call and no copy per request); its rows then feed a
+    # model step after it as they are. Not with fan_out. false = called once per request.
+    vectorized: bool = False
     # A branch: the step runs for a request only where this earlier tensor ("STEP.OUTPUT" or
     # "request.NAME", one value a request) is true (non-zero); where it is not, the step is
     # skipped and so is every step reading its outputs: the answer leaves their outputs out
@@ -154,6 +159,8 @@ def _check_model_step(where: str, step: StepConfig, served: Mapping[str, str]) -
     check(step.model in served, f"{where}.model", f"{step.model!r} is not a model this "
           f"worker serves ({', '.join(served)})")  # fmt: skip
     check(not step.outputs, f"{where}.outputs", "a model's outputs are its file's")
+    check(not step.vectorized, f"{where}.vectorized", "a model step runs its rows as a "
+          "batch already; vectorized is a function step's")  # fmt: skip
     check(not step.fan_out, f"{where}.fan_out", "a function step fans out (its outputs hold "
           "the regions); a model step runs once per region after it")  # fmt: skip
 
@@ -166,6 +173,8 @@ def _check_function_step(where: str, step: StepConfig) -> None:
     check(bool(step.inputs), f"{where}.inputs", "a function step names its inputs")
     for out, spec in step.outputs.items():
         parse_spec(spec, f"{where}.outputs.{out}")
+    check(not (step.vectorized and step.fan_out), f"{where}.vectorized", "a vectorized "
+          "function returns a row per row it is given: it does not fan out")  # fmt: skip
 
 
 def _check_op_step(where: str, step: StepConfig) -> None:
@@ -174,6 +183,8 @@ def _check_op_step(where: str, step: StepConfig) -> None:
     check(bool(step.inputs), f"{where}.inputs", f"{step.op!r} names its inputs")
     check(not step.outputs, f"{where}.outputs", "an operation's outputs are its own")
     check(not step.fan_out, f"{where}.fan_out", "an operation fans out or not by itself")
+    check(not step.vectorized, f"{where}.vectorized", "an operation is run as it is built "
+          "(vectorized is a function step's)")  # fmt: skip
 
 
 def check_pipelines(s: Settings, served: Mapping[str, str]) -> None:

@@ -38,14 +38,17 @@ def _jobs(raws: list[np.ndarray], deadline: float | None = None) -> list[Job]:
             for i, raw in enumerate(raws)]  # fmt: skip
 
 
-async def _serve(tmp_path: Path, function: str, features: str, jobs: list[Job]
-                 ) -> tuple[Completed, CpuStage, PipelineStage]:  # fmt: skip
+Served = tuple[Completed, CpuStage, PipelineStage]
+
+
+async def _serve(tmp_path: Path, function: str, features: str, jobs: list[Job],
+                 vectorized: bool = False) -> Served:  # fmt: skip
     cfg = ModelConfig(path=str(tabular(tmp_path / "tabular.onnx")))
     engine = load_engine(cfg)
     stage = cpu_stage(cfg, engine)
     pipeline = PipelineConfig(topics=("in",), inputs={"raw": "float32 [4]"}, steps=(
         StepConfig(name="norm", function=function, inputs={"raw": "request.raw"},
-                   outputs={"features": features}),
+                   outputs={"features": features}, vectorized=vectorized),
         StepConfig(name="t", model="tabular", inputs={"features": "norm.features"}),
     ), outputs={"score": "t.score", "features": "norm.features"})  # fmt: skip
     plan = build_plan("p", pipeline, {"tabular": StepModel(engine.info, stage.binding, stage)})
@@ -116,5 +119,51 @@ async def test_a_request_past_its_deadline_is_answered_as_a_model_s_stage_does(
         for answer in done.answers:
             assert answer.error is not None and answer.error.code == "deadline_exceeded"
             assert answer.error.message == "deadline passed before inference"
+    finally:
+        served.close()
+
+
+async def test_a_vectorized_function_is_called_once_a_batch_and_feeds_the_model_as_it_is(
+    tmp_path: Path,
+) -> None:
+    from tests.pipeline_functions import SEEN_ROWS
+
+    rng = np.random.default_rng(3)
+    jobs = _jobs([rng.normal(1.0, 2.0, 4).astype(np.float32) for _ in range(29)])
+    SEEN_ROWS.clear()
+    done, stage, served = await _serve(tmp_path, "tests.pipeline_functions:standardise_rows",
+                                       "float32 [4]", jobs, vectorized=True)  # fmt: skip
+    try:
+        assert SEEN_ROWS == [29]  # one call, every row
+        own = await _alone(stage, jobs)
+        for got, want in zip(done.answers, own.answers, strict=True):
+            assert got.error is None and got.outputs is not None and want.outputs is not None
+            np.testing.assert_allclose(got.outputs["score"], want.outputs["score"], rtol=1e-6)
+            np.testing.assert_array_equal(got.outputs["features"],
+                                          standardise(got.job.inputs["raw"])["features"])
+    finally:
+        served.close()
+
+
+async def test_a_vectorized_function_failing_a_batch_fails_only_the_rows_that_fail_it(
+    tmp_path: Path,
+) -> None:
+    from tests.pipeline_functions import SEEN_ROWS
+
+    rng = np.random.default_rng(4)
+    raws = [rng.normal(1.0, 2.0, 4).astype(np.float32) for _ in range(6)]
+    raws[2] = raws[2].copy()
+    raws[2][0] = 99.0
+    SEEN_ROWS.clear()
+    done, _, served = await _serve(tmp_path, "tests.pipeline_functions:standardise_rows",
+                                   "float32 [4]", _jobs(raws), vectorized=True)  # fmt: skip
+    try:
+        assert SEEN_ROWS == [6, 1, 1, 1, 1, 1, 1]  # the batch, then row by row (one each)
+        for k, answer in enumerate(done.answers):
+            if k == 2:
+                assert answer.error is not None
+                assert answer.error.message == "step 'norm': ValueError: 1 rows over 50"
+            else:
+                assert answer.error is None
     finally:
         served.close()
