@@ -1,5 +1,6 @@
 """Pipelines whose request is their own (``[pipelines.NAME.inputs]``, issue 65):
-a function before the first model (raw features standardised, then a two-input
+a function before the first model (raw features standardised by a vectorized
+function, a batch's rows at once, then a two-input
 model reading the other input from the request), and crops of the request's
 original pixels after a detector fed floats (a function scales the pixels, a
 fully convolutional detector finds a peak, a function makes its box, crop_boxes
@@ -52,7 +53,8 @@ inputs = {{ raw = "float32 [4]", ids = "int64 [n]" }}
 outputs = {{ score = "rank.score", features = "norm.features" }}
 [[pipelines.scored.steps]]
 name = "norm"
-function = "tests.pipeline_functions:standardise"
+function = "tests.pipeline_functions:standardise_rows"
+vectorized = true
 inputs = {{ raw = "request.raw" }}
 outputs = {{ features = "float32 [4]" }}
 [[pipelines.scored.steps]]
