@@ -207,3 +207,15 @@ def standardise_rows(raw: np.ndarray) -> dict[str, np.ndarray]:
     if (raw[:, 0] > 50).any():
         raise ValueError(f"{int((raw[:, 0] > 50).sum())} rows over 50")
     return standardise(raw)
+
+
+def corner(tile: np.ndarray) -> dict[str, np.ndarray]:
+    """A per-region output of two dimensions that differ by region: the first 1
+    to 3 rows (as many as its first pixel says) of a tile's first two columns."""
+    return {"block": np.ascontiguousarray(tile[: 1 + int(tile[0, 0, 0]) % 3, :2, 0])}
+
+
+def doubled_in_place(p: np.ndarray) -> dict[str, np.ndarray]:
+    """A function that (wrongly) writes into its input."""
+    p *= 2
+    return {"p": p}

@@ -34,7 +34,11 @@ def answered(plan: PipelinePlan, pipeline: str, job: Job, base: Tensors, units: 
         if not ran(source):
             continue
         if name in plan.ragged:
-            out[name], out[name + SHAPES] = ragged(units, source, plan.described.get(name))
+            try:
+                out[name], out[name + SHAPES] = ragged(units, source, plan.regional.get(source))
+            except ValueError as exc:
+                return Answer(job, None, ErrorInfo(ErrorCode.INFERENCE_FAILED,
+                                                   f"output {name!r}: {exc}"))  # fmt: skip
             continue
         try:
             out[name] = value(plan, base, units, source)

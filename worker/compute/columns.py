@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from worker.compute.steps import FunctionStep, ModelStep, Tensors, declared_dtype
+from worker.compute.steps import FunctionStep, ModelStep, Tensors, declared_dtype, read_only
 from worker.compute.triage import EXPIRED
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
@@ -103,13 +103,21 @@ def run_columns(step: ModelStep, rows: Rows, kept: Kept) -> bool:
         out = step.stage.run_columns(arrays)
     except (KeyError, ValueError, InferenceFailed):
         return False
-    prefix = f"{step.name}."
+    _keep(step.name, out, rows, kept)
+    return True
+
+
+def _keep(step: str, out: Mapping[str, np.ndarray], rows: Rows, kept: Kept) -> None:
+    """A step's outputs kept: each whole array (read only, as every step's
+    outputs are to the steps after it) for later columns, a row view in each
+    row's unit."""
+    prefix = f"{step}."
     for name, column in out.items():
         key = prefix + name
-        kept[key] = (rows, column)
-        for (_, unit), row in zip(rows, column, strict=True):  # row views, made in C
+        frozen = read_only(column)
+        kept[key] = (rows, frozen)
+        for (_, unit), row in zip(rows, frozen, strict=True):  # row views, made in C
             unit[key] = row
-    return True
 
 
 def _same_rows(made: tuple[Rows, np.ndarray] | None, rows: Rows) -> np.ndarray | None:
@@ -133,8 +141,10 @@ def run_function_columns(step: FunctionStep, rows: Rows, kept: Kept) -> bool:
         args = {}
         for arg, source in step.sources.items():
             column = _same_rows(kept.get(source), rows)
-            # Fresh arrays, not the thread's: a function may answer with its input.
-            args[arg] = np.stack([u[source] for _, u in rows]) if column is None else column
+            if column is None:  # fresh, not the thread's: a function may answer with its input
+                args[arg] = np.stack([u[source] for _, u in rows])
+            else:  # an earlier step's own output, read only (``_keep``)
+                args[arg] = column
         got = step.function(**args)
     except Exception:  # the user's code, or rows that do not stack: one by one, named
         return False
@@ -149,10 +159,5 @@ def run_function_columns(step: FunctionStep, rows: Rows, kept: Kept) -> bool:
                                                                   strict=True)):  # fmt: skip
             return False
         out[name] = value
-    prefix = f"{step.name}."
-    for name, column in out.items():
-        key = prefix + name
-        kept[key] = (rows, column)
-        for (_, unit), row in zip(rows, column, strict=True):
-            unit[key] = row
+    _keep(step.name, out, rows, kept)
     return True

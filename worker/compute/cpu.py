@@ -134,15 +134,25 @@ class CpuStage(Stage):
         a request, postprocessed as each request's would be. Recorded in the
         model's metrics as any run."""
         n = len(next(iter(arrays.values())))
-        with internal_errors_fail_the_run():
-            feeds = {k.desc.name: arrays[k.name] for k in self._inputs.kinds
-                     if isinstance(k, BoundTensor)}  # fmt: skip
-            t0 = time.monotonic()
-            raw = self._engine.run(feeds)
-            engine_s = time.monotonic() - t0
-            out = self._outputs.columns(raw, n)
-        self._record([_Run(n, 0.0, engine_s)])
-        return out
+        runs: list[_Run] = []
+        parts: list[dict[str, np.ndarray]] = []
+        try:
+            with internal_errors_fail_the_run():
+                # In runs of at most max_batch_size rows, as a batch of jobs would run
+                # (a step after a fan-out hands in every region of a batch).
+                for start in range(0, n, self._rows):
+                    feeds = {k.desc.name: arrays[k.name][start : start + self._rows]
+                             for k in self._inputs.kinds if isinstance(k, BoundTensor)}  # fmt: skip
+                    rows = min(self._rows, n - start)
+                    t0 = time.monotonic()
+                    raw = self._engine.run(feeds)
+                    runs.append(_Run(rows, 0.0, time.monotonic() - t0))
+                    parts.append(self._outputs.columns(raw, rows))
+                if len(parts) == 1:
+                    return parts[0]
+                return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        finally:
+            self._record(runs)
 
     async def swap(self, engine: Engine, binding: Binding, version: str) -> Engine:
         """Serve ``engine`` (bound as ``binding``, compatible with the serving one:

@@ -47,6 +47,7 @@ from worker.compute.steps import (
     Tensors,
     call_each,
     fed,
+    read_only,
     unpinned,
 )
 from worker.compute.triage import ServiceTimeHook, micros
@@ -307,7 +308,7 @@ class PipelineStage(Stage):
                     timings[i] = dict(answer.timing_us)
                 assert answer.outputs is not None
                 for name, value in answer.outputs.items():
-                    unit[f"{step.name}.{name}"] = value
+                    unit[f"{step.name}.{name}"] = read_only(value)
         return done.engine_rows
 
     @staticmethod

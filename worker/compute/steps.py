@@ -202,10 +202,20 @@ def outputs_of(step: FunctionStep, unit: Tensors, got: object) -> list[Tensors] 
                     f"{list(spec.shape)}{per}")  # fmt: skip
     keys = {name: f"{step.name}.{name}" for name in step.outputs}
     if not step.fan_out:
-        unit.update({keys[name]: got[name] for name in step.outputs})
+        unit.update({keys[name]: read_only(got[name]) for name in step.outputs})
         return [unit]
-    return [{**unit, **{keys[n]: got[n][k] for n in step.outputs}}
+    frozen = {n: read_only(got[n]) for n in step.outputs}
+    return [{**unit, **{keys[n]: frozen[n][k] for n in step.outputs}}
             for k in range(regions or 0)]  # fmt: skip
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A step's output as the steps after it read it: a read-only view, so a
+    function writing into its input fails (and is named) instead of changing
+    what an earlier step answered (a request's own tensors are read-only too)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 @functools.cache
@@ -227,13 +237,17 @@ def stacked(units: list[Tensors], source: str, spec: Regional) -> np.ndarray:
     return np.zeros((0, *shape), dtype=dtype)
 
 
-def ragged(units: list[Tensors], source: str, desc: Desc | None) -> tuple[np.ndarray, np.ndarray]:
+def ragged(units: list[Tensors], source: str, spec: Regional) -> tuple[np.ndarray, np.ndarray]:
     """A per-region tensor of a request's units in the ragged layout: every
     region's values, flat, one region after another, and each region's shape
-    (int64 ``[regions, rank]``); regions may differ in shape."""
+    (int64 ``[regions, rank]``); regions may differ in shape. ``spec``: the
+    source's per-region dtype and shape, for a request without regions (and
+    without: float32, rank 0). A ValueError where the regions differ in rank."""
     rows = [u[source] for u in units if source in u]
-    rank = len(desc[1]) if desc is not None else (rows[0].ndim if rows else 0)
-    dtype = np.dtype(desc[0]) if desc is not None else (rows[0].dtype if rows else np.float32)
+    dtype, shape = spec if spec is not None else ("float32", ())
+    rank = rows[0].ndim if rows else len(shape)
+    if any(r.ndim != rank for r in rows):
+        raise ValueError(f"its regions differ in rank ({sorted({r.ndim for r in rows})})")
     shapes = np.array([r.shape for r in rows], dtype=np.int64).reshape(len(rows), rank)
     values = np.concatenate([r.ravel() for r in rows]) if rows else np.zeros(0, dtype)
     return values, shapes

@@ -42,10 +42,10 @@ Served = tuple[Completed, CpuStage, PipelineStage]
 
 
 async def _serve(tmp_path: Path, function: str, features: str, jobs: list[Job],
-                 vectorized: bool = False) -> Served:  # fmt: skip
+                 vectorized: bool = False, max_batch: int = 64) -> Served:  # fmt: skip
     cfg = ModelConfig(path=str(tabular(tmp_path / "tabular.onnx")))
     engine = load_engine(cfg)
-    stage = cpu_stage(cfg, engine)
+    stage = cpu_stage(cfg, engine, max_batch_size=max_batch)
     pipeline = PipelineConfig(topics=("in",), inputs={"raw": "float32 [4]"}, steps=(
         StepConfig(name="norm", function=function, inputs={"raw": "request.raw"},
                    outputs={"features": features}, vectorized=vectorized),
@@ -167,3 +167,60 @@ async def test_a_vectorized_function_failing_a_batch_fails_only_the_rows_that_fa
                 assert answer.error is None
     finally:
         served.close()
+
+
+async def test_more_rows_than_the_model_s_batch_size_run_in_parts_of_that_size(
+    tmp_path: Path,
+) -> None:
+    """A step after a fan-out hands in every region of a batch: as columns, too,
+    they run in runs of at most max_batch_size rows."""
+    from worker.obs import metrics
+
+    def runs() -> float:  # the tabular model's engine runs so far (one file: one version)
+        return sum(s.value for m in metrics.BATCH_SIZE.collect() for s in m.samples
+                   if s.name.endswith("_count") and s.labels.get("model") == "tabular")
+
+    rng = np.random.default_rng(5)
+    jobs = _jobs([rng.normal(1.0, 2.0, 4).astype(np.float32) for _ in range(37)])
+    before = runs()
+    done, stage, served = await _serve(tmp_path, "tests.pipeline_functions:standardise",
+                                       "float32 [4]", jobs, max_batch=8)  # fmt: skip
+    try:
+        assert runs() - before == 5  # 8 + 8 + 8 + 8 + 5
+        own = await _alone(stage, jobs)
+        for got, want in zip(done.answers, own.answers, strict=True):
+            assert got.error is None and got.outputs is not None and want.outputs is not None
+            np.testing.assert_allclose(got.outputs["score"], want.outputs["score"], rtol=1e-6)
+    finally:
+        served.close()
+
+
+async def test_a_vectorized_function_cannot_change_an_earlier_step_s_output(
+    tmp_path: Path,
+) -> None:
+    """An earlier model step's output, fed to a vectorized function as it is,
+    is read only: a function writing into it fails its request by name instead
+    of changing what the earlier step answered."""
+    from tests.onnx_models import tabular
+
+    cfg = ModelConfig(path=str(tabular(tmp_path / "tabular.onnx")))
+    engine = load_engine(cfg)
+    stage = cpu_stage(cfg, engine)
+    pipeline = PipelineConfig(topics=("in",), inputs={"raw": "float32 [4]"}, steps=(
+        StepConfig(name="t", model="tabular", inputs={"features": "request.raw"}),
+        StepConfig(name="twice", function="tests.pipeline_functions:doubled_in_place",
+                   vectorized=True, inputs={"p": "t.probabilities"},
+                   outputs={"p": "float32 [3]"}),
+    ), outputs={"p": "t.probabilities", "twice": "twice.p"})  # fmt: skip
+    plan = build_plan("p", pipeline, {"tabular": StepModel(engine.info, stage.binding, stage)})
+    info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
+    served = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, stage.binding, plan,
+                           max_inflight=1)  # fmt: skip
+    rng = np.random.default_rng(6)
+    jobs = _jobs([rng.normal(size=4).astype(np.float32) for _ in range(4)])
+    try:
+        done = await served.run_batch(Batch(jobs, time.monotonic(), "full"))
+    finally:
+        served.close()
+    for answer in done.answers:
+        assert answer.error is not None and "read-only" in answer.error.message

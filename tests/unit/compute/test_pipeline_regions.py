@@ -129,3 +129,33 @@ def test_only_a_per_region_output_is_answered_ragged() -> None:
         assert plan.described["classes"] == ("int64", ("regions", 3))
     finally:
         first.close()
+
+
+async def test_a_ragged_output_of_two_dimensions_a_region_carries_each_region_s_shape() -> None:
+    from tests.pipeline_functions import corner
+
+    steps = (*STEPS[:2], StepConfig(name="corner", function="tests.pipeline_functions:corner",
+                                    inputs={"tile": "cut.tile"},
+                                    outputs={"block": "uint8 [k, 2]"}))  # fmt: skip
+    engine = load_engine(ModelConfig())
+    first = cpu_stage(ModelConfig(), engine)
+    cfg = PipelineConfig(topics=("in",), steps=steps, outputs={"block": "corner.block"},
+                         ragged=("block",))  # fmt: skip
+    plan = build_plan("p", cfg, {"digits": StepModel(engine.info, first.binding, first)})
+    info = EngineInfo("pipeline", "p", "pipeline:test", engine.info.io, None)
+    stage = PipelineStage(asyncio.Queue(), asyncio.Queue(), info, first.binding, plan,
+                          max_inflight=1)  # fmt: skip
+    jobs = _jobs(12)
+    try:
+        done = await stage.run_batch(Batch(jobs, time.monotonic(), "full"))
+    finally:
+        stage.close()
+    for job, answer in zip(jobs, done.answers, strict=True):
+        assert answer.error is None and answer.outputs is not None, answer.error
+        want = [corner(t)["block"] for t in tiles(job.inputs["image"])["tile"]]
+        shapes = answer.outputs["block.shapes"]
+        assert shapes.shape == (len(want), 2)  # [regions, rank]: [0, 2] without any
+        np.testing.assert_array_equal(shapes, np.array([w.shape for w in want], np.int64)
+                                      .reshape(-1, 2))  # fmt: skip
+        flat = np.concatenate([w.ravel() for w in want]) if want else np.zeros(0, np.uint8)
+        np.testing.assert_array_equal(answer.outputs["block"], flat)
