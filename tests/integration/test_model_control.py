@@ -59,6 +59,12 @@ def _post(port: int, path: str, body: object = None) -> tuple[int, dict[str, Any
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def _card_versions(port: int) -> list[str]:
+    """The versions the scorer's model card names (/v2/models/scorer)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/scorer", timeout=10) as r:
+        return cast(list[str], json.loads(r.read())["versions"])
+
+
 def _index(port: int) -> dict[str, str]:
     """The repository index's scorer versions and their states."""
     code, listed = _post(port, "/v2/repository/index")
@@ -150,9 +156,11 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
         assert _swaps(late, "swapped") == 1 and _swaps(late, "refused") == 1
         answers["late"] = await _answers(broker, topic, names["results"], "late",
                                          batch["late"], offsets)  # fmt: skip
-        # The OIP repository extension on the late member's metrics port.
+        # The OIP repository extension on the late member's metrics port; its
+        # model card names the version the topic set, not the one it loaded first.
         port = late.metrics_port
         assert _index(port) == {"1": "READY", "2": "UNAVAILABLE"}
+        assert _card_versions(port) == [content_version(files[1])]
         assert _post(port, "/v2/repository/models/scorer/unload")[0] == 400
         load = "/v2/repository/models/scorer/load"
         code, body = _post(port, load, {"parameters": {"version": 9}})

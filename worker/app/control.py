@@ -87,14 +87,30 @@ class Control:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await follow(self._s.kafka, self.apply, self.ready)
+        await follow(self._s.kafka, self._applied, self.ready)
+
+    async def _applied(self, name: str, value: bytes | None) -> None:
+        """``apply``, whatever a record holds: an unexpected failure refuses that
+        record (every member replays the topic: one record must not stop them all)."""
+        try:
+            await self.apply(name, value)
+        except Exception as exc:  # the record's, refused; the worker goes on
+            self._refuse(name, f"{type(exc).__name__}: {exc}")
+
+    def serving(self) -> dict[str, str]:
+        """Each model the topic may set: the version (content hash) serving."""
+        return {name: m.serving for name, m in self._models.items()}
 
     def index(self) -> list[dict[str, Any]]:
         """The OIP repository index (``worker.obs.repository``): every version of
         every repository model, READY where this member serves it."""
         ready = metrics.is_ready()
         out = []
-        for v in listing(self._s.repository):
+        try:
+            versions = listing(self._s.repository)
+        except ConfigError as exc:  # mid-upload, say: the index says so, per model unknown
+            return [{"name": "", "version": "", "state": "UNAVAILABLE", "reason": str(exc)}]
+        for v in versions:
             serving = self._numbers.get(v.name)
             if serving == v.version:
                 state, reason = ("READY" if ready else "UNAVAILABLE"), ""
@@ -123,11 +139,15 @@ class Control:
             return f"{name!r}: {self._refused.get(name, 'not a model this worker serves')}"
         if self._loop is None:
             return "the worker does not read its control topic yet"
-        wrote = asyncio.run_coroutine_threadsafe(
-            write(self._s.kafka, name, {"version": version}), self._loop)  # fmt: skip
+        try:
+            wrote = asyncio.run_coroutine_threadsafe(
+                write(self._s.kafka, name, {"version": version}), self._loop)  # fmt: skip
+        except RuntimeError:  # the worker is stopping: its loop is closed
+            return "the worker is stopping"
         try:
             wrote.result(timeout=self._s.kafka.request_timeout_s + 5.0)
         except Exception as exc:  # any: the caller is told, the worker goes on
+            wrote.cancel()  # not written later, after the caller was told it was not
             return f"{self.topic!r} did not take the record: {exc!r}"
         return None
 
@@ -149,6 +169,9 @@ class Control:
             hash_ = await asyncio.to_thread(content_version, resolve_model_path(cfg.path))
         except (ConfigError, OSError) as exc:
             return self._refuse(name, f"version {version}: {exc}")
+        if is_gpu_backend(cfg.backend):
+            return self._refuse(name, f"version {version}: its model.toml names the GPU backend "
+                                      f"{cfg.backend!r}; a version swaps in on the CPU path only")
         if hash_ == model.serving:
             self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)

@@ -56,6 +56,8 @@ class Worker:
         self._models: list[LoadedModel] = []  # every model, loaded in prepare()
         self.tracker = OffsetTracker()
         self._stages: Stages | None = None
+        # The versions the control topic swapped in before the first record (its log line).
+        self._serving: dict[str, str] = {}
         self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
         self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
         self._failure: BaseException | None = None
@@ -126,6 +128,14 @@ class Worker:
             self._check_topics(existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
             await wire_states(s, self.plan, stages, existing, self.tracker)
+            # Each model's card and build info first: a version the control topic
+            # swaps in publishes its own over them.
+            for model in self._models:
+                info = model.engine.info
+                metrics.BUILD_INFO.labels(version=__version__, model=info.name,
+                                          backend=info.backend, device=self.plan.device_name,
+                                          model_version=info.version).set(1)  # fmt: skip
+            cards.publish(*(model.engine.info for model in self._models))
             control = await self._converge(s, stages)
             await stages.consumer.start()
         except KafkaError as exc:  # translated once, at the boundary
@@ -143,7 +153,8 @@ class Worker:
             "worker_started",
             group=s.kafka.group_id,
             # Each model and pipeline with the input topics it answers as their owner.
-            models={m.name: {"engine": m.engine.info.backend, "version": m.engine.info.version,
+            models={m.name: {"engine": m.engine.info.backend,
+                             "version": self._serving.get(m.name, m.engine.info.version),
                              "topics": stages.topics_of(m.name)} for m in self._models},
             **({"pipelines": {name: stages.topics_of(name) for name in s.pipelines}}
                if s.pipelines else {}),
@@ -151,12 +162,6 @@ class Worker:
                else {}),
         )  # fmt: skip
         metrics.set_condition("started", True)
-        for model in self._models:
-            info = model.engine.info
-            metrics.BUILD_INFO.labels(version=__version__, model=info.name, backend=info.backend,
-                                      device=self.plan.device_name,
-                                      model_version=info.version).set(1)  # fmt: skip
-        cards.publish(*(model.engine.info for model in self._models))
         for m in stages.models:  # a pipeline's card: its request, its outputs
             if (described := m.infer.described_outputs()) is not None:
                 cards.publish_pipeline(m.infer.info, described)
@@ -225,6 +230,7 @@ class Worker:
             task.cancel()
             raise
         repository.register(control)  # the OIP repository extension on the metrics port
+        self._serving = control.serving()
         return [task]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -41,7 +41,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = max(0, int(self.headers.get("Content-Length") or 0))
+        except ValueError:
+            length = 0
         body = self.rfile.read(min(length, 65536)) if length else b""
         if path.startswith("/v2/repository/"):
             code, answer = repository.answer(path, body)
