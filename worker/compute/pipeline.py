@@ -1,23 +1,28 @@
 """A pipeline's stage: each batch through the pipeline's steps in turn, one answer
 per request (``[pipelines.NAME]``, docs/guides/pipelines.md).
 
-A model step runs the batch's requests as that model's own stage runs a batch
-(``Stage.run_batch``, on the CPU stage or, for a GPU model, the GPU stage's
-slots: rows of one length together, poison isolated by bisection, deadlines
-honoured), so the crops of many requests form one batch of the next model; a
-function step runs once per request on the stage's threads
-(``worker.compute.steps``). Between steps the tensors stay in memory: a
-request's tensors so far, by ``STEP.OUTPUT`` and ``request.NAME``, feed the next
-step's inputs, checked as the next model checks a request's. After a fan-out
-step a request is several units, one per region, each run by the steps after
-it (a branch on a per-region tensor runs a step on the regions where it is true:
+A model step whose model takes fixed-shape tensors runs as columns
+(``worker.compute.columns``): its rows stacked into one array (or an earlier
+step's output array as it is), one engine run, its outputs kept as row views;
+such steps and the functions beside them run on one stage thread a batch. Any
+other model step runs the batch's requests as that model's own stage runs a
+batch (``Stage.run_batch``, on the CPU stage or the GPU stage's slots: rows of
+one length together, poison isolated by bisection, deadlines honoured), which
+is also where a columnar step goes back to where its rows are not as promised.
+Either way the crops of many requests form one batch of the next model. A
+function step runs once per request on the stage's threads, or, vectorized,
+once a batch (``worker.compute.steps``); a built-in op on the GPU runs a batch
+at once (``worker.compute.ops.device``). Between steps the tensors stay in
+memory, read only: a request's tensors so far, by ``STEP.OUTPUT`` and
+``request.NAME``, feed the next step's inputs. After a fan-out step a request
+is several units, one per region, each run by the steps after it (a branch on
+a per-region tensor runs a step on the regions where it is true:
 ``worker.compute.branches``); its answer stacks their outputs, or gives each
-region's values and shape where the plan answers an output ragged. A request a
-step fails (any of its units) is answered ``inference_failed`` naming the step
-(and the tensor, where one was not what the step takes); the other requests of
-the batch go on.
+region's values and shape where the plan answers an output ragged
+(``worker.compute.answers``). A request a step fails (any of its units) is
+answered ``inference_failed`` naming the step (and the tensor, where one was
+not what the step takes); the other requests of the batch go on.
 """
-
 from __future__ import annotations
 
 import asyncio
