@@ -1,6 +1,7 @@
 """Repository models' versions set through the control topic (issue 68): every
 member reads ``kafka.control_topic`` alike (``worker.kafka.control``) and serves
-each model at the version its last record names, swapped in while serving as a
+each model at the version its last record names (that it did not refuse),
+swapped in while serving as a
 reloaded file is (``worker.app.reload``: loaded beside the serving version,
 bound, checked and run once, then swapped in between batches; no rebalance,
 no partition paused, in-flight batches finish on the old version). A version
@@ -89,13 +90,14 @@ class Control:
         self._loop = asyncio.get_running_loop()
         await follow(self._s.kafka, self._applied, self.ready)
 
-    async def _applied(self, name: str, value: bytes | None) -> None:
+    async def _applied(self, name: str, value: bytes | None) -> bool:
         """``apply``, whatever a record holds: an unexpected failure refuses that
         record (every member replays the topic: one record must not stop them all)."""
         try:
-            await self.apply(name, value)
+            return await self.apply(name, value)
         except Exception as exc:  # the record's, refused; the worker goes on
             self._refuse(name, f"{type(exc).__name__}: {exc}")
+            return False
 
     def serving(self) -> dict[str, str]:
         """Each model the topic may set: the version (content hash) serving."""
@@ -151,7 +153,8 @@ class Control:
             return f"{self.topic!r} did not take the record: {exc!r}"
         return None
 
-    async def apply(self, name: str, value: bytes | None) -> None:
+    async def apply(self, name: str, value: bytes | None) -> bool:
+        """One record applied; whether it took effect (False: refused)."""
         try:
             version = desired_version(value)
         except ValueError as exc:
@@ -163,7 +166,7 @@ class Control:
         if version is None:
             log.warning("model_control_tombstone", model=name, serving=model.serving,
                         reason="unloading a model is not built: it keeps serving")  # fmt: skip
-            return None
+            return True
         try:
             cfg = await asyncio.to_thread(self._version, name, version)
             hash_ = await asyncio.to_thread(content_version, resolve_model_path(cfg.path))
@@ -175,16 +178,16 @@ class Control:
         if hash_ == model.serving:
             self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)
-            return None
+            return True
         problem = await swap(dataclasses.replace(model.settings, model=cfg), model.stage, hash_)
         if problem is not None:
             swap_refused(name, hash_, f"version {version}: {problem}", model.serving)
-            return None
+            return False
         swapped(name, model.serving, hash_, model.labels)
         model.serving = hash_
         self._numbers[name] = version
         log.info("model_control_applied", model=name, version=version, serving=hash_)
-        return None
+        return True
 
     def _version(self, name: str, version: int) -> RepositoryModel:
         """The model's version ``version`` as the repository holds it now."""
@@ -197,9 +200,10 @@ class Control:
         return load_version(entry, version)
 
     @staticmethod
-    def _refuse(name: str, why: str) -> None:
+    def _refuse(name: str, why: str) -> bool:
         log.error("model_control_refused", model=name, reason=why)
         metrics.MODEL_SWAPS.labels(outcome="refused").inc()
+        return False
 
 
 def controlled(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, Stage],

@@ -25,18 +25,21 @@ from worker.kafka.credentials import connection
 
 log = structlog.get_logger(__name__)
 
-Apply = Callable[[str, bytes | None], Awaitable[None]]
+Apply = Callable[[str, bytes | None], Awaitable[bool]]  # whether it took effect
 
 
 async def follow(k: KafkaConfig, apply: Apply, ready: asyncio.Event | None = None) -> None:
-    """Until cancelled: the control topic's records applied in order
-    (``apply(name, value)``), from the beginning, ``ready`` set once the end
-    found at start is reached, then each new record as it comes. In order, not
-    only each key's last: a member started late then does what the members
-    before it did, record by record, and ends where they are (a record they
-    refused it refuses too). Once the topic is compacted only each key's last
-    record remains; the CLI writes only versions the repository holds, so that
-    one is what they serve."""
+    """Until cancelled: the control topic read from the beginning to the end
+    found at start, then ``ready`` set, then each new record applied as it
+    comes (``apply(name, value)``: whether it took effect).
+
+    What was there at start is applied as the members already serving applied
+    it, one record at a time, but without loading every version in turn: for
+    each key its last record, or where that one is refused, the one before it,
+    and so on (a member applying them in order kept the last it did not refuse).
+    A record refused by every member alike (a version not held, one failing its
+    checks) is refused here too; the CLI writes only versions the repository
+    holds."""
     topic = k.control_topic
     consumer = AIOKafkaConsumer(**connection(k), enable_auto_commit=False, fetch_max_wait_ms=200)
     await consumer.start()
@@ -47,21 +50,32 @@ async def follow(k: KafkaConfig, apply: Apply, ready: asyncio.Event | None = Non
         tps = [KafkaTP(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        history: dict[str, list[bytes | None]] = {}  # each key's records, in order
         pending = set(tps)  # not yet read to the end found at start
-        while True:
-            batch = await consumer.getmany(timeout_ms=200 if pending else 1000)
+        while pending:
+            batch = await consumer.getmany(*pending, timeout_ms=200)
             for records in batch.values():
                 for r in records:
                     if (name := _name(r.key)) is not None:
-                        await apply(name, r.value)
+                        history.setdefault(name, []).append(r.value)
             for tp in list(pending):
                 # The end as the last fetch answered it (end_offsets is not reliable
                 # on every broker: the embedded one answers it wrongly).
                 end = consumer.highwater(tp)
                 if end is not None and await consumer.position(tp) >= end:
                     pending.discard(tp)
-                    if not pending and ready is not None:
-                        ready.set()
+        for name, values in history.items():
+            for value in reversed(values):
+                if await apply(name, value):
+                    break
+        if ready is not None:
+            ready.set()
+        while True:
+            batch = await consumer.getmany(timeout_ms=1000)
+            for records in batch.values():
+                for r in records:
+                    if (name := _name(r.key)) is not None:
+                        await apply(name, r.value)
     finally:
         await consumer.stop()
 
