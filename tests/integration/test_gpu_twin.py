@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests import pipeline_functions as fn
+from tests import read_pipeline
 from tests.models import cpu_stage
 from tests.onnx_models import conv_detector, run_alone
 from tests.serving import wire
@@ -67,30 +68,7 @@ path = "{detector}"
 topics = ["{read}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
 outputs = {{ digit = "digit.topk_indices", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "scale"
-function = "tests.pipeline_functions:as_floats"
-inputs = {{ pixels = "request.pixels" }}
-outputs = {{ x = "float32 [1, H, W]" }}
-[[pipelines.read.steps]]
-name = "detect"
-model = "detector"
-inputs = {{ x = "scale.x" }}
-[[pipelines.read.steps]]
-name = "peak"
-function = "tests.pipeline_functions:peak_boxes"
-inputs = {{ heat = "detect.heat" }}
-outputs = {{ boxes = "float32 [boxes, 4]" }}
-[[pipelines.read.steps]]
-name = "crop"
-op = "crop_boxes"
-size = [8, 8]
-inputs = {{ image = "request.pixels", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "digit"
-model = "digits"
-inputs = {{ image = "crop.crops" }}
-"""
+{read_steps}"""
 
 
 def _digits_by_hand(crops: np.ndarray) -> np.ndarray:
@@ -161,7 +139,8 @@ async def test_gpu_models_and_a_pipelines_gpu_step_beside_cpu_ones(
     det_path = conv_detector(tmp_path / "det.onnx")
     topics = {k: f"{names['requests']}.{k}" for k in ("digits", "texts", "plain", "read")}
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(detector=det_path, **topics, **backends))
+    config.write_text(CONFIG.format(detector=det_path, **topics, **backends,
+                                    read_steps=read_pipeline.STEPS))
     await create_topics(broker.bootstrap, {**{t: 2 for t in topics.values()},
                                            names["results"]: 1, names["dlq"]: 1})  # fmt: skip
     samples = labelled_samples(1)[:40]

@@ -27,6 +27,7 @@ import pytest
 
 from tests import cascade_functions as fn
 from tests import real_models
+from tests.pipeline_functions import greedy
 from tests.serving import wire
 from worker.compute.ops.crops import crop_boxes
 from worker.compute.ops.nms import nms
@@ -129,7 +130,7 @@ model = "rec"
 inputs = {{ x = "recin.image" }}
 [[pipelines.reader.steps]]
 name = "text"
-function = "tests.cascade_functions:greedy"
+function = "tests.pipeline_functions:greedy"
 inputs = {{ probs = "rec.softmax_11.tmp_0" }}
 outputs = {{ ids = "int64 [{steps}]" }}
 """
@@ -221,7 +222,7 @@ def read_by_hand(page: np.ndarray) -> Read:
             block_rows.append(block)
             line_rows.append(line)
             probs.append(scores)
-            ids.append(fn.greedy(scores)["ids"])
+            ids.append(greedy(scores)["ids"])
     box = np.zeros((0, 1, 4), np.float32)
     return Read(kept, np.stack(block_rows) if block_rows else box,
                 np.stack(line_rows) if line_rows else box,

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tests import pipeline_functions as fn
+from tests import read_pipeline
 from tests.onnx_models import conv_detector, ranker, run_alone
 from tests.serving import wire
 from worker.compute.engines import load_engine
@@ -66,30 +67,7 @@ inputs = {{ features = "norm.features", ids = "request.ids" }}
 topics = ["{read}"]
 inputs = {{ pixels = "uint8 [H, W, 1]" }}
 outputs = {{ digit = "digit.topk_indices", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "scale"
-function = "tests.pipeline_functions:as_floats"
-inputs = {{ pixels = "request.pixels" }}
-outputs = {{ x = "float32 [1, H, W]" }}
-[[pipelines.read.steps]]
-name = "detect"
-model = "detector"
-inputs = {{ x = "scale.x" }}
-[[pipelines.read.steps]]
-name = "peak"
-function = "tests.pipeline_functions:peak_boxes"
-inputs = {{ heat = "detect.heat" }}
-outputs = {{ boxes = "float32 [boxes, 4]" }}
-[[pipelines.read.steps]]
-name = "crop"
-op = "crop_boxes"
-size = [8, 8]
-inputs = {{ image = "request.pixels", boxes = "peak.boxes" }}
-[[pipelines.read.steps]]
-name = "digit"
-model = "digits"
-inputs = {{ image = "crop.crops" }}
-
+{read_steps}
 [pipelines.gated]
 topics = ["{gated}"]
 inputs = {{ raw = "float32 [4]", ids = "int64 [n]" }}
@@ -231,7 +209,7 @@ async def test_preprocessing_first_and_crops_of_the_request_s_pixels(
     topics = {p: f"{names['requests']}.{p}"
               for p in ("scored", "read", "cascade", "gated", "twice")}  # fmt: skip
     config = tmp_path / "worker.toml"
-    config.write_text(CONFIG.format(
+    config.write_text(CONFIG.format(read_steps=read_pipeline.STEPS,
         ranker=rank_path, detector=det_path, **topics,
         twice_detect=_detect_steps("twice", "scale.x", 2),
         cascade_detect=_detect_steps("cascade", "small.image", 3)))  # fmt: skip
