@@ -7,8 +7,8 @@ a record naming a version the repository does not hold is refused and version 1
 keeps serving; a member started afterwards reads the topic from the beginning
 and serves version 1 from its first answer, loading only the last record's;
 its metrics port answers the Open Inference Protocol's repository extension
-(the index, a load of version 2 that it then serves, an unload refused as not
-built)."""
+(the index; an unload, after which its requests are answered unknown_model
+saying so; a load of version 2 that it then serves)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
     env = {"INFER_WORKER_REPOSITORY__PATH": str(repo), "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}
     rng = np.random.default_rng(68)
     batch = {s: {f"{s}-{i}": rng.normal(size=4).astype(np.float32) for i in range(12)}
-             for s in ("before", "after", "late", "final")}  # fmt: skip
+             for s in ("before", "after", "late", "unloaded", "final")}  # fmt: skip
     offsets: dict[str, int] = {}
 
     def spawn(group: str) -> WorkerProcess:
@@ -166,7 +166,18 @@ async def test_a_version_set_on_the_control_topic_is_swapped_in_by_every_member(
         port = late.metrics_port
         assert _index(port) == {"1": "READY", "2": "UNAVAILABLE"}
         assert _card_versions(port) == [content_version(files[1])]
-        assert _post(port, "/v2/repository/models/scorer/unload")[0] == 400
+        # Unloaded through the topic: freed, and its requests answered unknown_model
+        # saying so (none waits, none is lost), until a load names a version again.
+        assert _post(port, "/v2/repository/models/scorer/unload")[0] == 200
+        await asyncio.to_thread(late.wait_until,
+                                lambda m: m.get("infer_model_loaded") == 0.0,
+                                60.0, "the unload")  # fmt: skip
+        assert _index(port) == {"1": "UNAVAILABLE", "2": "UNAVAILABLE"}
+        unloaded = await _answers(broker, topic, names["results"], "unloaded",
+                                  batch["unloaded"], offsets)  # fmt: skip
+        for r in unloaded.values():
+            assert r.status == "error" and r.error is not None, r
+            assert r.error.code == "unknown_model" and "is unloaded" in r.error.message, r.error
         load = "/v2/repository/models/scorer/load"
         code, body = _post(port, load, {"parameters": {"version": 9}})
         assert code == 400 and "has no version 9" in body["error"]

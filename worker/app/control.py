@@ -14,7 +14,13 @@ added after start-up can be named). Refused, each logged with why: a record for
 a model this worker does not serve from the repository on the CPU path (a
 configured model, a GPU model, a model a pipeline's step runs: its step holds
 its engine), a version the repository does not hold, a value that is not such
-JSON. A tombstone is logged: unloading a model is not built; it keeps serving.
+JSON.
+
+A tombstone unloads the model (``worker.app.demand.Residency.unload``): its
+batches already running finish, its memory is freed, and its requests are then
+answered ``unknown_model`` saying it is unloaded; a record naming a version
+loads it again (that version). With ``repository.on_demand`` the same models are
+also loaded and evicted by demand, and a version swapped in is given room first.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, cast
 
 import structlog
 
+from worker.app.demand import Residency
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
 from worker.compute.cpu import CpuStage
@@ -82,6 +89,9 @@ class Control:
         self.ready = asyncio.Event()  # the topic read to its end and applied
         self.topic = s.kafka.control_topic
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Where each model's memory is held (set by the worker before ``run``):
+        # a tombstone unloads through it, a swap is given room by it.
+        self.residency: Residency | None = None
         # Each model's version number serving (the policy's at start), for the index.
         held = listing(s.repository) if s.repository.path else ()
         self._numbers = {v.name: v.version for v in held if v.served}
@@ -99,6 +109,11 @@ class Control:
             self._refuse(name, f"{type(exc).__name__}: {exc}")
             return False
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The models the topic may set."""
+        return tuple(self._models)
+
     def serving(self) -> dict[str, str]:
         """Each model the topic may set: the version (content hash) serving."""
         return {name: m.serving for name, m in self._models.items()}
@@ -114,7 +129,10 @@ class Control:
             return [{"name": "", "version": "", "state": "UNAVAILABLE", "reason": str(exc)}]
         for v in versions:
             serving = self._numbers.get(v.name)
-            if serving == v.version:
+            resident = self.residency.get(v.name) if self.residency is not None else None
+            if resident is not None and resident.refused is not None:
+                state, reason = "UNAVAILABLE", "unloaded (a tombstone on the control topic)"
+            elif serving == v.version:
                 state, reason = ("READY" if ready else "UNAVAILABLE"), ""
             else:
                 state = "UNAVAILABLE"
@@ -137,13 +155,28 @@ class Control:
         version = max(held) if version is None else version
         if version not in held:
             return f"{name!r} has no version {version} (it holds {', '.join(map(str, held))})"
+        return self._write(name, {"version": version})
+
+    def unload(self, name: str) -> str | None:
+        """An OIP unload (as ``load``): a tombstone for ``name`` written to the
+        control topic for every member; why not, or None."""
+        try:
+            held = any(v.name == name for v in listing(self._s.repository))
+        except ConfigError as exc:
+            return str(exc)
+        if not held:
+            return f"{name!r} is not a model of the repository ({self._s.repository.path})"
+        return self._write(name, None)
+
+    def _write(self, name: str, state: dict[str, object] | None) -> str | None:
+        """``state`` written for ``name`` from the metrics port's thread; why not, or None."""
         if name not in self._models:
             return f"{name!r}: {self._refused.get(name, 'not a model this worker serves')}"
         if self._loop is None:
             return "the worker does not read its control topic yet"
         try:
             wrote = asyncio.run_coroutine_threadsafe(
-                write(self._s.kafka, name, {"version": version}), self._loop)  # fmt: skip
+                write(self._s.kafka, name, state), self._loop)  # fmt: skip
         except RuntimeError:  # the worker is stopping: its loop is closed
             return "the worker is stopping"
         try:
@@ -163,9 +196,13 @@ class Control:
         if model is None:
             why = self._refused.get(name, "not a model this worker serves")
             return self._refuse(name, why)
+        resident = self.residency.get(name) if self.residency is not None else None
+        assert self.residency is not None and resident is not None, "set before run()"
         if version is None:
-            log.warning("model_control_tombstone", model=name, serving=model.serving,
-                        reason="unloading a model is not built: it keeps serving")  # fmt: skip
+            why = (f"model {name!r} is unloaded (a tombstone on {self.topic!r}); "
+                   f"`infer-worker models load {name} --version N` loads it again")  # fmt: skip
+            await self.residency.unload(name, why)
+            log.info("model_control_unloaded", model=name, serving=model.serving)
             return True
         try:
             cfg = await asyncio.to_thread(self._version, name, version)
@@ -173,16 +210,24 @@ class Control:
         except (ConfigError, OSError) as exc:
             return self._refuse(name, f"version {version}: {exc}")
         if is_gpu_backend(cfg.backend):
-            return self._refuse(name, f"version {version}: its model.toml names the GPU backend "
-                                      f"{cfg.backend!r}; a version swaps in on the CPU path only")
+            return self._refuse(
+                name,
+                f"version {version}: its model.toml names the GPU backend "
+                f"{cfg.backend!r}; a version swaps in on the CPU path only",
+            )
+        settings = dataclasses.replace(model.settings, model=cfg)
         if hash_ == model.serving:
+            if resident.refused is not None:  # unloaded: loaded again, served again
+                await self.residency.served(name)
             self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)
             return True
-        problem = await swap(dataclasses.replace(model.settings, model=cfg), model.stage, hash_)
+        problem = await self.residency.swapping(
+            name, lambda: swap(settings, model.stage, hash_))  # fmt: skip
         if problem is not None:
             swap_refused(name, hash_, f"version {version}: {problem}", model.serving)
             return False
+        resident.settings, resident.refused = settings, None  # loaded by demand at this version
         swapped(name, model.serving, hash_, model.labels)
         model.serving = hash_
         self._numbers[name] = version

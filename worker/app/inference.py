@@ -56,6 +56,8 @@ class Bindings:
         self._bound: dict[str, Binding] = {}
 
     async def of(self, m: LoadedModel) -> Binding:
+        if m.binding is not None:  # bound as it loaded (by demand: it may be closed since)
+            return m.binding
         if m.name not in self._bound:
             self._bound[m.name] = await bound(m.key, m.settings, self._plan, m.engine)
         return self._bound[m.name]

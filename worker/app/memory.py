@@ -71,3 +71,17 @@ def check_budget(sizes: Mapping[str, tuple[str, int]], budget_mb: int) -> None:
           f"the models hold {total / MIB:.0f} MiB together ({shares}), over the budget of "
           f"{budget_mb} MiB: raise it, or serve some of them from a deployment of their "
           "own")  # fmt: skip
+
+
+def start_runtime() -> None:
+    """onnxruntime imported and its first session opened and closed, before any
+    model loaded by demand is measured: what the runtime's own start adds (about
+    45 MiB on this project's machine, most of it the import) is no model's, and
+    a model counts the most any of its loads measured, so the first model loaded
+    would otherwise count it for good."""
+    import onnxruntime as ort
+
+    from worker.model.files import resolve_model_path
+
+    bundled = resolve_model_path("builtin:digits")
+    ort.InferenceSession(str(bundled), providers=["CPUExecutionProvider"])

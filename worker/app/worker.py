@@ -20,6 +20,8 @@ from aiokafka.errors import KafkaError
 from worker import __version__
 from worker.app import cards
 from worker.app.control import controlled, converged
+from worker.app.demand import Residency, residency
+from worker.app.inference import bound
 from worker.app.loading import LoadedModel, close_models, load_models
 from worker.app.plan import RunPlan
 from worker.app.reload import watch_model
@@ -39,7 +41,8 @@ from worker.kafka.crashguard import CrashGuard
 from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
 from worker.kafka.permissions import check_topics
-from worker.kafka.topiccheck import require_topics
+from worker.kafka.topiccheck import require_needed
+from worker.model.inputs import Binding
 from worker.obs import metrics, repository, served
 from worker.obs.tracing import OtelTracer, Tracer
 
@@ -58,6 +61,7 @@ class Worker:
         self._stages: Stages | None = None
         # The versions the control topic swapped in before the first record (its log line).
         self._serving: dict[str, str] = {}
+        self._residency: Residency | None = None  # models loaded by demand or unloaded
         self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
         self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
         self._failure: BaseException | None = None
@@ -96,7 +100,7 @@ class Worker:
 
             nvjpeg.check_available(s.gpu.decode, s.model.preprocess)
         try:
-            self._models = await load_models(s, self._engine)
+            self._models = await load_models(s, self._engine, self._bind)
             self._engine = None  # closed with the models
             if len(self._models) == 1 and not s.pipelines:  # its batch size, derived
                 self.settings = s = self._models[0].settings
@@ -114,6 +118,9 @@ class Worker:
             raise
         return self._stages
 
+    async def _bind(self, key: str, s: Settings, engine: Engine | GpuEngine) -> Binding:
+        return await bound(key, s, self.plan, engine)  # a model loaded by demand, at start
+
     async def start(self) -> None:
         stages = await self.prepare()
         s = self.settings
@@ -125,7 +132,7 @@ class Worker:
                 # Describe looks absent, and the missing ACL is the better answer.
                 assert stages.writer.producer is not None
                 await check_topics(stages.writer.producer.client, s.kafka, needed_topics(s))
-            self._check_topics(existing)
+            require_needed(s, existing)
             self._guard = crash_guard(s, self.plan, stages, existing)
             await wire_states(s, self.plan, stages, existing, self.tracker)
             # Each model's card and build info first: a version the control topic
@@ -179,8 +186,13 @@ class Worker:
             self._spawn(watch_broker(stages.consumer, self.plan.probe_timeout_s), "probe"),
             self._spawn(
                 report_partitions(
-                    stages.consumer, self.tracker.committed, stages.committer.last_commit,
-                    stages.routing, stages.shares, s.metrics.lag_interval_ms / 1000.0,
+                    stages.consumer,
+                    self.tracker.committed,
+                    stages.committer.last_commit,
+                    stages.routing,
+                    stages.shares,
+                    s.metrics.lag_interval_ms / 1000.0,
+                    observe=self._residency.observe if self._residency is not None else None,
                 ),
                 "partitions",
             ),
@@ -199,30 +211,19 @@ class Worker:
 
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
-    def _check_topics(self, existing: set[str]) -> None:
-        """Every topic the worker reads or writes must exist, or it stops at once
-        with exit 2 naming the setting (``worker.kafka.topiccheck``): a misspelt
-        input topic would be waited on silently (or created empty by a broker that
-        creates topics on demand), a misspelt output or DLQ topic would let the
-        worker read, report ready, and fail every delivery. The topics are the one
-        list ``topics create`` makes (``worker.config.topics``); the default
-        crash-guard topic is optional (without it crash-loop protection is off,
-        said at start: ``crash_guard``)."""
-        by_setting: dict[str, list[str]] = {}
-        for topic in needed_topics(self.settings):
-            if topic.required:
-                by_setting.setdefault(topic.setting, []).append(topic.name)
-        for setting, names in by_setting.items():
-            require_topics(setting, names, existing, self.settings.kafka)
-
     async def _converge(self, s: Settings, stages: Stages) -> list[asyncio.Task[None]]:
-        """With ``kafka.control_topic``: each repository model at the version the
-        topic sets (``worker.app.control``), before the first record is read, and
-        the task that follows the topic from then on."""
-        if not s.kafka.control_topic:
+        """The models loaded by demand and unloaded by the control topic given
+        their residency (``worker.app.demand``); with ``kafka.control_topic``,
+        each repository model at the version the topic sets
+        (``worker.app.control``), before the first record is read, and the task
+        that follows the topic from then on."""
+        stage_of = {m.name: m.infer for m in stages.models}
+        control = (controlled(s, self._models, stage_of, self.plan.device_name)
+                   if s.kafka.control_topic else None)  # fmt: skip
+        self._residency = residency(s, self._models, stage_of, control.names if control else ())
+        if control is None:
             return []
-        control = controlled(s, self._models, {m.name: m.infer for m in stages.models},
-                             self.plan.device_name)  # fmt: skip
+        control.residency = self._residency
         task = self._spawn(control.run(), "model-control")
         try:
             await converged(control, task, max(60.0, s.kafka.request_timeout_s))
@@ -302,6 +303,8 @@ class Worker:
         for task in self._support:  # the commit loop, the broker probe, the reporter
             task.cancel()
         await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
+        if self._residency is not None:
+            await self._residency.close()  # its prefetches
         # Only acknowledged offsets are below the watermark, so this final commit
         # is safe even when draining failed or timed out; bounded by the deadline.
         await stages.committer.commit_now(timeout=deadline.left(0.5))

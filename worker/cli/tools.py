@@ -38,6 +38,8 @@ def models_command(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)  # checked as run checks settings (exit 2)
     if args.action == "load":
         return _load_version(settings, args.name, args.version)
+    if args.action == "unload":
+        return _unload(settings, args.name)
     versions = listing(settings.repository) if settings.repository.path else ()
     rows = [("MODEL", "VERSION", "SERVED", "FROM")]
     for m in served(settings):
@@ -77,6 +79,29 @@ def _load_version(settings: Settings, name: str | None, version: int | None) -> 
                           f"{', '.join(map(str, held))})")  # fmt: skip
     asyncio.run(control.write(settings.kafka, name, {"version": version}))
     print(f"{name}: version {version} written to {topic}; every member serving it swaps it in")
+    return 0
+
+
+def _unload(settings: Settings, name: str | None) -> int:
+    """``models unload NAME``: a tombstone for the model on the control topic;
+    every member serving it from the repository unloads it (worker.app.control)."""
+    import asyncio
+
+    from worker.config.repository_files import listing
+    from worker.flow.errors import ConfigError
+    from worker.kafka import control
+
+    topic = settings.kafka.control_topic
+    if not topic:
+        raise ConfigError("kafka.control_topic: not set: a model is unloaded through it")
+    if not name:
+        raise ConfigError("models unload: name the model (models unload NAME)")
+    if not any(v.name == name for v in listing(settings.repository)):
+        raise ConfigError(f"models unload: {name!r} is not a model of the repository "
+                          f"({settings.repository.path})")  # fmt: skip
+    asyncio.run(control.write(settings.kafka, name, None))
+    print(f"{name}: unloaded through {topic}; every member serving it frees it and answers its "
+          "requests unknown_model until a version is loaded again")  # fmt: skip
     return 0
 
 
@@ -163,13 +188,16 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "loading a model (exit 2 naming the key); no model is loaded, Kafka is not contacted. "
         "load NAME --version N: write the model's desired version to kafka.control_topic; "
         "every member serving it from the repository swaps that version in while serving "
-        "(docs/guides/models.md).",
+        "(and loads it, where it was unloaded). unload NAME: write a tombstone for the "
+        "model; every member frees it and answers its requests unknown_model until a "
+        "version is loaded again (docs/guides/models.md).",
         models_command,
         epilog="examples:\n  infer-worker models list --config worker.toml\n"
-        "  infer-worker models load churn --version 3 --config worker.toml",
+        "  infer-worker models load churn --version 3 --config worker.toml\n"
+        "  infer-worker models unload churn --config worker.toml",
     )  # fmt: skip
-    mod.add_argument("action", choices=("list", "load"))
-    mod.add_argument("name", nargs="?", help="load: the repository model")
+    mod.add_argument("action", choices=("list", "load", "unload"))
+    mod.add_argument("name", nargs="?", help="load, unload: the repository model")
     mod.add_argument("--version", type=int, help="load: the version to serve, a version "
                      "directory of the model in the repository")  # fmt: skip
     mod.add_argument("--config", help="TOML file")

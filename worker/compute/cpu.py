@@ -18,6 +18,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +36,39 @@ from worker.compute.triage import (
     run_isolating,
     triage,
 )
+from worker.contract import ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs import Binding, ModelInputs
 from worker.model.inputs.image import BoundImage
 from worker.model.inputs.tensor import BoundTensor
+from worker.model.io import EngineInfo
 from worker.model.rows import Row
 from worker.obs import metrics
 
 Buffers = dict[str, np.ndarray]
+
+Residence = Callable[[], AbstractAsyncContextManager[str | None]]
+"""A model loaded and evicted by demand (``worker.app.demand``): entered around
+each batch, it holds the model loaded until the batch is answered (loading it
+first where it was evicted), or yields why it is not served (every request of
+the batch answered ``unknown_model`` so)."""
+
+
+class Unloaded:
+    """The engine of a model evicted by demand: its batches wait in the
+    residence for a load, so a run here is a bug, said as one."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError(f"{self.info.name}: run while evicted (not loaded)")
+
+    def close(self) -> None:
+        pass
 
 
 def fixed_buffers(inputs: ModelInputs, max_batch_size: int) -> Buffers:
@@ -119,14 +143,19 @@ class CpuStage(Stage):
         self._turn: asyncio.Future[None] | None = None
         self._inflight = max_inflight
         self.version: str | None = None  # None: the model the worker started with
+        self.residence: Residence | None = None  # set where the model is loaded by demand
 
     @property
     def columnar(self) -> bool:  # type: ignore[override]
         """Stateless, any batch size, every input a tensor of fixed shape and no
         output cut back to a request's length: whole-batch arrays run as they are."""
         inputs = self._inputs
-        return (self.sequences is None and inputs.batch is None and not self._outputs.cuts
-                and all(isinstance(k, BoundTensor) and k.desc.fixed for k in inputs.kinds))
+        return (
+            self.sequences is None
+            and inputs.batch is None
+            and not self._outputs.cuts
+            and all(isinstance(k, BoundTensor) and k.desc.fixed for k in inputs.kinds)
+        )
 
     def run_columns(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One engine run over whole-batch arrays (rows first, each as its input
@@ -161,13 +190,25 @@ class CpuStage(Stage):
         finish on it: the swap takes every batch's buffer set first, so no batch is
         between taking one and returning it while the engine changes."""
         held = [await self._buffers.get() for _ in range(self._inflight)]
-        old, self._engine = self._engine, engine
+        old = self.install(engine)
         self.binding, self._inputs, self._outputs = binding, binding.inputs, binding.outputs
         self.version = version
         self._metrics = metrics.model_metrics(self._metrics.model, version)
         for buffers in held:
             self._buffers.put_nowait(buffers)
         return old
+
+    def install(self, engine: Engine) -> Engine:
+        """Serve ``engine`` (the same version, bound alike: a load by demand, or
+        ``Unloaded`` for an eviction) from the next run on; the one it replaced
+        returned, for the caller to close. Between batches only: the residence
+        holds none while it loads or evicts."""
+        old, self._engine = self._engine, engine
+        return old
+
+    @property
+    def loaded(self) -> bool:
+        return not isinstance(self._engine, Unloaded)
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         if self.sequences is None:
@@ -181,7 +222,12 @@ class CpuStage(Stage):
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None,
     ) -> Completed:
         try:
-            return await self._run_batch(batch, turn)
+            if self.residence is None:
+                return await self._run_batch(batch, turn)
+            # Triaged once loaded: a request whose deadline passed while its model
+            # loaded is answered deadline_exceeded, as any other.
+            async with self.residence() as refused:
+                return await self._run_batch(batch, turn, refused)
         finally:
             if turn is not None and not turn[1].done():
                 turn[1].set_result(None)
@@ -190,8 +236,13 @@ class CpuStage(Stage):
         self,
         batch: Batch[Job],
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
+        refused: str | None = None,
     ) -> Completed:
         rows, runnable = triage(batch, time.monotonic(), self._metrics)
+        if refused is not None:  # the model is not served now (its residence says why)
+            for row in runnable:
+                row.error = ErrorInfo(ErrorCode.UNKNOWN_MODEL, refused)
+            return completed(batch, rows, 0)
         if runnable and self._inputs.pending(runnable):
             loop = asyncio.get_running_loop()
             runnable = await loop.run_in_executor(self._pool, self._inputs.prepare, runnable)

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from worker.config.model import ModelConfig
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     """One model of the worker: its name (results and metrics say it), where it
@@ -218,8 +217,33 @@ def check_models(s: Settings) -> None:
     left = [t for t in inputs if t not in owner]
     check(not left, "kafka.input_topics", f"{left} answered by no model or pipeline (name "
           "each in a models.NAME.topics or a pipelines.NAME.topics)")  # fmt: skip
+    _check_on_demand(s, models, in_pipelines)
     if len(models) + len(s.pipelines) > 1:
         _refuse_unsupported(s, models, in_pipelines)
+
+
+def _check_on_demand(s: Settings, models: tuple[ServedModel, ...], in_pipelines: set[str]) -> None:
+    """``repository.on_demand``: what a model loaded and evicted while serving
+    must be (``worker.app.demand``), and every pinned model one of them."""
+    repo = s.repository
+    if not repo.on_demand:
+        return
+    names = [m.name for m in models if isinstance(m.config, RepositoryModel)]
+    missing = [n for n in repo.pinned if n not in names]
+    check(not missing, "repository.pinned", f"{missing} not served from the repository "
+          f"(it serves {', '.join(names) or 'none'})")  # fmt: skip
+    for model in models:
+        if not isinstance(model.config, RepositoryModel):
+            continue
+        m = model.config
+        why = ("on_demand loads and evicts models on the CPU path (a GPU stage's engines are "
+               f"compiled and captured per slot at start): {model.name!r} names the backend "
+               f"{m.backend!r}" if is_gpu_backend(m.backend) else
+               f"{model.name!r} is run by a pipeline's step, which holds its engine"
+               if model.name in in_pipelines else
+               f"{model.name!r} sets reload_interval_s: its version is its file's (the control "
+               "topic sets a repository model's)" if m.reload_interval_s else None)  # fmt: skip
+        check(why is None, "repository.on_demand", str(why))
 
 
 def _within(at: str, topics: tuple[str, ...], inputs: tuple[str, ...]) -> None:

@@ -43,6 +43,14 @@ class RepositoryConfig:
     versions: tuple[int, ...] = ()
     # The repository's models served, by directory name; () = every one it holds.
     models: tuple[str, ...] = ()
+    # Memory shared by demand: each repository model is loaded (bound, probed, measured) once
+    # at start-up and kept while limits.max_models_memory_mb holds it beside the others; one not
+    # loaded is loaded when its requests come or its topics have a backlog, the least recently
+    # used model without a backlog evicted to make room (docs/guides/models.md). CPU models,
+    # each answering requests of its own (not a pipeline's step). false = all loaded at start-up.
+    on_demand: bool = False
+    # on_demand: the repository models never evicted (loaded at start-up and kept).
+    pinned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(self.latest >= 1, "repository.latest", "must be >= 1")
@@ -55,7 +63,11 @@ class RepositoryConfig:
               "version numbers are positive integers")  # fmt: skip
         check(len(set(self.versions)) == len(self.versions), "repository.versions", "repeats")
         check(len(set(self.models)) == len(self.models), "repository.models", "names repeat")
-        others = (self.version_policy != "latest", self.latest != 1, self.versions, self.models)
+        check(len(set(self.pinned)) == len(self.pinned), "repository.pinned", "names repeat")
+        check(self.on_demand or not self.pinned, "repository.pinned",
+              "names models never evicted under on_demand = true (and only there)")  # fmt: skip
+        others = (self.version_policy != "latest", self.latest != 1, self.versions, self.models,
+                  self.on_demand)  # fmt: skip
         check(bool(self.path) or not any(others), "repository.path",
               "names the repository's directory ([repository] has other keys set)")  # fmt: skip
 

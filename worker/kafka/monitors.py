@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -74,6 +74,7 @@ async def report_partitions(
     routing: Routing,
     shares: Shares,
     interval: float = 5.0,
+    observe: Callable[[Mapping[str, int]], None] | None = None,
 ) -> None:
     """Per-partition lag and commit age for the partitions this member owns, and
     from the same lags each model's backlog and seconds to drain
@@ -87,7 +88,9 @@ async def report_partitions(
     broker answers it wrongly); until this member commits a partition, the
     group's offset it was assigned at (none: 0 where the partition is empty,
     else unknown and not reported). A model whose partitions all left this member
-    loses its series at the next poll; all of them go when the task ends."""
+    loses its series at the next poll; all of them go when the task ends.
+    ``observe``: told each poll's backlogs by model (models loaded by demand are
+    loaded ahead of their requests by it: ``worker.app.demand``)."""
     try:
         while True:
             consumer = source.client
@@ -106,7 +109,10 @@ async def report_partitions(
                         lags.append((tp.topic, lag))
                     if tp in last_commit:
                         metrics.PARTITION_COMMIT_AGE.labels(*labels).set(now - last_commit[tp])
-            backlog.publish(backlog_by_model(lags, routing.owner, routing.shared, shares), now)
+            backlogs = backlog_by_model(lags, routing.owner, routing.shared, shares)
+            backlog.publish(backlogs, now)
+            if observe is not None:
+                observe(backlogs)
             shares.decay()
             await asyncio.sleep(interval)
     finally:

@@ -12,7 +12,8 @@ from typing import Any
 import structlog
 from aiokafka.errors import UnknownTopicOrPartitionError
 
-from worker.config import KafkaConfig
+from worker.config import KafkaConfig, Settings
+from worker.config.topics import needed_topics
 from worker.flow.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -34,6 +35,22 @@ def missing(wanted: Iterable[str], existing: set[str]) -> list[str]:
     return [t for t in dict.fromkeys(wanted) if t and t not in existing]
 
 
+def require_needed(s: Settings, existing: set[str]) -> None:
+    """Every topic the worker reads or writes must exist, or it stops at once
+    with exit 2 naming the setting: a misspelt input topic would be waited on
+    silently (or created empty by a broker that creates topics on demand), a
+    misspelt output or DLQ topic would let the worker read, report ready, and
+    fail every delivery. The topics are the one list ``topics create`` makes
+    (``worker.config.topics``); the default crash-guard topic is optional
+    (without it crash-loop protection is off, said at start)."""
+    by_setting: dict[str, list[str]] = {}
+    for topic in needed_topics(s):
+        if topic.required:
+            by_setting.setdefault(topic.setting, []).append(topic.name)
+    for setting, names in by_setting.items():
+        require_topics(setting, names, existing, s.kafka)
+
+
 def require_topics(setting: str, wanted: Sequence[str], existing: set[str], k: KafkaConfig) -> None:
     """Raise ``ConfigError`` (exit 2) naming ``setting`` and the topics of ``wanted``
     the cluster lacks, with the topics it has and how to create them."""
@@ -45,7 +62,7 @@ def require_topics(setting: str, wanted: Sequence[str], existing: set[str], k: K
     unseen = (
         ""
         if k.security_protocol == "PLAINTEXT"
-        else ', or this principal may not Describe them (docs/guides/secure.md)'
+        else ", or this principal may not Describe them (docs/guides/secure.md)"
     )
     raise ConfigError(
         f"{setting}: {', '.join(absent)} not found on {k.bootstrap_servers} (create "

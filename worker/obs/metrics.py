@@ -30,6 +30,13 @@ from prometheus_client import (
 # (worker.obs.health): named here too, where the stages and the metrics
 # reference (docs/hooks/reference.py) read them.
 from worker.obs.backlog import BACKLOG_RECORDS, SECONDS_TO_DRAIN
+from worker.obs.demand import (
+    MODEL_EVICTIONS,
+    MODEL_LOAD_SECONDS,
+    MODEL_LOADED,
+    MODEL_LOADS,
+    MODELS_MEMORY_USED,
+)
 from worker.obs.health import (
     READY,
     conditions,
@@ -42,7 +49,8 @@ from worker.obs.health import (
 
 # Named here, defined there (the rest of the module's names are its own).
 __all__ = [
-    "BACKLOG_RECORDS", "READY", "SECONDS_TO_DRAIN", "conditions", "is_ready", "loop_stale",
+    "BACKLOG_RECORDS", "MODELS_MEMORY_USED", "MODEL_EVICTIONS", "MODEL_LOADED", "MODEL_LOADS",
+    "MODEL_LOAD_SECONDS", "READY", "SECONDS_TO_DRAIN", "conditions", "is_ready", "loop_stale",
     "loop_ticked", "set_condition", "set_liveness_timeout",
 ]  # fmt: skip
 

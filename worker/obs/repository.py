@@ -10,7 +10,8 @@ call to one Triton server reaches that server. It answers once the record is
 acknowledged, not once the version serves (``/v2/repository/index`` says which
 version serves, per member). ``parameters.version`` names the version (this
 worker's extension of the body; without it, the latest the repository holds).
-Unloading is not built: answered 400, saying so.
+An unload writes a tombstone for the model: every member frees it and answers
+its requests ``unknown_model`` until a load names a version again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class RepositoryControl(Protocol):
 
     def load(self, name: str, version: int | None) -> str | None:
         """Set ``name``'s version (None: the latest held); why not, or None."""
+
+    def unload(self, name: str) -> str | None:
+        """Unload ``name`` on every member; why not, or None."""
 
 
 _handler: list[RepositoryControl] = []
@@ -54,7 +58,8 @@ def answer(path: str, body: bytes) -> tuple[int, bytes]:
         return 404, _json({"error": f"not found: {path}"})
     name, action = parts[1], parts[2]
     if action == "unload":
-        return 400, _json({"error": f"unloading a model is not built: {name!r} keeps serving"})
+        problem = handler.unload(name)
+        return (400, _json({"error": problem})) if problem is not None else (200, b"")
     try:
         request = json.loads(body) if body.strip() else {}
         version = (request.get("parameters") or {}).get("version")

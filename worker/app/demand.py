@@ -1,0 +1,260 @@
+"""Memory shared by demand (``repository.on_demand``, issue 68): the repository's
+models loaded while they are needed and evicted when another needs the memory,
+within ``limits.max_models_memory_mb``.
+
+Every model of the repository was loaded once at start-up, one at a time (bound,
+probed and measured: ``worker.app.loading``), and kept while the budget held it;
+those that did not fit were closed again. Each keeps its stages either way, so
+its requests are read, checked at intake and batched as any model's. A batch of a
+model that is not loaded waits in its stage (``CpuStage.residence``) while the
+model loads, then runs; its requests' deadlines are judged after the load, so a
+request that waited past its deadline is answered ``deadline_exceeded`` as any
+other. Its partitions keep being read until its queue fills, then backpressure
+pauses them; nothing is committed before it is answered.
+
+Room is made by eviction: the least recently used loaded model that has no
+backlog and no batch running, else (every idle model has a backlog) the least
+recently used idle one; never a pinned model (``repository.pinned``), never a
+model with a batch running (the load waits for one to finish instead). The lag
+monitor tells the residency each model's backlog at every poll
+(``metrics.lag_interval_ms``): a model not loaded whose topics have a backlog is
+loaded then, before its requests reach a batch (prefetch).
+
+The accounting is by measurement: a model counts the most resident memory any of
+its loads added (a reload into memory the allocator kept can measure less than
+the model holds), its first load at start-up budgeted at its file's size before
+it is measured. The loaded models never hold more than the budget as counted so;
+``infer_models_memory_used_bytes`` says what they hold. Should a model's measured
+size grow past what the budget can give it beside the pinned and configured
+models, it is loaded anyway and the log says so (``model_over_budget``), rather
+than its requests waiting for ever.
+
+The control topic (``worker.app.control``) unloads a model with a tombstone: its
+requests are then answered ``unknown_model`` saying so (none waits, none is
+lost), and a record naming a version loads it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import structlog
+
+from worker.app.loading import LoadedModel
+from worker.app.memory import MIB, measured
+from worker.compute.cpu import CpuStage, Unloaded
+from worker.compute.engines import load_engine
+from worker.compute.stage import Stage
+from worker.config import Settings
+from worker.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Resident:
+    """One model loaded by demand: its stage, and what the residency decides by."""
+
+    name: str
+    stage: CpuStage
+    settings: Settings  # the serving version's (a control record changes it)
+    size: int  # bytes: the most any of its loads measured
+    pinned: bool = False
+    last_used: float = 0.0  # monotonic: when its last batch ended
+    in_use: int = 0  # its batches running now
+    backlog: int = 0  # its topics' lag at the monitor's last poll
+    refused: str | None = None  # why it is not served (a tombstone), or None
+    loads: int = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.stage.loaded
+
+
+@dataclass(eq=False)
+class Residency:
+    """The models loaded by demand, and the budget they share beside those
+    loaded for good (``fixed``: the configured models' measured bytes)."""
+
+    budget: int  # bytes; 0: no budget (nothing is evicted for room)
+    fixed: int
+    residents: Sequence[Resident]
+    _models: dict[str, Resident] = field(init=False)
+    _lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    _freed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _prefetches: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._models = {r.name: r for r in self.residents}
+        for r in self.residents:
+            r.stage.residence = functools.partial(self.held, r.name)
+        self._publish()
+
+    def used(self) -> int:
+        """The bytes the loaded models hold, as counted (the module's docstring)."""
+        return self.fixed + sum(r.size for r in self._models.values() if r.loaded)
+
+    def get(self, name: str) -> Resident | None:
+        return self._models.get(name)
+
+    @contextlib.asynccontextmanager
+    async def held(self, name: str) -> AsyncIterator[str | None]:
+        """Around one batch of ``name``: the model loaded (loading it first) and
+        kept until the batch is answered; yields why it is not served, or None."""
+        r = self._models[name]
+        while r.refused is None and not r.loaded:
+            await self._load(r, "demand")
+        # No await between the load's end and this count: nothing evicts it between.
+        r.in_use += 1
+        try:
+            yield r.refused
+        finally:
+            r.in_use -= 1
+            r.last_used = time.monotonic()
+            self._freed.set()  # a load waiting for room looks again
+
+    def observe(self, backlogs: Mapping[str, int]) -> None:
+        """The lag monitor's poll: each model's backlog; a model not loaded with
+        one is loaded now (prefetch), before its requests reach a batch."""
+        for r in self._models.values():
+            r.backlog = backlogs.get(r.name, 0)
+            if r.backlog > 0 and not r.loaded and r.refused is None:
+                self._prefetch(r)
+
+    def _prefetch(self, r: Resident) -> None:
+        if any(t.get_name() == f"prefetch-{r.name}" for t in self._prefetches):
+            return
+        task = asyncio.create_task(self._load(r, "backlog"), name=f"prefetch-{r.name}")
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetched)
+
+    def _prefetched(self, task: asyncio.Task[None]) -> None:
+        self._prefetches.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # Its next batch loads it again and fails where it fails (named there).
+            log.error("model_prefetch_failed", task=task.get_name(), error=repr(exc))
+
+    async def _load(self, r: Resident, reason: str) -> None:
+        """``r`` loaded (room made first), unless loaded or refused meanwhile."""
+        async with self._lock:
+            if r.loaded or r.refused is not None:
+                return
+            await self._make_room(r, r.size)
+            started = time.monotonic()
+            engine, size = await measured(functools.partial(load_engine, r.settings.model))
+            seconds = time.monotonic() - started
+            r.stage.install(engine).close()
+            self._loaded(r, size, reason, seconds)
+
+    def _loaded(self, r: Resident, size: int, reason: str, seconds: float) -> None:
+        r.size = max(r.size, size)
+        r.loads += 1
+        r.last_used = time.monotonic()
+        metrics.MODEL_LOADS.labels(r.name, reason).inc()
+        metrics.MODEL_LOAD_SECONDS.labels(r.name).observe(seconds)
+        metrics.MODEL_MEMORY.labels(model=r.name, version=r.stage.info.version).set(r.size)
+        log.info("model_loaded", model=r.name, reason=reason, seconds=round(seconds, 3),
+                 size_mib=round(r.size / MIB, 1), used_mib=round(self.used() / MIB, 1))  # fmt: skip
+        self._publish()
+
+    async def _make_room(self, r: Resident, need: int) -> None:
+        """Evict until ``need`` more bytes fit the budget (the lock held): the
+        module's docstring says whom, and when it waits."""
+        while self.budget and self.used() + need > self.budget:
+            victim = self._victim(r)
+            if victim is not None:
+                self._evict(victim, "room")
+                continue
+            busy = [m for m in self._models.values() if m is not r and m.loaded and not m.pinned]
+            if not busy:  # nothing left to evict: grown past what the budget gives it
+                log.warning("model_over_budget", model=r.name, size_mib=round(need / MIB, 1),
+                            used_mib=round(self.used() / MIB, 1),
+                            budget_mib=round(self.budget / MIB, 1))  # fmt: skip
+                return
+            self._freed.clear()
+            await self._freed.wait()  # a batch ended: look again
+
+    def _victim(self, r: Resident) -> Resident | None:
+        idle = [m for m in self._models.values()
+                if m is not r and m.loaded and not m.pinned and m.in_use == 0]  # fmt: skip
+        return min(idle, key=lambda m: (m.backlog > 0, m.last_used), default=None)
+
+    def _evict(self, r: Resident, reason: str) -> None:
+        r.stage.install(Unloaded(r.stage.info)).close()
+        metrics.MODEL_EVICTIONS.labels(r.name, reason).inc()
+        log.info("model_evicted", model=r.name, reason=reason, backlog=r.backlog,
+                 size_mib=round(r.size / MIB, 1), used_mib=round(self.used() / MIB, 1))  # fmt: skip
+        self._publish()
+
+    # --- the control topic's changes (worker.app.control) -------------------------
+
+    async def unload(self, name: str, why: str) -> None:
+        """``name`` not served (a tombstone): its next batches answered ``why``,
+        its running ones finished, then its memory freed."""
+        r = self._models[name]
+        r.refused = why
+        async with self._lock:
+            while r.in_use:
+                self._freed.clear()
+                await self._freed.wait()
+            if r.loaded:
+                self._evict(r, "control")
+
+    async def served(self, name: str) -> None:
+        """``name`` served again (a record naming its serving version), loaded now."""
+        r = self._models[name]
+        r.refused = None
+        await self._load(r, "control")
+
+    async def swapping(self, name: str, swap: Callable[[], Awaitable[T]]) -> T:
+        """``swap()`` (a new version loaded beside the serving one, checked and
+        swapped in: ``worker.app.reload.swap``) with room made for it first, the
+        model served from then on; it counts at the size of the version it
+        replaced until a load measures it (the new version measured as it is
+        swapped in would count the old one's freeing)."""
+        r = self._models[name]
+        async with self._lock:
+            await self._make_room(r, r.size)
+            was = r.loaded
+            result = await swap()
+            if r.loaded and not was:
+                self._loaded(r, 0, "control", 0.0)
+            return result
+
+    async def close(self) -> None:
+        for task in list(self._prefetches):
+            task.cancel()
+        await asyncio.gather(*self._prefetches, return_exceptions=True)
+
+    def _publish(self) -> None:
+        for r in self._models.values():
+            metrics.MODEL_LOADED.labels(r.name).set(1 if r.loaded else 0)
+        metrics.MODELS_MEMORY_USED.set(self.used())
+
+
+def residency(
+    s: Settings,
+    models: Sequence[LoadedModel],
+    stages: Mapping[str, Stage],
+    controlled: Collection[str] = (),
+) -> Residency | None:
+    """The residency of the models loaded by demand and of those the control
+    topic may unload (``controlled``: without ``repository.on_demand`` these are
+    never evicted for room, the budget having been checked at start-up), or None."""
+    chosen = [m for m in models if m.on_demand or m.name in controlled]
+    if not chosen:
+        return None
+    budget = s.limits.max_models_memory_mb * MIB if s.repository.on_demand else 0
+    names = {m.name for m in chosen}
+    fixed = sum(m.size for m in models if m.name not in names)
+    residents = [Resident(m.name, cast(CpuStage, stages[m.name]), m.settings, m.size,
+                          pinned=m.name in s.repository.pinned) for m in chosen]  # fmt: skip
+    return Residency(budget, fixed, residents)
