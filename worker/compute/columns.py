@@ -69,6 +69,20 @@ def expired(jobs: Sequence[Job], live: Mapping[int, list[bool]],
     return found
 
 
+def past_share(step: str, until: float, jobs: list[Job], answers: list[Answer | None]) -> None:
+        """Answer ``deadline_exceeded`` the requests whose share of their deadline
+        for the steps up to ``step`` is spent: the step does not start for them."""
+        now = time.monotonic()
+        for i, job in enumerate(jobs):
+            if answers[i] is None and job.deadline is not None and (
+                now >= job.arrived + until * (job.deadline - job.arrived)
+            ):
+                answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, (
+                    f"step {step!r}: the steps up to it had {until:.0%} of the request's "
+                    "deadline, spent before it started")))  # fmt: skip
+                metrics.EXPIRED.labels(rule="step_share").inc()  # as triage counts its own
+
+
 def chosen_rows(units: Sequence[list[Tensors]], live: Mapping[int, list[bool]]) -> Rows:
     """The step's rows: each live request's chosen units, in order."""
     rows: Rows = []
@@ -93,7 +107,7 @@ def run_columns(step: ModelStep, rows: Rows, kept: Kept) -> bool:
     arrays: dict[str, np.ndarray] = {}
     try:
         for name, source in step.sources.items():
-            column = _same_rows(kept.get(source), rows)
+            column = same_rows(kept.get(source), rows)
             if column is None:
                 column = _column(step.name, name, [unit[source] for _, unit in rows])
             desc = inputs[name].feeds[0]  # a tensor input of fixed shape: ``columnar``
@@ -103,11 +117,11 @@ def run_columns(step: ModelStep, rows: Rows, kept: Kept) -> bool:
         out = step.stage.run_columns(arrays)
     except (KeyError, ValueError, InferenceFailed):
         return False
-    _keep(step.name, out, rows, kept)
+    keep(step.name, out, rows, kept)
     return True
 
 
-def _keep(step: str, out: Mapping[str, np.ndarray], rows: Rows, kept: Kept) -> None:
+def keep(step: str, out: Mapping[str, np.ndarray], rows: Rows, kept: Kept) -> None:
     """A step's outputs kept: each whole array (read only, as every step's
     outputs are to the steps after it) for later columns, a row view in each
     row's unit."""
@@ -120,7 +134,7 @@ def _keep(step: str, out: Mapping[str, np.ndarray], rows: Rows, kept: Kept) -> N
             unit[key] = row
 
 
-def _same_rows(made: tuple[Rows, np.ndarray] | None, rows: Rows) -> np.ndarray | None:
+def same_rows(made: tuple[Rows, np.ndarray] | None, rows: Rows) -> np.ndarray | None:
     """An earlier run's whole output where it was made for ``rows`` (the same
     units in the same order: no request answered or region passed by since)."""
     if made is None or len(made[0]) != len(rows):
@@ -140,7 +154,7 @@ def run_function_columns(step: FunctionStep, rows: Rows, kept: Kept) -> bool:
     try:
         args = {}
         for arg, source in step.sources.items():
-            column = _same_rows(kept.get(source), rows)
+            column = same_rows(kept.get(source), rows)
             if column is None:  # fresh, not the thread's: a function may answer with its input
                 args[arg] = np.stack([u[source] for _, u in rows])
             else:  # an earlier step's own output, read only (``_keep``)
@@ -159,5 +173,5 @@ def run_function_columns(step: FunctionStep, rows: Rows, kept: Kept) -> bool:
                                                                   strict=True)):  # fmt: skip
             return False
         out[name] = value
-    _keep(step.name, out, rows, kept)
+    keep(step.name, out, rows, kept)
     return True

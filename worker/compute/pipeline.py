@@ -12,9 +12,12 @@ is also where a columnar step goes back to where its rows are not as promised.
 Either way the crops of many requests form one batch of the next model. A
 function step runs once per request on the stage's threads, or, vectorized,
 once a batch (``worker.compute.steps``); a built-in op on the GPU runs a batch
-at once (``worker.compute.ops.device``). Between steps the tensors stay in
-memory, read only: a request's tensors so far, by ``STEP.OUTPUT`` and
-``request.NAME``, feed the next step's inputs. After a fan-out step a request
+at once (``worker.compute.ops.device``). Where a model runs on the GPU as
+columns, the GPU steps leave their outputs on the device for each other, copied
+to the host only where a host step or the answer reads them
+(``worker.compute.resident``). Between steps the tensors stay in memory, read
+only: a request's tensors so far, by ``STEP.OUTPUT`` and ``request.NAME``, feed
+the next step's inputs. After a fan-out step a request
 is several units, one per region, each run by the steps after it (a branch on
 a per-region tensor runs a step on the regions where it is true:
 ``worker.compute.branches``); its answer stacks their outputs, or gives each
@@ -31,7 +34,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 
 from worker.compute.answers import answered
@@ -40,8 +42,19 @@ from worker.compute.columns import (
     Kept,
     chosen_rows,
     expired,
+    past_share,
     run_columns,
     run_function_columns,
+)
+from worker.compute.resident import (
+    Home,
+    OnDevice,
+    answer_reads,
+    device_steps,
+    host_reads,
+    on_a_thread,
+    run_model,
+    together,
 )
 from worker.compute.stage import Described, Stage
 from worker.compute.steps import (
@@ -53,10 +66,10 @@ from worker.compute.steps import (
     call_each,
     fed,
     read_only,
+    request_tensors,
     unpinned,
 )
 from worker.compute.triage import ServiceTimeHook, micros
-from worker.config.pipelines import REQUEST
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
 from worker.flow.errors import RecordError
@@ -86,6 +99,7 @@ class _Progress:
     deadlines: bool = True  # whether any request of the batch has a deadline to check
     # Columnar model steps' outputs as whole arrays, for the model steps after them.
     columns: Kept = field(default_factory=dict)
+    device: OnDevice | None = None  # GPU steps' outputs left on the device
 
 
 class PipelineStage(Stage):
@@ -118,7 +132,13 @@ class PipelineStage(Stage):
         self._regional = plan.regional
         self._threads = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
-        self._together = _together(self._steps)
+        # Decided once: the steps that run on the GPU handing each other device
+        # arrays, and what each step (and the answer) reads on the host.
+        self._on_device = device_steps(plan)
+        self._home = Home.of(plan, self._on_device)
+        self._reads = host_reads(plan, self._on_device)
+        self._answer_reads = answer_reads(plan)
+        self._together = together(self._steps, self._on_device)
         self._plain = [plain_step(s, self._regional) for s in self._steps]
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in self._steps
@@ -134,12 +154,13 @@ class PipelineStage(Stage):
         started = time.monotonic()
         jobs = list(batch.items)
         # Per request: its own tensors, and its units (itself, or one per region).
-        bases: list[Tensors] = [{} if self._first_takes_request else _request_tensors(job)
+        bases: list[Tensors] = [{} if self._first_takes_request else request_tensors(job)
                                 for job in jobs]  # fmt: skip
         p = _Progress(batch, jobs, bases, [[base] for base in bases],
                       [self._pinned_elsewhere(job) for job in jobs], [{} for _ in jobs],
                       Partial(len(jobs)),
-                      deadlines=any(job.deadline is not None for job in jobs))  # fmt: skip
+                      deadlines=any(job.deadline is not None for job in jobs),
+                      device=OnDevice(self._home) if self._home is not None else None)  # fmt: skip
         loop = asyncio.get_running_loop()
         index = 0
         as_jobs: dict[int, list[bool]] | None = None  # a columnar step's rows, to run as jobs
@@ -154,9 +175,13 @@ class PipelineStage(Stage):
                 live = self._live(p, index)
                 if live is None:
                     break
-                if live:
+                if live and self._on_device[index]:
+                    await self._device_step(p, index, live)
+                elif live:
                     await self._run_step(p, index, live)
                 index += 1
+        if p.device is not None:
+            p.device.to_host(self._answer_reads, p.columns)
         for i, job in enumerate(jobs):
             if p.answers[i] is None:
                 # The first model step's stage times; a columnar step's: queued, then run.
@@ -174,8 +199,10 @@ class PipelineStage(Stage):
         None once every request is answered. A request whose share of its
         deadline for the steps up to it is spent is answered first."""
         step = self._steps[index]
+        if p.device is not None:  # what it reads on the host (a branch's value too)
+            p.device.to_host(self._reads[index], p.columns)
         if step.until is not None:
-            self._past_share(step.name, step.until, p.jobs, p.answers)
+            past_share(step.name, step.until, p.jobs, p.answers)
         if not any(a is None for a in p.answers):
             return None
         plain = self._plain[index]
@@ -193,6 +220,27 @@ class PipelineStage(Stage):
         else:
             await self._function_step(step, p, live)
         self._step_seconds[step.name].observe(time.monotonic() - step_started)
+
+    async def _device_step(self, p: _Progress, index: int, live: dict[int, list[bool]]) -> None:
+        """A GPU step (``worker.compute.resident``), its outputs left on the
+        device; where its rows cannot run there, its inputs to the host and the
+        step as ``_run_step`` runs it."""
+        step, dev = self._steps[index], p.device
+        assert dev is not None
+        started = time.monotonic()
+        if isinstance(step, FunctionStep):
+            done = await on_a_thread(self._pool, step, p.units, live, dev)
+        else:
+            if p.deadlines and expired(p.jobs, live, p.answers):
+                live = {i: keep for i, keep in live.items() if p.answers[i] is None}
+            rows = chosen_rows(p.units, live)
+            done = not rows or await run_model(step, rows, dev, p.columns)
+            p.engine_rows += len(rows) if done else 0
+        if done:
+            self._step_seconds[step.name].observe(time.monotonic() - started)
+            return
+        dev.to_host(step.sources.values(), p.columns)
+        await self._run_step(p, index, live)
 
     def _run_together(self, p: _Progress, index: int) -> tuple[int, dict[int, list[bool]] | None]:
         """Steps ``index`` and after, as long as they run together, on this (a
@@ -280,7 +328,7 @@ class PipelineStage(Stage):
         for i, keep in live.items():
             job = jobs[i]
             if index == 0 and self._first_takes_request:  # checked at intake as its model's
-                units[i][0].update(_request_tensors(job))
+                units[i][0].update(request_tensors(job))
                 fed_to.append((i, units[i][0]))
                 step_jobs.append(unpinned(job))
                 continue
@@ -315,20 +363,6 @@ class PipelineStage(Stage):
                 for name, value in answer.outputs.items():
                     unit[f"{step.name}.{name}"] = read_only(value)
         return done.engine_rows
-
-    @staticmethod
-    def _past_share(step: str, until: float, jobs: list[Job], answers: list[Answer | None]) -> None:
-        """Answer ``deadline_exceeded`` the requests whose share of their deadline
-        for the steps up to ``step`` is spent: the step does not start for them."""
-        now = time.monotonic()
-        for i, job in enumerate(jobs):
-            if answers[i] is None and job.deadline is not None and (
-                now >= job.arrived + until * (job.deadline - job.arrived)
-            ):
-                answers[i] = Answer(job, None, ErrorInfo(ErrorCode.DEADLINE_EXCEEDED, (
-                    f"step {step!r}: the steps up to it had {until:.0%} of the request's "
-                    "deadline, spent before it started")))  # fmt: skip
-                metrics.EXPIRED.labels(rule="step_share").inc()  # as triage counts its own
 
     def _pinned_elsewhere(self, job: Job) -> Answer | None:
         """A request pinning a version of the pipeline other than this one is
@@ -374,25 +408,3 @@ class PipelineStage(Stage):
         for step in self._steps:
             if isinstance(step, ModelStep):
                 step.stage.close()
-
-
-def _request_tensors(job: Job) -> Tensors:
-    """A request's tensors as the steps read them (``request.NAME``); an image
-    sent as a file has none here (its first model decodes it)."""
-    return {f"{REQUEST}.{k}": v for k, v in job.inputs.items() if isinstance(v, np.ndarray)}
-
-
-def _together(steps: tuple[Step, ...]) -> list[bool]:
-    """Per step: whether it runs on one thread with its neighbours (functions
-    and columnar model steps in a row, where one at least is a model step: a
-    run of functions alone keeps splitting its requests among threads)."""
-    out = [False] * len(steps)
-    start = 0
-    while start < len(steps):
-        end = start
-        while end < len(steps) and (isinstance(steps[end], FunctionStep) or steps[end].columnar):
-            end += 1
-        if any(isinstance(steps[k], ModelStep) for k in range(start, end)):
-            out[start:end] = [True] * (end - start)
-        start = end + 1
-    return out

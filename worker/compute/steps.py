@@ -22,7 +22,7 @@ import structlog
 from worker.compute.ops import Desc, Regional
 from worker.compute.ops.device import Batched
 from worker.compute.stage import Stage
-from worker.config.pipelines import Spec
+from worker.config.pipelines import REQUEST, Spec
 from worker.flow.errors import ConfigError, InvalidRequest
 from worker.flow.messages import Job
 
@@ -115,6 +115,12 @@ def unpinned(job: Job) -> Job:
     if job.request is None or job.request.model is None:
         return job
     return msgspec.structs.replace(job, request=msgspec.structs.replace(job.request, model=None))
+
+
+def request_tensors(job: Job) -> Tensors:
+    """A request's tensors as the steps read them (``request.NAME``); an image
+    sent as a file has none here (its first model decodes it)."""
+    return {f"{REQUEST}.{k}": v for k, v in job.inputs.items() if isinstance(v, np.ndarray)}
 
 
 def fed(job: Job, step: ModelStep, unit: Tensors) -> Job:

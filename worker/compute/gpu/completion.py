@@ -45,7 +45,7 @@ class SlotWatch:
         self.dead: EngineDead | None = None
         self._background: set[asyncio.Task[None]] = set()
 
-    def batch_done(self, slot: Slot, task: asyncio.Future[Any]) -> None:
+    def batch_done(self, slot: Slot, task: asyncio.Future[Any] | None = None) -> None:
         """Release the slot once its stream is idle. A batch cancelled while its
         work was in flight keeps the slot until that work has finished."""
         if self.dead is not None:

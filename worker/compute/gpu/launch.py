@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -121,8 +121,13 @@ class Launcher:
             )
             kernels.load_module("postprocess.cu", defines, device, self._cupy)
 
-    def submit(self, slot: Slot, chunk: Chunk, wake: Wake) -> tuple[float, WorkerError | None]:
-        """Enqueue the whole chunk on the slot's stream.
+    def submit(
+        self, slot: Slot, chunk: Any, wake: Wake,
+        enqueue: Callable[[Slot, Any], float] | None = None,
+    ) -> tuple[float, WorkerError | None]:  # fmt: skip
+        """Enqueue the whole chunk on the slot's stream (by ``enqueue``: a
+        pipeline's columns, ``worker.compute.gpu.columns``; default: a chunk of
+        requests).
 
         Always ends by recording ``finished`` and enqueueing the wake-up, even
         after a failure part-way, so the caller can wait until the stream is idle
@@ -134,7 +139,7 @@ class Launcher:
         error: WorkerError | None = None
         with cp.cuda.Device(slot.device):
             try:
-                host_seconds = self._enqueue(slot, chunk)
+                host_seconds = (enqueue or self._enqueue)(slot, chunk)
             except Exception as exc:  # boundary: CuPy / engine library errors
                 error = translate_gpu_error(exc, f"slot {slot.index}")
             try:
@@ -154,7 +159,7 @@ class Launcher:
         slot.events.preprocessed.record(stream)
         shapes = self._engine.enqueue(slot, max(n, self._engine.min_batch_size), chunk.lengths)
         slot.run_shapes = {**self._plan.result_shapes, **shapes}
-        self._postprocess_on_device(slot, n)
+        self.postprocess_on_device(slot, n)
         slot.events.inferred.record(stream)
         memcpy = self._cupy.cuda.runtime.memcpyAsync
         for name in self._plan.copy_back:
@@ -209,7 +214,7 @@ class Launcher:
             cfg=self._image.cfg, stream=stream, device=slot.device, cupy=self._cupy,
         )  # fmt: skip
 
-    def _postprocess_on_device(self, slot: Slot, n: int) -> None:
+    def postprocess_on_device(self, slot: Slot, n: int) -> None:
         plan = self._plan
         raw = slot.engine_outputs[plan.raw.name]
         if plan.topk:

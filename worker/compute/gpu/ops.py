@@ -24,8 +24,9 @@ while a kernel still reads it is not overwritten before the kernel is done.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Final
 
@@ -56,9 +57,41 @@ def crop_defines(size: tuple[int, int], channels: int) -> kernels.Defines:
     return (("OUT_H", str(height)), ("OUT_W", str(width)), ("CHANNELS", str(channels)))
 
 
+@dataclass
+class Transfers:
+    """Copies a pipeline's device work made between host and device (uploads,
+    downloads) and on the device (an input taken device to device), counted so
+    tests can tell an intermediate stayed on the device between two GPU steps
+    (``worker.compute.resident``). Process-wide, for tests: ``reset`` first."""
+
+    uploads: int = 0
+    downloads: int = 0
+    device_copies: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, kind: str) -> None:
+        with self._lock:
+            setattr(self, kind, getattr(self, kind) + 1)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.uploads = self.downloads = self.device_copies = 0
+
+
+TRANSFERS = Transfers()
+
+
+def is_device(cupy: Any, array: Any) -> bool:
+    """Whether ``array`` is in device memory (a CuPy array, or the twin's)."""
+    if getattr(cupy, "twin", False):
+        return bool(cupy.is_device(array))
+    return not isinstance(array, np.ndarray)
+
+
 def upload(cupy: Any, host: np.ndarray, stream: Any) -> Any:
     """A device copy of a host array, enqueued on ``stream`` (from pageable memory
     the copy is staged before the call returns, so ``host`` may go at once)."""
+    TRANSFERS.count("uploads")
     host = np.ascontiguousarray(host)
     dev = cupy.empty(host.shape, host.dtype)
     if host.nbytes:
@@ -70,6 +103,7 @@ def upload(cupy: Any, host: np.ndarray, stream: Any) -> Any:
 def download(cupy: Any, dev: Any, host: np.ndarray, stream: Any) -> None:
     """``dev`` copied into ``host`` (of its shape and dtype), enqueued on ``stream``:
     ``host`` holds it once the stream is synchronised."""
+    TRANSFERS.count("downloads")
     if host.nbytes:
         cupy.cuda.runtime.memcpyAsync(host.ctypes.data, buffer_address(dev), host.nbytes, _D2H,
                                       stream.ptr)  # fmt: skip

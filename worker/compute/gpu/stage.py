@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,6 +43,7 @@ from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import import_cupy, translate_gpu_error
 from worker.compute.gpu import nvjpeg
 from worker.compute.gpu.budget import SlotBudget
+from worker.compute.gpu.columns import ColumnChunk, Columns, columnar_on_device
 from worker.compute.gpu.completion import SlotWatch
 from worker.compute.gpu.launch import Chunk, Launcher
 from worker.compute.gpu.plan import (
@@ -113,6 +114,7 @@ class GpuStage(Stage):
             else None
         )
         self._cupy = cupy if cupy is not None else import_cupy()
+        self.cupy, self.device = self._cupy, gpu.device  # where a pipeline's columns are
         self._engine = engine
         self._image = image
         self._host = host_kinds(inputs, image)
@@ -131,6 +133,10 @@ class GpuStage(Stage):
         plan = postprocess_plan(engine, self._outputs)
         self._forms = plan.forms
         self._launcher = Launcher(self._cupy, engine, inputs, image, self._host, plan, self._nvjpeg)
+        self._columns = Columns(self._cupy, engine, inputs, image, plan, self._outputs,
+                                self._launcher)  # fmt: skip
+        # A pipeline's step may run it on device arrays, its outputs left there.
+        self.device_columnar = columnar_on_device(inputs, self._outputs, plan, image)
         self.layout = SlotLayout(
             device=gpu.device,
             max_batch_size=shapes.batches[-1],
@@ -153,18 +159,14 @@ class GpuStage(Stage):
             self._cupy, self._ring, gpu.poll_interval_ms / 1000.0, gpu.batch_timeout_ms / 1000.0
         )
         log.info(
-            "gpu_stage_ready",
-            device=gpu.device,
-            slots=num_slots,
-            rows=self.layout.max_batch_size,
+            "gpu_stage_ready", device=gpu.device, slots=num_slots, rows=self.layout.max_batch_size,
             device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
             pinned_mib=round(self.layout.pinned_bytes * num_slots / 2**20, 1),
             inputs={k.name: k.kind for k in inputs.kinds},
-            device_image=image.name if image is not None else None,
-            shapes=len(shapes.combos()),
-            decode=gpu.decode,
-            postprocess="host" if plan.host_postprocess else "gpu",
-        )
+            device_image=image.name if image is not None else None, shapes=len(shapes.combos()),
+            decode=gpu.decode, postprocess="host" if plan.host_postprocess else "gpu",
+            device_columns=self.device_columnar,
+        )  # fmt: skip
 
     def _make_slots(self, count: int) -> list[Slot]:
         slots: list[Slot] = []
@@ -356,14 +358,42 @@ class GpuStage(Stage):
             else:
                 self._outputs.scatter(outputs, answers)
 
-    async def _run_chunk(
-        self, slot: Slot, chunk: Chunk
-    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    async def run_device_columns(self, arrays: Mapping[str, Any],
+                                 ready: Sequence[Any] = ()) -> dict[str, Any] | None:  # fmt: skip
+        """A pipeline step's rows as whole-batch arrays (device or host, by request
+        input, rows first) through the model on one slot, in runs of what it
+        holds: its outputs as device arrays, a row a row (``columns``); None
+        where the arrays are not what the model takes. ``ready``: events the
+        inputs are complete at. Raises ``InferenceFailed`` or ``EngineDead``."""
+        if self._watch.dead is not None:
+            raise self._watch.dead
+        limit = self._max_input_bytes or 0
+        per_run = self._columns.rows_per_run(arrays, self._max_rows, limit)
+        if not per_run:
+            return None
+        n = len(next(iter(arrays.values())))
+        out: dict[str, Any] = {}
+        slot = await self._ring.acquire()
+        try:
+            for start in range(0, n, per_run):
+                chunk = ColumnChunk(arrays, start, min(n, start + per_run), out, ready)
+                await self._on_slot(slot, chunk, self._columns.enqueue)
+                self._metrics.batch_size.observe(chunk.stop - start)
+        finally:
+            self._watch.batch_done(slot)  # released once its stream is idle
+        with internal_errors_fail_the_run():
+            for name in self._outputs.passed:
+                self._outputs.check(name, out[name], n)
+        return out
+
+    async def _on_slot(self, slot: Slot, chunk: Any,
+                       enqueue: Callable[[Slot, Any], float] | None = None) -> float:  # fmt: skip
+        """``chunk`` enqueued on ``slot``'s stream (on a stage thread) and run to
+        the end: returns its host seconds once the stream is idle."""
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
-        launcher = self._launcher
-        n = len(chunk.answers)
-        submission = loop.run_in_executor(self._pool, launcher.submit, slot, chunk, (loop, woken))
+        submission = loop.run_in_executor(self._pool, self._launcher.submit, slot, chunk,
+                                          (loop, woken), enqueue)  # fmt: skip
         # Marked busy before the first await: if this task is cancelled now, the
         # slot is released only after the submission and the stream have finished.
         slot.pending = (submission, woken)
@@ -377,9 +407,17 @@ class GpuStage(Stage):
         slot.pending = None
         if error is not None:
             raise error
+        return host_seconds
+
+    async def _run_chunk(
+        self, slot: Slot, chunk: Chunk
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        loop = asyncio.get_running_loop()
+        host_seconds = await self._on_slot(slot, chunk)
+        n = len(chunk.answers)
         try:
             outputs, timing = await loop.run_in_executor(
-                self._pool, launcher.collect, slot, n, host_seconds
+                self._pool, self._launcher.collect, slot, n, host_seconds
             )
         except Exception as exc:  # boundary: reading events can report a device error
             raise self._watch.die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc

@@ -23,7 +23,11 @@ What stands in for what:
   ``worker.model.postprocess``; kernels/ops.cu's in ``twin_ops``), specialised by
   the same ``-D`` defines;
 - ``empty`` is ``zeros`` (counted the same), ``argsort`` NumPy's stable one, as
-  CuPy's is;
+  CuPy's is; ``stack``, ``concatenate`` and ``ascontiguousarray`` NumPy's (a
+  device array's rows gathered on the device);
+- a device array is a NumPy array the pool allocated (or a view of one):
+  ``is_device`` tells it from a host array, as ``isinstance(x, cupy.ndarray)``
+  does on a GPU, so tests can see where a pipeline's intermediates are;
 - the device has ``TWIN_MEMORY_BYTES`` (16 GiB), or ``INFER_WORKER_TWIN_MEMORY_MB``.
 """
 
@@ -67,6 +71,9 @@ class MemoryPool:
         self._lock = threading.Lock()
         self._held = 0
         self._limit = 0  # 0: none
+        # The arrays it allocated, while they live (id -> weak reference): what
+        # ``is_device`` recognises.
+        self._live: dict[int, weakref.ref[np.ndarray]] = {}
 
     def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
         self._limit = int(total_memory() * fraction) if fraction is not None else int(size or 0)
@@ -87,12 +94,22 @@ class MemoryPool:
                     f"(total {self._held + nbytes:,} bytes, limit {self._limit:,})"
                 )
             self._held += nbytes
-        weakref.finalize(arr, self._free, nbytes)
+            self._live[id(arr)] = weakref.ref(arr)
+        weakref.finalize(arr, self._free, nbytes, id(arr))
         return arr
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, nbytes: int, key: int) -> None:
         with self._lock:
             self._held -= nbytes
+            self._live.pop(key, None)
+
+    def allocated(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` is (a view of) an array this pool allocated and holds."""
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        ref = self._live.get(id(root))
+        return ref is not None and ref() is root
 
 
 class Stream:
@@ -107,6 +124,10 @@ class Stream:
 
     def launch_host_func(self, fn: Callable[[Any], None], arg: Any) -> None:
         fn(arg)
+
+    def wait_event(self, event: Event) -> None:
+        """Work enqueued after waits for ``event``: here, it has happened."""
+        return None
 
     def __enter__(self) -> Stream:
         return self
@@ -253,6 +274,10 @@ def make() -> Any:
         RawModule=RawModule,
         get_default_memory_pool=lambda: pool,
         asnumpy=np.asarray,
+        stack=np.stack,
+        concatenate=np.concatenate,
+        ascontiguousarray=np.ascontiguousarray,
+        is_device=lambda arr: isinstance(arr, np.ndarray) and pool.allocated(arr),
         twin=True,
     )
 

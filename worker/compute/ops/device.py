@@ -4,13 +4,17 @@ CuPy kernels of ``kernels/ops.cu`` and ``preprocess.cu``
 (``worker.compute.gpu.ops``), equal to the NumPy operations they stand for
 (bit for bit for crops; see tests/unit/compute/test_gpu_ops.py).
 
-The inputs come from the host (an earlier step's outputs, the request's
-pixels) and the outputs go back to it: a model step after an op copies its rows
-to the device again. (Keeping intermediates on the device between GPU steps
-needs the GPU stage to take device arrays: not built.) An op whose batch
-cannot run on the device (a box with no pixel, an image of two or four
-channels) raises, and its step runs the NumPy operation on each unit instead,
-which names the request at fault.
+Each op has two device forms (``DeviceOp``). ``host``: inputs from the host,
+outputs back to it (a pipeline whose models run elsewhere, or an op beside host
+steps). ``resident``: inputs as they are (device arrays where an earlier GPU
+step left them, else host arrays, uploaded), the outputs a kernel makes left on
+the device as one array a step (``Made``), for the GPU model step after it to
+take device to device (``worker.compute.resident``); what it reads on the host
+(crops' boxes: the weights are computed there; nms's walk) is named in
+``host_reads`` and copied to the host first. An op whose batch cannot run on the
+device (a box with no pixel, an image of two or four channels) raises, and its
+step runs the NumPy operation on each unit instead, which names the request at
+fault.
 
 ``DeviceOps.on`` takes the CuPy of the pipeline's GPU models (or, for
 ``gpu-twin``, its CPU twin: how this is tested without a GPU).
@@ -31,6 +35,36 @@ Batched = Callable[[Sequence[Args]], list[dict[str, np.ndarray]]]
 
 
 @dataclass(frozen=True)
+class Made:
+    """What an op's resident form made for a step's rows: per row its outputs on
+    the host, and the outputs left on the device, one array each with a row for
+    each unit after the step (a fan-out: each row's regions in turn, ``regions``
+    of them a row), complete once ``ready`` (an event on the ops' stream) is."""
+
+    host: list[dict[str, np.ndarray]]
+    device: dict[str, Any]
+    ready: Any = None
+    regions: list[int] | None = None  # a fan-out's regions per row; None: one unit a row
+
+
+# Every row's inputs (host or device arrays) -> what it made; raises as ``Batched``.
+Resident = Callable[[Sequence[Mapping[str, Any]]], Made]
+
+
+@dataclass(frozen=True)
+class DeviceOp:
+    """An op's two GPU forms (see the module doc); called, the host one (``Batched``)."""
+
+    ops: DeviceOps
+    host: Batched
+    resident: Resident
+    host_reads: tuple[str, ...] = ()  # inputs it reads on the host
+
+    def __call__(self, args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
+        return self.host(args)
+
+
+@dataclass(frozen=True)
 class DeviceOps:
     """The device a pipeline's ops run on: its CuPy (or the twin), the device's
     index and a stream of the ops' own."""
@@ -46,6 +80,24 @@ class DeviceOps:
         cupy = cupy_for(backend)
         with cupy.cuda.Device(device):
             return cls(cupy, device, cupy.cuda.Stream(non_blocking=True))
+
+    def ready(self) -> Any:
+        """An event after everything enqueued on the ops' stream so far: another
+        stream waits for it before reading what they made (no host wait)."""
+        with self.cupy.cuda.Device(self.device):
+            event = self.cupy.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def on_device(self, array: Any) -> Any:
+        """``array`` on the device: as it is where it is there (C-contiguous),
+        else uploaded."""
+        from worker.compute.gpu.ops import is_device
+
+        if is_device(self.cupy, array):
+            with self.cupy.cuda.Device(self.device):
+                return self.cupy.ascontiguousarray(array)
+        return self.upload(np.ascontiguousarray(array))
 
     def upload(self, host: np.ndarray) -> Any:
         from worker.compute.gpu.ops import upload
@@ -64,62 +116,95 @@ class DeviceOps:
         return host
 
 
-def crops(ops: DeviceOps, size: tuple[int, int]) -> Batched:
-    """``crop_boxes`` for every unit in one launch pair: each distinct image
-    (a request's regions share its pixels) uploaded once."""
+Spans = list[tuple[int, int, int]]  # per row: its image, its first box there, its boxes
+
+
+def _crop_spans(args: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[np.ndarray], Spans]:
+    """Each distinct image (a request's regions share its pixels) once, its
+    boxes (host, float64) together, and per row: (image, first box, boxes)."""
+    images: list[Any] = []
+    boxes: list[list[np.ndarray]] = []
+    where: dict[int, int] = {}  # id(image) -> its index
+    spans: Spans = []
+    for a in args:
+        image = a["image"]
+        if image.dtype != np.uint8 or image.ndim not in (2, 3):
+            raise ValueError("not uint8 pixels: the NumPy operation says why, by request")
+        k = where.setdefault(id(image), len(images))
+        if k == len(images):
+            images.append(image)
+            boxes.append([])
+        b = np.asarray(a["boxes"], np.float64).reshape(-1, 4)
+        spans.append((k, sum(len(x) for x in boxes[k]), len(b)))
+        boxes[k].append(b)
+    per_image = [np.concatenate(b) if b else np.zeros((0, 4)) for b in boxes]
+    return images, per_image, spans
+
+
+def crops(ops: DeviceOps, size: tuple[int, int]) -> DeviceOp:
+    """``crop_boxes`` for every unit in one launch pair, each distinct image on
+    the device once; resident, the crops stay there in the rows' order."""
     from worker.compute.gpu.ops import crop_boxes_device
 
-    def run(args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
-        images: list[np.ndarray] = []
-        boxes: list[list[np.ndarray]] = []
-        where: dict[int, int] = {}  # id(image) -> its index
-        spans: list[tuple[int, int, int]] = []  # per unit: image, first box, boxes
-        for a in args:
-            image = a["image"]
-            if image.dtype != np.uint8 or image.ndim not in (2, 3):
-                raise ValueError("not uint8 pixels: the NumPy operation says why, by request")
-            k = where.setdefault(id(image), len(images))
-            if k == len(images):
-                images.append(image)
-                boxes.append([])
-            b = np.asarray(a["boxes"], np.float64).reshape(-1, 4)
-            spans.append((k, sum(len(x) for x in boxes[k]), len(b)))
-            boxes[k].append(b)
-        per_image = [np.concatenate(b) if b else np.zeros((0, 4)) for b in boxes]
-        starts = np.concatenate([[0], np.cumsum([len(b) for b in per_image])])
+    def launch(args: Sequence[Mapping[str, Any]]) -> tuple[Any, list[np.ndarray], Spans, Any]:
+        images, per_image, spans = _crop_spans(args)
+        starts = np.concatenate([[0], np.cumsum([len(b) for b in per_image])]).astype(int)
         with ops.cupy.cuda.Device(ops.device):
-            dev = [ops.upload(np.ascontiguousarray(i)) for i in images]
+            dev = [ops.on_device(i) for i in images]
             out = crop_boxes_device(ops.cupy, dev, per_image, size, stream=ops.stream,
                                     device=ops.device)  # fmt: skip
-        host = ops.download(out)
-        return [{"crops": host[starts[k] + first : starts[k] + first + n],
+        return out, per_image, spans, starts
+
+    def host(args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
+        out, per_image, spans, starts = launch(args)
+        got = ops.download(out)
+        return [{"crops": got[starts[k] + first : starts[k] + first + n],
                  "box": per_image[k][first : first + n].astype(np.float32)}
                 for k, first, n in spans]  # fmt: skip
 
-    return run
+    def resident(args: Sequence[Mapping[str, Any]]) -> Made:
+        out, per_image, spans, starts = launch(args)
+        at = [int(starts[k] + first) for k, first, _ in spans]
+        if any(a + s[2] != b for a, s, b in zip(at, spans, [*at[1:], len(out)], strict=True)):
+            # Rows sharing an image in another order: gathered into the rows' order.
+            with ops.cupy.cuda.Device(ops.device), ops.stream:
+                out = ops.cupy.concatenate([out[a : a + s[2]] for a, s in zip(at, spans,
+                                                                               strict=True)])
+        boxes = [{"box": per_image[k][first : first + n].astype(np.float32)}
+                 for k, first, n in spans]  # fmt: skip
+        return Made(boxes, {"crops": out}, ops.ready(), [n for _, _, n in spans])
+
+    return DeviceOp(ops, host, resident, host_reads=("boxes",))
 
 
-def resize(ops: DeviceOps, cfg: Any) -> Batched:
+def resize(ops: DeviceOps, cfg: Any) -> DeviceOp:
     """``resize`` for every unit in one launch (the model inputs' own kernel)."""
     from worker.compute.gpu.ops import resize_device
 
-    def run(args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
+    def launch(args: Sequence[Mapping[str, Any]]) -> Any:
         images = [a["image"] for a in args]
         if any(i.dtype != np.uint8 or i.ndim not in (2, 3) for i in images):
             raise ValueError("not uint8 pixels: the NumPy operation says why, by request")
         with ops.cupy.cuda.Device(ops.device):
-            dev = [ops.upload(np.ascontiguousarray(i)) for i in images]
-            out = resize_device(ops.cupy, dev, cfg, stream=ops.stream, device=ops.device)
-        host = ops.download(out)
-        return [{"image": host[k]} for k in range(len(images))]
+            dev = [ops.on_device(i) for i in images]
+            return resize_device(ops.cupy, dev, cfg, stream=ops.stream, device=ops.device)
 
-    return run
+    def host(args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
+        got = ops.download(launch(args))
+        return [{"image": got[k]} for k in range(len(args))]
+
+    def resident(args: Sequence[Mapping[str, Any]]) -> Made:
+        return Made([{} for _ in args], {"image": launch(args)}, ops.ready())
+
+    return DeviceOp(ops, host, resident)
 
 
 def nms(ops: DeviceOps, iou_threshold: float, score_threshold: float,
-        max_boxes: int) -> Batched:  # fmt: skip
+        max_boxes: int) -> DeviceOp:  # fmt: skip
     """``nms`` for each unit (its boxes' mask on the device, the greedy walk on
-    the host); the kept boxes and scores gathered as the NumPy operation does."""
+    the host); the kept boxes and scores gathered as the NumPy operation does.
+    Its outputs are ragged (a unit's kept boxes) and its walk is on the host, so
+    resident it reads its inputs on the host and answers there."""
     from worker.compute.gpu.ops import nms_device
 
     def run(args: Sequence[Args]) -> list[dict[str, np.ndarray]]:
@@ -136,4 +221,7 @@ def nms(ops: DeviceOps, iou_threshold: float, score_threshold: float,
             out.append({"boxes": b[index], "scores": s[index], "indices": index})
         return out
 
-    return run
+    def resident(args: Sequence[Mapping[str, Any]]) -> Made:
+        return Made(run(args), {})
+
+    return DeviceOp(ops, run, resident, host_reads=("boxes", "scores"))
