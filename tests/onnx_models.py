@@ -55,6 +55,31 @@ def tabular(path: Path, seed: int = 0) -> Path:
     return _save(graph, path)
 
 
+def wide(path: Path, seed: int = 0, mib: int = 16) -> Path:
+    """``features`` float32 [batch, 4] -> ``probabilities`` float32 [batch, 3]
+    through one hidden layer wide enough that its weights hold about ``mib``
+    MiB (a model whose memory matters: loaded and evicted by demand)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    width = mib * (1 << 20) // (4 * (FEATURES + 3))
+    w1 = rng.normal(0, 0.5, size=(FEATURES, width)).astype(np.float32)
+    w2 = rng.normal(0, 1 / np.sqrt(width), size=(width, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["features", "w1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["hr"]),
+            helper.make_node("MatMul", ["hr", "w2"], ["logits"]),
+            helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1),
+        ],
+        "wide",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    return _save(graph, path)
+
+
 def ranker(path: Path, seed: int = 0) -> Path:
     """Two inputs: ``features`` float32 [batch, 4] and ``ids`` int64
     [batch, sequence]. Outputs ``score`` float32 [batch, 1] = features . w + the

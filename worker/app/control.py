@@ -215,7 +215,10 @@ class Control:
                 f"version {version}: its model.toml names the GPU backend "
                 f"{cfg.backend!r}; a version swaps in on the CPU path only",
             )
-        settings = dataclasses.replace(model.settings, model=cfg)
+        # As the model's own settings hold it (``worker.config.models.ServedModel``):
+        # its topics and changelog are the worker's routing's, not its alone.
+        alone = dataclasses.replace(cfg, topics=(), state_topic="")
+        settings = dataclasses.replace(model.settings, model=alone)
         if hash_ == model.serving:
             if resident.refused is not None:  # unloaded: loaded again, served again
                 await self.residency.served(name)
