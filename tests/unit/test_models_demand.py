@@ -1,0 +1,182 @@
+"""Memory shared by demand (``worker.app.demand``), without a broker: real CPU
+stages over the bundled digits model, each counted at a size the test gives
+(a model's loads measure well under it, and it counts the most any measured),
+under a budget holding two of three. Which model is evicted (the least recently
+used idle one, one without a backlog first, never a pinned or busy one), that a
+load waits for a busy model rather than exceed the budget, prefetch from a
+backlog, and a tombstone's unload. Through a broker and worker processes:
+tests/integration/test_models_on_demand.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from worker.app.demand import Residency, Resident
+from worker.app.memory import MIB
+from worker.compute.cpu import CpuStage, Unloaded
+from worker.compute.engines import Engine, load_engine
+from worker.config import load_settings
+from worker.flow.errors import ConfigError
+from worker.model.inputs import bind_model
+from worker.obs import metrics
+
+SIZE = 40 * MIB
+BUDGET = 100 * MIB  # two of the three
+
+
+def resident(name: str, loaded: bool = True, pinned: bool = False) -> Resident:
+    s = load_settings(env={"INFER_WORKER_MODEL__PATH": "builtin:digits"})
+    engine = cast(Engine, load_engine(s.model))
+    binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
+    stage = CpuStage(asyncio.Queue(), asyncio.Queue(), engine, binding, max_batch_size=8,
+                     max_inflight=1)  # fmt: skip
+    if not loaded:
+        stage.install(Unloaded(engine.info)).close()
+    return Resident(name, stage, s, SIZE, pinned=pinned)
+
+
+def loaded(r: Residency) -> set[str]:
+    return {m.name for m in r.residents if m.loaded}
+
+
+async def test_the_least_recently_used_idle_model_makes_room() -> None:
+    a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
+    a.last_used, b.last_used = 1.0, 2.0
+    r = Residency(BUDGET, 0, [a, b, c])
+    async with r.held("c") as refused:
+        assert refused is None and loaded(r) == {"b", "c"}
+        assert r.used() <= BUDGET
+    async with r.held("a"):  # c just ended its batch: b is now the least recently used
+        assert loaded(r) == {"a", "c"}
+    assert metrics.MODELS_MEMORY_USED._value.get() == 2 * SIZE
+
+
+async def test_a_model_with_a_backlog_is_evicted_after_those_without() -> None:
+    a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
+    a.last_used, b.last_used = 1.0, 2.0
+    r = Residency(BUDGET, 0, [a, b, c])
+    r.observe({"a": 10})  # a's topics have records waiting: kept, b goes though newer
+    async with r.held("c"):
+        assert loaded(r) == {"a", "c"}
+
+
+async def test_a_pinned_model_is_never_evicted() -> None:
+    a, b, c = resident("a", pinned=True), resident("b"), resident("c", loaded=False)
+    a.last_used, b.last_used = 1.0, 2.0
+    r = Residency(BUDGET, 0, [a, b, c])
+    async with r.held("c"):
+        assert loaded(r) == {"a", "c"}
+    async with r.held("b"):
+        assert loaded(r) == {"a", "b"}
+
+
+async def test_a_load_waits_for_a_busy_model_rather_than_exceed_the_budget() -> None:
+    a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
+    r = Residency(BUDGET, 0, [a, b, c])
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def batch(name: str) -> None:
+        async with r.held(name):
+            entered.set()
+            await release.wait()
+
+    busy = [asyncio.create_task(batch("a")), asyncio.create_task(batch("b"))]
+    await entered.wait()
+    waiting = asyncio.create_task(batch("c"))
+    await asyncio.sleep(0.2)
+    assert loaded(r) == {"a", "b"}  # both busy: nothing evicted yet
+    assert r.used() <= BUDGET
+    release.set()
+    await asyncio.gather(*busy, waiting)
+    assert "c" in loaded(r) and len(loaded(r)) == 2 and r.used() <= BUDGET
+
+
+async def test_a_backlog_loads_a_model_before_its_requests_come() -> None:
+    a, c = resident("a"), resident("c", loaded=False)
+    a.last_used = 1.0
+    r = Residency(BUDGET, 30 * MIB, [a, c])  # 30 MiB held for good: one fits beside it
+    r.observe({"c": 3})
+    for _ in range(100):
+        if c.loaded:
+            break
+        await asyncio.sleep(0.02)
+    assert loaded(r) == {"c"} and r.used() == 30 * MIB + SIZE
+    await r.close()
+
+
+async def test_a_tombstone_frees_the_model_once_its_batch_ended_and_refuses_the_next() -> None:
+    a = resident("a")
+    r = Residency(0, 0, [a])
+    release = asyncio.Event()
+
+    async def batch() -> None:
+        async with r.held("a") as refused:
+            assert refused is None
+            await release.wait()
+
+    running = asyncio.create_task(batch())
+    await asyncio.sleep(0)
+    unloading = asyncio.create_task(r.unload("a", "a is unloaded"))
+    await asyncio.sleep(0.05)
+    assert loaded(r) == {"a"}  # its running batch holds it
+    release.set()
+    await asyncio.gather(running, unloading)
+    assert loaded(r) == set()
+    async with r.held("a") as refused:
+        assert refused == "a is unloaded" and loaded(r) == set()  # not loaded for a refusal
+    await r.served("a")
+    async with r.held("a") as refused:
+        assert refused is None and loaded(r) == {"a"}
+
+
+def _repository(root: Path, *names: str) -> Path:
+    from tests.onnx_models import tabular
+
+    for name in names:
+        (root / name / "1").mkdir(parents=True)
+        tabular(root / name / "1" / "model.onnx")
+        (root / name / "model.toml").write_text(f'topics = ["in.{name}"]\n')
+    return root
+
+
+def test_on_demand_models_are_repository_models_the_cpu_serves_alone(tmp_path: Path) -> None:
+    repo = _repository(tmp_path / "models", "a", "b")
+    env = {"INFER_WORKER_REPOSITORY__PATH": str(repo),
+           "INFER_WORKER_REPOSITORY__ON_DEMAND": "true",
+           "INFER_WORKER_KAFKA__INPUT_TOPICS": "in.a,in.b"}  # fmt: skip
+    s = load_settings(env=env)
+    assert s.repository.on_demand and set(s.models) == {"a", "b"}
+    with pytest.raises(ConfigError, match=r"repository\.pinned: \['z'\] not served"):
+        load_settings(env={**env, "INFER_WORKER_REPOSITORY__PINNED": "z"})
+    with pytest.raises(ConfigError, match=r"repository\.pinned: names models never evicted"):
+        load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
+                           "INFER_WORKER_REPOSITORY__PINNED": "a"})  # fmt: skip
+    (repo / "b" / "model.toml").write_text('topics = ["in.b"]\nbackend = "torch"\n')
+    with pytest.raises(ConfigError, match=r"repository\.on_demand: .*'b' names the backend"):
+        load_settings(env=env)
+
+
+async def test_a_model_that_cannot_fit_beside_the_pinned_ones_stops_start_up(
+    tmp_path: Path,
+) -> None:
+    from tests.onnx_models import wide
+    from worker.app.worker import Worker
+
+    repo = _repository(tmp_path / "models", "a")
+    (repo / "b" / "1").mkdir(parents=True)
+    wide(repo / "b" / "1" / "model.onnx", mib=8)
+    (repo / "b" / "model.toml").write_text('topics = ["in.b"]\n')
+    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
+                           "INFER_WORKER_REPOSITORY__ON_DEMAND": "true",
+                           "INFER_WORKER_LIMITS__MAX_MODELS_MEMORY_MB": "4",
+                           "INFER_WORKER_KAFKA__INPUT_TOPICS": "in.a,in.b"})  # fmt: skip
+    worker = Worker(s)
+    with pytest.raises(ConfigError, match=r"limits\.max_models_memory_mb: 'b' holds \d+ MiB, "
+                       r"which does not fit the budget of 4 MiB"):  # fmt: skip
+        await worker.prepare()
+    await worker.stop()
