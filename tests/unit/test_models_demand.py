@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 from worker.app.demand import Residency, Resident
 from worker.app.memory import MIB
 from worker.compute.cpu import CpuStage, Unloaded
-from worker.compute.engines import Engine, load_engine
+from worker.compute.engines import load_engine
 from worker.config import load_settings
 from worker.flow.errors import ConfigError
 from worker.model.inputs import bind_model
@@ -30,7 +29,7 @@ BUDGET = 100 * MIB  # two of the three
 
 def resident(name: str, loaded: bool = True, pinned: bool = False) -> Resident:
     s = load_settings(env={"INFER_WORKER_MODEL__PATH": "builtin:digits"})
-    engine = cast(Engine, load_engine(s.model))
+    engine = load_engine(s.model)
     binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
     stage = CpuStage(asyncio.Queue(), asyncio.Queue(), engine, binding, max_batch_size=8,
                      max_inflight=1)  # fmt: skip
