@@ -82,7 +82,7 @@ def test_the_guide_s_model_repository_serves_as_written(
     from worker.cli import main
     from worker.model.files import bundled_file
 
-    worker_toml, *settings_files = _examples("docs/guides/models.md")[1:]
+    worker_toml, *settings_files = _examples("docs/guides/models.md")[1:4]
     repo = tmp_path / "models"
     for version in (1, 2):
         (repo / "churn" / str(version)).mkdir(parents=True)
@@ -105,3 +105,26 @@ def test_the_guide_s_model_repository_serves_as_written(
     (listed,) = re.findall(r"```\n(MODEL .*?)```", (ROOT / "docs/guides/models.md").read_text(),
                            re.S)  # fmt: skip
     assert capsys.readouterr().out == listed.replace("/srv/models", str(repo))
+
+
+def test_the_guide_s_memory_shared_by_demand_loads_as_written(tmp_path: Path) -> None:
+    """The on-demand example with the repository its page describes: three models
+    on their topics, churn pinned, a 2 GiB budget; then what run checks before
+    Kafka (each loaded, bound, measured and kept while the budget holds it)."""
+    import asyncio
+
+    from tests.onnx_models import tabular
+    from worker.app.preflight import checked
+
+    example = _examples("docs/guides/models.md")[4]
+    repo = tmp_path / "models"
+    for name, topic in (("churn", "scores"), ("digits", "images"), ("sentiment", "reviews")):
+        (repo / name / "1").mkdir(parents=True)
+        tabular(repo / name / "1" / "model.onnx")
+        (repo / name / "model.toml").write_text(f'topics = ["{topic}.requests"]\n')
+    s = load_settings_from(tmp_path, example.replace("/srv/models", str(repo)))
+    assert s.repository.on_demand and s.repository.pinned == ("churn",)
+    assert s.limits.max_models_memory_mb == 2048 and s.kafka.control_topic == "models.control"
+    assert routing(s).owners == {"scores.requests": "churn", "images.requests": "digits",
+                                 "reviews.requests": "sentiment"}  # fmt: skip
+    asyncio.run(checked(s))

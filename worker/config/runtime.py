@@ -184,7 +184,9 @@ class LimitsConfig:
     max_crash_attempts: int = 3
     # The most memory the worker's models may hold together, in MiB: each model is
     # measured as it loads (the process's resident memory before and after), and a
-    # configuration over the budget stops start-up naming each model's size. 0: no budget.
+    # configuration over the budget stops start-up naming each model's size; with
+    # repository.on_demand, the repository's models share what the others leave, loaded and
+    # evicted by demand. 0: no budget.
     max_models_memory_mb: int = 0
 
     def __post_init__(self) -> None:
