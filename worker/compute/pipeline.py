@@ -11,7 +11,9 @@ one length together, poison isolated by bisection, deadlines honoured), which
 is also where a columnar step goes back to where its rows are not as promised.
 Either way the crops of many requests form one batch of the next model. A
 function step runs once per request on the stage's threads, or, vectorized,
-once a batch (``worker.compute.steps``); a built-in op on the GPU runs a batch
+once a batch (``worker.compute.steps``); this module decides which step runs
+where and for whom, ``worker.compute.step_runner`` runs one as a function call
+or as a batch of its model's jobs; a built-in op on the GPU runs a batch
 at once (``worker.compute.ops.device``). Where a model runs on the GPU as
 columns, the GPU steps leave their outputs on the device for each other, copied
 to the host only where a host step or the answer reads them
@@ -32,20 +34,10 @@ import asyncio
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-
-import structlog
 
 from worker.compute.answers import answered
 from worker.compute.branches import Partial, plain_step
-from worker.compute.columns import (
-    Kept,
-    chosen_rows,
-    expired,
-    past_share,
-    run_columns,
-    run_function_columns,
-)
+from worker.compute.columns import chosen_rows, expired, past_share, run_columns
 from worker.compute.resident import (
     Home,
     OnDevice,
@@ -57,49 +49,16 @@ from worker.compute.resident import (
     together,
 )
 from worker.compute.stage import Described, Stage
-from worker.compute.steps import (
-    FunctionStep,
-    ModelStep,
-    PipelinePlan,
-    Step,
-    Tensors,
-    call_each,
-    fed,
-    read_only,
-    request_tensors,
-    unpinned,
-)
+from worker.compute.step_runner import Progress, StepRunner
+from worker.compute.steps import FunctionStep, ModelStep, PipelinePlan, Tensors, request_tensors
 from worker.compute.triage import ServiceTimeHook, micros
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
-from worker.flow.errors import RecordError
 from worker.flow.messages import Answer, Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
 from worker.model.inputs.binding import Binding
 from worker.model.io import EngineInfo
 from worker.obs import metrics
-
-log = structlog.get_logger(__name__)
-
-
-@dataclass
-class _Progress:
-    """One batch on its way through the steps."""
-
-    batch: Batch[Job]
-    jobs: list[Job]
-    bases: list[Tensors]  # per request: its own tensors
-    units: list[list[Tensors]]  # per request: itself, or one unit per region
-    answers: list[Answer | None]  # per request: its answer, once it has one
-    timings: list[dict[str, int]]  # per request: its first model step's stage times
-    # Per request: the steps that did not run for it (a branch not taken, an input
-    # from such a step, an optional step that failed it), as its answer names them.
-    partial: Partial
-    engine_rows: int = 0
-    deadlines: bool = True  # whether any request of the batch has a deadline to check
-    # Columnar model steps' outputs as whole arrays, for the model steps after them.
-    columns: Kept = field(default_factory=dict)
-    device: OnDevice | None = None  # GPU steps' outputs left on the device
 
 
 class PipelineStage(Stage):
@@ -130,7 +89,6 @@ class PipelineStage(Stage):
         self._first_takes_request = plan.first_takes_request
         self._steps = plan.steps
         self._regional = plan.regional
-        self._threads = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="step")
         # Decided once: the steps that run on the GPU handing each other device
         # arrays, and what each step (and the answer) reads on the host.
@@ -143,9 +101,8 @@ class PipelineStage(Stage):
         self._step_seconds = {
             s.name: metrics.PIPELINE_STEP_SECONDS.labels(info.name, s.name) for s in self._steps
         }
-        self._step_failures = {
-            s.name: metrics.PIPELINE_STEP_FAILURES.labels(info.name, s.name) for s in self._steps
-        }
+        self._runner = StepRunner(info.name, plan.steps, pool=self._pool, threads=max_inflight,
+                                  first_takes_request=plan.first_takes_request)  # fmt: skip
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         return asyncio.ensure_future(self.run_batch(batch))
@@ -156,11 +113,11 @@ class PipelineStage(Stage):
         # Per request: its own tensors, and its units (itself, or one per region).
         bases: list[Tensors] = [{} if self._first_takes_request else request_tensors(job)
                                 for job in jobs]  # fmt: skip
-        p = _Progress(batch, jobs, bases, [[base] for base in bases],
-                      [self._pinned_elsewhere(job) for job in jobs], [{} for _ in jobs],
-                      Partial(len(jobs)),
-                      deadlines=any(job.deadline is not None for job in jobs),
-                      device=OnDevice(self._home) if self._home is not None else None)  # fmt: skip
+        p = Progress(batch, jobs, bases, [[base] for base in bases],
+                     [self._pinned_elsewhere(job) for job in jobs], [{} for _ in jobs],
+                     Partial(len(jobs)),
+                     deadlines=any(job.deadline is not None for job in jobs),
+                     device=OnDevice(self._home) if self._home is not None else None)  # fmt: skip
         loop = asyncio.get_running_loop()
         index = 0
         as_jobs: dict[int, list[bool]] | None = None  # a columnar step's rows, to run as jobs
@@ -193,7 +150,7 @@ class PipelineStage(Stage):
         done = tuple(a for a in p.answers if a is not None)
         return Completed(batch.seq, done, p.engine_rows, service_s)
 
-    def _live(self, p: _Progress, index: int) -> dict[int, list[bool]] | None:
+    def _live(self, p: Progress, index: int) -> dict[int, list[bool]] | None:
         """The requests step ``index`` runs for, each with the units it runs on (a
         branch per region runs for some of its regions; the others pass it by);
         None once every request is answered. A request whose share of its
@@ -210,18 +167,18 @@ class PipelineStage(Stage):
                   for i, a in enumerate(p.answers) if a is None}  # fmt: skip
         return {i: keep for i, keep in chosen.items() if keep is not None}
 
-    async def _run_step(self, p: _Progress, index: int, live: dict[int, list[bool]]) -> None:
+    async def _run_step(self, p: Progress, index: int, live: dict[int, list[bool]]) -> None:
         """Step ``index`` on the event loop: a model step as a batch of jobs of
         its model's stage, a function on the stage's threads."""
         step = self._steps[index]
         step_started = time.monotonic()
         if isinstance(step, ModelStep):
-            p.engine_rows += await self._model_step(step, index, p, live)
+            p.engine_rows += await self._runner.model_step(step, index, p, live)
         else:
-            await self._function_step(step, p, live)
+            await self._runner.function_step(step, p, live)
         self._step_seconds[step.name].observe(time.monotonic() - step_started)
 
-    async def _device_step(self, p: _Progress, index: int, live: dict[int, list[bool]]) -> None:
+    async def _device_step(self, p: Progress, index: int, live: dict[int, list[bool]]) -> None:
         """A GPU step (``worker.compute.resident``), its outputs left on the
         device; where its rows cannot run there, its inputs to the host and the
         step as ``_run_step`` runs it."""
@@ -242,7 +199,7 @@ class PipelineStage(Stage):
         dev.to_host(step.sources.values(), p.columns)
         await self._run_step(p, index, live)
 
-    def _run_together(self, p: _Progress, index: int) -> tuple[int, dict[int, list[bool]] | None]:
+    def _run_together(self, p: Progress, index: int) -> tuple[int, dict[int, list[bool]] | None]:
         """Steps ``index`` and after, as long as they run together, on this (a
         stage) thread: functions called in turn, model steps run as columns
         (``worker.compute.columns``): one hand-off for them all, where each step
@@ -261,7 +218,7 @@ class PipelineStage(Stage):
             step = self._steps[k]
             step_started = time.monotonic()
             if isinstance(step, FunctionStep):
-                self._call_function(step, p, live)
+                self._runner.call_function(step, p, live)
             else:
                 if p.deadlines and expired(p.jobs, live, p.answers):
                     live = {i: keep for i, keep in live.items() if p.answers[i] is None}
@@ -272,98 +229,6 @@ class PipelineStage(Stage):
             self._step_seconds[step.name].observe(time.monotonic() - step_started)
         return end, None
 
-    async def _function_step(
-        self, step: FunctionStep, p: _Progress, live: Mapping[int, list[bool]]
-    ) -> None:
-        """Run a function on each live request's chosen units, on the stage's
-        threads: the batch's requests split among them, one hand-off per thread
-        (a hand-off per request cost about 70 us each, more than many functions)."""
-        loop = asyncio.get_running_loop()
-        if step.vectorized:  # the batch's rows at once, on one thread
-            await loop.run_in_executor(self._pool, self._call_function, step, p, live)
-            return
-        order = list(live)
-        # An op on the device takes the batch at once; a function, its share of it.
-        threads = 1 if step.batched is not None else self._threads
-        share = -(-len(order) // threads)  # requests per thread, rounded up
-        parts = [order[k : k + share] for k in range(0, len(order), share)]
-        done = await asyncio.gather(*(
-            loop.run_in_executor(self._pool, call_each, step,
-                                 [(p.units[i], live[i]) for i in part])
-            for part in parts
-        ))  # fmt: skip
-        for part, results in zip(parts, done, strict=True):
-            self._kept(step, p, part, results)
-
-    def _call_function(self, step: FunctionStep, p: _Progress,
-                       live: Mapping[int, list[bool]]) -> None:  # fmt: skip
-        """A function on the live requests' chosen units, on this thread: a
-        vectorized one once on all their rows where it can be, else (and any
-        other) once per unit."""
-        if step.vectorized:
-            rows = chosen_rows(p.units, live)
-            if not rows or run_function_columns(step, rows, p.columns):
-                return
-        self._kept(step, p, list(live), call_each(step, [(p.units[i], keep)
-                                                         for i, keep in live.items()]))
-
-    def _kept(self, step: FunctionStep, p: _Progress, live: list[int],
-              results: list[list[Tensors] | str]) -> None:  # fmt: skip
-        """A function step's results for ``live`` requests: their units after it,
-        or their answers where it failed them."""
-        for i, got in zip(live, results, strict=True):
-            if isinstance(got, str):
-                p.answers[i] = self._failed(p.jobs[i], i, step, got, p.units[i], p.partial)
-            else:
-                p.units[i] = got
-
-    async def _model_step(
-        self, step: ModelStep, index: int, p: _Progress, live: Mapping[int, list[bool]]
-    ) -> int:
-        """Run every live request's chosen units through ``step``'s model, as one
-        batch of it."""
-        jobs, units, answers, timings, partial = p.jobs, p.units, p.answers, p.timings, p.partial
-        fed_to: list[tuple[int, Tensors]] = []  # (request, unit) of each step job
-        step_jobs: list[Job] = []
-        for i, keep in live.items():
-            job = jobs[i]
-            if index == 0 and self._first_takes_request:  # checked at intake as its model's
-                units[i][0].update(request_tensors(job))
-                fed_to.append((i, units[i][0]))
-                step_jobs.append(unpinned(job))
-                continue
-            mine = [unit for unit, k in zip(units[i], keep, strict=True) if k]
-            try:
-                made = [fed(job, step, unit) for unit in mine]
-            except RecordError as exc:
-                answers[i] = self._failed(job, i, step, str(exc), units[i], partial)
-                continue
-            fed_to += [(i, unit) for unit in mine]
-            step_jobs += made
-        if not step_jobs:
-            return 0
-        batch = p.batch
-        done = await step.stage.run_batch(Batch(step_jobs, batch.formed_at, batch.reason,
-                                                seq=batch.seq))  # fmt: skip
-        for (i, unit), answer in zip(fed_to, done.answers, strict=True):
-            if answers[i] is not None or not partial.ran(i)(f"{step.name}."):
-                continue  # another unit of it failed already
-            error = answer.error
-            if index == 0 and self._first_takes_request and (answer.job.failure is not None or (
-                    error is not None and error.code != ErrorCode.INFERENCE_FAILED)):
-                answers[i] = answer  # the request's own fault: answered as the model does
-            elif error is not None and error.code == ErrorCode.DEADLINE_EXCEEDED:
-                answers[i] = Answer(jobs[i], None, error, answer.timing_us)
-            elif error is not None:  # the step failed on it, or it was not what it takes
-                answers[i] = self._failed(jobs[i], i, step, error.message, units[i], partial)
-            else:
-                if not timings[i]:  # the first model step's stage times: the answer's
-                    timings[i] = dict(answer.timing_us)
-                assert answer.outputs is not None
-                for name, value in answer.outputs.items():
-                    unit[f"{step.name}.{name}"] = read_only(value)
-        return done.engine_rows
-
     def _pinned_elsewhere(self, job: Job) -> Answer | None:
         """A request pinning a version of the pipeline other than this one is
         answered ``unknown_model`` (its steps' models have versions of their own)."""
@@ -373,27 +238,6 @@ class PipelineStage(Stage):
         return Answer(job, None, ErrorInfo(ErrorCode.UNKNOWN_MODEL, (
             f"model.version: {ref.version[:64]!r} is not served; {self._pipeline!r} serves "
             f"version {self.info.version!r}")))  # fmt: skip
-
-    def _failed(
-        self, job: Job, i: int, step: Step, problem: str, units: list[Tensors],
-        partial: Partial,
-    ) -> Answer | None:
-        """Request ``i``'s answer where ``step`` failed it: ``inference_failed``
-        naming the step, or (an optional step) None: it goes on without the
-        step's outputs (dropped from every unit: some of its regions may have
-        them), and its answer names the step (``partial.failed``)."""
-        self._step_failures[step.name].inc()
-        log.warning("pipeline_step_failed", pipeline=self._pipeline, step=step.name,
-                    error=problem, optional=step.optional)  # fmt: skip
-        if step.optional:
-            if partial.fail(i, step.name, ErrorCode.INFERENCE_FAILED, problem):
-                prefix = f"{step.name}."
-                for unit in units:
-                    for key in [k for k in unit if k.startswith(prefix)]:
-                        del unit[key]
-            return None
-        error = ErrorInfo(ErrorCode.INFERENCE_FAILED, f"step {step.name!r}: {problem}")
-        return Answer(job, None, error)
 
     def described_outputs(self) -> Mapping[str, Described]:
         return self._plan.described

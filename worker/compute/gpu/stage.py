@@ -3,9 +3,10 @@
 Each batch takes a slot (``slots``), and all of its GPU work is enqueued on that
 slot's stream in one go by the launcher (``launch``), on a worker thread, so
 batches on different slots overlap (one copies in while another computes and a
-third copies out). The event loop only awaits completion (``completion``) and
-scatters rows to requests, copied out of pinned memory before the slot is
-released for the next batch.
+third copies out). The event loop only awaits completion (``runner``,
+``completion``) and scatters rows to requests, copied out of pinned memory
+before the slot is released for the next batch. A pipeline's step may hand the
+stage whole columns instead (``run_device_columns``, ``columns``).
 
 Inputs: one image input may be preprocessed on the device by the kernels (its
 ``device = "gpu"``); every other input (tensors, texts' tokens, images
@@ -40,7 +41,7 @@ import numpy as np
 import structlog
 
 from worker.compute.engines.base import GpuEngine
-from worker.compute.engines.cuda import import_cupy, translate_gpu_error
+from worker.compute.engines.cuda import import_cupy
 from worker.compute.gpu import nvjpeg
 from worker.compute.gpu.budget import SlotBudget
 from worker.compute.gpu.columns import ColumnChunk, Columns, columnar_on_device
@@ -52,6 +53,7 @@ from worker.compute.gpu.plan import (
     postprocess_plan,
     slot_shapes,
 )
+from worker.compute.gpu.runner import SlotRunner
 from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout, SlotRing
 from worker.compute.gpu.staging import (
     OnDevice,
@@ -158,6 +160,8 @@ class GpuStage(Stage):
         self._watch = SlotWatch(
             self._cupy, self._ring, gpu.poll_interval_ms / 1000.0, gpu.batch_timeout_ms / 1000.0
         )
+        self._runner = SlotRunner(self._pool, self._launcher, self._watch, self._metrics,
+                                  self._nvjpeg)  # fmt: skip
         log.info(
             "gpu_stage_ready", device=gpu.device, slots=num_slots, rows=self.layout.max_batch_size,
             device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
@@ -280,7 +284,9 @@ class GpuStage(Stage):
         slot's staging, so the decoded pixels held at once fit it too."""
         decode_us = 0
         if any(id(a) in on_device for a in answers):
-            answers, seconds = await self._decode_on_device(slot, answers, on_device)
+            assert self._image is not None
+            answers, seconds = await self._runner.decode(slot, answers, on_device,
+                                                         self._image.name)  # fmt: skip
             decode_us = round(seconds * 1e6)
         try:
             if answers:
@@ -298,16 +304,6 @@ class GpuStage(Stage):
                 if answer.outputs is not None:
                     answer.timing_us["preprocess"] += decode_us
         return len(answers)
-
-    async def _decode_on_device(
-        self, slot: Slot, answers: list[Row], on_device: dict[int, DeviceImage]
-    ) -> tuple[list[Row], float]:
-        """nvJPEG on a stage thread, the slot marked busy meanwhile."""
-        assert self._nvjpeg is not None and self._image is not None
-        decoding = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._nvjpeg.decode_answers, slot, answers, on_device, self._image.name
-        )
-        return await self._watch.hold(slot, decoding)
 
     async def run_rows(
         self,
@@ -339,7 +335,7 @@ class GpuStage(Stage):
                 if image is not None
                 else []
             )
-            outputs, timing = await self._run_chunk(slot, Chunk(part, images, run_lengths))
+            outputs, timing = await self._runner.run_chunk(slot, Chunk(part, images, run_lengths))
             results.append((part, outputs, timing))
         # Filled only once every chunk succeeded: a failure leaves all untouched.
         for part, outputs, timing in results:
@@ -377,7 +373,7 @@ class GpuStage(Stage):
         try:
             for start in range(0, n, per_run):
                 chunk = ColumnChunk(arrays, start, min(n, start + per_run), out, ready)
-                await self._on_slot(slot, chunk, self._columns.enqueue)
+                await self._runner.run(slot, chunk, self._columns.enqueue)
                 self._metrics.batch_size.observe(chunk.stop - start)
         finally:
             self._watch.batch_done(slot)  # released once its stream is idle
@@ -385,45 +381,3 @@ class GpuStage(Stage):
             for name in self._outputs.passed:
                 self._outputs.check(name, out[name], n)
         return out
-
-    async def _on_slot(self, slot: Slot, chunk: Any,
-                       enqueue: Callable[[Slot, Any], float] | None = None) -> float:  # fmt: skip
-        """``chunk`` enqueued on ``slot``'s stream (on a stage thread) and run to
-        the end: returns its host seconds once the stream is idle."""
-        loop = asyncio.get_running_loop()
-        woken: asyncio.Future[None] = loop.create_future()
-        submission = loop.run_in_executor(self._pool, self._launcher.submit, slot, chunk,
-                                          (loop, woken), enqueue)  # fmt: skip
-        # Marked busy before the first await: if this task is cancelled now, the
-        # slot is released only after the submission and the stream have finished.
-        slot.pending = (submission, woken)
-        try:
-            host_seconds, error = await asyncio.shield(submission)
-        except EngineDead as exc:
-            raise self._watch.die(exc) from None
-        if isinstance(error, EngineDead):
-            raise self._watch.die(error)
-        await self._watch.wait(slot, woken)
-        slot.pending = None
-        if error is not None:
-            raise error
-        return host_seconds
-
-    async def _run_chunk(
-        self, slot: Slot, chunk: Chunk
-    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        loop = asyncio.get_running_loop()
-        host_seconds = await self._on_slot(slot, chunk)
-        n = len(chunk.answers)
-        try:
-            outputs, timing = await loop.run_in_executor(
-                self._pool, self._launcher.collect, slot, n, host_seconds
-            )
-        except Exception as exc:  # boundary: reading events can report a device error
-            raise self._watch.die(translate_gpu_error(exc, f"slot {slot.index}: collect")) from exc
-        m = self._metrics
-        m.batch_size.observe(n)
-        m.preprocess_seconds.observe(timing["preprocess"] / 1e6)
-        m.engine_seconds.observe(timing["infer"] / 1e6)
-        m.d2h_seconds.observe(timing["d2h"] / 1e6)
-        return outputs, timing
