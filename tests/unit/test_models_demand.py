@@ -127,10 +127,34 @@ async def test_a_tombstone_frees_the_model_once_its_batch_ended_and_refuses_the_
     await asyncio.gather(running, unloading)
     assert loaded(r) == set()
     async with r.held("a") as refused:
-        assert refused == "a is unloaded" and loaded(r) == set()  # not loaded for a refusal
+        assert refused is not None and loaded(r) == set()  # not loaded for a refusal
+        assert (refused.code, refused.message) == ("unknown_model", "a is unloaded")
     await r.served("a")
     async with r.held("a") as refused:
         assert refused is None and loaded(r) == {"a"}
+
+
+async def test_a_model_that_fails_to_load_answers_its_batch_and_is_tried_again(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+    import shutil
+
+    from worker.model.files import bundled_file
+
+    a = resident("a", loaded=False)
+    moved = tmp_path / "digits.onnx"
+    shutil.copy(bundled_file("digits.onnx"), moved)
+    a.settings = dataclasses.replace(a.settings, model=dataclasses.replace(
+        a.settings.model, path=str(moved)))  # fmt: skip
+    r = Residency(0, 0, [a])
+    moved.write_bytes(b"not a model")  # replaced since start-up by something broken
+    async with r.held("a") as failed:
+        assert failed is not None and failed.code == "inference_failed"
+        assert "'a' could not be loaded" in failed.message and loaded(r) == set()
+    shutil.copy(bundled_file("digits.onnx"), moved)
+    async with r.held("a") as failed:
+        assert failed is None and loaded(r) == {"a"}
 
 
 def _repository(root: Path, *names: str) -> Path:

@@ -52,6 +52,8 @@ from worker.compute.cpu import CpuStage, Unloaded
 from worker.compute.engines import load_engine
 from worker.compute.stage import Stage
 from worker.config import Settings
+from worker.contract import ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -106,16 +108,26 @@ class Residency:
         return self._models.get(name)
 
     @contextlib.asynccontextmanager
-    async def held(self, name: str) -> AsyncIterator[str | None]:
+    async def held(self, name: str) -> AsyncIterator[ErrorInfo | None]:
         """Around one batch of ``name``: the model loaded (loading it first) and
-        kept until the batch is answered; yields why it is not served, or None."""
+        kept until the batch is answered; yields why it cannot run, or None: it
+        is unloaded (``unknown_model``), or its load failed (``inference_failed``
+        naming why: the file gone or broken since start-up; the next batch tries
+        again, and the worker goes on serving the other models)."""
         r = self._models[name]
-        while r.refused is None and not r.loaded:
-            await self._load(r, "demand")
+        failed: ErrorInfo | None = None
+        while r.refused is None and not r.loaded and failed is None:
+            try:
+                await self._load(r, "demand")
+            except Exception as exc:  # the load's, whatever the runtime raises
+                log.error("model_load_failed", model=name, error=repr(exc))
+                metrics.MODEL_LOADS.labels(name, "failed").inc()
+                failed = ErrorInfo(ErrorCode.INFERENCE_FAILED,
+                                   f"model {name!r} could not be loaded: {exc}")  # fmt: skip
         # No await between the load's end and this count: nothing evicts it between.
         r.in_use += 1
         try:
-            yield r.refused
+            yield failed or (ErrorInfo(ErrorCode.UNKNOWN_MODEL, r.refused) if r.refused else None)
         finally:
             r.in_use -= 1
             r.last_used = time.monotonic()

@@ -37,7 +37,6 @@ from worker.compute.triage import (
     triage,
 )
 from worker.contract import ErrorInfo
-from worker.flow.codes import ErrorCode
 from worker.flow.errors import InferenceFailed
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
@@ -50,11 +49,11 @@ from worker.obs import metrics
 
 Buffers = dict[str, np.ndarray]
 
-Residence = Callable[[], AbstractAsyncContextManager[str | None]]
+Residence = Callable[[], AbstractAsyncContextManager[ErrorInfo | None]]
 """A model loaded and evicted by demand (``worker.app.demand``): entered around
 each batch, it holds the model loaded until the batch is answered (loading it
-first where it was evicted), or yields why it is not served (every request of
-the batch answered ``unknown_model`` so)."""
+first where it was evicted), or yields why it cannot run now (every request of
+the batch answered with that error: unloaded, or its load failed)."""
 
 
 class Unloaded:
@@ -236,12 +235,12 @@ class CpuStage(Stage):
         self,
         batch: Batch[Job],
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
-        refused: str | None = None,
+        refused: ErrorInfo | None = None,
     ) -> Completed:
         rows, runnable = triage(batch, time.monotonic(), self._metrics)
-        if refused is not None:  # the model is not served now (its residence says why)
+        if refused is not None:  # the model cannot run now (its residence says why)
             for row in runnable:
-                row.error = ErrorInfo(ErrorCode.UNKNOWN_MODEL, refused)
+                row.error = refused
             return completed(batch, rows, 0)
         if runnable and self._inputs.pending(runnable):
             loop = asyncio.get_running_loop()

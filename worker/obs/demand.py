@@ -16,7 +16,8 @@ MODEL_LOADED = Gauge(
 MODEL_LOADS = Counter(
     "infer_model_loads_total",
     "Loads of models by demand, by why: demand (a batch of its requests), backlog (its topics' "
-    "lag, before its records were read), control (a record of the control topic)",
+    "lag, before its records were read), control (a record of the control topic); failed: a "
+    "load by demand that failed (its batch answered inference_failed saying why)",
     ["model", "reason"],
 )
 MODEL_EVICTIONS = Counter(
