@@ -18,7 +18,6 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ import structlog
 
 from worker.compute.engines import Engine
 from worker.compute.sequences import SequenceStates, waves
-from worker.compute.stage import Stage, internal_errors_fail_the_run
+from worker.compute.stage import Residence, Stage, internal_errors_fail_the_run
 from worker.compute.triage import (
     RowRunner,
     ServiceTimeHook,
@@ -48,13 +47,6 @@ from worker.model.rows import Row
 from worker.obs import metrics
 
 Buffers = dict[str, np.ndarray]
-
-Residence = Callable[[], AbstractAsyncContextManager[ErrorInfo | None]]
-"""A model loaded and evicted by demand (``worker.app.demand``): entered around
-each batch, it holds the model loaded until the batch is answered (loading it
-first where it was evicted), or yields why it cannot run now (every request of
-the batch answered with that error: unloaded, or its load failed)."""
-
 
 class Unloaded:
     """The engine of a model evicted by demand: its batches wait in the

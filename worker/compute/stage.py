@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 
 import numpy as np
 
 from worker.compute.sequences import SequenceStates
 from worker.compute.triage import ServiceTimeHook, report_service_time
+from worker.contract import ErrorInfo
 from worker.flow.errors import InferenceFailed, WorkerError
 from worker.flow.messages import Batch, Completed, Job, TopicPartition
 from worker.flow.room import Room
@@ -31,6 +33,14 @@ from worker.model.io import EngineInfo
 from worker.obs import backlog, metrics
 
 Described = tuple[str, tuple[int | str | None, ...]] | None  # an output's, where declared
+
+
+Residence = Callable[[], AbstractAsyncContextManager[ErrorInfo | None]]
+"""A model loaded and evicted by demand (``worker.app.demand``; the CPU and the
+GPU stage alike): entered around each batch, it holds the model loaded until the
+batch is answered (loading it first where it was evicted), or yields why it
+cannot run now (every request of the batch answered with that error: unloaded,
+or its load failed)."""
 
 
 class Stage(ABC):
