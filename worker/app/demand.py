@@ -48,7 +48,7 @@ import structlog
 
 from worker.app.loading import LoadedModel
 from worker.app.memory import MIB, measured
-from worker.compute.cpu import CpuStage, Unloaded
+from worker.compute.cpu import CpuStage
 from worker.compute.engines import load_engine
 from worker.compute.stage import Stage
 from worker.config import Settings
@@ -163,7 +163,7 @@ class Residency:
             started = time.monotonic()
             engine, size = await measured(functools.partial(load_engine, r.settings.model))
             seconds = time.monotonic() - started
-            r.stage.install(engine).close()
+            r.stage.load(engine)
             self._loaded(r, size, reason, seconds)
 
     def _loaded(self, r: Resident, size: int, reason: str, seconds: float) -> None:
@@ -200,7 +200,7 @@ class Residency:
         return min(idle, key=lambda m: (m.backlog > 0, m.last_used), default=None)
 
     def _evict(self, r: Resident, reason: str) -> None:
-        r.stage.install(Unloaded(r.stage.info)).close()
+        r.stage.evict()
         metrics.MODEL_EVICTIONS.labels(r.name, reason).inc()
         log.info("model_evicted", model=r.name, reason=reason, backlog=r.backlog,
                  size_mib=round(r.size / MIB, 1), used_mib=round(self.used() / MIB, 1))  # fmt: skip

@@ -201,6 +201,16 @@ class CpuStage(Stage):
     def loaded(self) -> bool:
         return not isinstance(self._engine, Unloaded)
 
+    def evict(self) -> None:
+        """The engine closed (a model evicted by demand), its description kept."""
+        self.install(Unloaded(self.info)).close()
+
+    def load(self, engine: Engine) -> int:
+        """``engine`` served again (the same version, loaded by demand); the
+        device bytes it took: none (its host memory is measured by the loader)."""
+        self.install(engine).close()
+        return 0
+
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         if self.sequences is None:
             return asyncio.ensure_future(self.run_batch(batch))
