@@ -61,8 +61,9 @@ def check_budget(sizes: Mapping[str, tuple[str, int]], budget_mb: int) -> None:
     budget) with exit 2 naming every model's share."""
     for name, (version, size) in sizes.items():
         metrics.MODEL_MEMORY.labels(model=name, version=version).set(size)
-    log.info("models_memory", **{name: f"{size / MIB:.0f} MiB" for name, (_, size) in
-                                 sizes.items()})  # fmt: skip
+    if sizes:  # (none where every model is loaded by demand: those are logged as they load)
+        log.info("models_memory", **{name: f"{size / MIB:.0f} MiB" for name, (_, size) in
+                                     sizes.items()})  # fmt: skip
     if budget_mb == 0:
         return
     total = sum(size for _, size in sizes.values())
