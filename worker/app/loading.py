@@ -125,7 +125,8 @@ async def _load_by_demand(
             oldest.engine.close()
             out[out.index(oldest)] = replace(oldest, engine=Unloaded(oldest.engine.info))
             log.info("model_evicted", model=oldest.name, reason="room at start-up",
-                     size_mib=round(oldest.size / MIB, 1), used_mib=round(used() / MIB, 1))  # fmt: skip
+                     size_mib=round(oldest.size / MIB, 1),
+                     used_mib=round(used() / MIB, 1))  # fmt: skip
 
     try:
         for m in models:
