@@ -326,3 +326,15 @@ def conv_detector(path: Path, squeezed: bool = False, seed: int = 0) -> Path:
         [numpy_helper.from_array(w, "w")],
     )
     return _save(graph, path)
+
+
+def run_each_alone(path: Path, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``run_alone`` on each of many requests, with one session (a session per
+    request costs a load of the model each; hundreds of them cost minutes)."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    out = []
+    for feed in feeds:
+        values = session.run(None, {k: v[None] for k, v in feed.items()})
+        out.append({n: np.asarray(v)[0] for n, v in zip(names, values, strict=True)})
+    return out
