@@ -64,7 +64,7 @@ async def test_device_and_host_columns_answer_as_the_cpu_stage() -> None:
         host_uploads = TRANSFERS.uploads
         refused = await stage.run_device_columns({"image": pixels.astype(np.float32)})
         assert all(s.pending is None for s in stage.slots)  # each slot back in the ring
-        assert stage._ring.free == len(stage.slots)
+        assert stage.ring.free == len(stage.slots)
     finally:
         stage.close()
     assert (copies, uploads) == (3, 0) and host_uploads == 3  # one copy in a run

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import structlog
 
@@ -49,6 +49,14 @@ class SlotBudget(Protocol):
     """What a GPU stage checks its slot ring with before allocating it."""
 
     def check_slots(self, slot_bytes: int, slots: int) -> None: ...
+
+
+@runtime_checkable
+class MeasuredBudget(SlotBudget, Protocol):
+    """A budget that also says what the process's allocators hold now (the
+    share's ``used``), which a GPU stage's ``load`` measures itself with."""
+
+    def used(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,9 @@ class ModelSlots:
         others = {m: b for m, b in self.share.rings.items() if m != self.model}
         self.share.budget.check_slots(slot_bytes, slots, others)
         self.share.rings[self.model] = slot_bytes * slots
+
+    def used(self) -> int:
+        return self.share.used()
 
 
 def _mib(n: int) -> str:

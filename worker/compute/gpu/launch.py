@@ -38,6 +38,7 @@ import numpy as np
 from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import buffer_address, translate_gpu_error
 from worker.compute.gpu import kernels
+from worker.compute.gpu.freeing import GATE
 from worker.compute.gpu.nvjpeg import NvJpeg
 from worker.compute.gpu.plan import PostprocessPlan
 from worker.compute.gpu.slots import Slot, StagedImage, pack_batch
@@ -137,7 +138,8 @@ class Launcher:
         cp = self._cupy
         host_seconds = 0.0
         error: WorkerError | None = None
-        with cp.cuda.Device(slot.device):
+        # Shared with the other submissions; an eviction waits for it (``freeing``).
+        with GATE.submitting(), cp.cuda.Device(slot.device):
             try:
                 host_seconds = (enqueue or self._enqueue)(slot, chunk)
             except Exception as exc:  # boundary: CuPy / engine library errors

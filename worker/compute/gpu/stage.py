@@ -20,6 +20,12 @@ Encoded images: decoded on the host (Pillow, on the stage's threads), or with
 (``nvjpeg``; what it refuses on the host, what neither decodes is answered
 ``invalid_request`` alone), counted by their decoded size from the header.
 
+Memory shared by demand (``worker.app.demand``): the engine and everything the
+stage holds on the device for it (``resources``) are freed by ``evict`` and
+built again by ``load``, by the constructor's own code; each batch enters the
+stage's ``residence`` before it takes a slot, so a batch of an evicted model
+waits there for the load, or is answered with why it cannot run.
+
 Failures: out of memory or an engine failure raises ``InferenceFailed`` from
 ``run_rows``, which runs any subset of a batch's answers again on the same slot
 (returning once that slot is idle), so the shared bisection isolates the poison
@@ -30,7 +36,6 @@ future fails, downstream stops committing, and so does every later batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,18 +48,12 @@ import structlog
 from worker.compute.engines.base import GpuEngine
 from worker.compute.engines.cuda import import_cupy
 from worker.compute.gpu import nvjpeg
-from worker.compute.gpu.budget import SlotBudget
-from worker.compute.gpu.columns import ColumnChunk, Columns, columnar_on_device
-from worker.compute.gpu.completion import SlotWatch
-from worker.compute.gpu.launch import Chunk, Launcher
-from worker.compute.gpu.plan import (
-    check_gpu_inputs,
-    host_kinds,
-    postprocess_plan,
-    slot_shapes,
-)
-from worker.compute.gpu.runner import SlotRunner
-from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotLayout, SlotRing
+from worker.compute.gpu.budget import MeasuredBudget, SlotBudget, used_bytes
+from worker.compute.gpu.columns import ColumnChunk
+from worker.compute.gpu.launch import Chunk
+from worker.compute.gpu.plan import check_gpu_inputs, host_kinds
+from worker.compute.gpu.resources import DeviceState, RingPlan
+from worker.compute.gpu.slots import Allocations, DeviceImage, Slot, SlotRing
 from worker.compute.gpu.staging import (
     OnDevice,
     needs_host_work,
@@ -64,10 +63,11 @@ from worker.compute.gpu.staging import (
     split_chunks,
     staged_bytes,
 )
-from worker.compute.stage import Stage, internal_errors_fail_the_run
+from worker.compute.stage import Residence, Stage, internal_errors_fail_the_run
 from worker.compute.triage import ServiceTimeHook, completed, pinned, run_isolating, triage
 from worker.config import GpuConfig
-from worker.flow.errors import EngineDead
+from worker.contract import ErrorInfo
+from worker.flow.codes import ErrorCode
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.room import Room
 from worker.model.inputs import Binding
@@ -104,146 +104,168 @@ class GpuStage(Stage):
             batches_in, completed_out, engine.info, binding,
             max_attempts=max_attempts, on_service_time=on_service_time, room=room,
         )  # fmt: skip
-        inputs = binding.inputs
-        image = check_gpu_inputs(inputs, gpu, num_slots)
-        # A batch larger than the engine takes runs in chunks of its maximum (a
-        # model of fixed batch: chunks of exactly that, padded up by the buckets).
-        max_batch_size = min(max_batch_size, engine.max_batch_size)
+        image = check_gpu_inputs(binding.inputs, gpu, num_slots)
         # Before CuPy: a missing torch is named as what gpu.decode needs.
-        self._nvjpeg = (
+        decoder = (
             nvjpeg.NvJpeg(gpu.device, image.cfg.channels)
             if gpu.decode == "nvjpeg" and image is not None
             else None
         )
-        self._cupy = cupy if cupy is not None else import_cupy()
-        self.cupy, self.device = self._cupy, gpu.device  # where a pipeline's columns are
-        self._engine = engine
+        cupy = cupy if cupy is not None else import_cupy()
+        self.cupy, self.device = cupy, gpu.device  # where a pipeline's columns are
         self._image = image
-        self._host = host_kinds(inputs, image)
-        self._device = gpu.device
-        self._max_rows = max_batch_size
+        self._host = host_kinds(binding.inputs, image)
         # Packed uint8 bytes one slot stages (GPU preprocessing only). A batch whose
         # images exceed it runs in several chunks; one larger image is too_large.
         self._max_input_bytes = gpu.max_input_bytes if image is not None else None
-        preferred = tuple(p for p in preferred_batch_sizes if p <= max_batch_size)
-        shapes = slot_shapes(
-            inputs, max_batch_size, preferred, inputs.length_buckets,
-            engine.min_batch_size,
-        )  # fmt: skip
-        self._buckets = dict(shapes.lengths)
-        engine.prepare(shapes)
-        plan = postprocess_plan(engine, self._outputs)
-        self._forms = plan.forms
-        self._launcher = Launcher(self._cupy, engine, inputs, image, self._host, plan, self._nvjpeg)
-        self._columns = Columns(self._cupy, engine, inputs, image, plan, self._outputs,
-                                self._launcher)  # fmt: skip
-        # A pipeline's step may run it on device arrays, its outputs left there.
-        self.device_columnar = columnar_on_device(inputs, self._outputs, plan, image)
-        self.layout = SlotLayout(
-            device=gpu.device,
-            max_batch_size=shapes.batches[-1],
-            engine_inputs=engine.inputs,
-            engine_outputs=engine.outputs,
-            results=plan.result_specs,
-            copy_back=plan.copy_back,
-            max_input_bytes=gpu.max_input_bytes if image is not None else 0,
-            host_inputs=tuple(f.name for k in (*self._host, *inputs.constants) for f in k.feeds),
-        )
-        if budget is not None:
-            budget.check_slots(self.layout.device_bytes, num_slots)
-        self.allocations = Allocations()
-        self._metrics.gpu_slots.set(num_slots)
-        self._ring: SlotRing[Slot] = SlotRing(
-            self._make_slots(num_slots), self.allocations, self._metrics.gpu_slots_busy.set
-        )
         self._pool = ThreadPoolExecutor(max_workers=num_slots, thread_name_prefix="gpu")
-        self._watch = SlotWatch(
-            self._cupy, self._ring, gpu.poll_interval_ms / 1000.0, gpu.batch_timeout_ms / 1000.0
-        )
-        self._runner = SlotRunner(self._pool, self._launcher, self._watch, self._metrics,
-                                  self._nvjpeg)  # fmt: skip
-        log.info(
-            "gpu_stage_ready", device=gpu.device, slots=num_slots, rows=self.layout.max_batch_size,
-            device_mib=round(self.layout.device_bytes * num_slots / 2**20, 1),
-            pinned_mib=round(self.layout.pinned_bytes * num_slots / 2**20, 1),
-            inputs={k.name: k.kind for k in inputs.kinds},
-            device_image=image.name if image is not None else None, shapes=len(shapes.combos()),
-            decode=gpu.decode, postprocess="host" if plan.host_postprocess else "gpu",
-            device_columns=self.device_columnar,
+        self._plan = RingPlan(
+            binding, gpu, num_slots, max_batch_size, tuple(preferred_batch_sizes), image,
+            self._host, cupy, decoder, self._pool, self._metrics, budget,
         )  # fmt: skip
-
-    def _make_slots(self, count: int) -> list[Slot]:
-        slots: list[Slot] = []
+        # What ``load`` measures itself with: the share's, as it measured the start.
+        used: Callable[[], int] = (
+            budget.used
+            if isinstance(budget, MeasuredBudget)
+            else functools.partial(used_bytes, cupy, None, gpu.device)
+        )
+        self.residence: Residence | None = None  # set where the model is loaded by demand
         try:
-            for index in range(count):
-                slot = Slot.create(index, self.layout, self.allocations, self._cupy)
-                slots.append(slot)
-                slot.context = self._engine.create_context(slot)
-                if self._nvjpeg is not None:
-                    self._nvjpeg.attach(slot)
-            self._launcher.warm_kernels(self._device)
-            # Start-up only: the buffers were zero-filled on the legacy default
-            # stream, which the slots' non-blocking streams do not wait for.
-            with self._cupy.cuda.Device(self._device):
-                self._cupy.cuda.runtime.deviceSynchronize()
+            self._state = DeviceState(self._plan, engine, self.info.name, used)
         except BaseException:
-            # Half-started: free what was created (streams, buffers, contexts).
-            for slot in slots:
-                with contextlib.suppress(Exception):
-                    slot.close()
+            self._pool.shutdown(wait=False)
             raise
-        return slots
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """What the stage shows of the resources it now runs on."""
+        res = self._state.serving()
+        self.layout = res.layout  # the ring's, kept through an eviction
+        # A pipeline's step may run it on device arrays, its outputs left there.
+        self.device_columnar = res.device_columnar
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the engine and the slots are on the device (not evicted)."""
+        return self._state.resources is not None
+
+    @property
+    def ring(self) -> SlotRing[Slot]:
+        return self._state.serving().ring
 
     @property
     def slots(self) -> tuple[Slot, ...]:
-        return self._ring.slots
+        res = self._state.resources
+        return res.ring.slots if res is not None else ()
+
+    @property
+    def allocations(self) -> Allocations:
+        """The slots' buffers, counted (none while evicted)."""
+        res = self._state.resources
+        return res.allocations if res is not None else Allocations()
 
     @property
     def nvjpeg(self) -> nvjpeg.NvJpeg | None:
         """The device JPEG decoder (``gpu.decode = "nvjpeg"``), with its counts."""
-        return self._nvjpeg
+        return self._plan.nvjpeg
+
+    # --- memory shared by demand (worker.app.demand) ------------------------------
+
+    def evict(self) -> None:
+        """Free the engine and every slot: the engine's context per slot (torch's
+        CUDA graphs, TensorRT's execution contexts: freed on a GPU only, the twin
+        has none), the engine, the slots' device and pinned buffers and nvJPEG's
+        views of them, the device memory back to the process's allocators
+        (``resources``). Only while no batch of this stage runs (the residence
+        guarantees it); batches then wait in the residence for ``load``, and one
+        that reached the stage regardless is answered ``inference_failed``, never
+        run. Idempotent. A failure to free leaves the stage dead (``EngineDead``)."""
+        self._state.evict()
+
+    def load(self, engine: GpuEngine) -> int:
+        """Serve ``engine`` (the model loaded again: the same file, bound and set
+        up as at start-up) on a ring built as the constructor built it
+        (``resources.build``: ``engine.prepare``, the launcher, the columns, the
+        slots, each slot's context, the kernels). On a GPU that is where torch
+        warms and captures its CUDA graphs again and TensorRT creates an
+        execution context per slot (and captures with ``gpu.cuda_graphs``); the
+        twin has neither. Returns the device bytes it took: the share's used
+        after, less before (as ``DeviceShare.measure``; a ring rebuilt in blocks
+        the allocator kept measures less than the first start did). On a worker
+        thread, while evicted and no batch runs. ``engine`` is the stage's from
+        the call: closed where the load fails, which leaves the stage evicted."""
+        took = self._state.load(engine)
+        self._adopt()
+        return took
 
     # --- the stage ----------------------------------------------------------------
 
     async def dispatch(self, batch: Batch[Job]) -> asyncio.Future[Completed]:
         """A batch with a request to run takes a slot (waiting for one: the ring's
-        bound is the stage's backpressure); one without is answered at once."""
-        if self._watch.dead is not None:
-            raise self._watch.dead
+        bound is the stage's backpressure); one without is answered at once.
+        With a residence, the batch enters it first, then takes a slot, on a
+        task of its own (the batcher's room bounds the batches dispatched)."""
         loop = asyncio.get_running_loop()
-        if not any(job.failure is None for job in batch.items):
+        if self.residence is not None:
+            return loop.create_task(self._resident(batch), name=f"gpu-{batch.seq}")
+        # Evicted with no residence to load it: a bug, answered as one, never run.
+        refused = self._not_loaded() if not self.loaded else None
+        res = self._state.serving() if refused is None else None  # raises a dead device's
+        if res is None or not any(job.failure is None for job in batch.items):
             done: asyncio.Future[Completed] = loop.create_future()
-            done.set_result(completed(batch, triage(batch, time.monotonic(), self._metrics)[0], 0))
+            done.set_result(self._refused(batch, refused))
             return done
-        slot = await self._ring.acquire()
+        slot = await res.ring.acquire()
         fut = loop.create_task(self._run_batch(batch, slot), name=f"gpu-{batch.seq}")
-        fut.add_done_callback(functools.partial(self._watch.batch_done, slot))
+        fut.add_done_callback(functools.partial(res.watch.batch_done, slot))
         return fut
 
+    async def _resident(self, batch: Batch[Job]) -> Completed:
+        """A batch in the residence: the model held loaded (loaded first) before a
+        slot is taken, so a batch it refuses never touches the ring."""
+        assert self.residence is not None
+        async with self.residence() as why:
+            refused = why if why is not None or self.loaded else self._not_loaded()
+            if refused is not None or not any(job.failure is None for job in batch.items):
+                return self._refused(batch, refused)
+            res = self._state.serving()
+            slot = await res.ring.acquire()
+            try:
+                return await self._run_batch(batch, slot)
+            finally:
+                # Released once its stream is idle. A batch cancelled mid-flight
+                # (shutdown) leaves the residence first: an eviction then drains
+                # the streams before it frees (``DeviceResources.close``).
+                res.watch.batch_done(slot)
+
+    def _not_loaded(self) -> ErrorInfo:
+        """A batch reached the stage while it is evicted: a bug (the residence loads
+        first), answered as one rather than run."""
+        log.error("gpu_stage_not_loaded", model=self.info.name)
+        return ErrorInfo(ErrorCode.INFERENCE_FAILED,
+                         f"model {self.info.name!r} is not loaded (evicted)")  # fmt: skip
+
+    def _refused(self, batch: Batch[Job], refused: ErrorInfo | None) -> Completed:
+        """The batch answered without the engine: its runnable rows with ``refused``
+        (its residence's why), any others as triage answers them."""
+        rows, runnable = triage(batch, time.monotonic(), self._metrics)
+        if refused is not None:
+            for row in runnable:
+                row.error = refused
+        return completed(batch, rows, 0)
+
     def close(self) -> None:
-        """Stop accepting work, wait for in-flight streams and free every slot."""
-        self._ring.close(self._watch.dead or EngineDead("GPU stage closed"))
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._watch.dead is None:
-            with self._cupy.cuda.Device(self._device):
-                # Drain every stream first, with the GIL released (CuPy's
-                # deviceSynchronize is nogil), so each pending completion callback
-                # (which takes the GIL) has run. Closing a slot then frees engine
-                # context memory (cudaFree synchronises the device) while this thread
-                # holds the GIL: a callback still queued on another slot's stream
-                # would wait for the GIL for ever, and so would we.
-                self._cupy.cuda.runtime.deviceSynchronize()
-                for slot in self._ring.slots:
-                    slot.close()
-        if self._nvjpeg is not None:
-            self._nvjpeg.close()
+        """Stop accepting work, wait for in-flight streams and free every slot (the
+        engine stays its loader's to close)."""
+        self._state.close(self._pool)
 
     # --- one batch ----------------------------------------------------------------
 
     async def _run_batch(self, batch: Batch[Job], slot: Slot) -> Completed:
         with structlog.contextvars.bound_contextvars(batch=batch.seq, slot=slot.index):
+            res = self._state.serving()
             rows, runnable = triage(batch, time.monotonic(), self._metrics)
-            runnable = pinned(runnable, self._engine.info.version)
+            runnable = pinned(runnable, res.engine.info.version)
             on_device: dict[int, DeviceImage] = {}
             if runnable and needs_host_work(runnable, self._host, self._image):
                 # Files for the host decoder are decoded and texts tokenized now, on
@@ -252,16 +274,16 @@ class GpuStage(Stage):
                 loop = asyncio.get_running_loop()
                 runnable, on_device = await loop.run_in_executor(
                     self._pool, prepare_on_host, runnable, self._host, self._image,
-                    self._nvjpeg is not None,
+                    self._plan.nvjpeg is not None,
                 )  # fmt: skip
             size = self._sizer(on_device)
             runnable = reject_oversized(runnable, size, self._max_input_bytes)
             engine_rows, service_s = 0, 0.0
             if runnable:
                 started = time.monotonic()
-                for group in self._inputs.groups(runnable, self._buckets):
-                    lengths = self._inputs.bucketed(group, self._buckets)
-                    for chunk in split_chunks(group, size, self._max_rows, self._max_input_bytes):
+                for group in self._inputs.groups(runnable, res.buckets):
+                    lengths = self._inputs.bucketed(group, res.buckets)
+                    for chunk in split_chunks(group, size, res.max_rows, self._max_input_bytes):
                         engine_rows += await self._run_group(slot, chunk, on_device, lengths)
                 service_s = time.monotonic() - started
             return completed(batch, rows, engine_rows, service_s)
@@ -285,8 +307,8 @@ class GpuStage(Stage):
         decode_us = 0
         if any(id(a) in on_device for a in answers):
             assert self._image is not None
-            answers, seconds = await self._runner.decode(slot, answers, on_device,
-                                                         self._image.name)  # fmt: skip
+            runner = self._state.serving().runner
+            answers, seconds = await runner.decode(slot, answers, on_device, self._image.name)
             decode_us = round(seconds * 1e6)
         try:
             if answers:
@@ -320,14 +342,13 @@ class GpuStage(Stage):
         ``on_device``: the answers whose JPEG nvJPEG has decoded; ``lengths``:
         the run's length per padded dimension (default: the answers' buckets).
         """
-        if self._watch.dead is not None:
-            raise self._watch.dead
+        res = self._state.serving()
         device = on_device or {}
         run_lengths = (
-            lengths if lengths is not None else self._inputs.bucketed(answers, self._buckets)
+            lengths if lengths is not None else self._inputs.bucketed(answers, res.buckets)
         )
         image = self._image
-        chunks = split_chunks(answers, self._sizer(device), self._max_rows, self._max_input_bytes)
+        chunks = split_chunks(answers, self._sizer(device), res.max_rows, self._max_input_bytes)
         results: list[tuple[list[Row], dict[str, np.ndarray], dict[str, int]]] = []
         for part in chunks:
             images = (
@@ -335,22 +356,24 @@ class GpuStage(Stage):
                 if image is not None
                 else []
             )
-            outputs, timing = await self._runner.run_chunk(slot, Chunk(part, images, run_lengths))
+            outputs, timing = await res.runner.run_chunk(slot, Chunk(part, images, run_lengths))
             results.append((part, outputs, timing))
         # Filled only once every chunk succeeded: a failure leaves all untouched.
         for part, outputs, timing in results:
-            self._scatter(part, outputs)
+            self._scatter(part, outputs, res.forms)
             for answer in part:
                 answer.timing_us.update(timing)
 
-    def _scatter(self, answers: list[Row], outputs: dict[str, np.ndarray]) -> None:
+    def _scatter(
+        self, answers: list[Row], outputs: dict[str, np.ndarray], forms: tuple[str, ...]
+    ) -> None:
         """Each answer's rows: the device's postprocessed forms as they came back, or
         the host reference on the raw output; outputs cut back to each request's
         lengths (``OutputPlan``)."""
         with internal_errors_fail_the_run():
-            if self._forms:
-                forms = {name: outputs[name] for name in self._forms}
-                self._outputs.scatter(outputs, answers, forms=forms)
+            if forms:
+                on_device = {name: outputs[name] for name in forms}
+                self._outputs.scatter(outputs, answers, forms=on_device)
             else:
                 self._outputs.scatter(outputs, answers)
 
@@ -360,23 +383,24 @@ class GpuStage(Stage):
         input, rows first) through the model on one slot, in runs of what it
         holds: its outputs as device arrays, a row a row (``columns``); None
         where the arrays are not what the model takes. ``ready``: events the
-        inputs are complete at. Raises ``InferenceFailed`` or ``EngineDead``."""
-        if self._watch.dead is not None:
-            raise self._watch.dead
+        inputs are complete at. Raises ``InferenceFailed`` or ``EngineDead``. A
+        pipeline's step models are never loaded by demand: no residence here."""
+        assert self.residence is None, "a pipeline's step model is never evicted"
+        res = self._state.serving()
         limit = self._max_input_bytes or 0
-        per_run = self._columns.rows_per_run(arrays, self._max_rows, limit)
+        per_run = res.columns.rows_per_run(arrays, res.max_rows, limit)
         if not per_run:
             return None
         n = len(next(iter(arrays.values())))
         out: dict[str, Any] = {}
-        slot = await self._ring.acquire()
+        slot = await res.ring.acquire()
         try:
             for start in range(0, n, per_run):
                 chunk = ColumnChunk(arrays, start, min(n, start + per_run), out, ready)
-                await self._runner.run(slot, chunk, self._columns.enqueue)
+                await res.runner.run(slot, chunk, res.columns.enqueue)
                 self._metrics.batch_size.observe(chunk.stop - start)
         finally:
-            self._watch.batch_done(slot)  # released once its stream is idle
+            res.watch.batch_done(slot)  # released once its stream is idle
         with internal_errors_fail_the_run():
             for name in self._outputs.passed:
                 self._outputs.check(name, out[name], n)
