@@ -12,13 +12,12 @@ version 1 and version 2 again, none before its record was written; the
 unloaded window answered ``unknown_model`` saying so; models were evicted for
 room and the memory the loads held never exceeded the budget.
 
-Not asserted: that a partition's answers follow the changes in offset order.
-They do not under demand loading: a batch that comes while its model is loaded
-runs at once, ahead of earlier batches of the same model still queued on the
-residency's lock for a load, so an earlier record can be answered by version 2
-after a later one by version 1 (seen in 3 runs of 4). What is asserted instead
-holds whatever the order: no answer of a state written before that state's
-record was (by the answers' Kafka timestamps).
+Each partition's answers follow the changes in offset order (version 2, then
+unloaded, then version 1, then version 2 again: a batch is let in by the
+residency in the order it was dispatched, even where a later one finds its
+model loaded; before that was so, an earlier record was answered by version 2
+after a later one by version 1 in 3 runs of 4), and no answer of a state came
+before that state's record was written (by the answers' Kafka timestamps).
 
 Members converging: two members of one group read the control topic; records
 written while one of them is down (a load, a tombstone and a load again of
@@ -282,6 +281,14 @@ async def test_unload_load_and_swap_under_load_answer_every_request_exactly_once
             checked[files[m][hashes[m][r.model.version]]].append((r, rows[m][int(i)]))
     for file, got in checked.items():
         _equal_alone(file, got)
+    # Each of c's partitions, by offset: the changes in the order they were made.
+    by_partition: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for r in by_rid.values():
+        if r.model.name == "c":
+            by_partition[r.source.partition].append((r.source.offset, _kind(r, c_versions)))
+    for partition, seen in by_partition.items():
+        kinds = [kind for _, kind in sorted(seen)]
+        assert _in_phase_order(kinds), (partition, kinds)
     # No state answered before its record was written; version 2 before and after.
     assert min(c_kinds["unloaded"]) >= written["unloaded"], (c_kinds, written)
     assert min(c_kinds["v1"]) >= written["v1"], (c_kinds, written)
@@ -296,6 +303,19 @@ async def test_unload_load_and_swap_under_load_answer_every_request_exactly_once
     log = await asyncio.to_thread(Path(w.log_path).read_text)
     loaded = [json.loads(line) for line in log.splitlines() if '"model_loaded"' in line]
     assert loaded and all(e["used_mib"] <= BUDGET_MB for e in loaded), loaded
+
+
+def _in_phase_order(kinds: list[str]) -> bool:
+    """Whether ``kinds`` (one partition's answers, by offset) go through the
+    changes' phases in order, each phase any number of times or none."""
+    phases = ("v2", "unloaded", "v1", "v2")
+    at = 0
+    for kind in kinds:
+        while at < len(phases) and phases[at] != kind:
+            at += 1
+        if at == len(phases):
+            return False
+    return True
 
 
 # --- 2. two members converging after restarts -------------------------------------

@@ -134,6 +134,36 @@ async def test_a_tombstone_frees_the_model_once_its_batch_ended_and_refuses_the_
         assert refused is None and loaded(r) == {"a"}
 
 
+async def test_batches_are_let_in_in_the_order_they_came() -> None:
+    """A batch dispatched later, finding its model loaded, waits for an earlier
+    one still queued for the load: else it would run first, on the version
+    before a swap the earlier one then runs on (a partition's offsets answered
+    out of version order)."""
+    c = resident("c", loaded=False)
+    r = Residency(0, 0, [c])
+    order: list[str] = []
+    later: list[asyncio.Task[None]] = []
+    release = asyncio.Event()
+
+    async def batch(tag: str) -> None:
+        async with r.held("c"):
+            order.append(tag)
+
+    async def swap() -> None:  # holds the residency's lock while it loads
+        await release.wait()
+        c.stage.load(load_engine(c.settings.model))
+        later.append(asyncio.create_task(batch("later")))  # dispatched now: finds c loaded
+
+    swapping = asyncio.create_task(r.swapping("c", swap))
+    await asyncio.sleep(0)
+    earlier = asyncio.create_task(batch("earlier"))  # queued for the load behind the swap
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.gather(swapping, earlier)
+    await asyncio.gather(*later)
+    assert order == ["earlier", "later"]
+
+
 async def test_a_model_that_fails_to_load_answers_its_batch_and_is_tried_again(
     tmp_path: Path,
 ) -> None:

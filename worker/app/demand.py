@@ -75,6 +75,7 @@ class Resident:
     backlog: int = 0  # its topics' lag at the monitor's last poll
     refused: str | None = None  # why it is not served (a tombstone), or None
     loads: int = 0
+    gate: asyncio.Future[None] | None = None  # the last batch to be let in (in order)
 
     @property
     def loaded(self) -> bool:
@@ -115,6 +116,31 @@ class Residency:
         naming why: the file gone or broken since start-up; the next batch tries
         again, and the worker goes on serving the other models)."""
         r = self._models[name]
+        # Batches enter in the order they were dispatched (each waits for the one
+        # before it to be let in): a later batch finding its model loaded must
+        # not run before an earlier one still waiting for the load, or a
+        # partition's later offsets would be answered by a version (or an
+        # unload) its earlier ones then are not.
+        before, mine = r.gate, asyncio.get_running_loop().create_future()
+        r.gate = mine
+        try:
+            if before is not None:
+                await asyncio.shield(before)
+            failed = await self._let_in(r)
+        finally:
+            if not mine.done():
+                mine.set_result(None)
+        try:
+            yield failed or (ErrorInfo(ErrorCode.UNKNOWN_MODEL, r.refused) if r.refused else None)
+        finally:
+            r.in_use -= 1
+            r.last_used = time.monotonic()
+            self._freed.set()  # a load waiting for room looks again
+
+    async def _let_in(self, r: Resident) -> ErrorInfo | None:
+        """``r`` loaded for one batch (loading it first) and counted in use; the
+        error to answer the batch with where its load failed."""
+        name = r.name
         failed: ErrorInfo | None = None
         while r.refused is None and not r.loaded and failed is None:
             try:
@@ -126,12 +152,7 @@ class Residency:
                                    f"model {name!r} could not be loaded: {exc}")  # fmt: skip
         # No await between the load's end and this count: nothing evicts it between.
         r.in_use += 1
-        try:
-            yield failed or (ErrorInfo(ErrorCode.UNKNOWN_MODEL, r.refused) if r.refused else None)
-        finally:
-            r.in_use -= 1
-            r.last_used = time.monotonic()
-            self._freed.set()  # a load waiting for room looks again
+        return failed
 
     def observe(self, backlogs: Mapping[str, int]) -> None:
         """The lag monitor's poll: each model's backlog; a model not loaded with
