@@ -233,3 +233,33 @@ async def test_a_model_that_cannot_fit_beside_the_pinned_ones_stops_start_up(
                        r"which does not fit the budget of 4 MiB"):  # fmt: skip
         await worker.prepare()
     await worker.stop()
+
+
+async def test_an_evicted_model_s_memory_is_freed_though_its_engine_is_still_referenced(
+    tmp_path: Path,
+) -> None:
+    """The worker keeps every model it loaded at start-up in a list (its engine
+    there too): evicting one must free its memory all the same."""
+    import dataclasses
+    import gc
+
+    from tests.onnx_models import wide
+    from worker.app.memory import resident_bytes
+
+    a = resident("a")
+    path = wide(tmp_path / "wide.onnx", mib=24)
+    a.settings = dataclasses.replace(a.settings, model=dataclasses.replace(
+        a.settings.model, path=str(path)))  # fmt: skip
+    r = Residency(0, 0, [a])
+    a.stage.evict()
+    async with r.held("a"):  # loaded by demand: the 24 MiB model
+        pass
+    kept = a.stage._engine  # as the worker's list would hold it
+    gc.collect()
+    before = resident_bytes()
+    r._evict(a, "room")
+    gc.collect()
+    after = resident_bytes()
+    assert before is not None and after is not None
+    assert before - after >= 16 * MIB, (before - after) / MIB
+    assert kept is not None

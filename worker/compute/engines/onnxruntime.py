@@ -28,7 +28,7 @@ class OnnxRuntimeEngine:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
-            self._session = ort.InferenceSession(
+            self._session: ort.InferenceSession | None = ort.InferenceSession(
                 str(path), sess_options=opts, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:  # boundary: ORT raises its own untyped errors
@@ -59,13 +59,14 @@ class OnnxRuntimeEngine:
         self._closed = False
 
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
-        if self._closed:
+        session = self._session
+        if self._closed or session is None:
             raise EngineDead("onnxruntime session is closed")
         given = dict(feeds)
         for name in self._virtual & given.keys():
             given[name] = given[name][0]  # a run of one request: its tensor whole
         try:
-            values = self._session.run(None, given)
+            values = session.run(None, given)
         except Exception as exc:  # boundary: translate once into our vocabulary
             raise InferenceFailed(f"onnxruntime: {exc}") from exc
         out = dict(zip(self.info.output_names, values, strict=True))
@@ -74,7 +75,11 @@ class OnnxRuntimeEngine:
         return out
 
     def close(self) -> None:
+        """The session released now, its weights and arena freed, though the
+        engine may still be referenced (the worker's list of its models holds
+        a model evicted by demand: ``worker.app.demand``)."""
         self._closed = True
+        self._session = None
 
 
 def _raw(arg: ort.NodeArg, where: str) -> RawTensor:
