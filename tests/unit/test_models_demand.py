@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.app.demand import Residency, Resident
+from worker.app.demand import Pool, Residency, Resident
 from worker.app.memory import MIB
 from worker.compute.cpu import CpuStage, Unloaded
 from worker.compute.engines import load_engine
@@ -45,7 +45,7 @@ def loaded(r: Residency) -> set[str]:
 async def test_the_least_recently_used_idle_model_makes_room() -> None:
     a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
     a.last_used, b.last_used = 1.0, 2.0
-    r = Residency(BUDGET, 0, [a, b, c])
+    r = Residency(Pool(BUDGET, 0), [a, b, c])
     async with r.held("c") as refused:
         assert refused is None and loaded(r) == {"b", "c"}
         assert r.used() <= BUDGET
@@ -57,7 +57,7 @@ async def test_the_least_recently_used_idle_model_makes_room() -> None:
 async def test_a_model_with_a_backlog_is_evicted_after_those_without() -> None:
     a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
     a.last_used, b.last_used = 1.0, 2.0
-    r = Residency(BUDGET, 0, [a, b, c])
+    r = Residency(Pool(BUDGET, 0), [a, b, c])
     r.observe({"a": 10})  # a's topics have records waiting: kept, b goes though newer
     async with r.held("c"):
         assert loaded(r) == {"a", "c"}
@@ -66,7 +66,7 @@ async def test_a_model_with_a_backlog_is_evicted_after_those_without() -> None:
 async def test_a_pinned_model_is_never_evicted() -> None:
     a, b, c = resident("a", pinned=True), resident("b"), resident("c", loaded=False)
     a.last_used, b.last_used = 1.0, 2.0
-    r = Residency(BUDGET, 0, [a, b, c])
+    r = Residency(Pool(BUDGET, 0), [a, b, c])
     async with r.held("c"):
         assert loaded(r) == {"a", "c"}
     async with r.held("b"):
@@ -75,7 +75,7 @@ async def test_a_pinned_model_is_never_evicted() -> None:
 
 async def test_a_load_waits_for_a_busy_model_rather_than_exceed_the_budget() -> None:
     a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
-    r = Residency(BUDGET, 0, [a, b, c])
+    r = Residency(Pool(BUDGET, 0), [a, b, c])
     release = asyncio.Event()
     entered = asyncio.Event()
 
@@ -98,7 +98,7 @@ async def test_a_load_waits_for_a_busy_model_rather_than_exceed_the_budget() -> 
 async def test_a_backlog_loads_a_model_before_its_requests_come() -> None:
     a, c = resident("a"), resident("c", loaded=False)
     a.last_used = 1.0
-    r = Residency(BUDGET, 30 * MIB, [a, c])  # 30 MiB held for good: one fits beside it
+    r = Residency(Pool(BUDGET, 30 * MIB), [a, c])  # 30 MiB held for good: one fits beside it
     r.observe({"c": 3})
     for _ in range(100):
         if c.loaded:
@@ -110,7 +110,7 @@ async def test_a_backlog_loads_a_model_before_its_requests_come() -> None:
 
 async def test_a_tombstone_frees_the_model_once_its_batch_ended_and_refuses_the_next() -> None:
     a = resident("a")
-    r = Residency(0, 0, [a])
+    r = Residency(Pool(0, 0), [a])
     release = asyncio.Event()
 
     async def batch() -> None:
@@ -140,7 +140,7 @@ async def test_batches_are_let_in_in_the_order_they_came() -> None:
     before a swap the earlier one then runs on (a partition's offsets answered
     out of version order)."""
     c = resident("c", loaded=False)
-    r = Residency(0, 0, [c])
+    r = Residency(Pool(0, 0), [c])
     order: list[str] = []
     later: list[asyncio.Task[None]] = []
     release = asyncio.Event()
@@ -177,7 +177,7 @@ async def test_a_model_that_fails_to_load_answers_its_batch_and_is_tried_again(
     shutil.copy(bundled_file("digits.onnx"), moved)
     a.settings = dataclasses.replace(a.settings, model=dataclasses.replace(
         a.settings.model, path=str(moved)))  # fmt: skip
-    r = Residency(0, 0, [a])
+    r = Residency(Pool(0, 0), [a])
     moved.write_bytes(b"not a model")  # replaced since start-up by something broken
     async with r.held("a") as failed:
         assert failed is not None and failed.code == "inference_failed"
@@ -197,7 +197,9 @@ def _repository(root: Path, *names: str) -> Path:
     return root
 
 
-def test_on_demand_models_are_repository_models_the_cpu_serves_alone(tmp_path: Path) -> None:
+def test_on_demand_models_are_repository_models_answering_requests_of_their_own(
+    tmp_path: Path,
+) -> None:
     repo = _repository(tmp_path / "models", "a", "b")
     env = {"INFER_WORKER_REPOSITORY__PATH": str(repo),
            "INFER_WORKER_REPOSITORY__ON_DEMAND": "true",
@@ -209,8 +211,10 @@ def test_on_demand_models_are_repository_models_the_cpu_serves_alone(tmp_path: P
     with pytest.raises(ConfigError, match=r"repository\.pinned: names models never evicted"):
         load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
                            "INFER_WORKER_REPOSITORY__PINNED": "a"})  # fmt: skip
-    (repo / "b" / "model.toml").write_text('topics = ["in.b"]\nbackend = "torch"\n')
-    with pytest.raises(ConfigError, match=r"repository\.on_demand: .*'b' names the backend"):
+    (repo / "b" / "model.toml").write_text('topics = ["in.b"]\nbackend = "gpu-twin"\n')
+    assert load_settings(env=env).models["b"].backend == "gpu-twin"  # the GPU's budget its own
+    (repo / "b" / "model.toml").write_text('topics = ["in.b"]\nreload_interval_s = 5\n')
+    with pytest.raises(ConfigError, match=r"repository\.on_demand: 'b' sets reload_interval_s"):
         load_settings(env=env)
 
 
@@ -250,7 +254,7 @@ async def test_an_evicted_model_s_memory_is_freed_though_its_engine_is_still_ref
     path = wide(tmp_path / "wide.onnx", mib=24)
     a.settings = dataclasses.replace(a.settings, model=dataclasses.replace(
         a.settings.model, path=str(path)))  # fmt: skip
-    r = Residency(0, 0, [a])
+    r = Residency(Pool(0, 0), [a])
     a.stage.evict()
     async with r.held("a"):  # loaded by demand: the 24 MiB model
         pass

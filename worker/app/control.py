@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import structlog
 
-from worker.app.demand import Residency
+from worker.app.demand import Residency, residency
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
 from worker.compute.cpu import CpuStage
@@ -277,6 +277,22 @@ def controlled(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, 
                       "device": device_name}  # fmt: skip
             ok[m.name] = Controlled(m.settings, cast(CpuStage, stage), info.version, labels)
     return Control(s, ok, refused)
+
+
+def controls(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, Stage],
+             device_memory: Mapping[str, int], device_name: str,
+             ) -> tuple[Control | None, Residency | None]:  # fmt: skip
+    """Before Kafka is contacted (``run`` and ``config`` alike): the control
+    topic's side (with ``kafka.control_topic``) and the residency of the models
+    it may unload and of those loaded by demand, settled (the GPU's budget:
+    exit 2 where it cannot hold them)."""
+    control = controlled(s, models, stages, device_name) if s.kafka.control_topic else None
+    held = residency(s, models, stages, control.names if control else (), device_memory)
+    if held is not None:
+        held.settle()
+    if control is not None:
+        control.residency = held
+    return control, held
 
 
 async def converged(control: Control, task: asyncio.Task[None], timeout_s: float) -> None:

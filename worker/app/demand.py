@@ -42,18 +42,19 @@ import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import structlog
 
-from worker.app.loading import LoadedModel
+from worker.app.loading import LoadedModel, engine_loader
 from worker.app.memory import MIB, measured
-from worker.compute.cpu import CpuStage
-from worker.compute.engines import load_engine
-from worker.compute.stage import Stage
+from worker.compute.stage import Residence, Stage
 from worker.config import Settings
+from worker.config.checks import check
+from worker.config.model import is_gpu_backend
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
+from worker.model.io import EngineInfo
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -61,14 +62,29 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
+class Resides(Protocol):
+    """What the residency asks of a stage (``CpuStage``, ``GpuStage``)."""
+
+    info: EngineInfo
+    residence: Residence | None
+
+    @property
+    def loaded(self) -> bool: ...
+
+    def evict(self) -> None: ...
+
+    def load(self, engine: Any) -> int: ...  # the device bytes it took
+
+
 @dataclass(eq=False)
 class Resident:
     """One model loaded by demand: its stage, and what the residency decides by."""
 
     name: str
-    stage: CpuStage
+    stage: Resides
     settings: Settings  # the serving version's (a control record changes it)
-    size: int  # bytes: the most any of its loads measured
+    size: int  # bytes: the most any of its loads measured (device bytes on the GPU)
+    device: bool = False  # a GPU model: its budget the device's
     pinned: bool = False
     last_used: float = 0.0  # monotonic: when its last batch ended
     in_use: int = 0  # its batches running now
@@ -82,14 +98,23 @@ class Resident:
         return self.stage.loaded
 
 
-@dataclass(eq=False)
-class Residency:
-    """The models loaded by demand, and the budget they share beside those
-    loaded for good (``fixed``: the configured models' measured bytes)."""
+@dataclass(frozen=True)
+class Pool:
+    """A memory the models share: the host's, or the GPU's on the worker's device."""
 
     budget: int  # bytes; 0: no budget (nothing is evicted for room)
-    fixed: int
+    fixed: int  # what the models loaded for good hold of it
+    name: str = "host"
+
+
+@dataclass(eq=False)
+class Residency:
+    """The models loaded by demand, and the budgets they share beside those
+    loaded for good: the host's and the device's."""
+
+    host: Pool
     residents: Sequence[Resident]
+    gpu: Pool = Pool(0, 0, "gpu")
     _models: dict[str, Resident] = field(init=False)
     _lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     _freed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
@@ -101,9 +126,35 @@ class Residency:
             r.stage.residence = functools.partial(self.held, r.name)
         self._publish()
 
-    def used(self) -> int:
-        """The bytes the loaded models hold, as counted (the module's docstring)."""
-        return self.fixed + sum(r.size for r in self._models.values() if r.loaded)
+    def used(self, device: bool = False) -> int:
+        """The bytes the loaded models hold of the host's memory (or the
+        device's), as counted (the module's docstring)."""
+        pool = self.gpu if device else self.host
+        return pool.fixed + sum(r.size for r in self._models.values()
+                                if r.loaded and r.device == device)  # fmt: skip
+
+    def settle(self) -> None:
+        """At start-up, once every stage started: the GPU models loaded by demand
+        evicted down to the device's budget, oldest first (never a pinned one);
+        exit 2 where one could never fit beside the GPU models loaded for good and
+        the pinned ones."""
+        gpu = [r for r in self.residents if r.device]
+        if not self.gpu.budget or not gpu:
+            return
+        kept = self.gpu.fixed + sum(r.size for r in gpu if r.pinned)
+        for r in gpu:
+            check(r.pinned or kept + r.size <= self.gpu.budget, "limits.max_gpu_models_memory_mb",
+                  f"{r.name!r} takes {r.size / MIB:.0f} MiB of the device, which does not fit "
+                  f"the budget of {self.gpu.budget / MIB:.0f} MiB beside the GPU models loaded "
+                  f"for good and the pinned ones' {kept / MIB:.0f} MiB")  # fmt: skip
+        check(kept <= self.gpu.budget, "limits.max_gpu_models_memory_mb", f"the GPU models "
+              f"loaded for good and the pinned ones take {kept / MIB:.0f} MiB, over the budget "
+              f"of {self.gpu.budget / MIB:.0f} MiB")  # fmt: skip
+        for r in gpu:
+            if self.used(True) <= self.gpu.budget:
+                break
+            if not r.pinned:
+                self._evict(r, "room")  # at start-up, once every stage started
 
     def get(self, name: str) -> Resident | None:
         return self._models.get(name)
@@ -182,10 +233,14 @@ class Residency:
                 return
             await self._make_room(r, r.size)
             started = time.monotonic()
-            engine, size = await measured(functools.partial(load_engine, r.settings.model))
-            seconds = time.monotonic() - started
-            r.stage.load(engine)
-            self._loaded(r, size, reason, seconds)
+            load = engine_loader(r.settings)  # its serving version's
+            if r.device:  # its stage measures what it takes of the device
+                engine = await asyncio.to_thread(load)
+                size = await asyncio.to_thread(r.stage.load, engine)
+            else:
+                engine, size = await measured(load)
+                r.stage.load(engine)
+            self._loaded(r, size, reason, time.monotonic() - started)
 
     def _loaded(self, r: Resident, size: int, reason: str, seconds: float) -> None:
         r.size = max(r.size, size)
@@ -195,36 +250,40 @@ class Residency:
         metrics.MODEL_LOAD_SECONDS.labels(r.name).observe(seconds)
         metrics.MODEL_MEMORY.labels(model=r.name, version=r.stage.info.version).set(r.size)
         log.info("model_loaded", model=r.name, reason=reason, seconds=round(seconds, 3),
-                 size_mib=round(r.size / MIB, 1), used_mib=round(self.used() / MIB, 1))  # fmt: skip
+                 size_mib=round(r.size / MIB, 1), memory="gpu" if r.device else "host",
+                 used_mib=round(self.used(r.device) / MIB, 1))  # fmt: skip
         self._publish()
 
     async def _make_room(self, r: Resident, need: int) -> None:
         """Evict until ``need`` more bytes fit the budget (the lock held): the
         module's docstring says whom, and when it waits."""
-        while self.budget and self.used() + need > self.budget:
+        budget = (self.gpu if r.device else self.host).budget
+        while budget and self.used(r.device) + need > budget:
             victim = self._victim(r)
             if victim is not None:
                 self._evict(victim, "room")
                 continue
-            busy = [m for m in self._models.values() if m is not r and m.loaded and not m.pinned]
+            busy = [m for m in self._models.values() if m is not r and m.loaded
+                    and not m.pinned and m.device == r.device]  # fmt: skip
             if not busy:  # nothing left to evict: grown past what the budget gives it
                 log.warning("model_over_budget", model=r.name, size_mib=round(need / MIB, 1),
-                            used_mib=round(self.used() / MIB, 1),
-                            budget_mib=round(self.budget / MIB, 1))  # fmt: skip
+                            used_mib=round(self.used(r.device) / MIB, 1),
+                            budget_mib=round(budget / MIB, 1))  # fmt: skip
                 return
             self._freed.clear()
             await self._freed.wait()  # a batch ended: look again
 
     def _victim(self, r: Resident) -> Resident | None:
-        idle = [m for m in self._models.values()
-                if m is not r and m.loaded and not m.pinned and m.in_use == 0]  # fmt: skip
+        idle = [m for m in self._models.values() if m is not r and m.loaded and not m.pinned
+                and m.in_use == 0 and m.device == r.device]  # fmt: skip
         return min(idle, key=lambda m: (m.backlog > 0, m.last_used), default=None)
 
     def _evict(self, r: Resident, reason: str) -> None:
         r.stage.evict()
         metrics.MODEL_EVICTIONS.labels(r.name, reason).inc()
         log.info("model_evicted", model=r.name, reason=reason, backlog=r.backlog,
-                 size_mib=round(r.size / MIB, 1), used_mib=round(self.used() / MIB, 1))  # fmt: skip
+                 size_mib=round(r.size / MIB, 1), memory="gpu" if r.device else "host",
+                 used_mib=round(self.used(r.device) / MIB, 1))  # fmt: skip
         self._publish()
 
     # --- the control topic's changes (worker.app.control) -------------------------
@@ -271,6 +330,7 @@ class Residency:
         for r in self._models.values():
             metrics.MODEL_LOADED.labels(r.name).set(1 if r.loaded else 0)
         metrics.MODELS_MEMORY_USED.set(self.used())
+        metrics.GPU_MODELS_MEMORY_USED.set(self.used(True))
 
 
 def residency(
@@ -278,16 +338,31 @@ def residency(
     models: Sequence[LoadedModel],
     stages: Mapping[str, Stage],
     controlled: Collection[str] = (),
+    device_memory: Mapping[str, int] | None = None,
 ) -> Residency | None:
     """The residency of the models loaded by demand and of those the control
     topic may unload (``controlled``: without ``repository.on_demand`` these are
-    never evicted for room, the budget having been checked at start-up), or None."""
+    never evicted for room, the budget having been checked at start-up), or None.
+    ``device_memory``: what each GPU stage took of the device as it started."""
+    device_memory = device_memory or {}
     chosen = [m for m in models if m.on_demand or m.name in controlled]
     if not chosen:
         return None
-    budget = s.limits.max_models_memory_mb * MIB if s.repository.on_demand else 0
-    names = {m.name for m in chosen}
-    fixed = sum(m.size for m in models if m.name not in names)
-    residents = [Resident(m.name, cast(CpuStage, stages[m.name]), m.settings, m.size,
-                          pinned=m.name in s.repository.pinned) for m in chosen]  # fmt: skip
-    return Residency(budget, fixed, residents)
+    demand, limits = s.repository.on_demand, s.limits
+    # A GPU model's host memory (its runtime, its weights' host copy) stays: counted
+    # as loaded for good; its device memory is what it is loaded and evicted for.
+    on_host = {m.name for m in chosen if not is_gpu_backend(m.settings.model.backend)}
+    host = Pool(limits.max_models_memory_mb * MIB if demand else 0,
+                sum(m.size for m in models if m.name not in on_host))  # fmt: skip
+    gpu = Pool(limits.max_gpu_models_memory_mb * MIB if demand else 0,
+               sum(size for ring, size in device_memory.items() if ring not in
+                   {m.name for m in chosen}), "gpu")  # fmt: skip
+    residents = []
+    for m in chosen:
+        device = m.name not in on_host
+        residents.append(Resident(
+            m.name, cast(Resides, stages[m.name]), m.settings,
+            device_memory.get(m.name, 0) if device else m.size,
+            device=device, pinned=m.name in s.repository.pinned,
+        ))  # fmt: skip
+    return Residency(host, residents, gpu)

@@ -134,3 +134,9 @@ class GpuShare:
     def check_used(self) -> None:
         if self._share is not None:
             self._share.check_used()
+
+    @property
+    def models(self) -> dict[str, int]:
+        """What each GPU stage took of the device as it started, by ring (a
+        model's own: its name; a pipeline's step: ``PIPELINE.MODEL``)."""
+        return dict(self._share.models) if self._share is not None else {}

@@ -26,6 +26,7 @@ from worker.compute.cpu import Unloaded
 from worker.compute.engines import Engine, GpuEngine, load_engine
 from worker.config import Settings
 from worker.config.checks import check
+from worker.config.model import is_gpu_backend
 from worker.config.models import ServedModel, served, settings_named
 from worker.config.repository import RepositoryModel
 from worker.model.files import resolve_model_path
@@ -58,6 +59,14 @@ def on_demand(s: Settings, m: ServedModel) -> bool:
     return s.repository.on_demand and isinstance(m.config, RepositoryModel)
 
 
+def by_demand_on_host(s: Settings, m: ServedModel) -> bool:
+    """Loaded by demand and measured in host memory as it loads (here, one at a
+    time). A GPU model loaded by demand loads as the others here: its stage
+    measures the device memory it takes, and the budget for it is settled
+    once every stage started (``worker.app.demand``)."""
+    return on_demand(s, m) and not is_gpu_backend(m.config.backend)
+
+
 async def load_models(
     s: Settings, engine: Engine | GpuEngine | None = None, bind: Bind | None = None
 ) -> list[LoadedModel]:
@@ -71,13 +80,14 @@ async def load_models(
     sizes: dict[str, tuple[str, int]] = {}
     try:
         for m in models:
-            if on_demand(s, m):
+            if by_demand_on_host(s, m):
                 continue
             one, size = (engine, 0) if engine is not None else await _load(s, m)
-            loaded.append(LoadedModel(m.name, m.key, m.topics, _sized(m, one), one, size))
+            loaded.append(LoadedModel(m.name, m.key, m.topics, _sized(m, one), one, size,
+                                      on_demand=on_demand(s, m)))  # fmt: skip
             sizes[m.name] = (one.info.version, size)
         check_budget(sizes, s.limits.max_models_memory_mb)  # before joining the group
-        demand = [m for m in models if on_demand(s, m)]
+        demand = [m for m in models if by_demand_on_host(s, m)]
         if demand:
             assert bind is not None, "models loaded by demand are bound as they load"
             pinned = set(s.repository.pinned)
@@ -147,13 +157,19 @@ async def _load_by_demand(
 
 
 async def _load(s: Settings, m: ServedModel) -> tuple[Engine | GpuEngine, int]:
-    plan = RunPlan.of(m.settings)
     with settings_named(m.key):
-        return await measured(functools.partial(
-            load_engine, m.settings.model, device=s.gpu.device,
-            max_batch_size=m.settings.batching.max_batch_size, cuda_graphs=s.gpu.cuda_graphs,
-            buckets=plan.batch_buckets,
-        ))  # fmt: skip
+        return await measured(engine_loader(m.settings))
+
+
+def engine_loader(model: Settings) -> Callable[[], Engine | GpuEngine]:
+    """How a model's engine loads (``model``: the worker's settings as the model
+    runs alone: its device the worker's), at start-up and again by demand."""
+    plan = RunPlan.of(model)
+    return functools.partial(
+        load_engine, model.model, device=model.gpu.device,
+        max_batch_size=model.batching.max_batch_size, cuda_graphs=model.gpu.cuda_graphs,
+        buckets=plan.batch_buckets,
+    )  # fmt: skip
 
 
 def close_models(models: Sequence[LoadedModel]) -> None:

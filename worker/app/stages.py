@@ -79,6 +79,9 @@ class Stages:
     # The intake's count of each shared topic's records by model (the lag
     # monitor splits the topic's backlog by it).
     shares: Shares = dataclasses.field(default_factory=Shares)
+    # What each GPU stage took of the device as it started, by ring (models loaded
+    # by demand on the GPU are counted so: ``worker.app.demand``).
+    device_memory: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def topics_of(self, name: str) -> list[str]:
         """The input topics whose requests naming none ``name`` answers."""
@@ -186,7 +189,8 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge, shares)
+    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge, shares,
+                  device.models)  # fmt: skip
 
 
 async def _model_stages(

@@ -19,8 +19,8 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app import cards
-from worker.app.control import controlled, converged
-from worker.app.demand import Residency, residency
+from worker.app.control import Control, controls, converged
+from worker.app.demand import Residency
 from worker.app.inference import bound
 from worker.app.loading import LoadedModel, close_models, load_models
 from worker.app.plan import RunPlan
@@ -61,7 +61,9 @@ class Worker:
         self._stages: Stages | None = None
         # The versions the control topic swapped in before the first record (its log line).
         self._serving: dict[str, str] = {}
-        self._residency: Residency | None = None  # models loaded by demand or unloaded
+        # Models loaded by demand or unloaded, and the control topic's side (prepare()).
+        self._residency: Residency | None = None
+        self._control: Control | None = None
         self._pipeline: list[asyncio.Task[None]] = []  # consume .. produce, in flow order
         self._support: list[asyncio.Task[None]] = []  # commit loop, broker probe
         self._failure: BaseException | None = None
@@ -110,9 +112,12 @@ class Worker:
                 self.plan = dataclasses.replace(
                     self.plan, crash_guard_window=max(self.plan.crash_guard_window, window)
                 )
-            self._stages = await build_stages(
+            self._stages = stages = await build_stages(
                 s, self.plan, self._models, self.tracker, self._tracer, self._on_revoke
             )
+            self._control, self._residency = controls(
+                s, self._models, {m.name: m.infer for m in stages.models},
+                stages.device_memory, self.plan.device_name)  # fmt: skip
         except BaseException:
             await self._close()
             raise
@@ -212,18 +217,12 @@ class Worker:
             self._support.append(self._spawn(watch_gpu(s.gpu.device), "gpu-monitor"))
 
     async def _converge(self, s: Settings, stages: Stages) -> list[asyncio.Task[None]]:
-        """The models loaded by demand and unloaded by the control topic given
-        their residency (``worker.app.demand``); with ``kafka.control_topic``,
-        each repository model at the version the topic sets
-        (``worker.app.control``), before the first record is read, and the task
-        that follows the topic from then on."""
-        stage_of = {m.name: m.infer for m in stages.models}
-        control = (controlled(s, self._models, stage_of, self.plan.device_name)
-                   if s.kafka.control_topic else None)  # fmt: skip
-        self._residency = residency(s, self._models, stage_of, control.names if control else ())
+        """With ``kafka.control_topic``: each repository model at the version the
+        topic sets (``worker.app.control``), before the first record is read, and
+        the task that follows the topic from then on."""
+        control = self._control
         if control is None:
             return []
-        control.residency = self._residency
         task = self._spawn(control.run(), "model-control")
         try:
             await converged(control, task, max(60.0, s.kafka.request_timeout_s))

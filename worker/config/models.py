@@ -236,10 +236,7 @@ def _check_on_demand(s: Settings, models: tuple[ServedModel, ...], in_pipelines:
         if not isinstance(model.config, RepositoryModel):
             continue
         m = model.config
-        why = ("on_demand loads and evicts models on the CPU path (a GPU stage's engines are "
-               f"compiled and captured per slot at start): {model.name!r} names the backend "
-               f"{m.backend!r}" if is_gpu_backend(m.backend) else
-               f"{model.name!r} is run by a pipeline's step, which holds its engine"
+        why = (f"{model.name!r} is run by a pipeline's step, which holds its engine"
                if model.name in in_pipelines else
                f"{model.name!r} sets reload_interval_s: its version is its file's (the control "
                "topic sets a repository model's)" if m.reload_interval_s else None)  # fmt: skip

@@ -188,10 +188,16 @@ class LimitsConfig:
     # repository.on_demand, the repository's models share what the others leave, loaded and
     # evicted by demand. 0: no budget.
     max_models_memory_mb: int = 0
+    # repository.on_demand: the most GPU memory, in MiB, the worker's GPU models hold together
+    # on its device (engines and slot rings, measured as each stage starts); the repository's
+    # GPU models share what the others leave, loaded and evicted by demand. 0: no budget.
+    max_gpu_models_memory_mb: int = 0
 
     def __post_init__(self) -> None:
         check(self.max_crash_attempts >= 0, "limits.max_crash_attempts", "must be >= 0")
         check(self.max_models_memory_mb >= 0, "limits.max_models_memory_mb", "must be >= 0")
+        check(self.max_gpu_models_memory_mb >= 0, "limits.max_gpu_models_memory_mb",
+              "must be >= 0")  # fmt: skip
         check(self.max_record_bytes > 0, "limits.max_record_bytes", "must be > 0")
         check(self.max_tensor_bytes > 0, "limits.max_tensor_bytes", "must be > 0")
         check(self.max_image_pixels > 0, "limits.max_image_pixels", "must be > 0")

@@ -38,3 +38,8 @@ MODELS_MEMORY_USED = Gauge(
     "The bytes the loaded models hold together as measured at their loads (never over "
     "limits.max_models_memory_mb where a budget is set)",
 )
+GPU_MODELS_MEMORY_USED = Gauge(
+    "infer_gpu_models_memory_used_bytes",
+    "The bytes of the worker's device the loaded GPU models hold together as measured as "
+    "their stages started (never over limits.max_gpu_models_memory_mb where a budget is set)",
+)

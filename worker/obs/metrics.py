@@ -31,6 +31,7 @@ from prometheus_client import (
 # reference (docs/hooks/reference.py) read them.
 from worker.obs.backlog import BACKLOG_RECORDS, SECONDS_TO_DRAIN
 from worker.obs.demand import (
+    GPU_MODELS_MEMORY_USED,
     MODEL_EVICTIONS,
     MODEL_LOAD_SECONDS,
     MODEL_LOADED,
@@ -49,7 +50,8 @@ from worker.obs.health import (
 
 # Named here, defined there (the rest of the module's names are its own).
 __all__ = [
-    "BACKLOG_RECORDS", "MODELS_MEMORY_USED", "MODEL_EVICTIONS", "MODEL_LOADED", "MODEL_LOADS",
+    "BACKLOG_RECORDS", "GPU_MODELS_MEMORY_USED", "MODELS_MEMORY_USED", "MODEL_EVICTIONS",
+    "MODEL_LOADED", "MODEL_LOADS",
     "MODEL_LOAD_SECONDS", "READY", "SECONDS_TO_DRAIN", "conditions", "is_ready", "loop_stale",
     "loop_ticked", "set_condition", "set_liveness_timeout",
 ]  # fmt: skip
