@@ -1,6 +1,10 @@
 """Memory shared by demand (``repository.on_demand``, issue 68): the repository's
 models loaded while they are needed and evicted when another needs the memory,
-within ``limits.max_models_memory_mb``.
+within ``limits.max_models_memory_mb`` (the host's, measured as each loads) and,
+for GPU models, ``limits.max_gpu_models_memory_mb`` (the device's, measured as
+each stage starts; every GPU stage starts at start-up and those over the budget
+are evicted before Kafka is contacted: ``Residency.settle``). The two budgets
+are apart: a model is evicted only to make room in its own.
 
 Every model of the repository was loaded once at start-up, one at a time (bound,
 probed and measured: ``worker.app.loading``), and kept while the budget held it;
