@@ -232,6 +232,62 @@ async def test_compiled_program_with_graphs_equals_cpu_stage(
         )
 
 
+async def test_a_compiled_stage_evicted_and_loaded_again_answers_the_same(
+    torch: Any, digits_program: Path, samples: tuple[list[np.ndarray], np.ndarray]
+) -> None:
+    """Memory shared by demand on a GPU (issue 68; on the twin:
+    tests/unit/compute/test_gpu_evict.py): the stage evicted (its slots, their
+    CUDA graphs and the engine freed) and loaded again from a new engine (the
+    program compiled and every (slot, bucket) graph captured again) answers as
+    before, nothing compiled on the hot path after the load, and the process's
+    allocations do not grow over evict/load cycles."""
+    import time
+
+    from worker.compute.engines.torch import TorchEngine
+    from worker.flow.messages import Batch
+
+    images, _ = samples
+    model = dataclasses.replace(
+        _torch_model(digits_program),
+        preprocess=dataclasses.replace(DIGITS_PP, device="gpu"),
+    )
+    source, sink = queues()
+    stage = gpu_stage(source, sink, TorchEngine(digits_program, model, max_batch_size=64),
+                      model, 64, 2)  # fmt: skip
+
+    async def answers() -> list[Any]:
+        out = []
+        for seq, start in enumerate(range(0, 96, 48)):
+            part = make_jobs(images[start : start + 48])
+            done = await stage.run_batch(Batch(part, time.monotonic(), "full", seq))
+            out += done.answers
+        return out
+
+    try:
+        want = await answers()
+        sizes = []
+        for _ in range(3):
+            stage.evict()
+            assert not stage.loaded and stage.slots == ()
+            sizes.append(stage.load(TorchEngine(digits_program, model, max_batch_size=64)))
+            before = _dynamo_counts(torch)
+            got = await answers()
+            assert _dynamo_counts(torch) == before, "something compiled after the load"
+            for w, g in zip(want, got, strict=True):
+                assert g.error is None and g.outputs is not None and w.outputs is not None
+                np.testing.assert_array_equal(g.outputs["topk_indices"], w.outputs["topk_indices"])
+                np.testing.assert_allclose(g.outputs["topk_scores"], w.outputs["topk_scores"],
+                                           atol=1e-6)  # fmt: skip
+            torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        stage.evict()
+        stage.load(TorchEngine(digits_program, model, max_batch_size=64))
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= allocated * 1.05 + (1 << 20), "grew per cycle"
+    finally:
+        stage.close()
+
+
 def test_a_model_that_cannot_be_captured_stops_start_up_naming_the_setting(
     torch: Any, tmp_path: Path
 ) -> None:
