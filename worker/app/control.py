@@ -95,6 +95,8 @@ class Control:
         # Each model's version number serving (the policy's at start), for the index.
         held = listing(s.repository) if s.repository.path else ()
         self._numbers = {v.name: v.version for v in held if v.served}
+        # Why each version a record named was refused (the index says so), by model.
+        self._failed: dict[tuple[str, int], str] = {}
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -138,6 +140,8 @@ class Control:
                 state = "UNAVAILABLE"
                 reason = (f"version {serving} serves" if serving is not None
                           else "not served by this worker")  # fmt: skip
+                if (failed := self._failed.get((v.name, v.version))) is not None:
+                    reason = f"refused: {failed}; {reason}"
             out.append({"name": v.name, "version": str(v.version), "state": state,
                         "reason": reason})  # fmt: skip
         return out
@@ -208,13 +212,11 @@ class Control:
             cfg = await asyncio.to_thread(self._version, name, version)
             hash_ = await asyncio.to_thread(content_version, resolve_model_path(cfg.path))
         except (ConfigError, OSError) as exc:
-            return self._refuse(name, f"version {version}: {exc}")
+            return self._refused_version(name, version, str(exc))
         if is_gpu_backend(cfg.backend):
-            return self._refuse(
-                name,
-                f"version {version}: its model.toml names the GPU backend "
-                f"{cfg.backend!r}; a version swaps in on the CPU path only",
-            )
+            return self._refused_version(name, version, f"its model.toml names the GPU backend "
+                                         f"{cfg.backend!r}; a version swaps in on the CPU path "
+                                         "only")  # fmt: skip
         # As the model's own settings hold it (``worker.config.models.ServedModel``):
         # its topics and changelog are the worker's routing's, not its alone.
         alone = dataclasses.replace(cfg, topics=(), state_topic="")
@@ -229,11 +231,13 @@ class Control:
             name, lambda: swap(settings, model.stage, hash_))  # fmt: skip
         if problem is not None:
             swap_refused(name, hash_, f"version {version}: {problem}", model.serving)
+            self._failed[name, version] = problem
             return False
         resident.settings, resident.refused = settings, None  # loaded by demand at this version
         swapped(name, model.serving, hash_, model.labels)
         model.serving = hash_
         self._numbers[name] = version
+        self._failed.pop((name, version), None)
         log.info("model_control_applied", model=name, version=version, serving=hash_)
         return True
 
@@ -246,6 +250,12 @@ class Control:
             raise ConfigError(f"not in {entry.directory} (it holds "
                               f"{', '.join(map(str, entry.versions))})")  # fmt: skip
         return load_version(entry, version)
+
+    def _refused_version(self, name: str, version: int, why: str) -> bool:
+        """A record's version refused: said as any refusal, and kept for the
+        index (its status there says why: a load that failed is reported)."""
+        self._failed[name, version] = why
+        return self._refuse(name, f"version {version}: {why}")
 
     @staticmethod
     def _refuse(name: str, why: str) -> bool:
