@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.test_model_control import _answers
 from tests.onnx_models import run_alone, wide
-from tests.serving import wire
-from worker.contract import Result, Tensor
+from worker.contract import Result
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
-from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
@@ -43,23 +42,6 @@ def _repository(root: Path, topics: dict[str, str]) -> dict[str, Path]:
         files[name] = wide(version / "model.onnx", seed=seed, mib=24)
         (version.parent / "model.toml").write_text(f'topics = ["{topics[name]}"]\n')
     return files
-
-
-async def _answers(broker: Broker, topic: str, out: str, rows: dict[str, np.ndarray],
-                   offsets: dict[str, int]) -> dict[str, Result]:  # fmt: skip
-    await produce_all(broker.bootstrap, topic, [
-        (rid.encode(), wire(rid, {"features": Tensor.from_numpy(v)})) for rid, v in rows.items()
-    ])  # fmt: skip
-    c = Collector(broker.bootstrap, [out])
-    await c.start()
-    try:
-        want = offsets.get(out, 0) + len(rows)
-        assert await c.collect(lambda c: c.count() >= want, 90.0), f"{c.count()} of {want}"
-    finally:
-        await c.stop()
-    offsets[out] = c.count()
-    got = {r.result().id: r.result() for r in c.records[out]}
-    return {rid: got[rid] for rid in rows}
 
 
 def _within_budget(w: WorkerProcess) -> float:
@@ -103,7 +85,7 @@ async def test_models_are_loaded_and_evicted_by_demand_within_the_budget(
                         for i in range(8)}  # fmt: skip
                 sent |= rows
                 answers[m] = answers.get(m, {}) | await _answers(
-                    broker, topics[m], names["results"], rows, offsets)  # fmt: skip
+                    broker, topics[m], names["results"], m, rows, offsets)  # fmt: skip
                 _within_budget(worker)
         metrics = worker.metrics()
         assert metrics.get('infer_model_evictions_total{reason="room"}', 0) >= 3, metrics
@@ -127,7 +109,8 @@ async def test_models_are_loaded_and_evicted_by_demand_within_the_budget(
             lambda m: m.get('infer_model_evictions_total{reason="control"}', 0) >= 1, 60.0,
             "the unload")  # fmt: skip
         rows = {f"c-unloaded-{i}": rng.normal(size=4).astype(np.float32) for i in range(4)}
-        for r in (await _answers(broker, topics["c"], names["results"], rows, offsets)).values():
+        refused = await _answers(broker, topics["c"], names["results"], "c", rows, offsets)
+        for r in refused.values():
             assert r.status == "error" and r.error is not None, r
             assert r.error.code == "unknown_model" and "is unloaded" in r.error.message, r.error
         done = await asyncio.to_thread(run, "load", "c", "--version", "1")
@@ -138,7 +121,7 @@ async def test_models_are_loaded_and_evicted_by_demand_within_the_budget(
             "the load")  # fmt: skip
         rows = {f"c-again-{i}": rng.normal(size=4).astype(np.float32) for i in range(8)}
         sent |= rows
-        answers["c"] |= await _answers(broker, topics["c"], names["results"], rows, offsets)
+        answers["c"] |= await _answers(broker, topics["c"], names["results"], "c", rows, offsets)
         _within_budget(worker)
     finally:
         code = worker.terminate()
