@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.app.control import Control, desired_version
+from worker.app.control import Control
+from worker.app.desired import Desired, desired_state
 from worker.config import KafkaConfig, Settings
 from worker.obs import metrics
 
@@ -14,7 +15,7 @@ from worker.obs import metrics
 @pytest.mark.parametrize(("value", "version"), [(b'{"version": 3}', 3), (b"", None), (None, None)])
 def test_a_record_names_a_version_or_is_a_tombstone(value: bytes | None, version: int | None
                                                     ) -> None:  # fmt: skip
-    assert desired_version(value) == version
+    assert desired_state(value) == Desired(version)
 
 
 @pytest.mark.parametrize(
@@ -25,7 +26,29 @@ def test_a_record_names_a_version_or_is_a_tombstone(value: bytes | None, version
 def test_a_value_that_is_not_a_desired_version_is_refused_saying_why(value: bytes, problem: str
                                                                       ) -> None:  # fmt: skip
     with pytest.raises(ValueError, match=problem.replace("{", r"\{").replace("}", r"\}")):
-        desired_version(value)
+        desired_state(value)
+
+
+def test_a_record_may_set_settings_over_the_version_s_model_toml() -> None:
+    value = b'{"version": 2, "settings": {"outputs": ["score"], "intra_op_threads": 2}}'
+    desired = desired_state(value)
+    assert desired == Desired(2, {"outputs": ["score"], "intra_op_threads": 2})
+    assert desired.value() == {"version": 2, "settings": {"outputs": ["score"],
+                                                          "intra_op_threads": 2}}  # fmt: skip
+    assert Desired(2).value() == {"version": 2} and Desired(None).value() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [(b'{"version": 2, "settings": {"topics": ["x"]}}', "settings.topics: not settable"),
+     (b'{"version": 2, "settings": {"backend": "torch"}}', "settings.backend: not settable"),
+     (b'{"version": 2, "settings": ["outputs"]}', "settings: expected a table"),
+     (b'{"version": 2, "topics": ["x"]}', "holds version and settings only")],
+)  # fmt: skip
+def test_settings_a_record_may_not_set_are_refused_naming_them(value: bytes, problem: str
+                                                               ) -> None:  # fmt: skip
+    with pytest.raises(ValueError, match=problem):
+        desired_state(value)
 
 
 async def test_records_for_models_it_may_not_set_are_refused_and_counted() -> None:
@@ -70,5 +93,43 @@ async def test_a_version_that_fails_to_load_is_reported_in_the_index(tmp_path: o
         assert "version 1 serves" in index["2"]["reason"]
         assert index["1"]["reason"] == ""  # still the one serving
         assert await control.apply("scorer", b'{"version": 1}') is True
+    finally:
+        await worker.stop()
+
+
+async def test_a_record_s_settings_are_swapped_in_over_the_same_file(tmp_path: object) -> None:
+    """The same version with other settings (an output added) is swapped in as a
+    new version would be; settings that do not build or drop an output the
+    serving one returns are refused naming why, and the serving one goes on."""
+    from pathlib import Path
+
+    from tests.onnx_models import tabular
+    from worker.app.worker import Worker
+    from worker.config import load_settings
+
+    repo = Path(str(tmp_path)) / "models"
+    (repo / "scorer" / "1").mkdir(parents=True)
+    tabular(repo / "scorer" / "1" / "model.onnx")
+    (repo / "scorer" / "model.toml").write_text('outputs = ["score"]\n')
+    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
+                           "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})  # fmt: skip
+    worker = Worker(s)
+    stages = await worker.prepare()
+    try:
+        control = worker._control
+        assert control is not None
+        stage = stages.models[0].infer
+        assert list(stage.binding.outputs.used) == ["score"]
+        wider = b'{"version": 1, "settings": {"outputs": ["score", "probabilities"]}}'
+        assert await control.apply("scorer", wider) is True
+        assert sorted(stage.binding.outputs.used) == ["probabilities", "score"]
+        assert await control.apply("scorer", wider) is True  # the same state: nothing to do
+        refused = metrics.MODEL_SWAPS.labels(outcome="refused")
+        before = refused._value.get()
+        assert await control.apply("scorer", b'{"version": 1, "settings": '
+                                             b'{"outputs": ["nope"]}}') is False  # fmt: skip
+        assert await control.apply("scorer", b'{"version": 1}') is False  # drops probabilities
+        assert refused._value.get() == before + 2
+        assert sorted(stage.binding.outputs.used) == ["probabilities", "score"]
     finally:
         await worker.stop()

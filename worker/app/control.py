@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import structlog
 
 from worker.app.demand import Residency, residency
+from worker.app.desired import Desired, checked_settings, desired_state
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
 from worker.compute.cpu import CpuStage
@@ -59,21 +59,8 @@ class Controlled:
     stage: CpuStage
     serving: str  # the content hash of the version serving
     labels: dict[str, str]  # its infer_build_info labels but the version
-
-
-def desired_version(value: bytes | None) -> int | None:
-    """A record's version (None: a tombstone); ValueError saying why not one."""
-    if not value:
-        return None
-    try:
-        state = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    version = state.get("version") if isinstance(state, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise ValueError(f'{value[:80]!r}: expected {{"version": N}}, N a version directory '
-                         "(a positive integer)")  # fmt: skip
-    return version
+    # The settings a record set over the serving version's model.toml ({}: none).
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 class Control:
@@ -146,10 +133,11 @@ class Control:
                         "reason": reason})  # fmt: skip
         return out
 
-    def load(self, name: str, version: int | None) -> str | None:
+    def load(self, name: str, version: int | None, settings: object = None) -> str | None:
         """An OIP load (``worker.obs.repository``, from the metrics port's
-        thread): ``name``'s version (None: the latest the repository holds)
-        written to the control topic for every member; why not, or None."""
+        thread): ``name``'s version (None: the latest the repository holds),
+        with ``settings`` over its model.toml (None: none), written to the
+        control topic for every member; why not, or None."""
         try:
             held = [v.version for v in listing(self._s.repository) if v.name == name]
         except ConfigError as exc:
@@ -159,7 +147,12 @@ class Control:
         version = max(held) if version is None else version
         if version not in held:
             return f"{name!r} has no version {version} (it holds {', '.join(map(str, held))})"
-        return self._write(name, {"version": version})
+        try:
+            given = checked_settings(settings) if settings is not None else {}
+            self._version(name, version, given)  # the keys build as a record's will
+        except (ValueError, ConfigError) as exc:
+            return f"parameters.{exc}" if str(exc).startswith("settings") else str(exc)
+        return self._write(name, Desired(version, given).value())
 
     def unload(self, name: str) -> str | None:
         """An OIP unload (as ``load``): a tombstone for ``name`` written to the
@@ -193,9 +186,10 @@ class Control:
     async def apply(self, name: str, value: bytes | None) -> bool:
         """One record applied; whether it took effect (False: refused)."""
         try:
-            version = desired_version(value)
+            desired = desired_state(value)
         except ValueError as exc:
             return self._refuse(name, str(exc))
+        version, overrides = desired.version, desired.settings
         model = self._models.get(name)
         if model is None:
             why = self._refused.get(name, "not a model this worker serves")
@@ -209,7 +203,7 @@ class Control:
             log.info("model_control_unloaded", model=name, serving=model.serving)
             return True
         try:
-            cfg = await asyncio.to_thread(self._version, name, version)
+            cfg = await asyncio.to_thread(self._version, name, version, overrides)
             hash_ = await asyncio.to_thread(content_version, resolve_model_path(cfg.path))
         except (ConfigError, OSError) as exc:
             return self._refused_version(name, version, str(exc))
@@ -221,7 +215,7 @@ class Control:
         # its topics and changelog are the worker's routing's, not its alone.
         alone = dataclasses.replace(cfg, topics=(), state_topic="")
         settings = dataclasses.replace(model.settings, model=alone)
-        if hash_ == model.serving:
+        if hash_ == model.serving and overrides == model.overrides:
             if resident.refused is not None:  # unloaded: loaded again, served again
                 await self.residency.served(name)
             self._numbers[name] = version
@@ -235,21 +229,22 @@ class Control:
             return False
         resident.settings, resident.refused = settings, None  # loaded by demand at this version
         swapped(name, model.serving, hash_, model.labels)
-        model.serving = hash_
+        model.serving, model.overrides = hash_, overrides
         self._numbers[name] = version
         self._failed.pop((name, version), None)
         log.info("model_control_applied", model=name, version=version, serving=hash_)
         return True
 
-    def _version(self, name: str, version: int) -> RepositoryModel:
-        """The model's version ``version`` as the repository holds it now."""
+    def _version(self, name: str, version: int, overrides: dict[str, Any]) -> RepositoryModel:
+        """The model's version ``version`` as the repository holds it now, with
+        a record's settings over its model.toml's."""
         entry = next((e for e in scan(self._s.repository) if e.name == name), None)
         if entry is None:
             raise ConfigError(f"{name!r} is no longer in {self._s.repository.path}")
         if version not in entry.versions:
             raise ConfigError(f"not in {entry.directory} (it holds "
                               f"{', '.join(map(str, entry.versions))})")  # fmt: skip
-        return load_version(entry, version)
+        return load_version(entry, version, overrides)
 
     def _refused_version(self, name: str, version: int, why: str) -> bool:
         """A record's version refused: said as any refusal, and kept for the

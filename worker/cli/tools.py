@@ -37,7 +37,7 @@ def models_command(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config)  # checked as run checks settings (exit 2)
     if args.action == "load":
-        return _load_version(settings, args.name, args.version)
+        return _load_version(settings, args.name, args.version, args.settings)
     if args.action == "unload":
         return _unload(settings, args.name)
     versions = listing(settings.repository) if settings.repository.path else ()
@@ -54,13 +54,17 @@ def models_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_version(settings: Settings, name: str | None, version: int | None) -> int:
-    """``models load NAME --version N``: the model's desired version written to
-    the control topic, which every member reads and applies (worker.app.control);
-    checked against the repository first (exit 2 naming what is wrong)."""
+def _load_version(settings: Settings, name: str | None, version: int | None,
+                  overrides: str | None = None) -> int:  # fmt: skip
+    """``models load NAME --version N [--settings JSON]``: the model's desired
+    state written to the control topic, which every member reads and applies
+    (worker.app.control); checked against the repository first, the settings
+    over the version's model.toml too (exit 2 naming what is wrong)."""
     import asyncio
+    import json
 
-    from worker.config.repository_files import listing
+    from worker.app.desired import Desired, checked_settings
+    from worker.config.repository_files import listing, load_version, scan
     from worker.flow.errors import ConfigError
     from worker.kafka import control
 
@@ -77,7 +81,16 @@ def _load_version(settings: Settings, name: str | None, version: int | None) -> 
     if version not in held:
         raise ConfigError(f"models load: {name!r} has no version {version} (it holds "
                           f"{', '.join(map(str, held))})")  # fmt: skip
-    asyncio.run(control.write(settings.kafka, name, {"version": version}))
+    given: dict[str, object] = {}
+    if overrides is not None:
+        try:
+            given = checked_settings(json.loads(overrides))
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise ConfigError(f"models load: --settings: {exc}") from None
+        entry = next(e for e in scan(settings.repository) if e.name == name)
+        load_version(entry, version, given)  # the keys build as the worker builds them
+    state = Desired(version, given).value()
+    asyncio.run(control.write(settings.kafka, name, state))
     print(f"{name}: version {version} written to {topic}; every member serving it swaps it in")
     return 0
 
@@ -200,6 +213,9 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     mod.add_argument("name", nargs="?", help="load, unload: the repository model")
     mod.add_argument("--version", type=int, help="load: the version to serve, a version "
                      "directory of the model in the repository")  # fmt: skip
+    mod.add_argument("--settings", help="load: JSON of [models.NAME] keys over the version's "
+                     "model.toml, each replacing its value whole (not name, path, topics, "
+                     "state_topic, backend, reload_interval_s)")  # fmt: skip
     mod.add_argument("--config", help="TOML file")
 
     from worker.ops import build_engine, compare, verify

@@ -108,14 +108,20 @@ def with_repository(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {**fields, "models": {**configured, **found}}
 
 
-def load_version(entry: RepositoryEntry, version: int) -> RepositoryModel:
+def load_version(entry: RepositoryEntry, version: int,
+                 overrides: Mapping[str, Any] | None = None) -> RepositoryModel:  # fmt: skip
     """Version ``version`` of ``entry`` with its settings file's keys, named by
-    its directory, its ``path`` the version's model file."""
+    its directory, its ``path`` the version's model file. ``overrides``: keys
+    over the file's (a control record's settings), each replacing its value
+    whole; a mistake in them is named as the record's (``settings.KEY``)."""
     directory = entry.directory / str(version)
     candidates = (directory / SETTINGS_FILE, entry.directory / SETTINGS_FILE)
     settings = next((f for f in candidates if f.is_file()), None)
     data = dict(read_toml(settings, f"{settings}: not found")) if settings else {}
     where = str(settings or directory)
+    if overrides:
+        data.update(overrides)
+        where = f"{where} with the record's settings"
     if "name" in data and data["name"] != entry.name:
         raise ConfigError(f"{where}: name: {data['name']!r}: a repository model is named by its "
                           f"directory ({entry.name!r})")  # fmt: skip

@@ -9,7 +9,8 @@ member of the group reads and applies: one call reaches them all, where an HTTP
 call to one Triton server reaches that server. It answers once the record is
 acknowledged, not once the version serves (``/v2/repository/index`` says which
 version serves, per member). ``parameters.version`` names the version (this
-worker's extension of the body; without it, the latest the repository holds).
+worker's extension of the body; without it, the latest the repository holds),
+``parameters.settings`` keys over its model.toml (``worker.app.desired``).
 An unload writes a tombstone for the model: every member frees it and answers
 its requests ``unknown_model`` until a load names a version again.
 """
@@ -27,8 +28,9 @@ class RepositoryControl(Protocol):
     def index(self) -> list[dict[str, Any]]:
         """Every version of every repository model: name, version, state, reason."""
 
-    def load(self, name: str, version: int | None) -> str | None:
-        """Set ``name``'s version (None: the latest held); why not, or None."""
+    def load(self, name: str, version: int | None, settings: object = None) -> str | None:
+        """Set ``name``'s version (None: the latest held), with ``settings`` over
+        its model.toml; why not, or None."""
 
     def unload(self, name: str) -> str | None:
         """Unload ``name`` on every member; why not, or None."""
@@ -62,13 +64,14 @@ def answer(path: str, body: bytes) -> tuple[int, bytes]:
         return (400, _json({"error": problem})) if problem is not None else (200, b"")
     try:
         request = json.loads(body) if body.strip() else {}
-        version = (request.get("parameters") or {}).get("version")
+        parameters = request.get("parameters") or {}
+        version, settings = parameters.get("version"), parameters.get("settings")
     except (ValueError, AttributeError):
         return 400, _json({"error": 'the body: expected JSON {"parameters": {"version": N}}'})
     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
         return 400, _json({"error": f"parameters.version: expected a version number, got "
                                     f"{str(version)[:32]!r}"})  # fmt: skip
-    problem = handler.load(name, version)
+    problem = handler.load(name, version, settings)
     if problem is not None:
         return 400, _json({"error": problem})
     return 200, b""
