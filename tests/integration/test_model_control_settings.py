@@ -3,7 +3,8 @@ and settings), on both brokers: a worker serves a repository model's version 1
 with only its ``score`` output (its model.toml); ``models load scorer --version
 1 --settings '{"outputs": [...]}'`` adds ``probabilities`` over the same file,
 swapped in while serving, its answers then carrying both, equal to the model
-run alone. Settings a record may not carry are refused before anything is
+run alone, and ``models list`` reads that state back from the topic. Settings a
+record may not carry are refused before anything is
 written, by the CLI (exit 2) and by the Open Inference Protocol's load (400),
 each naming the key."""
 
@@ -77,6 +78,13 @@ async def test_a_record_s_settings_are_swapped_in_while_serving(
                                 60.0, "the settings swapped in")  # fmt: skip
         after = await _answers(broker, topic, names["results"], "after", rows["after"], offsets)
         assert _swaps(worker, "refused") == 0
+        # models list reads the topic back: each model's desired state as applied.
+        listed = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "worker", "models", "list", "--config", str(config)],
+            env=cli_env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert f"{ctl}: 1 model(s) set:" in listed.stdout, listed.stdout
+        assert f"  scorer  version 1 with settings {wider}" in listed.stdout, listed.stdout
     finally:
         code = worker.terminate()
     assert code == 0, worker.log_tail()

@@ -51,7 +51,33 @@ def models_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3])
+    if settings.kafka.control_topic:
+        _print_desired(settings)
     return 0
+
+
+def _print_desired(settings: Settings) -> None:
+    """Each model's desired state on the control topic, as every member will
+    apply it (its last record), after the repository's table."""
+    import asyncio
+
+    from worker.app.desired import desired_state
+    from worker.kafka import control
+
+    topic = settings.kafka.control_topic
+    states = asyncio.run(control.read_states(settings.kafka))
+    print(f"\n{topic}: {len(states)} model(s) set" + (":" if states else ""))
+    for name, value in sorted(states.items()):
+        try:
+            desired = desired_state(value)
+        except ValueError as exc:
+            print(f"  {name}  refused by every member: {exc}")
+            continue
+        if desired.version is None:
+            print(f"  {name}  unloaded")
+        else:
+            keys = f" with settings {json.dumps(desired.settings)}" if desired.settings else ""
+            print(f"  {name}  version {desired.version}{keys}")
 
 
 def _load_version(settings: Settings, name: str | None, version: int | None,
@@ -198,7 +224,9 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
         "configured ([model], [models.NAME]) or, for a model of the [repository], each of its "
         "versions and which one the version policy serves; then the repository's models left "
         "out (repository.models). The settings are checked as `run` checks them before "
-        "loading a model (exit 2 naming the key); no model is loaded, Kafka is not contacted. "
+        "loading a model (exit 2 naming the key); no model is loaded. With "
+        "kafka.control_topic, each model's desired state as the members apply it (its last "
+        "record there: a version, its settings, or unloaded) follows. "
         "load NAME --version N: write the model's desired version to kafka.control_topic; "
         "every member serving it from the repository swaps that version in while serving "
         "(and loads it, where it was unloaded). unload NAME: write a tombstone for the "

@@ -40,33 +40,13 @@ async def follow(k: KafkaConfig, apply: Apply, ready: asyncio.Event | None = Non
     A record refused by every member alike (a version not held, one failing its
     checks) is refused here too; the CLI writes only versions the repository
     holds."""
-    topic = k.control_topic
     consumer = AIOKafkaConsumer(**connection(k), enable_auto_commit=False, fetch_max_wait_ms=200)
     await consumer.start()
     try:
-        parts = await topic_partitions(consumer, topic)
-        if not parts:
-            raise BrokerUnavailable(f"kafka.control_topic: {topic!r} does not exist")
-        tps = [KafkaTP(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        history: dict[str, list[bytes | None]] = {}  # each key's records, in order
-        pending = set(tps)  # not yet read to the end found at start
-        while pending:
-            batch = await consumer.getmany(*pending, timeout_ms=200)
-            for records in batch.values():
-                for r in records:
-                    if (name := _name(r.key)) is not None:
-                        history.setdefault(name, []).append(r.value)
-            for tp in list(pending):
-                # The end as the last fetch answered it (end_offsets is not reliable
-                # on every broker: the embedded one answers it wrongly).
-                end = consumer.highwater(tp)
-                if end is not None and await consumer.position(tp) >= end:
-                    pending.discard(tp)
-        for name, values in history.items():
+        history = await _history(consumer, k.control_topic)
+        for model, values in history.items():
             for value in reversed(values):
-                if await apply(name, value):
+                if await apply(model, value):
                     break
         if ready is not None:
             ready.set()
@@ -78,6 +58,45 @@ async def follow(k: KafkaConfig, apply: Apply, ready: asyncio.Event | None = Non
                         await apply(name, r.value)
     finally:
         await consumer.stop()
+
+
+async def read_states(k: KafkaConfig) -> dict[str, bytes | None]:
+    """Each model's last record on the control topic (its desired state as the
+    members will apply it, or a tombstone), read from the beginning to the end
+    found at the start (``infer-worker models list``)."""
+    consumer = AIOKafkaConsumer(**connection(k), enable_auto_commit=False, fetch_max_wait_ms=200)
+    await consumer.start()
+    try:
+        history = await _history(consumer, k.control_topic)
+    finally:
+        await consumer.stop()
+    return {name: values[-1] for name, values in history.items()}
+
+
+async def _history(consumer: AIOKafkaConsumer, topic: str) -> dict[str, list[bytes | None]]:
+    """Each key's records on ``topic``, in order, from its beginning to the end
+    found at the start (the consumer assigned every partition of it)."""
+    parts = await topic_partitions(consumer, topic)
+    if not parts:
+        raise BrokerUnavailable(f"kafka.control_topic: {topic!r} does not exist")
+    tps = [KafkaTP(topic, p) for p in sorted(parts)]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    history: dict[str, list[bytes | None]] = {}  # each key's records, in order
+    pending = set(tps)  # not yet read to the end found at start
+    while pending:
+        batch = await consumer.getmany(*pending, timeout_ms=200)
+        for records in batch.values():
+            for r in records:
+                if (name := _name(r.key)) is not None:
+                    history.setdefault(name, []).append(r.value)
+        for tp in list(pending):
+            # The end as the last fetch answered it (end_offsets is not reliable
+            # on every broker: the embedded one answers it wrongly).
+            end = consumer.highwater(tp)
+            if end is not None and await consumer.position(tp) >= end:
+                pending.discard(tp)
+    return history
 
 
 def _name(key: bytes | None) -> str | None:
