@@ -46,6 +46,7 @@ from worker.config.repository_files import listing, load_version, scan
 from worker.flow.errors import BrokerUnavailable, ConfigError
 from worker.kafka.control import follow, write
 from worker.model.files import content_version, resolve_model_path
+from worker.obs import demand as demand_metrics
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -291,6 +292,7 @@ def controls(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, St
     topic's side (with ``kafka.control_topic``) and the residency of the models
     it may unload and of those loaded by demand, settled (the GPU's budget:
     exit 2 where it cannot hold them)."""
+    demand_metrics.declare(m.name for m in models)
     control = controlled(s, models, stages, device_name) if s.kafka.control_topic else None
     held = residency(s, models, stages, control.names if control else (), device_memory)
     if held is not None:

@@ -5,6 +5,8 @@ in ``worker.obs.metrics`` too, where the metrics reference reads every metric.""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 MODEL_LOADED = Gauge(
@@ -43,3 +45,12 @@ GPU_MODELS_MEMORY_USED = Gauge(
     "The bytes of the worker's device the loaded GPU models hold together as measured as "
     "their stages started (never over limits.max_gpu_models_memory_mb where a budget is set)",
 )
+
+
+def declare(models: Iterable[str]) -> None:
+    """Every served model's eviction and failed-load series at 0 from the start,
+    loaded by demand or not: the alerts on them (deploy/prometheus/alerts.yaml)
+    then evaluate on every worker, and a rate over them starts from a sample."""
+    for model in models:
+        MODEL_EVICTIONS.labels(model, "room")
+        MODEL_LOADS.labels(model, "failed")
