@@ -265,11 +265,10 @@ async def test_a_compiled_stage_evicted_and_loaded_again_answers_the_same(
 
     try:
         want = await answers()
-        sizes = []
-        for _ in range(3):
+        for cycle in range(2):  # each load compiles again (from the cache) and captures
             stage.evict()
             assert not stage.loaded and stage.slots == ()
-            sizes.append(stage.load(TorchEngine(digits_program, model, max_batch_size=64)))
+            assert stage.load(TorchEngine(digits_program, model, max_batch_size=64)) >= 0
             before = _dynamo_counts(torch)
             got = await answers()
             assert _dynamo_counts(torch) == before, "something compiled after the load"
@@ -279,10 +278,8 @@ async def test_a_compiled_stage_evicted_and_loaded_again_answers_the_same(
                 np.testing.assert_allclose(g.outputs["topk_scores"], w.outputs["topk_scores"],
                                            atol=1e-6)  # fmt: skip
             torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        stage.evict()
-        stage.load(TorchEngine(digits_program, model, max_batch_size=64))
-        torch.cuda.synchronize()
+            if cycle == 0:
+                allocated = torch.cuda.memory_allocated()
         assert torch.cuda.memory_allocated() <= allocated * 1.05 + (1 << 20), "grew per cycle"
     finally:
         stage.close()
