@@ -133,3 +133,40 @@ async def test_a_record_s_settings_are_swapped_in_over_the_same_file(tmp_path: o
         assert sorted(stage.binding.outputs.used) == ["probabilities", "score"]
     finally:
         await worker.stop()
+
+
+async def test_a_version_of_the_same_file_with_another_model_toml_is_swapped_in(
+    tmp_path: object,
+) -> None:
+    """What a record names is compared as it would run (its file and settings),
+    not by its file alone: version 2, the same file with another output in its
+    model.toml, is swapped in and the index says version 2 serves."""
+    import shutil
+    from pathlib import Path
+
+    from tests.onnx_models import tabular
+    from worker.app.worker import Worker
+    from worker.config import load_settings
+
+    repo = Path(str(tmp_path)) / "models"
+    for version in (1, 2):
+        (repo / "scorer" / str(version)).mkdir(parents=True)
+    tabular(repo / "scorer" / "1" / "model.onnx")
+    shutil.copy(repo / "scorer" / "1" / "model.onnx", repo / "scorer" / "2" / "model.onnx")
+    (repo / "scorer" / "1" / "model.toml").write_text('outputs = ["score"]\n')
+    (repo / "scorer" / "2" / "model.toml").write_text('outputs = ["score", "probabilities"]\n')
+    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
+                           "INFER_WORKER_REPOSITORY__VERSION_POLICY": "specific",
+                           "INFER_WORKER_REPOSITORY__VERSIONS": "[1]",
+                           "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})  # fmt: skip
+    worker = Worker(s)
+    stages = await worker.prepare()
+    try:
+        control = worker._control
+        assert control is not None
+        assert await control.apply("scorer", b'{"version": 2}') is True
+        assert sorted(stages.models[0].infer.binding.outputs.used) == ["probabilities", "score"]
+        index = {v["version"]: v["reason"] for v in control.index()}
+        assert index["1"] == "version 2 serves" and index["2"] == ""
+    finally:
+        await worker.stop()

@@ -154,7 +154,7 @@ async def test_batches_are_let_in_in_the_order_they_came() -> None:
         c.stage.load(load_engine(c.settings.model))
         later.append(asyncio.create_task(batch("later")))  # dispatched now: finds c loaded
 
-    swapping = asyncio.create_task(r.swapping("c", swap))
+    swapping = asyncio.create_task(r.swapping("c", swap, c.settings))
     await asyncio.sleep(0)
     earlier = asyncio.create_task(batch("earlier"))  # queued for the load behind the swap
     await asyncio.sleep(0.05)
@@ -177,12 +177,21 @@ async def test_a_model_that_fails_to_load_answers_its_batch_and_is_tried_again(
     shutil.copy(bundled_file("digits.onnx"), moved)
     a.settings = dataclasses.replace(a.settings, model=dataclasses.replace(
         a.settings.model, path=str(moved)))  # fmt: skip
-    r = Residency(Pool(0, 0), [a])
+    b = resident("b")
+    r = Residency(Pool(BUDGET // 2, 0), [a, b])  # room for one
     moved.write_bytes(b"not a model")  # replaced since start-up by something broken
+    failures = metrics.MODEL_LOADS.labels("a", "failed")
+    before = failures._value.get()
     async with r.held("a") as failed:
         assert failed is not None and failed.code == "inference_failed"
         assert "'a' could not be loaded" in failed.message and loaded(r) == set()
-    shutil.copy(bundled_file("digits.onnx"), moved)
+    async with r.held("b"):  # loaded again
+        pass
+    # The same file, soon after: answered as before without a load, b kept.
+    async with r.held("a") as failed:
+        assert failed is not None and "'a' could not be loaded" in failed.message
+    assert loaded(r) == {"b"} and failures._value.get() == before + 1
+    shutil.copy(bundled_file("digits.onnx"), moved)  # the file changed: tried again
     async with r.held("a") as failed:
         assert failed is None and loaded(r) == {"a"}
 
@@ -267,3 +276,30 @@ async def test_an_evicted_model_s_memory_is_freed_though_its_engine_is_still_ref
     assert before is not None and after is not None
     assert before - after >= 16 * MIB, (before - after) / MIB
     assert kept is not None
+
+
+async def test_a_version_swapped_in_counts_at_least_its_file(tmp_path: Path) -> None:
+    import dataclasses
+
+    from tests.onnx_models import wide
+
+    a = resident("a")
+    r = Residency(Pool(0, 0), [a])
+    bigger = dataclasses.replace(a.settings, model=dataclasses.replace(
+        a.settings.model, path=str(wide(tmp_path / "v2.onnx", mib=24))))  # fmt: skip
+
+    async def swap() -> str | None:
+        return None  # (swapped in by worker.app.reload.swap; its size is what counts here)
+
+    assert await r.swapping("a", swap, bigger) is None
+    assert a.size >= 24 * MIB
+
+
+def test_a_repository_model_s_version_has_one_owner_the_control_topic(tmp_path: Path) -> None:
+    repo = _repository(tmp_path / "models", "a")
+    (repo / "a" / "model.toml").write_text('topics = ["in.a"]\nreload_interval_s = 5\n')
+    env = {"INFER_WORKER_REPOSITORY__PATH": str(repo), "INFER_WORKER_KAFKA__INPUT_TOPICS": "in.a"}
+    assert load_settings(env=env).models["a"].reload_interval_s == 5  # its file's, watched
+    with pytest.raises(ConfigError, match=r"repository\.a\.reload_interval_s: a repository "
+                       r"model's version is set through kafka\.control_topic"):  # fmt: skip
+        load_settings(env={**env, "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})

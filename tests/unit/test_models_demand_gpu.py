@@ -71,7 +71,8 @@ async def test_gpu_models_share_the_device_s_budget_by_demand(tmp_path: Path) ->
     await probe.stop()
     assert set(sizes) == set(MODELS) and min(sizes.values()) > MIB
 
-    budget_mb = int(max(sizes.values()) * 2.5 / MIB)  # two of the three
+    budget_mb = int((max(sizes.values()) + (repo / "a" / "1" / "model.onnx").stat().st_size)
+                    * 2.5 / MIB)  # two of the three (a model counts its stage and weights)
     evictions = metrics.MODEL_EVICTIONS.labels("a", "room")._value.get()
     loads = metrics.MODEL_LOADS.labels("a", "demand")._value.get()
     worker = _worker(repo, budget_mb)
@@ -79,6 +80,9 @@ async def test_gpu_models_share_the_device_s_budget_by_demand(tmp_path: Path) ->
     try:
         residency = worker._residency
         assert residency is not None
+        weights = (repo / "a" / "1" / "model.onnx").stat().st_size
+        assert {r.name: r.size for r in residency.residents} == {
+            name: size + weights for name, size in sizes.items()}  # its stage and its weights
         loaded = {r.name for r in residency.residents if r.loaded}
         assert loaded == {"b", "c"}  # the oldest evicted at start-up
         assert residency.used(True) <= budget_mb * MIB

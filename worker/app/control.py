@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
@@ -40,7 +40,7 @@ from worker.app.reload import swap, swap_refused, swapped
 from worker.compute.cpu import CpuStage
 from worker.compute.stage import Stage
 from worker.config import Settings
-from worker.config.model import is_gpu_backend
+from worker.config.model import ModelConfig, is_gpu_backend
 from worker.config.repository import RepositoryModel
 from worker.config.repository_files import listing, load_version, scan
 from worker.flow.errors import BrokerUnavailable, ConfigError
@@ -60,8 +60,9 @@ class Controlled:
     stage: CpuStage
     serving: str  # the content hash of the version serving
     labels: dict[str, str]  # its infer_build_info labels but the version
-    # The settings a record set over the serving version's model.toml ({}: none).
-    overrides: dict[str, Any] = field(default_factory=dict)
+    # The serving version's configuration as the model runs it (its model.toml's
+    # keys and a record's): a record naming the same is applied already.
+    config: ModelConfig | None = None
 
 
 class Control:
@@ -216,21 +217,21 @@ class Control:
         # its topics and changelog are the worker's routing's, not its alone.
         alone = dataclasses.replace(cfg, topics=(), state_topic="")
         settings = dataclasses.replace(model.settings, model=alone)
-        if hash_ == model.serving and overrides == model.overrides:
+        if alone == (model.config or model.settings.model):
             if resident.refused is not None:  # unloaded: loaded again, served again
                 await self.residency.served(name)
             self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)
             return True
         problem = await self.residency.swapping(
-            name, lambda: swap(settings, model.stage, hash_))  # fmt: skip
+            name, lambda: swap(settings, model.stage, hash_), settings)  # fmt: skip
         if problem is not None:
             swap_refused(name, hash_, f"version {version}: {problem}", model.serving)
             self._failed[name, version] = problem
             return False
         resident.settings, resident.refused = settings, None  # loaded by demand at this version
         swapped(name, model.serving, hash_, model.labels)
-        model.serving, model.overrides = hash_, overrides
+        model.serving, model.config = hash_, alone
         self._numbers[name] = version
         self._failed.pop((name, version), None)
         log.info("model_control_applied", model=name, version=version, serving=hash_)

@@ -51,19 +51,41 @@ from typing import Any, Protocol, TypeVar, cast
 import structlog
 
 from worker.app.loading import LoadedModel, engine_loader
-from worker.app.memory import MIB, measured
+from worker.app.memory import MIB, measured, resident_bytes
 from worker.compute.stage import Residence, Stage
 from worker.config import Settings
 from worker.config.checks import check
 from worker.config.model import is_gpu_backend
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
+from worker.model.files import resolve_model_path
 from worker.model.io import EngineInfo
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+RETRY_S = 30.0  # a model whose load failed is tried again this often (or once its file changes)
+
+
+class LoadFailed(Exception):
+    """A model's load failed (now, or lately with the same file: ``Resident.failing``)."""
+
+
+def file_stamp(s: Settings) -> tuple[int, int] | None:
+    """The model file's size and modification time (None: not readable)."""
+    try:
+        st = resolve_model_path(s.model.path).stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def weights(s: Settings) -> int:
+    """The model file's bytes: a GPU model's weights on the device, which its
+    engine loads before its stage's start is measured."""
+    stamp = file_stamp(s)
+    return stamp[0] if stamp is not None else 0
 
 
 class Resides(Protocol):
@@ -96,6 +118,23 @@ class Resident:
     refused: str | None = None  # why it is not served (a tombstone), or None
     loads: int = 0
     gate: asyncio.Future[None] | None = None  # the last batch to be let in (in order)
+    # Its last load's failure: its file's stamp then, when, and why (None: none).
+    failed: tuple[tuple[int, int] | None, float, str] | None = None
+
+    def settled(self) -> bool:
+        """Loaded, or not to be loaded (unloaded through the control topic)."""
+        return self.loaded or self.refused is not None
+
+    def failing(self) -> str | None:
+        """Why its load failed, where trying again now would fail alike: the same
+        file (its size and modification time) within ``RETRY_S`` of the failure.
+        A model whose load fails must not evict the others again and again."""
+        if self.failed is None:
+            return None
+        stamp, at, why = self.failed
+        if stamp != file_stamp(self.settings) or time.monotonic() - at >= RETRY_S:
+            return None
+        return why
 
     @property
     def loaded(self) -> bool:
@@ -200,9 +239,7 @@ class Residency:
         while r.refused is None and not r.loaded and failed is None:
             try:
                 await self._load(r, "demand")
-            except Exception as exc:  # the load's, whatever the runtime raises
-                log.error("model_load_failed", model=name, error=repr(exc))
-                metrics.MODEL_LOADS.labels(name, "failed").inc()
+            except LoadFailed as exc:
                 failed = ErrorInfo(ErrorCode.INFERENCE_FAILED,
                                    f"model {name!r} could not be loaded: {exc}")  # fmt: skip
         # No await between the load's end and this count: nothing evicts it between.
@@ -231,20 +268,38 @@ class Residency:
             log.error("model_prefetch_failed", task=task.get_name(), error=repr(exc))
 
     async def _load(self, r: Resident, reason: str) -> None:
-        """``r`` loaded (room made first), unless loaded or refused meanwhile."""
+        """``r`` loaded (room made first), unless loaded or refused meanwhile;
+        ``LoadFailed`` where it does not load (nothing evicted for a load that
+        failed lately with the same file)."""
         async with self._lock:
-            if r.loaded or r.refused is not None:
+            if r.settled():
                 return
+            if (why := r.failing()) is not None:
+                raise LoadFailed(why)
             await self._make_room(r, r.size)
+            if r.settled():  # a tombstone came while it waited for room
+                return
             started = time.monotonic()
-            load = engine_loader(r.settings)  # its serving version's
-            if r.device:  # its stage measures what it takes of the device
-                engine = await asyncio.to_thread(load)
-                size = await asyncio.to_thread(r.stage.load, engine)
-            else:
-                engine, size = await measured(load)
-                r.stage.load(engine)
+            try:
+                size = await self._engine_in(r)
+            except Exception as exc:  # the load's, whatever the runtime raises
+                r.failed = (file_stamp(r.settings), time.monotonic(), str(exc))
+                log.error("model_load_failed", model=r.name, reason=reason, error=repr(exc))
+                metrics.MODEL_LOADS.labels(r.name, "failed").inc()
+                raise LoadFailed(str(exc)) from exc
+            r.failed = None
             self._loaded(r, size, reason, time.monotonic() - started)
+
+    async def _engine_in(self, r: Resident) -> int:
+        """``r``'s serving version's engine loaded into its stage; the bytes it
+        holds (a GPU model: what its stage took of the device and its weights)."""
+        load = engine_loader(r.settings)
+        if r.device:  # its stage measures what it takes of the device
+            engine = await asyncio.to_thread(load)
+            return await asyncio.to_thread(r.stage.load, engine) + weights(r.settings)
+        engine, size = await measured(load)
+        r.stage.load(engine)
+        return size
 
     def _loaded(self, r: Resident, size: int, reason: str, seconds: float) -> None:
         r.size = max(r.size, size)
@@ -310,20 +365,29 @@ class Residency:
         r.refused = None
         await self._load(r, "control")
 
-    async def swapping(self, name: str, swap: Callable[[], Awaitable[T]]) -> T:
-        """``swap()`` (a new version loaded beside the serving one, checked and
-        swapped in: ``worker.app.reload.swap``) with room made for it first, the
-        model served from then on; it counts at the size of the version it
-        replaced until a load measures it (the new version measured as it is
-        swapped in would count the old one's freeing)."""
+    async def swapping(self, name: str, swap: Callable[[], Awaitable[str | None]],
+                       settings: Settings) -> str | None:  # fmt: skip
+        """``swap()`` (the version of ``settings`` loaded beside the serving one,
+        checked and swapped in: ``worker.app.reload.swap``; why not, or None)
+        with room made for it first (the more of the serving version's size and
+        the new file's). Swapped in, it counts at what the swap added to the
+        memory held (the new version loaded, the old one freed) over what the
+        old one counted, at least its file's size."""
         r = self._models[name]
+        hint = weights(settings)
         async with self._lock:
-            await self._make_room(r, r.size)
+            await self._make_room(r, max(r.size, hint))
             was = r.loaded
-            result = await swap()
-            if r.loaded and not was:
-                self._loaded(r, 0, "control", 0.0)
-            return result
+            before = resident_bytes()
+            problem = await swap()
+            after = resident_bytes()
+            if problem is None:
+                grown = after - before if before is not None and after is not None else 0
+                r.size = max(hint, (r.size if was else 0) + grown)
+                if r.loaded and not was:
+                    self._loaded(r, 0, "control", 0.0)
+                self._publish()
+            return problem
 
     async def close(self) -> None:
         for task in list(self._prefetches):
@@ -366,7 +430,7 @@ def residency(
         device = m.name not in on_host
         residents.append(Resident(
             m.name, cast(Resides, stages[m.name]), m.settings,
-            device_memory.get(m.name, 0) if device else m.size,
+            device_memory.get(m.name, 0) + weights(m.settings) if device else m.size,
             device=device, pinned=m.name in s.repository.pinned,
         ))  # fmt: skip
     return Residency(host, residents, gpu)

@@ -218,6 +218,11 @@ def check_models(s: Settings) -> None:
     check(not left, "kafka.input_topics", f"{left} answered by no model or pipeline (name "
           "each in a models.NAME.topics or a pipelines.NAME.topics)")  # fmt: skip
     _check_on_demand(s, models, in_pipelines)
+    for model in models:  # one owner of a repository model's version: the topic's
+        check(not (s.kafka.control_topic and isinstance(model.config, RepositoryModel)
+                   and model.config.reload_interval_s), f"{model.key}.reload_interval_s",
+              "a repository model's version is set through kafka.control_topic, not by "
+              "watching its file")  # fmt: skip
     if len(models) + len(s.pipelines) > 1:
         _refuse_unsupported(s, models, in_pipelines)
 
