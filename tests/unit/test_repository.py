@@ -354,3 +354,20 @@ def test_models_list_refuses_what_run_refuses(
     path.write_text(_with_repo(_repo(tmp_path), "latest = 2\n"))
     assert main(["models", "list", "--config", str(path)]) == 2
     assert "repository.latest: names 2 versions of 'scorer' (1, 3)" in capsys.readouterr().err
+
+
+def test_models_list_says_when_the_control_topic_cannot_be_read(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With kafka.control_topic, the desired states follow the table; a broker
+    that cannot be reached is said once, naming the setting, the table printed."""
+    repo = _repo(tmp_path)
+    path = tmp_path / "worker.toml"
+    path.write_text(_with_repo(repo, 'models = ["scorer"]\n').replace(
+        '["a", "b"]', '["a"]').replace("[kafka]\n", '[kafka]\nbootstrap_servers = "127.0.0.1:1"\n'
+        'control_topic = "models.control"\nrequest_timeout_ms = 2000\n'))  # fmt: skip
+    assert main(["models", "list", "--config", str(path)]) != 0
+    out, err = capfd.readouterr()
+    assert out.splitlines()[0].split() == ["MODEL", "VERSION", "SERVED", "FROM"]
+    assert "kafka.control_topic: 'models.control' not read within" in err
+    assert "Traceback" not in err

@@ -61,17 +61,25 @@ def _print_desired(settings: Settings) -> None:
     apply it (its last record), after the repository's table."""
     import asyncio
 
+    from aiokafka.errors import KafkaError
+
     from worker.app.desired import desired_state
+    from worker.flow.errors import BrokerUnavailable
     from worker.kafka import control
 
     topic = settings.kafka.control_topic
-    states = asyncio.run(control.read_states(settings.kafka))
+    limit = settings.kafka.request_timeout_s + 5.0
+    try:
+        states = asyncio.run(asyncio.wait_for(control.read_states(settings.kafka), limit))
+    except (TimeoutError, KafkaError) as exc:
+        raise BrokerUnavailable(f"kafka.control_topic: {topic!r} not read within {limit:.0f} s "
+                                f"({exc!r}); the repository's table above is complete") from exc
     print(f"\n{topic}: {len(states)} model(s) set" + (":" if states else ""))
     for name, value in sorted(states.items()):
         try:
             desired = desired_state(value)
-        except ValueError as exc:
-            print(f"  {name}  refused by every member: {exc}")
+        except ValueError as exc:  # every member keeps the state before it
+            print(f"  {name}  its last record refused ({exc}): the one before it applies")
             continue
         if desired.version is None:
             print(f"  {name}  unloaded")

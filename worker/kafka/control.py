@@ -65,11 +65,11 @@ async def read_states(k: KafkaConfig) -> dict[str, bytes | None]:
     members will apply it, or a tombstone), read from the beginning to the end
     found at the start (``infer-worker models list``)."""
     consumer = AIOKafkaConsumer(**connection(k), enable_auto_commit=False, fetch_max_wait_ms=200)
-    await consumer.start()
     try:
+        await consumer.start()
         history = await _history(consumer, k.control_topic)
     finally:
-        await consumer.stop()
+        await consumer.stop()  # (a start that failed too: its connections closed)
     return {name: values[-1] for name, values in history.items()}
 
 
