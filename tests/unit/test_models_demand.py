@@ -303,3 +303,23 @@ def test_a_repository_model_s_version_has_one_owner_the_control_topic(tmp_path: 
     with pytest.raises(ConfigError, match=r"repository\.a\.reload_interval_s: a repository "
                        r"model's version is set through kafka\.control_topic"):  # fmt: skip
         load_settings(env={**env, "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})
+
+
+async def test_a_load_measured_over_its_estimate_makes_room_after_it(tmp_path: Path) -> None:
+    """A model counted at 1 MiB that measures tens as it loads: the models
+    beside it make room right after, the budget held between loads."""
+    import dataclasses
+
+    from tests.onnx_models import wide
+
+    a, b, c = resident("a"), resident("b"), resident("c", loaded=False)
+    c.settings = dataclasses.replace(c.settings, model=dataclasses.replace(
+        c.settings.model, path=str(wide(tmp_path / "c.onnx", seed=5, mib=12))))  # fmt: skip
+    c.size = MIB
+    a.last_used, b.last_used = 1.0, 2.0
+    r = Residency(Pool(BUDGET, 0), [a, b, c])
+    async with r.held("c"):
+        assert c.size <= BUDGET, c.size / MIB  # (a model alone over it: model_over_budget)
+        assert r.used() <= BUDGET, (r.used() / MIB, c.size / MIB)
+        if c.size > BUDGET - 2 * SIZE:  # measured over what a and b left: room made after
+            assert "a" not in loaded(r)

@@ -27,8 +27,11 @@ loaded then, before its requests reach a batch (prefetch).
 The accounting is by measurement: a model counts the most resident memory any of
 its loads added (a reload into memory the allocator kept can measure less than
 the model holds), its first load at start-up budgeted at its file's size before
-it is measured. The loaded models never hold more than the budget as counted so;
-``infer_models_memory_used_bytes`` says what they hold. Should a model's measured
+it is measured. Room is made before a load for what the model counted so far;
+where the load measures more, the others make room after it, so the memory held
+goes over the budget by that difference only while it loads: between loads
+the loaded models never hold more than the budget as counted so
+(``infer_models_memory_used_bytes``, each ``model_loaded`` log line). Should a model's measured
 size grow past what the budget can give it beside the pinned and configured
 models, it is loaded anyway and the log says so (``model_over_budget``), rather
 than its requests waiting for ever.
@@ -288,7 +291,12 @@ class Residency:
                 metrics.MODEL_LOADS.labels(r.name, "failed").inc()
                 raise LoadFailed(str(exc)) from exc
             r.failed = None
-            self._loaded(r, size, reason, time.monotonic() - started)
+            seconds = time.monotonic() - started
+            r.size = max(r.size, size)
+            # Measured over its estimate: the others make room after it (the
+            # memory held went over the budget by the difference while it loaded).
+            await self._make_room(r, 0)
+            self._loaded(r, size, reason, seconds)
 
     async def _engine_in(self, r: Resident) -> int:
         """``r``'s serving version's engine loaded into its stage; the bytes it
@@ -384,15 +392,25 @@ class Residency:
             if problem is None:
                 grown = after - before if before is not None and after is not None else 0
                 r.size = max(hint, (r.size if was else 0) + grown)
+                await self._make_room(r, 0)  # over its estimate: the others after it
                 if r.loaded and not was:
                     self._loaded(r, 0, "control", 0.0)
                 self._publish()
             return problem
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 30.0) -> None:
+        """At shutdown, every batch answered: the prefetches under way finished
+        (a load runs on a thread, which cancelling would not stop: the stages
+        must not close under it), then the engines loaded here closed (those
+        loaded at start-up are their loader's: ``worker.app.loading``)."""
+        if self._prefetches:
+            await asyncio.wait(list(self._prefetches), timeout=timeout)
         for task in list(self._prefetches):
             task.cancel()
-        await asyncio.gather(*self._prefetches, return_exceptions=True)
+        async with self._lock:
+            for r in self.residents:
+                if r.loads and r.loaded:
+                    r.stage.evict()
 
     def _publish(self) -> None:
         for r in self._models.values():

@@ -303,7 +303,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._pipeline, *self._support, return_exceptions=True)
         if self._residency is not None:
-            await self._residency.close()  # its prefetches
+            await self._residency.close(deadline.left(0.5))  # its prefetches
         # Only acknowledged offsets are below the watermark, so this final commit
         # is safe even when draining failed or timed out; bounded by the deadline.
         await stages.committer.commit_now(timeout=deadline.left(0.5))
