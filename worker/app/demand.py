@@ -75,6 +75,11 @@ class LoadFailed(Exception):
     """A model's load failed (now, or lately with the same file: ``Resident.failing``)."""
 
 
+def _release(gate: asyncio.Future[None]) -> None:
+    if not gate.done():
+        gate.set_result(None)
+
+
 def file_stamp(s: Settings) -> tuple[int, int] | None:
     """The model file's size and modification time (None: not readable)."""
     try:
@@ -225,8 +230,10 @@ class Residency:
                 await asyncio.shield(before)
             failed = await self._let_in(r)
         finally:
-            if not mine.done():
-                mine.set_result(None)
+            if before is not None and not before.done():  # cancelled while it waited:
+                before.add_done_callback(lambda _: _release(mine))  # the next after it still
+            else:
+                _release(mine)
         try:
             yield failed or (ErrorInfo(ErrorCode.UNKNOWN_MODEL, r.refused) if r.refused else None)
         finally:
