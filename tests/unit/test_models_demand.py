@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from worker.app.demand import Pool, Residency, Resident
@@ -323,3 +324,38 @@ async def test_a_load_measured_over_its_estimate_makes_room_after_it(tmp_path: P
         assert r.used() <= BUDGET, (r.used() / MIB, c.size / MIB)
         if c.size > BUDGET - 2 * SIZE:  # measured over what a and b left: room made after
             assert "a" not in loaded(r)
+
+
+async def test_a_request_whose_deadline_passed_while_its_model_loaded_is_answered_so(
+    tmp_path: Path,
+) -> None:
+    """Through the CPU stage: a batch of an evicted model waits for the load,
+    then is triaged, so a request whose deadline passed meanwhile is answered
+    deadline_exceeded (no engine time), the others run."""
+    import time
+
+    from tests.onnx_models import wide
+    from worker.contract import Request, Tensor
+    from worker.flow.messages import Batch, Job, TopicPartition
+
+    path = wide(tmp_path / "w.onnx", seed=7, mib=12)
+    s = load_settings(env={"INFER_WORKER_MODEL__PATH": str(path)})
+    engine = load_engine(s.model)
+    binding = bind_model(s.model, engine.info.io, s.limits, s.batching)
+    stage = CpuStage(asyncio.Queue(), asyncio.Queue(), engine, binding, max_batch_size=8,
+                     max_inflight=1)  # fmt: skip
+    stage.evict()
+    r = Residency(Pool(0, 0), [Resident("w", stage, s, 0)])
+    jobs = []
+    for i in range(3):
+        request = Request(v=1, id=str(i), inputs={"features": Tensor.from_numpy(
+            np.full(4, i, np.float32))})  # fmt: skip
+        values, lengths = binding.inputs.check(request)
+        deadline = time.monotonic() + 0.001 if i == 1 else None  # passes while it loads
+        jobs.append(Job(TopicPartition("in", 0), i, None, time.monotonic(), deadline,
+                        request=request, inputs=values, lengths=lengths))  # fmt: skip
+    done = await stage.run_batch(Batch(jobs, time.monotonic(), "full", 1))
+    assert [a.error.code if a.error else None for a in done.answers] == [
+        None, "deadline_exceeded", None]  # fmt: skip
+    assert done.engine_rows == 2 and r.get("w") is not None and stage.loaded
+    stage.close()
