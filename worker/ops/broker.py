@@ -100,12 +100,42 @@ def free_port(count: int = 1) -> int:
     use" in one CI run. Outgoing connections never take ports below the range.
     """
     low = _ephemeral_low()
+    start, stop = _share(10_000, max(10_001, low - count))
     rng = random.Random()
+    now = time.monotonic()
+    for port, at in list(_handed.items()):
+        if now - at > HELD_S:
+            del _handed[port]
     for _ in range(200):
-        first = rng.randrange(10_000, max(10_001, low - count))
-        if all(port_is_free(p) for p in range(first, first + count)):
+        first = rng.randrange(start, max(start + 1, stop))
+        span = range(first, first + count)
+        if any(p in _handed for p in span):
+            continue
+        if all(port_is_free(p) for p in span):
+            _handed.update(dict.fromkeys(span, now))
             return first
     raise WorkerError(f"no {count} consecutive free ports below {low} on 127.0.0.1")
+
+
+# A port handed out is free when checked and bound by its user a moment later
+# (a worker binds its metrics port once imported: a second or two). Two callers
+# choosing the same one in that window collide: within a process, ports handed
+# out lately are not handed out again; between the test runner's processes
+# (pytest-xdist), each chooses in its own share of the range.
+HELD_S = 120.0
+_handed: dict[int, float] = {}
+
+
+def _share(start: int, stop: int) -> tuple[int, int]:
+    """This process's part of ``[start, stop)``: under pytest-xdist, worker K of
+    N takes the K-th of N equal parts (the whole range otherwise)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return start, stop
+    k, n = int(worker[2:]), max(1, int(count))
+    width = (stop - start) // n
+    return start + k * width, start + (k + 1) * width
 
 
 def _ephemeral_low() -> int:
