@@ -4,11 +4,19 @@ counted (``infer_model_swaps_total{outcome="refused"}``), the worker going on.""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import pytest
 
+from tests.onnx_models import tabular
 from worker.app.control import Control
 from worker.app.desired import Desired, desired_state
-from worker.config import KafkaConfig, Settings
+from worker.app.stages import Stages
+from worker.app.worker import Worker
+from worker.config import KafkaConfig, Settings, load_settings
 from worker.obs import metrics
 
 
@@ -62,30 +70,35 @@ async def test_records_for_models_it_may_not_set_are_refused_and_counted() -> No
     assert refused._value.get() == before + 3
 
 
-async def test_a_version_that_fails_to_load_is_reported_in_the_index(tmp_path: object) -> None:
+@contextlib.asynccontextmanager
+async def _prepared(repo: Path, **env: str) -> AsyncIterator[tuple[Control, Stages]]:
+    """The worker over ``repo`` with a control topic, built as ``run`` builds it
+    (``Worker.prepare``: no Kafka): its control topic's side and its stages."""
+    worker = Worker(load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
+                                       "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control",
+                                       **env}))  # fmt: skip
+    stages = await worker.prepare()
+    try:
+        assert worker._control is not None
+        yield worker._control, stages
+    finally:
+        await worker.stop()
+
+
+# Only version 1 served at start-up (the others a record names).
+FIRST = {"INFER_WORKER_REPOSITORY__VERSION_POLICY": "specific",
+         "INFER_WORKER_REPOSITORY__VERSIONS": "[1]"}  # fmt: skip
+
+
+async def test_a_version_that_fails_to_load_is_reported_in_the_index(tmp_path: Path) -> None:
     """A load that fails is reported where an operator looks (the OIP index's
-    status says why) while the serving version goes on; built as ``run`` builds
-    the worker (``Worker.prepare``: no Kafka)."""
-    from pathlib import Path
-
-    from tests.onnx_models import tabular
-    from worker.app.worker import Worker
-    from worker.config import load_settings
-
-    repo = Path(str(tmp_path)) / "models"
+    status says why) while the serving version goes on."""
+    repo = tmp_path / "models"
     (repo / "scorer" / "1").mkdir(parents=True)
     tabular(repo / "scorer" / "1" / "model.onnx")
     (repo / "scorer" / "2").mkdir(parents=True)
     (repo / "scorer" / "2" / "model.onnx").write_bytes(b"not a model")
-    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
-                           "INFER_WORKER_REPOSITORY__VERSION_POLICY": "specific",
-                           "INFER_WORKER_REPOSITORY__VERSIONS": "[1]",
-                           "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})  # fmt: skip
-    worker = Worker(s)
-    await worker.prepare()
-    try:
-        control = worker._control
-        assert control is not None
+    async with _prepared(repo, **FIRST) as (control, _):
         assert await control.apply("scorer", b'{"version": 2}') is False
         index = {v["version"]: v for v in control.index()}
         assert index["2"]["state"] == "UNAVAILABLE"
@@ -93,31 +106,17 @@ async def test_a_version_that_fails_to_load_is_reported_in_the_index(tmp_path: o
         assert "version 1 serves" in index["2"]["reason"]
         assert index["1"]["reason"] == ""  # still the one serving
         assert await control.apply("scorer", b'{"version": 1}') is True
-    finally:
-        await worker.stop()
 
 
-async def test_a_record_s_settings_are_swapped_in_over_the_same_file(tmp_path: object) -> None:
+async def test_a_record_s_settings_are_swapped_in_over_the_same_file(tmp_path: Path) -> None:
     """The same version with other settings (an output added) is swapped in as a
     new version would be; settings that do not build or drop an output the
     serving one returns are refused naming why, and the serving one goes on."""
-    from pathlib import Path
-
-    from tests.onnx_models import tabular
-    from worker.app.worker import Worker
-    from worker.config import load_settings
-
-    repo = Path(str(tmp_path)) / "models"
+    repo = tmp_path / "models"
     (repo / "scorer" / "1").mkdir(parents=True)
     tabular(repo / "scorer" / "1" / "model.onnx")
     (repo / "scorer" / "model.toml").write_text('outputs = ["score"]\n')
-    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
-                           "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})  # fmt: skip
-    worker = Worker(s)
-    stages = await worker.prepare()
-    try:
-        control = worker._control
-        assert control is not None
+    async with _prepared(repo) as (control, stages):
         stage = stages.models[0].infer
         assert list(stage.binding.outputs.used) == ["score"]
         wider = b'{"version": 1, "settings": {"outputs": ["score", "probabilities"]}}'
@@ -131,42 +130,23 @@ async def test_a_record_s_settings_are_swapped_in_over_the_same_file(tmp_path: o
         assert await control.apply("scorer", b'{"version": 1}') is False  # drops probabilities
         assert refused._value.get() == before + 2
         assert sorted(stage.binding.outputs.used) == ["probabilities", "score"]
-    finally:
-        await worker.stop()
 
 
 async def test_a_version_of_the_same_file_with_another_model_toml_is_swapped_in(
-    tmp_path: object,
+    tmp_path: Path,
 ) -> None:
     """What a record names is compared as it would run (its file and settings),
     not by its file alone: version 2, the same file with another output in its
     model.toml, is swapped in and the index says version 2 serves."""
-    import shutil
-    from pathlib import Path
-
-    from tests.onnx_models import tabular
-    from worker.app.worker import Worker
-    from worker.config import load_settings
-
-    repo = Path(str(tmp_path)) / "models"
+    repo = tmp_path / "models"
     for version in (1, 2):
         (repo / "scorer" / str(version)).mkdir(parents=True)
     tabular(repo / "scorer" / "1" / "model.onnx")
     shutil.copy(repo / "scorer" / "1" / "model.onnx", repo / "scorer" / "2" / "model.onnx")
     (repo / "scorer" / "1" / "model.toml").write_text('outputs = ["score"]\n')
     (repo / "scorer" / "2" / "model.toml").write_text('outputs = ["score", "probabilities"]\n')
-    s = load_settings(env={"INFER_WORKER_REPOSITORY__PATH": str(repo),
-                           "INFER_WORKER_REPOSITORY__VERSION_POLICY": "specific",
-                           "INFER_WORKER_REPOSITORY__VERSIONS": "[1]",
-                           "INFER_WORKER_KAFKA__CONTROL_TOPIC": "models.control"})  # fmt: skip
-    worker = Worker(s)
-    stages = await worker.prepare()
-    try:
-        control = worker._control
-        assert control is not None
+    async with _prepared(repo, **FIRST) as (control, stages):
         assert await control.apply("scorer", b'{"version": 2}') is True
         assert sorted(stages.models[0].infer.binding.outputs.used) == ["probabilities", "score"]
         index = {v["version"]: v["reason"] for v in control.index()}
         assert index["1"] == "version 2 serves" and index["2"] == ""
-    finally:
-        await worker.stop()

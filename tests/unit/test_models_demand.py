@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.app.demand import Pool, Residency, Resident
+from worker.app.demand import Residency
 from worker.app.memory import MIB
+from worker.app.residents import Pool, Resident
 from worker.compute.cpu import CpuStage, Unloaded
 from worker.compute.engines import load_engine
 from worker.config import load_settings

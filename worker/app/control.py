@@ -62,7 +62,7 @@ class Controlled:
     labels: dict[str, str]  # its infer_build_info labels but the version
     # The serving version's configuration as the model runs it (its model.toml's
     # keys and a record's): a record naming the same is applied already.
-    config: ModelConfig | None = None
+    config: ModelConfig
 
 
 class Control:
@@ -217,7 +217,7 @@ class Control:
         # its topics and changelog are the worker's routing's, not its alone.
         alone = dataclasses.replace(cfg, topics=(), state_topic="")
         settings = dataclasses.replace(model.settings, model=alone)
-        if alone == (model.config or model.settings.model):
+        if alone == model.config:
             if resident.refused is not None:  # unloaded: loaded again, served again
                 await self.residency.served(name)
             self._numbers[name] = version
@@ -282,7 +282,8 @@ def controlled(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, 
             info = m.engine.info
             labels = {"version": __version__, "model": info.name, "backend": info.backend,
                       "device": device_name}  # fmt: skip
-            ok[m.name] = Controlled(m.settings, cast(CpuStage, stage), info.version, labels)
+            ok[m.name] = Controlled(m.settings, cast(CpuStage, stage), info.version, labels,
+                                    m.settings.model)  # fmt: skip
     return Control(s, ok, refused)
 
 

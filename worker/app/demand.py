@@ -49,113 +49,26 @@ import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import cast
 
 import structlog
 
 from worker.app.loading import LoadedModel, engine_loader
 from worker.app.memory import MIB, measured, resident_bytes
-from worker.compute.stage import Residence, Stage
+from worker.app.residents import LoadFailed, Pool, Resident, Resides, file_stamp, weights
+from worker.compute.stage import Stage
 from worker.config import Settings
 from worker.config.checks import check
 from worker.config.model import is_gpu_backend
 from worker.contract import ErrorInfo
 from worker.flow.codes import ErrorCode
-from worker.model.files import resolve_model_path
-from worker.model.io import EngineInfo
 from worker.obs import metrics
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-RETRY_S = 30.0  # a model whose load failed is tried again this often (or once its file changes)
-
-
-class LoadFailed(Exception):
-    """A model's load failed (now, or lately with the same file: ``Resident.failing``)."""
-
-
 def _release(gate: asyncio.Future[None]) -> None:
     if not gate.done():
         gate.set_result(None)
-
-
-def file_stamp(s: Settings) -> tuple[int, int] | None:
-    """The model file's size and modification time (None: not readable)."""
-    try:
-        st = resolve_model_path(s.model.path).stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
-def weights(s: Settings) -> int:
-    """The model file's bytes: a GPU model's weights on the device, which its
-    engine loads before its stage's start is measured."""
-    stamp = file_stamp(s)
-    return stamp[0] if stamp is not None else 0
-
-
-class Resides(Protocol):
-    """What the residency asks of a stage (``CpuStage``, ``GpuStage``)."""
-
-    info: EngineInfo
-    residence: Residence | None
-
-    @property
-    def loaded(self) -> bool: ...
-
-    def evict(self) -> None: ...
-
-    def load(self, engine: Any) -> int: ...  # the device bytes it took
-
-
-@dataclass(eq=False)
-class Resident:
-    """One model loaded by demand: its stage, and what the residency decides by."""
-
-    name: str
-    stage: Resides
-    settings: Settings  # the serving version's (a control record changes it)
-    size: int  # bytes: the most any of its loads measured (device bytes on the GPU)
-    device: bool = False  # a GPU model: its budget the device's
-    pinned: bool = False
-    last_used: float = 0.0  # monotonic: when its last batch ended
-    in_use: int = 0  # its batches running now
-    backlog: int = 0  # its topics' lag at the monitor's last poll
-    refused: str | None = None  # why it is not served (a tombstone), or None
-    loads: int = 0
-    gate: asyncio.Future[None] | None = None  # the last batch to be let in (in order)
-    # Its last load's failure: its file's stamp then, when, and why (None: none).
-    failed: tuple[tuple[int, int] | None, float, str] | None = None
-
-    def settled(self) -> bool:
-        """Loaded, or not to be loaded (unloaded through the control topic)."""
-        return self.loaded or self.refused is not None
-
-    def failing(self) -> str | None:
-        """Why its load failed, where trying again now would fail alike: the same
-        file (its size and modification time) within ``RETRY_S`` of the failure.
-        A model whose load fails must not evict the others again and again."""
-        if self.failed is None:
-            return None
-        stamp, at, why = self.failed
-        if stamp != file_stamp(self.settings) or time.monotonic() - at >= RETRY_S:
-            return None
-        return why
-
-    @property
-    def loaded(self) -> bool:
-        return self.stage.loaded
-
-
-@dataclass(frozen=True)
-class Pool:
-    """A memory the models share: the host's, or the GPU's on the worker's device."""
-
-    budget: int  # bytes; 0: no budget (nothing is evicted for room)
-    fixed: int  # what the models loaded for good hold of it
-    name: str = "host"
 
 
 @dataclass(eq=False)
@@ -165,11 +78,11 @@ class Residency:
 
     host: Pool
     residents: Sequence[Resident]
-    gpu: Pool = Pool(0, 0, "gpu")
+    gpu: Pool = field(default_factory=lambda: Pool(0, 0, "gpu"))
     _models: dict[str, Resident] = field(init=False)
     _lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     _freed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
-    _prefetches: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    _prefetches: dict[str, asyncio.Task[None]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._models = {r.name: r for r in self.residents}
@@ -244,14 +157,13 @@ class Residency:
     async def _let_in(self, r: Resident) -> ErrorInfo | None:
         """``r`` loaded for one batch (loading it first) and counted in use; the
         error to answer the batch with where its load failed."""
-        name = r.name
         failed: ErrorInfo | None = None
-        while r.refused is None and not r.loaded and failed is None:
+        if not r.settled():  # (a load leaves it loaded, or unloaded meanwhile)
             try:
                 await self._load(r, "demand")
             except LoadFailed as exc:
                 failed = ErrorInfo(ErrorCode.INFERENCE_FAILED,
-                                   f"model {name!r} could not be loaded: {exc}")  # fmt: skip
+                                   f"model {r.name!r} could not be loaded: {exc}")  # fmt: skip
         # No await between the load's end and this count: nothing evicts it between.
         r.in_use += 1
         return failed
@@ -261,18 +173,13 @@ class Residency:
         one is loaded now (prefetch), before its requests reach a batch."""
         for r in self._models.values():
             r.backlog = backlogs.get(r.name, 0)
-            if r.backlog > 0 and not r.loaded and r.refused is None:
-                self._prefetch(r)
+            if r.backlog > 0 and not r.settled() and r.name not in self._prefetches:
+                task = asyncio.create_task(self._load(r, "backlog"), name=f"prefetch-{r.name}")
+                self._prefetches[r.name] = task
+                task.add_done_callback(functools.partial(self._prefetched, r.name))
 
-    def _prefetch(self, r: Resident) -> None:
-        if any(t.get_name() == f"prefetch-{r.name}" for t in self._prefetches):
-            return
-        task = asyncio.create_task(self._load(r, "backlog"), name=f"prefetch-{r.name}")
-        self._prefetches.add(task)
-        task.add_done_callback(self._prefetched)
-
-    def _prefetched(self, task: asyncio.Task[None]) -> None:
-        self._prefetches.discard(task)
+    def _prefetched(self, name: str, task: asyncio.Task[None]) -> None:
+        del self._prefetches[name]
         if not task.cancelled() and (exc := task.exception()) is not None:
             # Its next batch loads it again and fails where it fails (named there).
             log.error("model_prefetch_failed", task=task.get_name(), error=repr(exc))
@@ -303,7 +210,7 @@ class Residency:
             # Measured over its estimate: the others make room after it (the
             # memory held went over the budget by the difference while it loaded).
             await self._make_room(r, 0)
-            self._loaded(r, size, reason, seconds)
+            self._loaded(r, reason, seconds)
 
     async def _engine_in(self, r: Resident) -> int:
         """``r``'s serving version's engine loaded into its stage; the bytes it
@@ -316,8 +223,7 @@ class Residency:
         r.stage.load(engine)
         return size
 
-    def _loaded(self, r: Resident, size: int, reason: str, seconds: float) -> None:
-        r.size = max(r.size, size)
+    def _loaded(self, r: Resident, reason: str, seconds: float) -> None:
         r.loads += 1
         r.last_used = time.monotonic()
         metrics.MODEL_LOADS.labels(r.name, reason).inc()
@@ -401,7 +307,7 @@ class Residency:
                 r.size = max(hint, (r.size if was else 0) + grown)
                 await self._make_room(r, 0)  # over its estimate: the others after it
                 if r.loaded and not was:
-                    self._loaded(r, 0, "control", 0.0)
+                    self._loaded(r, "control", 0.0)
                 self._publish()
             return problem
 
@@ -411,8 +317,8 @@ class Residency:
         must not close under it), then the engines loaded here closed (those
         loaded at start-up are their loader's: ``worker.app.loading``)."""
         if self._prefetches:
-            await asyncio.wait(list(self._prefetches), timeout=timeout)
-        for task in list(self._prefetches):
+            await asyncio.wait(list(self._prefetches.values()), timeout=timeout)
+        for task in list(self._prefetches.values()):
             task.cancel()
         async with self._lock:
             for r in self.residents:

@@ -76,10 +76,10 @@ def check_budget(sizes: Mapping[str, tuple[str, int]], budget_mb: int) -> None:
 
 def start_runtime() -> None:
     """onnxruntime imported and its first session opened and closed, before any
-    model loaded by demand is measured: what the runtime's own start adds (about
-    45 MiB on this project's machine, most of it the import) is no model's, and
-    a model counts the most any of its loads measured, so the first model loaded
-    would otherwise count it for good."""
+    model loaded by demand is measured: what the runtime's own start adds (tens
+    of MiB, most of it the import) is no model's, and a model counts the most
+    any of its loads measured, so the first model loaded would otherwise count
+    it for good."""
     import onnxruntime as ort
 
     from worker.model.files import resolve_model_path
