@@ -33,10 +33,13 @@ from typing import Any, cast
 
 import structlog
 
+from worker import __version__
+from worker.app.arrivals import Arrivals
 from worker.app.demand import Residency, residency
 from worker.app.desired import Desired, checked_settings, desired_state
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
+from worker.app.stages import Stages
 from worker.compute.cpu import CpuStage
 from worker.compute.stage import Stage
 from worker.config import Settings
@@ -63,6 +66,7 @@ class Controlled:
     # The serving version's configuration as the model runs it (its model.toml's
     # keys and a record's): a record naming the same is applied already.
     config: ModelConfig
+    topics: tuple[str, ...] = ()  # the input topics it answers (set when it came)
 
 
 class Control:
@@ -86,6 +90,9 @@ class Control:
         self._numbers = {v.name: v.version for v in held if v.served}
         # Why each version a record named was refused (the index says so), by model.
         self._failed: dict[tuple[str, int], str] = {}
+        # Brings a repository model this worker does not serve (set by the worker
+        # where the control topic may: ``worker.app.arrivals``).
+        self.arrivals: Arrivals | None = None
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -169,7 +176,7 @@ class Control:
 
     def _write(self, name: str, state: dict[str, object] | None) -> str | None:
         """``state`` written for ``name`` from the metrics port's thread; why not, or None."""
-        if name not in self._models:
+        if name not in self._models and (name in self._refused or self.arrivals is None):
             return f"{name!r}: {self._refused.get(name, 'not a model this worker serves')}"
         if self._loop is None:
             return "the worker does not read its control topic yet"
@@ -193,9 +200,17 @@ class Control:
             return self._refuse(name, str(exc))
         version, overrides = desired.version, desired.settings
         model = self._models.get(name)
+        if model is None and name not in self._refused and self.arrivals is not None:
+            return await self._arrive(name, version, overrides)
         if model is None:
             why = self._refused.get(name, "not a model this worker serves")
             return self._refuse(name, why)
+        topics = overrides.get("topics")
+        if topics is not None and tuple(topics) != model.topics:
+            return self._refused_version(name, version or 0, (
+                f"settings.topics: {name!r} answers {list(model.topics)}; a served model's "
+                "topics change with a new configuration (a record sets them as it brings a "
+                "model)"))  # fmt: skip
         resident = self.residency.get(name) if self.residency is not None else None
         assert self.residency is not None and resident is not None, "set before run()"
         if version is None:
@@ -237,6 +252,30 @@ class Control:
         log.info("model_control_applied", model=name, version=version, serving=hash_)
         return True
 
+    async def _arrive(self, name: str, version: int | None, overrides: dict[str, Any]) -> bool:
+        """A repository model this worker does not serve, brought by a record
+        (``worker.app.arrivals``); a tombstone for one changes nothing."""
+        assert self.arrivals is not None
+        if version is None:
+            log.info("model_control_unloaded", model=name, serving=None)
+            return True
+        try:
+            cfg = await asyncio.to_thread(self._version, name, version, overrides)
+            came = await self.arrivals.arrive(cfg)
+        except Exception as exc:  # the record's (config, load, bind, probe): refused
+            why = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            return self._refused_version(name, version, why)
+        labels = {"version": __version__, "model": name, "backend": came.stage.infer.info.backend,
+                  "device": self.arrivals.device_name}  # fmt: skip
+        alone = dataclasses.replace(cfg, topics=(), state_topic="")
+        self._models[name] = Controlled(came.settings, cast(CpuStage, came.stage.infer),
+                                        came.version, labels, alone, came.topics)  # fmt: skip
+        self._numbers[name] = version
+        self._failed.pop((name, version), None)
+        log.info("model_control_applied", model=name, version=version, serving=came.version,
+                 came=True)  # fmt: skip
+        return True
+
     def _version(self, name: str, version: int, overrides: dict[str, Any]) -> RepositoryModel:
         """The model's version ``version`` as the repository holds it now, with
         a record's settings over its model.toml's."""
@@ -265,8 +304,6 @@ def controlled(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, 
                device_name: str) -> Control:  # fmt: skip
     """The worker's side of the control topic: which of its models the topic
     may set the version of, and why not the others."""
-    from worker import __version__
-
     in_pipelines = {step.model for p in s.pipelines.values() for step in p.steps if step.model}
     ok: dict[str, Controlled] = {}
     refused: dict[str, str] = {}
@@ -283,24 +320,29 @@ def controlled(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, 
             labels = {"version": __version__, "model": info.name, "backend": info.backend,
                       "device": device_name}  # fmt: skip
             ok[m.name] = Controlled(m.settings, cast(CpuStage, stage), info.version, labels,
-                                    m.settings.model)  # fmt: skip
+                                    m.settings.model, m.topics)  # fmt: skip
     return Control(s, ok, refused)
 
 
-def controls(s: Settings, models: Sequence[LoadedModel], stages: Mapping[str, Stage],
-             device_memory: Mapping[str, int], device_name: str,
-             ) -> tuple[Control | None, Residency | None]:  # fmt: skip
+def controls(s: Settings, configured: Settings, models: Sequence[LoadedModel], stages: Stages,
+             device_name: str) -> tuple[Control | None, Residency | None]:  # fmt: skip
     """Before Kafka is contacted (``run`` and ``config`` alike): the control
     topic's side (with ``kafka.control_topic``) and the residency of the models
     it may unload and of those loaded by demand, settled (the GPU's budget:
-    exit 2 where it cannot hold them)."""
+    exit 2 where it cannot hold them). ``configured``: the worker's
+    configuration, which models the control topic brings grow (where
+    ``stages.grow``: ``worker.app.arrivals``)."""
     demand_metrics.declare(m.name for m in models)
-    control = controlled(s, models, stages, device_name) if s.kafka.control_topic else None
-    held = residency(s, models, stages, control.names if control else (), device_memory)
+    by_name = {m.name: m.infer for m in stages.models}
+    control = controlled(s, models, by_name, device_name) if s.kafka.control_topic else None
+    held = residency(s, models, by_name, control.names if control else (), stages.device_memory,
+                     grows=stages.grow is not None)  # fmt: skip
     if held is not None:
         held.settle()
     if control is not None:
         control.residency = held
+        if stages.grow is not None and held is not None:
+            control.arrivals = Arrivals(configured, models, stages, held, device_name)
     return control, held
 
 

@@ -77,7 +77,7 @@ class Residency:
     loaded for good: the host's and the device's."""
 
     host: Pool
-    residents: Sequence[Resident]
+    residents: list[Resident]  # and the models the control topic brought since (arrive)
     gpu: Pool = field(default_factory=lambda: Pool(0, 0, "gpu"))
     _models: dict[str, Resident] = field(init=False)
     _lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
@@ -234,28 +234,31 @@ class Residency:
                  used_mib=round(self.used(r.device) / MIB, 1))  # fmt: skip
         self._publish()
 
-    async def _make_room(self, r: Resident, need: int) -> None:
+    async def _make_room(self, r: Resident | None, need: int) -> None:
         """Evict until ``need`` more bytes fit the budget (the lock held): the
-        module's docstring says whom, and when it waits."""
-        budget = (self.gpu if r.device else self.host).budget
-        while budget and self.used(r.device) + need > budget:
-            victim = self._victim(r)
+        module's docstring says whom, and when it waits. ``r``: the model the
+        room is for (None: one the control topic brings, on the host)."""
+        device = r is not None and r.device
+        budget = (self.gpu if device else self.host).budget
+        while budget and self.used(device) + need > budget:
+            victim = self._victim(r, device)
             if victim is not None:
                 self._evict(victim, "room")
                 continue
             busy = [m for m in self._models.values() if m is not r and m.loaded
-                    and not m.pinned and m.device == r.device]  # fmt: skip
+                    and not m.pinned and m.device == device]  # fmt: skip
             if not busy:  # nothing left to evict: grown past what the budget gives it
-                log.warning("model_over_budget", model=r.name, size_mib=round(need / MIB, 1),
-                            used_mib=round(self.used(r.device) / MIB, 1),
+                log.warning("model_over_budget", model=r.name if r else None,
+                            size_mib=round(need / MIB, 1),
+                            used_mib=round(self.used(device) / MIB, 1),
                             budget_mib=round(budget / MIB, 1))  # fmt: skip
                 return
             self._freed.clear()
             await self._freed.wait()  # a batch ended: look again
 
-    def _victim(self, r: Resident) -> Resident | None:
+    def _victim(self, r: Resident | None, device: bool) -> Resident | None:
         idle = [m for m in self._models.values() if m is not r and m.loaded and not m.pinned
-                and m.in_use == 0 and m.device == r.device]  # fmt: skip
+                and m.in_use == 0 and m.device == device]  # fmt: skip
         return min(idle, key=lambda m: (m.backlog > 0, m.last_used), default=None)
 
     def _evict(self, r: Resident, reason: str) -> None:
@@ -311,6 +314,24 @@ class Residency:
                 self._publish()
             return problem
 
+    async def arrive(
+        self, hint: int, load: Callable[[], Awaitable[tuple[Resident, float]]]
+    ) -> Resident:
+        """A model the control topic brings (``worker.app.arrivals``): room made
+        for ``hint`` bytes (its file) in the host's budget, then ``load()`` (its
+        engine loaded and measured, bound, its stages built: the resident and
+        the seconds its load took), from then on a resident as any, room made
+        after it where it measured more. Its engine is closed here at shutdown."""
+        async with self._lock:
+            await self._make_room(None, hint)
+            r, seconds = await load()
+            self.residents.append(r)
+            self._models[r.name] = r
+            r.stage.residence = functools.partial(self.held, r.name)
+            await self._make_room(r, 0)
+            self._loaded(r, "control", seconds)
+            return r
+
     async def close(self, timeout: float = 30.0) -> None:
         """At shutdown, every batch answered: the prefetches under way finished
         (a load runs on a thread, which cancelling would not stop: the stages
@@ -338,14 +359,16 @@ def residency(
     stages: Mapping[str, Stage],
     controlled: Collection[str] = (),
     device_memory: Mapping[str, int] | None = None,
+    grows: bool = False,
 ) -> Residency | None:
     """The residency of the models loaded by demand and of those the control
     topic may unload (``controlled``: without ``repository.on_demand`` these are
     never evicted for room, the budget having been checked at start-up), or None.
-    ``device_memory``: what each GPU stage took of the device as it started."""
+    ``device_memory``: what each GPU stage took of the device as it started.
+    ``grows``: the control topic may bring models (a residency, even empty)."""
     device_memory = device_memory or {}
     chosen = [m for m in models if m.on_demand or m.name in controlled]
-    if not chosen:
+    if not chosen and not grows:
         return None
     demand, limits = s.repository.on_demand, s.limits
     # A GPU model's host memory (its runtime, its weights' host copy) stays: counted

@@ -7,11 +7,14 @@ serves it with those keys over its ``model.toml``'s, each key given replacing
 the file's value whole (a table too: ``postprocess`` given is the whole
 postprocessing). An empty value (a tombstone) unloads the model.
 
-Not settable here, refused naming the key: what identifies a model or routes
-its requests, set at start-up for the whole group (``name``, ``path``,
-``topics``, ``state_topic``), the engine it runs on (``backend``: the control
-topic swaps versions on the CPU path), and ``reload_interval_s`` (a repository
-model's version is the topic's, not its file's).
+``topics`` sets the input topics of a model the record brings (one this worker
+did not serve: ``worker.app.arrivals``); a served model's topics stay its own
+(a record naming others is refused where it is applied). Not settable here,
+refused naming the key: what identifies a model (``name``, ``path``), its
+changelog (``state_topic``, set at start-up), the engine it runs on
+(``backend``: the control topic swaps versions on the CPU path), and
+``reload_interval_s`` (a repository model's version is the topic's, not its
+file's).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import Any
 FIXED = {
     "name": "a repository model is named by its directory",
     "path": "the model file is the version directory's",
-    "topics": "a model's topics are the group's routing, set at start-up",
     "state_topic": "a model's changelog is set at start-up",
     "backend": "the control topic swaps versions on the CPU path",
     "reload_interval_s": "a repository model's version is the control topic's",

@@ -82,8 +82,8 @@ async def load_models(
         for m in models:
             if by_demand_on_host(s, m):
                 continue
-            one, size = (engine, 0) if engine is not None else await _load(s, m)
-            loaded.append(LoadedModel(m.name, m.key, m.topics, _sized(m, one), one, size,
+            one, size = (engine, 0) if engine is not None else await load_one(m)
+            loaded.append(LoadedModel(m.name, m.key, m.topics, sized(m, one), one, size,
                                       on_demand=on_demand(s, m)))  # fmt: skip
             sizes[m.name] = (one.info.version, size)
         check_budget(sizes, s.limits.max_models_memory_mb)  # before joining the group
@@ -102,7 +102,8 @@ async def load_models(
     return sorted(loaded, key=lambda m: order[m.name])
 
 
-def _sized(m: ServedModel, engine: Engine | GpuEngine) -> Settings:
+def sized(m: ServedModel, engine: Engine | GpuEngine) -> Settings:
+    """``m``'s settings as it runs: its batch size derived from ``engine`` where left to derive."""
     sized = sized_for(m.settings, engine.info)
     if sized is not m.settings:
         log.info("batch_size_derived", max_batch_size=sized.batching.max_batch_size,
@@ -141,8 +142,8 @@ async def _load_by_demand(
     try:
         for m in models:
             make_room(resolve_model_path(m.config.path).stat().st_size, m.name)
-            one, size = await _load(s, m)
-            model = LoadedModel(m.name, m.key, m.topics, _sized(m, one), one, size, None, True)
+            one, size = await load_one(m)
+            model = LoadedModel(m.name, m.key, m.topics, sized(m, one), one, size, None, True)
             out.append(model)
             model = out[-1] = replace(model, binding=await bind(m.key, model.settings, one))
             metrics.MODEL_MEMORY.labels(model=m.name, version=one.info.version).set(size)
@@ -156,7 +157,8 @@ async def _load_by_demand(
     return out
 
 
-async def _load(s: Settings, m: ServedModel) -> tuple[Engine | GpuEngine, int]:
+async def load_one(m: ServedModel) -> tuple[Engine | GpuEngine, int]:
+    """``m``'s engine loaded, and the resident bytes its load added."""
     with settings_named(m.key):
         return await measured(engine_loader(m.settings))
 

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from worker.app.inference import Bindings, GpuShare, inference_stage
-from worker.app.lanes import backpressure, batch_policy
+from worker.app.lanes import apart_bound, backpressure, batch_policy
 from worker.app.loading import LoadedModel
 from worker.app.pipelines import (
     StepModel,
@@ -43,7 +43,7 @@ from worker.flow.drain import Shares
 from worker.flow.messages import Batch, Completed, Job
 from worker.flow.offsets import OffsetTracker
 from worker.flow.room import Room
-from worker.flow.streams import merge_done
+from worker.flow.streams import Merge
 from worker.flow.values import ModelInfo
 from worker.kafka.clients import client_kwargs
 from worker.kafka.commit import Committer
@@ -82,10 +82,27 @@ class Stages:
     # What each GPU stage took of the device as it started, by ring (models loaded
     # by demand on the GPU are counted so: ``worker.app.demand``).
     device_memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Where the control topic may bring models while serving: what they join.
+    grow: Growth | None = None
 
     def topics_of(self, name: str) -> list[str]:
         """The input topics whose requests naming none ``name`` answers."""
         return next((list(m.topics) for m in self.models if m.name == name), [])
+
+
+@dataclass
+class Growth:
+    """What a model the control topic brings while serving is built with and
+    joined to (``admit``): the builders, the intake, the writer's models and
+    the merge of every model's completed batches."""
+
+    plan: RunPlan
+    tracker: OffsetTracker
+    bindings: Bindings
+    device: GpuShare
+    intake: JobFactory
+    infos: dict[str, ModelInfo]
+    merge: Merge[Completed]
 
 
 @dataclass
@@ -120,13 +137,18 @@ async def build_stages(
     tracker: OffsetTracker,
     tracer: Tracer,
     on_revoke: RevokeHook,
+    grows: Settings | None = None,
 ) -> Stages:
     """The stages, wired: one set per model and pipeline the routing table
     answers with (``worker.config.models.routing``), each model's binding
     decided once (exit 2 on a mismatch, before Kafka is contacted) and shared by
-    the intake and its inference stage."""
+    the intake and its inference stage. ``grows``: the configuration, where the
+    control topic may bring models while serving (``admit``): its routing table,
+    and one model is merged and paused as several are."""
     b = s.batching
-    table = routing(s) if len(models) > 1 or s.pipelines else Routing.one(models[0].name)
+    several = len(models) > 1 or s.pipelines
+    table = (routing(grows) if grows is not None else routing(s) if several
+             else Routing.one(models[0].name))  # fmt: skip
     bindings = Bindings(plan)  # each model bound and probed once, whoever runs it
     device = GpuShare(s, plan, models)
     by_name = {m.name: m for m in models}
@@ -156,7 +178,8 @@ async def build_stages(
     )  # fmt: skip
     place = {a.stages.name: i for i, a in enumerate(built)}
     pausing, ranks = backpressure(s, [a.settings for a in built],
-                                  {t: place[table.owner(t)] for t in s.kafka.input_topics})
+                                  {t: place[table.owner(t)] for t in s.kafka.input_topics},
+                                  apart=grows is not None)  # fmt: skip
     consumer = Consumer(
         s.kafka, intake, {a.stages.name: a.stages.jobs for a in built}, tracker, on_revoke,
         pausing, ranks=ranks,
@@ -171,9 +194,9 @@ async def build_stages(
     consumer.wake_on(committer.progress)
     budget = FailureBudget(s.dlq.max_consecutive, s.dlq.max_ratio, s.dlq.window)
     completed, merge = first.stages.completed, None
-    if others:  # each model's completed batches in its own order, none waiting on another's
+    if others or grows is not None:  # each model's batches in its own order, none waiting
         completed = asyncio.Queue(b.max_inflight_batches)
-        merge = merge_done([a.stages.completed for a in built], completed)
+        merge = Merge([a.stages.completed for a in built], completed)
     infos = {a.stages.name: ModelInfo(a.stages.name, a.stages.infer.info.version)
              for a in built}  # fmt: skip
     changelogs = {a.stages.name: a.settings.kafka.state_topic for a in built
@@ -189,8 +212,33 @@ async def build_stages(
         writer = ExactlyOnceWriter(parts, lease, max_batches=plan.transaction_batches)
     else:
         writer = AtLeastOnceWriter(parts, max_pending_acks=plan.max_pending_acks)
-    return Stages(consumer, [a.stages for a in built], writer, committer, table, merge, shares,
-                  device.models)  # fmt: skip
+    grow = (Growth(plan, tracker, bindings, device, intake, infos, merge)
+            if grows is not None and merge is not None else None)  # fmt: skip
+    return Stages(consumer, [a.stages for a in built], writer, committer, table,
+                  merge.run() if merge is not None else None, shares, device.models,
+                  grow)  # fmt: skip
+
+
+async def admit(stages: Stages, m: LoadedModel, grown: Routing) -> ModelStages:
+    """A model the control topic brought, its stages built (bound and probed)
+    and joined to the running ones: the routing table ``grown`` to answer with
+    it, its requests checked at intake, read from its own topics (a rebalance
+    where it has some), its completed batches merged for the writer. Its
+    batcher and inference stage are the caller's to run."""
+    g = stages.grow
+    assert g is not None, "built with grows="
+    a = await _model_stages(m, g.plan, g.tracker, g.bindings, g.device)
+    a.stages.topics = m.topics
+    b = m.settings.batching
+    # No await from here: a record routed to it finds its queue.
+    stages.consumer.admit(m.name, a.stages.jobs, m.topics,
+                          (apart_bound(b), b.max_inflight_bytes))  # fmt: skip
+    stages.routing.admit(grown)
+    g.intake.admit(m.name, a.binding.inputs, fit_limits(m.settings.limits, a.binding.inputs))
+    g.infos[m.name] = ModelInfo(m.name, a.stages.infer.info.version)
+    g.merge.add(a.stages.completed)
+    stages.models.append(a.stages)
+    return a.stages
 
 
 async def _model_stages(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, cast
 
 import structlog
@@ -19,13 +19,14 @@ from aiokafka.errors import KafkaError
 
 from worker import __version__
 from worker.app import cards
+from worker.app.arrivals import grows
 from worker.app.control import Control, controls, converged
 from worker.app.demand import Residency
 from worker.app.inference import bound
 from worker.app.loading import LoadedModel, close_models, load_models
 from worker.app.plan import RunPlan
 from worker.app.reload import watch_model
-from worker.app.stages import Stages, build_stages, crash_guard
+from worker.app.stages import ModelStages, Stages, build_stages, crash_guard
 from worker.app.states import wire_states
 from worker.compute.cpu import CpuStage
 from worker.compute.engines import Engine, GpuEngine
@@ -36,7 +37,7 @@ from worker.flow.deadline import Deadline
 from worker.flow.errors import BrokerUnavailable
 from worker.flow.messages import TopicPartition
 from worker.flow.offsets import OffsetTracker
-from worker.kafka.clients import group_consumer_kwargs, producer_kwargs
+from worker.kafka.clients import close_within, group_consumer_kwargs, producer_kwargs
 from worker.kafka.crashguard import CrashGuard
 from worker.kafka.diagnose import explain, unreachable
 from worker.kafka.monitors import report_partitions, watch_broker
@@ -52,6 +53,7 @@ log = structlog.get_logger(__name__)
 class Worker:
     def __init__(self, settings: Settings, engine: Engine | GpuEngine | None = None) -> None:
         """``engine``: the one model's, loaded by the caller (tests, benchmarks)."""
+        self._configured = settings  # every model's (the control topic may bring more)
         settings = as_served(settings)  # one model, whichever section: its settings alone
         self.settings = settings
         self.plan = RunPlan.of(settings)
@@ -112,12 +114,12 @@ class Worker:
                 self.plan = dataclasses.replace(
                     self.plan, crash_guard_window=max(self.plan.crash_guard_window, window)
                 )
+            grown = self._configured if grows(self._configured) else None
             self._stages = stages = await build_stages(
-                s, self.plan, self._models, self.tracker, self._tracer, self._on_revoke
+                s, self.plan, self._models, self.tracker, self._tracer, self._on_revoke, grown
             )
             self._control, self._residency = controls(
-                s, self._models, {m.name: m.infer for m in stages.models},
-                stages.device_memory, self.plan.device_name)  # fmt: skip
+                s, self._configured, self._models, stages, self.plan.device_name)  # fmt: skip
         except BaseException:
             await self._close()
             raise
@@ -179,12 +181,12 @@ class Worker:
                 cards.publish_pipeline(m.infer.info, described)
         self._pipeline = [self._spawn(stages.consumer.run(), "consume")]
         for m in stages.models:  # each model's batches its own (worker.config.models)
-            suffix = "" if len(stages.models) == 1 else f"-{m.name}"
-            self._pipeline.append(self._spawn(m.batcher.run(), f"batch{suffix}"))
-            self._pipeline.append(self._spawn(m.infer.run(), f"infer{suffix}"))
+            self._pipeline += self._model_tasks(m, "" if len(stages.models) == 1 else m.name)
         if stages.merge is not None:
             self._pipeline.append(self._spawn(stages.merge, "merge"))
         self._pipeline.append(self._spawn(stages.writer.run(), "produce"))  # last: the end
+        if self._control is not None and self._control.arrivals is not None:
+            self._control.arrivals.run = self._run_brought
         self._support = [
             *control,
             self._spawn(stages.committer.run(), "commit"),
@@ -232,6 +234,15 @@ class Worker:
         repository.register(control)  # the OIP repository extension on the metrics port
         self._serving = control.serving()
         return [task]
+
+    def _model_tasks(self, m: ModelStages, name: str) -> list[asyncio.Task[None]]:
+        suffix = f"-{name}" if name else ""
+        return [self._spawn(m.batcher.run(), f"batch{suffix}"),
+                self._spawn(m.infer.run(), f"infer{suffix}")]  # fmt: skip
+
+    def _run_brought(self, m: ModelStages) -> None:
+        """A model the control topic brought while serving, run (the writer stays last)."""
+        self._pipeline[-1:-1] = self._model_tasks(m, m.name)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # the name is for logs only
@@ -335,7 +346,7 @@ class Worker:
                 ("consumer", stages.consumer.close),
                 ("producer", stages.writer.close),
             ):
-                await _close_within(name, closer, limit)
+                await close_within(name, closer, limit)
             for m in stages.models:
                 await asyncio.to_thread(m.infer.close)
             if stages.merge is not None:
@@ -379,22 +390,3 @@ class Worker:
             await self._guard.release(heads, timeout=budget.left(floor=0.5))
         log.info("partitions_revoked", partitions=len(revoked), fenced=fenced)
 
-
-async def _close_within(
-    name: str, closer: Callable[[], Coroutine[Any, Any, None]], limit: float
-) -> None:
-    """Run one client's close; failures and overruns are logged, never raised. A
-    CancelledError from inside the client (aiokafka's fetcher raises one while
-    it closes against an unreachable broker) is its failure, not ours, unless
-    this task itself is being cancelled."""
-    try:
-        await asyncio.wait_for(closer(), limit)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        log.warning("close_interrupted", client=name)
-    except TimeoutError:
-        log.warning("close_timed_out", client=name, seconds=round(limit, 2))
-    except Exception as exc:  # boundary: whatever the client raises while closing
-        log.warning("close_failed", client=name, error=repr(exc))

@@ -15,6 +15,7 @@ import sys
 from worker.app.service import serve
 from worker.app.supervisor import supervise, supervised
 from worker.config import Settings
+from worker.config.models import as_served
 from worker.ops.broker import EmbeddedBroker, create_topics, port_is_free
 
 DEFAULT_PORT = 9092
@@ -31,9 +32,10 @@ def run_embedded(settings: Settings, partitions: int, procs: int, config: str | 
         settings = dataclasses.replace(
             settings, kafka=dataclasses.replace(k, bootstrap_servers=bootstrap)
         )
-        _tell(settings, broker.port, partitions)
-        if supervised(settings, procs):  # --procs N, or lanes of their own
-            return supervise(settings, procs, config)
+        alone = as_served(settings)  # one model as one model (its lanes, its GPU)
+        _tell(alone, broker.port, partitions)
+        if supervised(alone, procs):  # --procs N, or lanes of their own
+            return supervise(alone, procs, config)
         return asyncio.run(serve(settings))
 
 

@@ -35,7 +35,8 @@ names the setting) or a stop without draining."""
 def run_command(args: argparse.Namespace) -> int:
     # One model, whichever section configured it, runs as one model (lanes in
     # processes of their own, the GPU's members): worker.config.models.as_served.
-    settings = as_served(load_settings(args.config))
+    configured = load_settings(args.config)
+    settings = as_served(configured)
     # kafka.client_id names the member: run --procs N gives member i "<client_id>-i".
     logs.configure(settings.logging, pid=os.getpid(), member=settings.kafka.client_id)
     log.info("starting", version=__version__, config=args.config, embedded=args.embedded)
@@ -44,14 +45,16 @@ def run_command(args: argparse.Namespace) -> int:
     if args.embedded:
         from worker.cli.local import run_embedded
 
-        return run_embedded(settings, args.partitions, args.procs, args.config)
+        return run_embedded(configured, args.partitions, args.procs, args.config)
     from worker.app.supervisor import supervise, supervised
 
     if supervised(settings, args.procs):  # --procs N, or lanes of their own
         return supervise(settings, args.procs, args.config)
     from worker.app.service import serve
 
-    return asyncio.run(serve(settings))
+    # The worker is given every model's configuration: it runs one model as one
+    # model itself, and the control topic may bring models beside it.
+    return asyncio.run(serve(configured))
 
 
 def add_run(sub: Subparsers[argparse.ArgumentParser]) -> None:

@@ -125,7 +125,8 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
         load_version(entry, version, given)  # the keys build as the worker builds them
     state = Desired(version, given).value()
     asyncio.run(control.write(settings.kafka, name, state))
-    print(f"{name}: version {version} written to {topic}; every member serving it swaps it in")
+    print(f"{name}: version {version} written to {topic}; every member serves it at that "
+          "version (one not serving it yet loads it)")  # fmt: skip
     return 0
 
 

@@ -110,11 +110,13 @@ def _alone(s: Settings, m: ModelConfig, name: str, key: str) -> Settings:
     return dataclasses.replace(s, kafka=kafka, model=model, models={}, pipelines={})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Routing:
     """Which model or pipeline answers a request, built once (``routing``) and
     consulted by the intake alone; the decision travels with the request
-    (``Job.model``) to the stages and the writer."""
+    (``Job.model``) to the stages and the writer. A model the control topic
+    brings while serving grows it in place (``admit``), so every holder sees
+    the same table."""
 
     # Each input topic's model or pipeline: it answers the requests naming none.
     owners: Mapping[str, str]
@@ -141,6 +143,13 @@ class Routing:
         if self.fallback is not None:
             owned.add(self.fallback)
         return tuple(n for n in self.names if n in owned or self.shared)
+
+    def admit(self, grown: Routing) -> None:
+        """Take over ``grown``: the table of the configuration with a model the
+        control topic brought (``routing`` of it), which only adds to this one."""
+        assert set(self.owners.items()) <= set(grown.owners.items()), "a table only grows"
+        assert grown.shared == self.shared, "the shared topics are the start-up's"
+        self.owners, self.names, self.own_only = dict(grown.owners), grown.names, grown.own_only
 
     def owner(self, topic: str) -> str:
         """The model or pipeline answering ``topic``'s requests that name none."""

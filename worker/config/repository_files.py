@@ -16,6 +16,7 @@ all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.config.checks import check
+from worker.config.kafka import KafkaConfig
 from worker.config.loading import build_table, read_toml
 from worker.config.repository import RepositoryConfig, RepositoryModel
 from worker.flow.errors import ConfigError
@@ -105,7 +107,16 @@ def with_repository(fields: Mapping[str, Any]) -> dict[str, Any]:
         check(name not in configured, f"models.{name}", f"{name!r} is also a model of the "
               f"repository ({Path(repo.path) / name}): a model is configured once (remove "
               f"[models.{name}], or leave {name!r} out of repository.models)")  # fmt: skip
-    return {**fields, "models": {**configured, **found}}
+    out = {**fields, "models": {**configured, **found}}
+    kafka = fields.get("kafka")
+    if isinstance(kafka, KafkaConfig) and kafka.control_topic:
+        # Models come and go through the control topic, each with its topics
+        # (its model.toml's): they are read beside kafka.input_topics.
+        inputs = kafka.input_topics
+        more = tuple(dict.fromkeys(t for m in found.values() for t in m.topics if t not in inputs))
+        if more:
+            out["kafka"] = dataclasses.replace(kafka, input_topics=(*inputs, *more))
+    return out
 
 
 def load_version(entry: RepositoryEntry, version: int,

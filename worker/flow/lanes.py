@@ -238,6 +238,14 @@ class LaneBackpressure:
         bp.groups = list(groups) if groups is not None else None
         return bp
 
+    def admit(self, bounds: tuple[int, int], label: str, resume_ratio: float = 0.5) -> int:
+        """One more model paused on its own counts (``apart``, without lanes): a
+        model the control topic brought; its rank."""
+        assert self.apart and self.groups is None, "models paused apart, without lanes"
+        self.lanes.append(Backpressure(*bounds, resume_ratio))
+        self.labels.append(label)
+        return len(self.lanes) - 1
+
     @staticmethod
     def scale(rank: int, lanes: int, headroom: float = 0.5) -> float:
         """Lane ``rank`` of ``lanes``: its bounds' factor (the most urgent, the

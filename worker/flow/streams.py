@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 
@@ -81,26 +81,78 @@ async def end_of_stream(queue: asyncio.Queue[Any]) -> AsyncIterator[None]:
 
 @contextlib.asynccontextmanager
 async def end_of_streams(queues: Sequence[asyncio.Queue[Any]]) -> AsyncIterator[None]:
-    """``end_of_stream`` for each of ``queues`` (one producer feeding several)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for queue in queues:
-            await stack.enter_async_context(end_of_stream(queue))
+    """``end_of_stream`` for each of ``queues`` (one producer feeding several),
+    those in the sequence when the block ends: a queue added while it ran (a
+    model the control topic brought) ends too."""
+    try:
         yield
+    except asyncio.CancelledError:
+        for queue in queues:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+        raise
+    except BaseException:
+        for queue in queues:
+            await queue.put(None)
+        raise
+    for queue in queues:
+        await queue.put(None)
+
+
+class Merge(Generic[Item]):
+    """Futures from several queues into one, each source's in its own order, a
+    future passed on once it is done: a slow source never holds a fast one's
+    results back (several models' completed batches into one writer). One
+    ``None`` goes out once every source has ended; a source may be added while
+    it runs (``add``: a model the control topic brought)."""
+
+    def __init__(
+        self,
+        sources: Sequence[asyncio.Queue[asyncio.Future[Item] | None]],
+        out: asyncio.Queue[asyncio.Future[Item] | None],
+    ) -> None:
+        self._out = out
+        self._waiting = list(sources)  # added, not forwarded yet
+        self._added = asyncio.Event()
+
+    def add(self, source: asyncio.Queue[asyncio.Future[Item] | None]) -> None:
+        self._waiting.append(source)
+        self._added.set()
+
+    async def _forward(self, source: asyncio.Queue[asyncio.Future[Item] | None]) -> None:
+        while (fut := await source.get()) is not None:
+            await asyncio.wait({fut})
+            await self._out.put(fut)
+
+    async def run(self) -> None:
+        running: set[asyncio.Task[None]] = set()
+        try:
+            async with end_of_stream(self._out):
+                while True:
+                    while self._waiting:
+                        running.add(asyncio.create_task(self._forward(self._waiting.pop(0))))
+                    if not running:
+                        return
+                    self._added.clear()
+                    added = asyncio.create_task(self._added.wait())
+                    try:
+                        done, _ = await asyncio.wait(
+                            {*running, added}, return_when=asyncio.FIRST_COMPLETED
+                        )
+                    finally:
+                        added.cancel()
+                    for task in done - {added}:
+                        running.discard(task)
+                        task.result()  # a forwarder's failure is the merge's
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
 
 
 async def merge_done(
     sources: Sequence[asyncio.Queue[asyncio.Future[Item] | None]],
     out: asyncio.Queue[asyncio.Future[Item] | None],
 ) -> None:
-    """Futures from several queues into one, each source's in its own order, a
-    future passed on once it is done: a slow source never holds a fast one's
-    results back (several models' completed batches into one writer). One
-    ``None`` goes out once every source has ended."""
-
-    async def forward(source: asyncio.Queue[asyncio.Future[Item] | None]) -> None:
-        while (fut := await source.get()) is not None:
-            await asyncio.wait({fut})
-            await out.put(fut)
-
-    async with end_of_stream(out):
-        await asyncio.gather(*(forward(s) for s in sources))
+    """``Merge(sources, out).run()``: the sources fixed."""
+    await Merge(sources, out).run()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal, TypeVar
 
 import structlog
@@ -219,3 +219,23 @@ async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     which hid the difference). aiokafka has no public call for this."""
     cluster = await consumer._client.fetch_all_metadata()
     return set(cluster.partitions_for_topic(topic) or ())
+
+
+async def close_within(
+    name: str, closer: Callable[[], Coroutine[Any, Any, None]], limit: float
+) -> None:
+    """Run one client's close; failures and overruns are logged, never raised. A
+    CancelledError from inside the client (aiokafka's fetcher raises one while
+    it closes against an unreachable broker) is its failure, not ours, unless
+    this task itself is being cancelled."""
+    try:
+        await asyncio.wait_for(closer(), limit)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("close_interrupted", client=name)
+    except TimeoutError:
+        log.warning("close_timed_out", client=name, seconds=round(limit, 2))
+    except Exception as exc:  # boundary: whatever the client raises while closing
+        log.warning("close_failed", client=name, error=repr(exc))

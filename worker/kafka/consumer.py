@@ -10,7 +10,7 @@ never raises: bad records flow on, in order, carrying their failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import structlog
@@ -38,6 +38,7 @@ from worker.kafka.lanefetch import (
 )
 from worker.kafka.listener import RebalanceListener, RevokeHook
 from worker.kafka.permissions import NOT_AUTHORISED
+from worker.kafka.positions import position_at_committed
 from worker.kafka.urgentfetch import BothSources, Stamped, UrgentFetcher, hand_over
 from worker.obs import metrics
 
@@ -69,6 +70,7 @@ class Consumer:
         several models in one worker, each input topic's place in the
         backpressure (its model's); none: the topics' priority lanes."""
         self._kafka = kafka
+        self._topics = list(kafka.input_topics)  # and those of models brought since (admit)
         self._backpressure = backpressure
         self._make_job = make_job
         self._jobs_of = dict(jobs_out)
@@ -105,7 +107,7 @@ class Consumer:
     async def start(self) -> None:
         k = self._kafka
         consumer = AIOKafkaConsumer(**group_consumer_kwargs(k))
-        consumer.subscribe(list(k.input_topics), listener=RebalanceListener(self, self._on_revoke))
+        consumer.subscribe(self._topics, listener=RebalanceListener(self, self._on_revoke))
         if k.has_lanes:  # started first: the first assignment hands it partitions
             self._urgent = UrgentFetcher(k)
             await self._urgent.start()
@@ -146,7 +148,8 @@ class Consumer:
         try:
             if self._restore is not None and tps:
                 await self._restore([TopicPartition(t.topic, t.partition) for t in tps])
-            await self._position_and_guard(tps)
+            await position_at_committed(self.client, tps, self.committed_at_assignment,
+                                        self.protection)  # fmt: skip
         finally:
             self._stamp += 1
             for t in tps:
@@ -163,28 +166,29 @@ class Consumer:
                 *(t for t in owned if t in still and t not in handed and not self._lane_paused(t))
             )
 
-    async def _position_and_guard(self, tps: list[KafkaTP]) -> None:
-        assert self.client is not None
-        fresh = []
-        for tp in tps:
-            committed = await self.client.committed(tp)
-            if committed is None:
-                fresh.append(tp)
-            else:
-                self.client.seek(tp, committed)
-                self.committed_at_assignment[TopicPartition(tp.topic, tp.partition)] = committed
-        if fresh:
-            await self.client.seek_to_beginning(*fresh)
-        if self.protection is not None and tps:
-            heads = {
-                TopicPartition(t.topic, t.partition): await self.client.position(t) for t in tps
-            }
-            await self.protection.claim(heads)
-
     def restore_with(self, restore: Callable[[list[TopicPartition]], Awaitable[None]]) -> None:
         """Have each assignment's partitions restored (a stateful model's states)
         before any of their records is queued (before ``start``)."""
         self._restore = restore
+
+    def admit(self, model: str, jobs: asyncio.Queue[Job | None], topics: Sequence[str],
+              bounds: tuple[int, int]) -> None:  # fmt: skip
+        """A model the control topic brought: its jobs to ``jobs``, and its own
+        ``topics`` (if any) read too, paused on its own counts at ``bounds``
+        (records, bytes). A subscription that grows is a rebalance, whose
+        revocations settle as any."""
+        if self._stopping.is_set():
+            raise RuntimeError("the worker is stopping")
+        self._jobs_of[model], self._only = jobs, None
+        self._queues.append(jobs)  # ended with the others (end_of_streams)
+        if not topics:
+            return
+        rank = self._backpressure.admit(bounds, model)
+        self._rank_of.update(dict.fromkeys(topics, rank))
+        self._topics += [t for t in topics if t not in self._topics]
+        if self.client is not None:
+            self.client.subscribe(
+                self._topics, listener=RebalanceListener(self, self._on_revoke))  # fmt: skip
 
     def stop_fetching(self) -> None:
         self._stopping.set()
@@ -361,7 +365,7 @@ class Consumer:
 
     @property
     def input_topics(self) -> tuple[str, ...]:
-        return self._kafka.input_topics
+        return tuple(self._topics)
 
     def highwater(self, ktp: KafkaTP) -> int | None:
         """The end offset the partition's last fetch reported (by the consumer

@@ -139,6 +139,20 @@ class JobFactory:
             model=model,
         )  # fmt: skip
 
+    def admit(self, model: str, inputs: ModelInputs, limits: LimitsConfig) -> None:
+        """A model the control topic brought: its requests checked against
+        ``inputs``, decoded within ``limits`` too (the routing table, shared,
+        has grown already)."""
+        self._inputs[model] = inputs
+        if self.schemas is not None:
+            self._views[model] = _view(inputs)
+        mine = Limits.of(limits)
+        self._codec_limits = Limits(
+            max_record_bytes=max(self._codec_limits.max_record_bytes, mine.max_record_bytes),
+            max_tensor_bytes=max(self._codec_limits.max_tensor_bytes, mine.max_tensor_bytes),
+            max_text_bytes=max(self._codec_limits.max_text_bytes, mine.max_text_bytes),
+        )
+
     def _schema(self, sid: int) -> RequestSchema:
         """The request schema of id ``sid`` (fetched before: ``Schemas.ready``)."""
         if self.schemas is None:

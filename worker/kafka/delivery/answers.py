@@ -60,13 +60,12 @@ class Answers:
     def __init__(self, parts: WriterParts) -> None:
         kafka = parts.kafka
         self._kafka = kafka
-        self._models = dict(parts.models)
+        # Not copied: a model the control topic brings is added to it while serving.
+        self._models = parts.models
         self._state_topics = dict(parts.state_topics)
         # One model: its changelog, whatever name its jobs carry (tools, tests).
         self._only_changelog = (next(iter(self._state_topics.values()), None)
                                 if len(self._models) == 1 else None)  # fmt: skip
-        # One model: every batch is its, whatever name its jobs carry (tools, tests).
-        self._only = next(iter(self._models.values())) if len(self._models) == 1 else None
         self._tracker = parts.tracker
         self._committer = parts.committer
         self._budget = parts.budget
@@ -122,7 +121,8 @@ class Answers:
                 shadowed.append(job)
                 continue
             outs.append(out)
-            changelog = self._only_changelog or self._state_topics.get(job.model)
+            changelog = self._state_topics.get(job.model) or (
+                self._only_changelog if len(self._models) == 1 else None)  # fmt: skip
             if changelog and answer.state is not None and out.kind != "dlq":
                 outs.append(self._state_record(job, answer.state, changelog))
             if out.kind == "ok":  # a pipeline's steps' outputs, for their own topics
@@ -151,7 +151,10 @@ class Answers:
         """The model that answered ``completed`` (a batch is of one model, the one
         the intake routed its jobs to), at the version that ran it: the start-up
         one, or the version swapped in since (results carry it)."""
-        model = self._only or self._models[completed.answers[0].job.model]
+        name = completed.answers[0].job.model
+        # One model: every batch is its, whatever name its jobs carry (tools, tests).
+        model = (self._models.get(name) or next(iter(self._models.values()))
+                 if len(self._models) == 1 else self._models[name])  # fmt: skip
         version = completed.model_version
         if version is None or version == model.version:
             return model

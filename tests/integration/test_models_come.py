@@ -1,0 +1,152 @@
+"""Models that come while serving (``worker.app.arrivals``, issue 68), on both
+brokers: a worker serves the repository's one model (``repository.models``
+names it alone); a second model is copied into the repository and ``infer-worker models load`` brings it on its own topic
+(its ``model.toml``'s), without a restart: the worker reads that topic from then
+on and answers it with the new model (each answer equal to the model run
+alone), the first model's answers unchanged beside it. A record bringing a model
+whose topic does not exist is refused, naming it, and the worker serves on. A
+member started afterwards (its configuration unchanged) serves the brought model
+from its first answer: the control topic is replayed before it joins the group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.onnx_models import run_alone, tabular
+from tests.serving import wire
+from worker.config import KafkaConfig
+from worker.contract import Result, Tensor
+from worker.kafka import control
+from worker.model.files import content_version
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collector, produce_all
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("onnx")
+
+
+def _model(repo: Path, name: str, seed: int, topic: str) -> Path:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "model.toml").write_text(f'topics = ["{topic}"]\n')
+    return tabular(repo / name / "1" / "model.onnx", seed=seed)
+
+
+async def _answers(broker: Broker, topic: str, out: str, rows: dict[str, np.ndarray],
+                   seen: list[int]) -> dict[str, Result]:  # fmt: skip
+    """Send ``rows`` to ``topic`` and read their answers from ``out`` (``seen``:
+    the answers read before)."""
+    await produce_all(broker.bootstrap, topic, [
+        (rid.encode(), wire(rid, {"features": Tensor.from_numpy(v)})) for rid, v in rows.items()
+    ])  # fmt: skip
+    c = Collector(broker.bootstrap, [out])
+    await c.start()
+    try:
+        want = seen[0] + len(rows)
+        assert await c.collect(lambda c: c.count() >= want, 90.0), f"{c.count()} of {want}"
+    finally:
+        await c.stop()
+    seen[0] = c.count()
+    got = {r.result().id: r.result() for r in c.records[out]}
+    return {rid: got[rid] for rid in rows}
+
+
+async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    base = names["requests"]
+    topics = {"scorer": f"{base}.scorer", "ranker": f"{base}.ranker", "ctl": f"{base}.control"}
+    await create_topics(broker.bootstrap, {topics["scorer"]: 2, topics["ranker"]: 2,
+                                           names["results"]: 1, names["dlq"]: 1,
+                                           topics["ctl"]: 1})  # fmt: skip
+    repo = tmp_path / "models"
+    files = {"scorer": _model(repo, "scorer", 1, topics["scorer"])}
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[kafka]\nbootstrap_servers = "{broker.bootstrap}"\n'
+                      f'input_topics = ["{topics["scorer"]}"]\ncontrol_topic = "{topics["ctl"]}"\n'
+                      f'[repository]\npath = "{repo}"\nmodels = ["scorer"]\n')  # fmt: skip
+    # The scorer alone at start-up: any other model comes through the control topic.
+    env = {"INFER_WORKER_REPOSITORY__PATH": str(repo), "INFER_WORKER_REPOSITORY__MODELS": "scorer",
+           "INFER_WORKER_KAFKA__CONTROL_TOPIC": topics["ctl"]}  # fmt: skip
+    rng = np.random.default_rng(68)
+
+    def rows(prefix: str) -> dict[str, np.ndarray]:
+        return {f"{prefix}-{i}": rng.normal(size=4).astype(np.float32) for i in range(10)}
+
+    def spawn() -> WorkerProcess:
+        return spawn_worker(broker.bootstrap, input_topics=[topics["scorer"]],
+                            output_topic=names["results"], dlq_topic=names["dlq"],
+                            group_id=names["group"], extra_env=env)  # fmt: skip
+
+    seen = [0]
+    answers: dict[str, tuple[str, dict[str, Result], dict[str, np.ndarray]]] = {}
+    first = spawn()
+    late: WorkerProcess | None = None
+    try:
+        await asyncio.to_thread(first.wait_until,
+                                lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0,
+                                "assignment")  # fmt: skip
+        sent = rows("before")
+        answers["before"] = ("scorer", await _answers(broker, topics["scorer"], names["results"],
+                                                      sent, seen), sent)  # fmt: skip
+        # A model copied into the repository after start-up, brought by the CLI.
+        files["ranker"] = _model(repo, "ranker", 2, topics["ranker"])
+        cli_env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
+        run = [sys.executable, "-m", "worker", "models", "load", "ranker", "--version", "1",
+               "--config", str(config)]  # fmt: skip
+        loaded = await asyncio.to_thread(subprocess.run, run, env=cli_env, capture_output=True,
+                                         text=True, timeout=60, check=False)  # fmt: skip
+        assert loaded.returncode == 0, loaded.stderr
+        # (The scrape sums a series over its model label: both models loaded.)
+        await asyncio.to_thread(first.wait_until, lambda m: m.get("infer_model_loaded") == 2.0,
+                                60.0, "the ranker brought")  # fmt: skip
+        # Its topic joins the subscription (a rebalance): 2 more partitions.
+        await asyncio.to_thread(first.wait_until,
+                                lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0,
+                                "the ranker's partitions")  # fmt: skip
+        sent = rows("ranker")
+        answers["ranker"] = ("ranker", await _answers(broker, topics["ranker"], names["results"],
+                                                      sent, seen), sent)  # fmt: skip
+        sent = rows("beside")
+        answers["beside"] = ("scorer", await _answers(broker, topics["scorer"], names["results"],
+                                                      sent, seen), sent)  # fmt: skip
+        # A model whose topic does not exist: refused naming it; the worker serves on.
+        _model(repo, "third", 3, f"{base}.missing")
+        refused = first.metrics().get('infer_model_swaps_total{outcome="refused"}', 0.0)
+        await control.write(KafkaConfig(bootstrap_servers=broker.bootstrap,
+                                        input_topics=(topics["scorer"],),
+                                        control_topic=topics["ctl"]),
+                            "third", {"version": 1})  # fmt: skip
+        await asyncio.to_thread(
+            first.wait_until,
+            lambda m: m.get('infer_model_swaps_total{outcome="refused"}', 0.0) > refused,
+            60.0, "the refusal of 'third'")  # fmt: skip
+        assert f"['{base}.missing'] do not exist" in first.log_tail(200)
+        assert first.terminate() == 0, first.log_tail()
+        # A member started later: the ranker from its first answer, no record written since.
+        late = spawn()
+        await asyncio.to_thread(late.wait_until,
+                                lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0,
+                                "the late member's assignment")  # fmt: skip
+        sent = rows("late")
+        answers["late"] = ("ranker", await _answers(broker, topics["ranker"], names["results"],
+                                                    sent, seen), sent)  # fmt: skip
+    finally:
+        first.kill()
+        if late is not None:
+            assert late.terminate() == 0, late.log_tail()
+    for phase, (model, got, sent) in answers.items():
+        for rid, r in got.items():
+            assert r.status == "ok", (phase, rid, r.error)
+            assert (r.model.name, r.model.version) == (model, content_version(files[model])), (
+                phase, rid)  # fmt: skip
+            alone = run_alone(files[model], {"features": sent[rid]})
+            np.testing.assert_allclose(r.outputs["probabilities"].to_numpy(),
+                                       alone["probabilities"], rtol=1e-5, atol=1e-6)  # fmt: skip
