@@ -1,7 +1,8 @@
 """Models that come while serving (``worker.app.arrivals``, issue 68), on both
 brokers: a worker serves the repository's one model (``repository.models``
-names it alone); a second model is copied into the repository and ``infer-worker models load`` brings it on its own topic
-(its ``model.toml``'s), without a restart: the worker reads that topic from then
+names it alone); a second model is copied into the repository and
+``infer-worker models load`` brings it on its own topic (its ``model.toml``'s),
+without a restart: the worker reads that topic from then
 on and answers it with the new model (each answer equal to the model run
 alone), the first model's answers unchanged beside it. A record bringing a model
 whose topic does not exist is refused, naming it, and the worker serves on. A

@@ -48,7 +48,7 @@ def test_a_record_may_set_settings_over_the_version_s_model_toml() -> None:
 
 @pytest.mark.parametrize(
     ("value", "problem"),
-    [(b'{"version": 2, "settings": {"topics": ["x"]}}', "settings.topics: not settable"),
+    [(b'{"version": 2, "settings": {"state_topic": "x"}}', "settings.state_topic: not settable"),
      (b'{"version": 2, "settings": {"backend": "torch"}}', "settings.backend: not settable"),
      (b'{"version": 2, "settings": ["outputs"]}', "settings: expected a table"),
      (b'{"version": 2, "topics": ["x"]}', "holds version and settings only")],
