@@ -36,7 +36,7 @@ import structlog
 from worker import __version__
 from worker.app.arrivals import Arrivals
 from worker.app.demand import Residency, residency
-from worker.app.desired import Desired, checked_settings, desired_state
+from worker.app.desired import Desired, checked_settings, desired_state, kept_topics
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
 from worker.app.stages import Stages
@@ -158,6 +158,9 @@ class Control:
             return f"{name!r} has no version {version} (it holds {', '.join(map(str, held))})"
         try:
             given = checked_settings(settings) if settings is not None else {}
+            served = self._models.get(name)
+            if served is not None and (moved := kept_topics(name, given, served.topics)):
+                raise ValueError(moved)
             self._version(name, version, given)  # the keys build as a record's will
         except (ValueError, ConfigError) as exc:
             return f"parameters.{exc}" if str(exc).startswith("settings") else str(exc)
@@ -205,12 +208,8 @@ class Control:
         if model is None:
             why = self._refused.get(name, "not a model this worker serves")
             return self._refuse(name, why)
-        topics = overrides.get("topics")
-        if topics is not None and tuple(topics) != model.topics:
-            return self._refused_version(name, version or 0, (
-                f"settings.topics: {name!r} answers {list(model.topics)}; a served model's "
-                "topics change with a new configuration (a record sets them as it brings a "
-                "model)"))  # fmt: skip
+        if (moved := kept_topics(name, overrides, model.topics)) is not None:
+            return self._refused_version(name, version or 0, moved)
         resident = self.residency.get(name) if self.residency is not None else None
         assert self.residency is not None and resident is not None, "set before run()"
         if version is None:

@@ -77,3 +77,13 @@ def checked_settings(settings: object) -> dict[str, Any]:
             raise ValueError(f"settings.{key}: not settable through the control topic "
                              f"({FIXED[key]})")  # fmt: skip
     return dict(settings)
+
+
+def kept_topics(name: str, settings: dict[str, Any], topics: tuple[str, ...]) -> str | None:
+    """Why a record's ``settings`` may not be applied to ``name``, served on
+    ``topics``: naming other topics (a served model keeps its own), or None."""
+    given = settings.get("topics")
+    if given is None or tuple(given) == topics:
+        return None
+    return (f"settings.topics: {name!r} answers {list(topics)}; a served model's topics change "
+            "with a new configuration (a record sets them as it brings a model)")  # fmt: skip

@@ -97,7 +97,8 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
     import asyncio
     import json
 
-    from worker.app.desired import Desired, checked_settings
+    from worker.app.desired import Desired, checked_settings, kept_topics
+    from worker.config.models import routing
     from worker.config.repository_files import listing, load_version, scan
     from worker.flow.errors import ConfigError
     from worker.kafka import control
@@ -123,6 +124,11 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
             raise ConfigError(f"models load: --settings: {exc}") from None
         entry = next(e for e in scan(settings.repository) if e.name == name)
         load_version(entry, version, given)  # the keys build as the worker builds them
+        if name in settings.models:  # served as configured: its topics its own
+            table = routing(settings)
+            mine = tuple(t for t, owner in table.owners.items() if owner == name)
+            if (moved := kept_topics(name, given, mine)) is not None:
+                raise ConfigError(f"models load: --{moved}")
     state = Desired(version, given).value()
     asyncio.run(control.write(settings.kafka, name, state))
     print(f"{name}: version {version} written to {topic}; every member serves it at that "
