@@ -1,0 +1,156 @@
+"""A model that comes while two members serve under load, exactly-once, on
+Apache Kafka (``worker.app.arrivals``, issue 68).
+
+Two static members of one group serve the repository's model ``a``
+(``repository.models = ["a"]``) with ``kafka.processing_guarantee =
+"exactly-once"`` while a steady stream of requests comes to ``a``'s topic, and
+another to ``b``'s topic, which no member reads yet. ``infer-worker models load
+b --version 1`` (``b`` copied into the repository after the members started)
+brings ``b`` on both members: each grows its subscription, a rebalance in which
+``a``'s partitions are revoked and settled mid-stream. A read_committed reader
+then sees every request of both topics answered once, none lost, none twice
+(``b``'s backlog from before the record too), each answer equal to its model
+run alone, and ``b``'s partitions shared by both members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.onnx_models import tabular
+from tests.serving import wire
+from worker.contract import Result, Tensor
+from worker.model.files import content_version
+from worker.ops.broker import Broker, create_topics
+from worker.ops.processes import WorkerProcess, spawn_worker
+from worker.ops.topics import Collector, produce_all
+from worker.ops.verify import check, read_topics
+
+from .conftest import FAST_GROUP, no_crash_in_log, wait_assigned
+from .test_exactly_once import EOS, until
+from .test_models_demand_eos import COMPACTED, _cli, _equal_alone, _features, _samples
+
+pytestmark = pytest.mark.faults
+pytest.importorskip("onnx")
+
+PARTS = 2
+CAP, RATE = 400, 20.0  # requests per topic at most, and per second to each
+
+
+@pytest.mark.parametrize("broker_kind", ["kafka"])
+async def test_a_model_brought_under_load_answers_every_request_exactly_once(
+    broker: Broker, names: dict[str, str], tmp_path: Path
+) -> None:
+    topics = {m: f"{names['requests']}.{m}" for m in ("a", "b")}
+    ctl = f"{names['requests']}.control"
+    await create_topics(broker.bootstrap, {**{t: PARTS for t in topics.values()},
+                                           names["results"]: PARTS, names["dlq"]: 1, ctl: 1},
+                        {ctl: COMPACTED})  # fmt: skip
+    repo = tmp_path / "models"
+    files: dict[str, Path] = {}
+
+    def copy_in(name: str, seed: int) -> None:
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "model.toml").write_text(f'topics = ["{topics[name]}"]\n')
+        files[name] = tabular(repo / name / "1" / "model.onnx", seed=seed)
+
+    copy_in("a", 1)
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[kafka]\nbootstrap_servers = "{broker.bootstrap}"\n'
+                      f'input_topics = ["{topics["a"]}"]\ncontrol_topic = "{ctl}"\n'
+                      f'[repository]\npath = "{repo}"\nmodels = ["a"]\n')  # fmt: skip
+    env = {**FAST_GROUP, **EOS, "INFER_WORKER_REPOSITORY__PATH": str(repo),
+           "INFER_WORKER_REPOSITORY__MODELS": "a",
+           "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}  # fmt: skip
+    rows = {m: _features(seed, CAP) for seed, m in enumerate(topics)}
+    sent: Counter[str] = Counter()
+    stop = asyncio.Event()
+
+    def stream(m: str) -> Iterator[tuple[bytes, bytes]]:
+        for i in range(CAP):
+            if stop.is_set():
+                return
+            sent[m] += 1
+            rid = f"{m}-{i}"
+            yield rid.encode(), wire(rid, {"features": Tensor.from_numpy(rows[m][i])})
+
+    def spawn(member: str) -> WorkerProcess:
+        static = {**env, "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": member}
+        return spawn_worker(broker.bootstrap, input_topics=[topics["a"]],
+                            output_topic=names["results"], dlq_topic=names["dlq"],
+                            group_id=names["group"], extra_env=static)  # fmt: skip
+
+    members = [spawn("m1"), spawn("m2")]
+    committed = Collector(broker.bootstrap, [names["results"]], isolation_level="read_committed")
+    await committed.start()
+    reader = asyncio.create_task(committed.collect(lambda _: False, 3600))
+
+    def answers() -> list[Result]:
+        return [r.result() for r in committed.records.get(names["results"], [])]
+
+    def answered(m: str) -> int:
+        return sum(1 for r in answers() if r.source.topic == topics[m])
+
+    try:
+        await wait_assigned(members, PARTS, timeout=90.0)
+        producing = asyncio.gather(*(
+            produce_all(broker.bootstrap, topics[m], stream(m),
+                        partition_of=lambda i: i % PARTS, rate=RATE, seed=n)
+            for n, m in enumerate(topics)
+        ))  # fmt: skip
+        await until(lambda: answered("a") >= 40, 60, "a answering")
+        assert answered("b") == 0  # b's requests wait: no member reads its topic yet
+        copy_in("b", 2)
+        await asyncio.to_thread(_cli, config, "load", "b", "--version", "1")
+        await wait_assigned(members, 2 * PARTS, timeout=90.0)  # b's partitions too
+        await until(lambda: answered("b") >= sent["b"] // 2, 90, "b's backlog answered")
+        a_then = answered("a")
+        await until(lambda: answered("a") >= a_then + 40, 60, "a answering beside b")
+        stop.set()
+        await producing
+        assert max(sent.values()) < CAP, f"the stream ran out before b came: {sent}"
+        total = sum(sent.values())
+        await until(lambda: len({(r.source.topic, r.source.partition, r.source.offset)
+                                 for r in answers()}) >= total, 120,
+                    f"answers to all {total} requests")  # fmt: skip
+        # Each member brought b and reads some of its partitions.
+        for w in members:
+            assigned = _samples(w.metrics_port, "infer_partition_lag_records")
+            assert any(labels["topic"] == topics["b"] for labels, _ in assigned), w.log_tail()
+            log = await asyncio.to_thread(Path(w.log_path).read_text)
+            assert '"model_arrived"' in log
+        for w in members:
+            assert w.terminate() == 0, w.log_tail()
+            no_crash_in_log(w)
+    finally:
+        for w in members:
+            w.kill()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await committed.stop()
+
+    inputs, observed = await read_topics(broker.bootstrap, list(topics.values()),
+                                         names["results"], names["dlq"], idle_timeout=1.5,
+                                         isolation_level="read_committed")  # fmt: skip
+    report = check(inputs, list(observed.answers), unparseable=observed.unparseable, strict=True)
+    assert report.totals.requests == total and report.ok, report.format()
+    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+    assert all(a.kind == "result" for a in observed.answers), "an answer went to the DLQ"
+    by_rid = {r.id: r for r in answers()}
+    assert len(by_rid) == total
+    checked: dict[str, list[tuple[Result, np.ndarray]]] = defaultdict(list)
+    for rid, r in by_rid.items():
+        m, i = rid.split("-")
+        assert r.status == "ok", (rid, r.error)
+        assert (r.model.name, r.model.version) == (m, content_version(files[m])), rid
+        checked[m].append((r, rows[m][int(i)]))
+    for m, got in checked.items():
+        _equal_alone(files[m], got)
+    assert json.dumps(sorted(checked)) == '["a", "b"]'
