@@ -360,3 +360,24 @@ async def test_a_request_whose_deadline_passed_while_its_model_loaded_is_answere
         None, "deadline_exceeded", None]  # fmt: skip
     assert done.engine_rows == 2 and r.get("w") is not None and stage.loaded
     stage.close()
+
+
+async def test_a_model_that_comes_is_given_room_before_it_loads() -> None:
+    """A model the control topic brings (``Residency.arrive``): room made for
+    its file before its load (the least recently used idle model evicted),
+    then a resident as any; the memory held within the budget throughout."""
+    a, b = resident("a"), resident("b")
+    a.last_used, b.last_used = 1.0, 2.0
+    r = Residency(Pool(BUDGET, 0), [a, b])
+    during: list[set[str]] = []
+
+    async def load() -> tuple[Resident, float]:
+        during.append(loaded(r))  # what was held while it loaded
+        return resident("c"), 0.01
+
+    came = await r.arrive(SIZE, load)
+    assert during == [{"b"}]  # a made room before the load, not after it
+    assert r.get("c") is came and loaded(r) == {"b", "c"} and r.used() <= BUDGET
+    async with r.held("a"):  # c is a resident as any: b, now the oldest, makes room
+        assert loaded(r) == {"a", "c"}
+    await r.close()
