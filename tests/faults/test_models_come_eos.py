@@ -1,5 +1,5 @@
-"""A model that comes while two members serve under load, exactly-once, on
-Apache Kafka (``worker.app.arrivals``, issue 68).
+"""A model that comes while two members serve under load, on Apache Kafka
+(``worker.app.arrivals``, issue 68), exactly-once and at-least-once.
 
 Two static members of one group serve the repository's model ``a``
 (``repository.models = ["a"]``) with ``kafka.processing_guarantee =
@@ -9,6 +9,7 @@ b --version 1`` (``b`` copied into the repository after the members started)
 brings ``b`` on both members: each grows its subscription, a rebalance in which
 ``a``'s partitions are revoked and settled mid-stream. A read_committed reader
 then sees every request of both topics answered once, none lost, none twice
+(at-least-once as well: a clean hand-over answers nothing twice)
 (``b``'s backlog from before the record too), each answer equal to its model
 run alone, and ``b``'s partitions shared by both members.
 """
@@ -35,19 +36,24 @@ from worker.ops.verify import check, read_topics
 
 from .conftest import FAST_GROUP, no_crash_in_log, wait_assigned
 from .test_exactly_once import EOS, until
-from .test_models_demand_eos import COMPACTED, _cli, _equal_alone, _features, _samples
+from .test_models_demand_eos import COMPACTED, _cli, _equal_alone, _features
 
 pytestmark = pytest.mark.faults
 pytest.importorskip("onnx")
 
 PARTS = 2
-CAP, RATE = 400, 20.0  # requests per topic at most, and per second to each
+CAP, RATE = 2000, 100.0  # requests per topic at most, and per second to each
 
 
 @pytest.mark.parametrize("broker_kind", ["kafka"])
+@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
 async def test_a_model_brought_under_load_answers_every_request_exactly_once(
-    broker: Broker, names: dict[str, str], tmp_path: Path
+    broker: Broker, names: dict[str, str], tmp_path: Path, guarantee: str
 ) -> None:
+    """At-least-once too: the members' partitions are settled and committed
+    while still assigned before the subscription grows (aiokafka drops them at
+    once), so none is answered twice (before that was so, 17 of 2,860 were in
+    a benchmark run)."""
     topics = {m: f"{names['requests']}.{m}" for m in ("a", "b")}
     ctl = f"{names['requests']}.control"
     await create_topics(broker.bootstrap, {**{t: PARTS for t in topics.values()},
@@ -66,7 +72,8 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
     config.write_text(f'[kafka]\nbootstrap_servers = "{broker.bootstrap}"\n'
                       f'input_topics = ["{topics["a"]}"]\ncontrol_topic = "{ctl}"\n'
                       f'[repository]\npath = "{repo}"\nmodels = ["a"]\n')  # fmt: skip
-    env = {**FAST_GROUP, **EOS, "INFER_WORKER_REPOSITORY__PATH": str(repo),
+    env = {**FAST_GROUP, **EOS, "INFER_WORKER_KAFKA__PROCESSING_GUARANTEE": guarantee,
+           "INFER_WORKER_REPOSITORY__PATH": str(repo),
            "INFER_WORKER_REPOSITORY__MODELS": "a",
            "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}  # fmt: skip
     rows = {m: _features(seed, CAP) for seed, m in enumerate(topics)}
@@ -120,12 +127,13 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
         await until(lambda: len({(r.source.topic, r.source.partition, r.source.offset)
                                  for r in answers()}) >= total, 120,
                     f"answers to all {total} requests")  # fmt: skip
-        # Each member brought b and reads some of its partitions.
+        # Each member brought b and reads some of its partitions (its last assignment).
         for w in members:
-            assigned = _samples(w.metrics_port, "infer_partition_lag_records")
-            assert any(labels["topic"] == topics["b"] for labels, _ in assigned), w.log_tail()
             log = await asyncio.to_thread(Path(w.log_path).read_text)
-            assert '"model_arrived"' in log
+            events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+            assert any(e["event"] == "model_arrived" for e in events), w.log_tail()
+            last = [e for e in events if e["event"] == "partitions_assigned"][-1]
+            assert any(p.startswith(f"{topics['b']}:") for p in last["partitions"]), last
         for w in members:
             assert w.terminate() == 0, w.log_tail()
             no_crash_in_log(w)
@@ -139,6 +147,7 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
     inputs, observed = await read_topics(broker.bootstrap, list(topics.values()),
                                          names["results"], names["dlq"], idle_timeout=1.5,
                                          isolation_level="read_committed")  # fmt: skip
+    assert len(answers()) == total, f"{len(answers()) - total} answered twice"
     report = check(inputs, list(observed.answers), unparseable=observed.unparseable, strict=True)
     assert report.totals.requests == total and report.ok, report.format()
     assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()

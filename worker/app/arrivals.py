@@ -154,6 +154,8 @@ class Arrivals:
         demand_metrics.declare([name])
         if self.run is not None:
             self.run(stage)
+        if model.topics:  # (outside the residency: the settling waits on its batches)
+            await self._stages.consumer.subscribe_more(model.topics)
         log.info("model_arrived", model=name, version=info.version, topics=list(model.topics),
                  size_mib=round(one.size / MIB, 1))  # fmt: skip
         return Arrived(one.settings, stage, info.version, model.topics)

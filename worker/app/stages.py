@@ -224,7 +224,8 @@ async def admit(stages: Stages, m: LoadedModel, grown: Routing) -> ModelStages:
     and joined to the running ones: the routing table ``grown`` to answer with
     it, its requests checked at intake, read from its own topics (a rebalance
     where it has some), its completed batches merged for the writer. Its
-    batcher and inference stage are the caller's to run."""
+    batcher and inference stage are the caller's to run, and its topics the
+    caller's to read (``Consumer.subscribe_more``)."""
     g = stages.grow
     assert g is not None, "built with grows="
     a = await _model_stages(m, g.plan, g.tracker, g.bindings, g.device)

@@ -173,22 +173,38 @@ class Consumer:
 
     def admit(self, model: str, jobs: asyncio.Queue[Job | None], topics: Sequence[str],
               bounds: tuple[int, int]) -> None:  # fmt: skip
-        """A model the control topic brought: its jobs to ``jobs``, and its own
-        ``topics`` (if any) read too, paused on its own counts at ``bounds``
-        (records, bytes). A subscription that grows is a rebalance, whose
-        revocations settle as any."""
+        """A model the control topic brought: its jobs to ``jobs``, its own
+        ``topics`` (if any: ``subscribe_more`` reads them) paused on its own
+        counts at ``bounds`` (records, bytes)."""
         if self._stopping.is_set():
             raise RuntimeError("the worker is stopping")
         self._jobs_of[model], self._only = jobs, None
         self._queues.append(jobs)  # ended with the others (end_of_streams)
-        if not topics:
-            return
-        rank = self._backpressure.admit(bounds, model)
-        self._rank_of.update(dict.fromkeys(topics, rank))
+        if topics:
+            rank = self._backpressure.admit(bounds, model)
+            self._rank_of.update(dict.fromkeys(topics, rank))
+
+    async def subscribe_more(self, topics: Sequence[str]) -> None:
+        """Read ``topics`` too: a rebalance. aiokafka drops the assignment the
+        moment a subscription changes, and a commit of its partitions then
+        fails, so they are settled first, while still assigned (as a
+        revocation settles them: in-flight work answered and committed), not
+        fetched meanwhile; the group's rebalance then revokes (nothing left)
+        and assigns as any."""
         self._topics += [t for t in topics if t not in self._topics]
-        if self.client is not None:
-            self.client.subscribe(
-                self._topics, listener=RebalanceListener(self, self._on_revoke))  # fmt: skip
+        client = self.client
+        if client is None:
+            return  # subscribed to all at start()
+        held = set(client.assignment())
+        client.pause(*held)
+        self._positioning.update(held)  # their records dropped, none resumed meanwhile
+        try:
+            if held:
+                self.revoking()
+                await self._on_revoke({TopicPartition(t.topic, t.partition) for t in held})
+        finally:
+            self._positioning.difference_update(held)
+            client.subscribe(self._topics, listener=RebalanceListener(self, self._on_revoke))
 
     def stop_fetching(self) -> None:
         self._stopping.set()
