@@ -48,8 +48,10 @@ BACKLOG = 20  # requests waiting on each brought model's topic before its record
 
 
 def _requests(prefix: str, x: np.ndarray, n: int) -> list[tuple[bytes, bytes]]:
-    return [(f"{prefix}{i}".encode(), encode_request(Request(
-        v=1, id=f"{prefix}{i}", inputs={"x": Tensor.from_numpy(x)}))) for i in range(n)]  # fmt: skip
+    inputs = {"x": Tensor.from_numpy(x)}
+    return [(f"{prefix}{i}".encode(), encode_request(Request(v=1, id=f"{prefix}{i}",
+                                                              inputs=inputs)))
+            for i in range(n)]  # fmt: skip
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,9 +90,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             await asyncio.to_thread(w.wait_until, lambda m: m.get("infer_assigned_partitions", 0)
                                     >= PARTS, 120.0, "assignment")  # fmt: skip
-            sending = asyncio.create_task(produce_all(bs, t["a"], _requests("a-", x, n),
-                                                      rate=args.rate,
-                                                      partition_of=lambda i: i % PARTS))  # fmt: skip
+            stream = produce_all(bs, t["a"], _requests("a-", x, n), rate=args.rate,
+                                 partition_of=lambda i: i % PARTS)  # fmt: skip
+            sending = asyncio.create_task(stream)
             records: list[tuple[str, float, int]] = []  # (what, wall time, a's version)
             serving = 2
             for b in brought:
@@ -118,9 +120,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for what, at, version in records:
         at_ms = at * 1000.0
-        first = next((a[0] for a in answers if a[0] >= at_ms and (
-            a[2].model.name == what if what != "swap" else
-            a[2].model.name == "a" and version_of[a[2].model.version] == version)), None)  # fmt: skip
+        def new(r: Any, what: str = what, version: int = version) -> bool:
+            if what != "swap":
+                return bool(r.model.name == what)
+            return bool(r.model.name == "a" and version_of[r.model.version] == version)
+
+        first = next((a[0] for a in answers if a[0] >= at_ms and new(a[2])), None)
         a_answers = [a for a in answers if a[2].model.name == "a"]
         before = [a[0] - stamp[a[1]] for a in a_answers if at_ms - 1000 <= stamp[a[1]] < at_ms]
         during = [a[0] - stamp[a[1]] for a in a_answers
