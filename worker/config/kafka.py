@@ -60,7 +60,9 @@ class KafkaConfig:
     # The models' control topic (compacted; key = a repository model's name, value = its
     # desired state as JSON, {"version": 3}): every member reads it from the beginning
     # and serves each model at the version its last record names, swapped in while
-    # serving (docs/guides/models.md). Needs [repository]. "" = the repository's policy.
+    # serving; a tombstone unloads it, and a record naming a repository model not served
+    # brings it, on its topics (read beside input_topics, as served repository models'
+    # topics are) (docs/guides/models.md). Needs [repository]. "" = the repository's policy.
     control_topic: str = ""
     # A shadow deployment (a candidate read beside production, docs/guides/rollout.md): it writes no
     # DLQ records (one is only logged, and counted in infer_requests_rejected_total) and neither

@@ -41,7 +41,8 @@ class RepositoryConfig:
     latest: int = 1  # version_policy "latest": how many of the highest versions
     # version_policy "specific": the version numbers served (each model must have one of them).
     versions: tuple[int, ...] = ()
-    # The repository's models served, by directory name; () = every one it holds.
+    # The repository's models served, by directory name; () = every one it holds. With
+    # kafka.control_topic, a record brings any other one while serving.
     models: tuple[str, ...] = ()
     # Memory shared by demand: each repository model is loaded (bound, probed, measured) once
     # at start-up and kept while limits.max_models_memory_mb holds it beside the others; one not
