@@ -232,8 +232,9 @@ async def admit(stages: Stages, m: LoadedModel, grown: Routing) -> ModelStages:
     a.stages.topics = m.topics
     b = m.settings.batching
     # No await from here: a record routed to it finds its queue.
-    stages.consumer.admit(m.name, a.stages.jobs, m.topics,
-                          (apart_bound(b), b.max_inflight_bytes))  # fmt: skip
+    stages.consumer.admit(m.name, a.stages.jobs)
+    if m.topics:
+        stages.consumer.pausing.admit(m.topics, (apart_bound(b), b.max_inflight_bytes), m.name)
     stages.routing.admit(grown)
     g.intake.admit(m.name, a.binding.inputs, fit_limits(m.settings.limits, a.binding.inputs))
     g.infos[m.name] = ModelInfo(m.name, a.stages.infer.info.version)

@@ -30,13 +30,13 @@ from worker.kafka.guarded import Protection
 from worker.kafka.intake import JobFactory
 from worker.kafka.lanefetch import (
     LOWER_LANE_RECORDS,
-    apply_backpressure,
     fetch_for_lanes,
     fetch_timeout_ms,
     getmany_by_lane,
     lane_of,
 )
 from worker.kafka.listener import RebalanceListener, RevokeHook
+from worker.kafka.pausing import Pausing
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.kafka.positions import position_at_committed
 from worker.kafka.urgentfetch import BothSources, Stamped, UrgentFetcher, hand_over
@@ -71,13 +71,11 @@ class Consumer:
         backpressure (its model's); none: the topics' priority lanes."""
         self._kafka = kafka
         self._topics = list(kafka.input_topics)  # and those of models brought since (admit)
-        self._backpressure = backpressure
+        self._pausing = Pausing(kafka, backpressure, tracker, ranks)
         self._make_job = make_job
         self._jobs_of = dict(jobs_out)
         # One model: every job to its one queue, without a look-up per record.
         self._only = next(iter(self._jobs_of.values())) if len(self._jobs_of) == 1 else None
-        # Where several models share the consumer, each is paused on its own counts.
-        self._rank_of = dict(ranks or {})
         self._queues = list(self._jobs_of.values())
         self._tracker = tracker
         self._on_revoke = on_revoke
@@ -122,7 +120,7 @@ class Consumer:
             await consumer.stop()
             await self._close_urgent()
             raise
-        apart = bool(self._rank_of)  # several models, each paused on its own
+        apart = self._pausing.apart
         if (k.has_lanes or apart) and not fetch_for_lanes(consumer, k, apart):
             log.warning("lanes_prefetch_unchanged", reason="aiokafka has no _prefetch_backoff")
 
@@ -162,27 +160,25 @@ class Consumer:
             )  # fmt: skip
             # A lane paused by backpressure is resumed by the backpressure.
             still = consumer.assignment()
-            consumer.resume(
-                *(t for t in owned if t in still and t not in handed and not self._lane_paused(t))
-            )
+            paused = self._pausing.paused
+            consumer.resume(*(t for t in owned if t in still and t not in handed and not paused(t)))
 
     def restore_with(self, restore: Callable[[list[TopicPartition]], Awaitable[None]]) -> None:
         """Have each assignment's partitions restored (a stateful model's states)
         before any of their records is queued (before ``start``)."""
         self._restore = restore
 
-    def admit(self, model: str, jobs: asyncio.Queue[Job | None], topics: Sequence[str],
-              bounds: tuple[int, int]) -> None:  # fmt: skip
-        """A model the control topic brought: its jobs to ``jobs``, its own
-        ``topics`` (if any: ``subscribe_more`` reads them) paused on its own
-        counts at ``bounds`` (records, bytes)."""
+    def admit(self, model: str, jobs: asyncio.Queue[Job | None]) -> None:
+        """A model the control topic brought: its jobs to ``jobs`` (its topics
+        paused by ``pausing``, read once ``subscribe_more`` added them)."""
         if self._stopping.is_set():
             raise RuntimeError("the worker is stopping")
         self._jobs_of[model], self._only = jobs, None
         self._queues.append(jobs)  # ended with the others (end_of_streams)
-        if topics:
-            rank = self._backpressure.admit(bounds, model)
-            self._rank_of.update(dict.fromkeys(topics, rank))
+
+    @property
+    def pausing(self) -> Pausing:
+        return self._pausing
 
     async def subscribe_more(self, topics: Sequence[str]) -> None:
         """Read ``topics`` too: a rebalance. aiokafka drops the assignment the
@@ -225,12 +221,12 @@ class Consumer:
         async with end_of_streams(self._queues):
             while not self._stopping.is_set():
                 self._apply_backpressure()
-                if self._backpressure.all_paused:
+                if self._pausing.backpressure.all_paused:
                     # Nothing to fetch: decide again at the next acknowledgement
                     # (or in 50 ms, the poll that keeps the member in the group).
                     await first_of(0.05, self._progress, self._stopping.wait)
                     self._apply_backpressure()
-                timeout_ms = fetch_timeout_ms(self._backpressure)
+                timeout_ms = fetch_timeout_ms(self._pausing.backpressure)
                 fetch = asyncio.ensure_future(self._fetch(consumer, timeout_ms))
                 stop = asyncio.ensure_future(self._stopping.wait())
                 await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -280,25 +276,9 @@ class Consumer:
         returns at the next acknowledgement) before deciding again."""
         self._progress = progress
 
-    def _rank(self, tp: KafkaTP | TopicPartition) -> int:
-        """The partition's lane, or its model's place where several models are served."""
-        return self._rank_of.get(tp.topic, 0) if self._rank_of else lane_of(self._kafka, tp)
-
-    def _lane_paused(self, tp: KafkaTP) -> bool:
-        return self._backpressure.is_paused(self._rank(tp))
-
     def _apply_backpressure(self) -> None:
         assert self.client is not None
-        records, nbytes = self._tracker.in_flight(), self._tracker.in_flight_bytes
-        metrics.INFLIGHT_RECORDS.set(records)
-        metrics.INFLIGHT_BYTES.set(nbytes)
-        bp = self._backpressure
-        counts = (
-            self._tracker.in_flight_by(self._rank, len(bp.lanes)) if bp.apart
-            else [(records, nbytes)]
-        )  # fmt: skip
-        apply_backpressure(self.client, self._kafka, bp, counts, self._positioning,
-                           self._urgent, self._rank)  # fmt: skip
+        self._pausing.apply(self.client, self._positioning, self._urgent)
 
     async def _enqueue(
         self, ktp: KafkaTP, records: list[ConsumerRecord[Any, Any]], stamp: int
