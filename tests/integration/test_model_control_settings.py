@@ -69,7 +69,7 @@ async def test_a_record_s_settings_are_swapped_in_while_serving(
         bad = await asyncio.to_thread(load, "--settings", '{"topics": ["elsewhere"]}')
         assert bad.returncode == 2 and "settings.topics: 'scorer' answers" in bad.stderr, (
             bad.stderr)  # fmt: skip
-        assert "a served model's topics change with a new configuration" in bad.stderr
+        assert "may give a served model more topics, never take one away" in bad.stderr
         torch = {"parameters": {"version": 1, "settings": {"backend": "torch"}}}
         code, body = _post(worker.metrics_port, "/v2/repository/models/scorer/load", torch)
         assert code == 400 and "parameters.settings.backend" in body["error"], body

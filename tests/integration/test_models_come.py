@@ -63,10 +63,11 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
     broker: Broker, names: dict[str, str], tmp_path: Path
 ) -> None:
     base = names["requests"]
-    topics = {"scorer": f"{base}.scorer", "ranker": f"{base}.ranker", "ctl": f"{base}.control"}
+    topics = {"scorer": f"{base}.scorer", "ranker": f"{base}.ranker", "ctl": f"{base}.control",
+              "more": f"{base}.scorer-more"}  # fmt: skip
     await create_topics(broker.bootstrap, {topics["scorer"]: 2, topics["ranker"]: 2,
-                                           names["results"]: 1, names["dlq"]: 1,
-                                           topics["ctl"]: 1})  # fmt: skip
+                                           topics["more"]: 2, names["results"]: 1,
+                                           names["dlq"]: 1, topics["ctl"]: 1})  # fmt: skip
     repo = tmp_path / "models"
     files = {"scorer": _model(repo, "scorer", 1, topics["scorer"])}
     config = tmp_path / "worker.toml"
@@ -87,6 +88,8 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
                             group_id=names["group"], extra_env=env)  # fmt: skip
 
     seen = [0]
+    kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, input_topics=(topics["scorer"],),
+                        control_topic=topics["ctl"])  # fmt: skip
     answers: dict[str, tuple[str, dict[str, Result], dict[str, np.ndarray]]] = {}
     first = spawn()
     late: WorkerProcess | None = None
@@ -118,27 +121,37 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
         sent = rows("beside")
         answers["beside"] = ("scorer", await _answers(broker, topics["scorer"], names["results"],
                                                       sent, seen), sent)  # fmt: skip
+        # The scorer, served since start-up, given a second topic (its own kept).
+        more = {"version": 1, "settings": {"topics": [topics["scorer"], topics["more"]]}}
+        await control.write(kafka, "scorer", more)
+        await asyncio.to_thread(first.wait_until,
+                                lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0,
+                                "the scorer's second topic")  # fmt: skip
+        sent = rows("more")
+        answers["more"] = ("scorer", await _answers(broker, topics["more"], names["results"],
+                                                    sent, seen), sent)  # fmt: skip
         # A model whose topic does not exist: refused naming it; the worker serves on.
         _model(repo, "third", 3, f"{base}.missing")
         refused = first.metrics().get('infer_model_swaps_total{outcome="refused"}', 0.0)
-        await control.write(KafkaConfig(bootstrap_servers=broker.bootstrap,
-                                        input_topics=(topics["scorer"],),
-                                        control_topic=topics["ctl"]),
-                            "third", {"version": 1})  # fmt: skip
+        await control.write(kafka, "third", {"version": 1})
         await asyncio.to_thread(
             first.wait_until,
             lambda m: m.get('infer_model_swaps_total{outcome="refused"}', 0.0) > refused,
             60.0, "the refusal of 'third'")  # fmt: skip
         assert f"['{base}.missing'] do not exist" in first.log_tail(200)
         assert first.terminate() == 0, first.log_tail()
-        # A member started later: the ranker from its first answer, no record written since.
+        # A member started later: the ranker and the scorer's second topic from its
+        # first answer, no record written since.
         late = spawn()
         await asyncio.to_thread(late.wait_until,
-                                lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0,
+                                lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0,
                                 "the late member's assignment")  # fmt: skip
         sent = rows("late")
         answers["late"] = ("ranker", await _answers(broker, topics["ranker"], names["results"],
                                                     sent, seen), sent)  # fmt: skip
+        sent = rows("late-more")
+        got = await _answers(broker, topics["more"], names["results"], sent, seen)
+        answers["late-more"] = ("scorer", got, sent)
     finally:
         first.kill()
         if late is not None:

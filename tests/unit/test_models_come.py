@@ -70,9 +70,13 @@ async def test_a_model_a_configuration_could_not_start_with_is_refused(tmp_path:
 
 
 async def test_a_served_model_keeps_its_topics(tmp_path: Path) -> None:
+    """A record may give a served model more topics, never take one away (more,
+    through a broker: tests/integration/test_models_come.py)."""
     async with _worker(tmp_path) as (control, stages):
+        before = _refused()
         elsewhere = b'{"version": 1, "settings": {"topics": ["other"]}}'
         assert await control.apply("scorer", elsewhere) is False
+        assert _refused() == before + 1
         assert await control.apply("scorer", b'{"version": 1, "settings": {"topics": ["in"]}}')
         assert stages.topics_of("scorer") == ["in"]
 

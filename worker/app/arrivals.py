@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import structlog
 
 from worker import __version__
 from worker.app import cards
+from worker.app.lanes import apart_bound
 from worker.app.loading import LoadedModel, load_one, sized
 from worker.app.memory import MIB
 from worker.app.residents import Resident, Resides, weights
@@ -159,6 +160,42 @@ class Arrivals:
         log.info("model_arrived", model=name, version=info.version, topics=list(model.topics),
                  size_mib=round(one.size / MIB, 1))  # fmt: skip
         return Arrived(one.settings, stage, info.version, model.topics)
+
+    async def more_topics(self, name: str, topics: tuple[str, ...]
+                          ) -> Callable[[], Awaitable[None]]:  # fmt: skip
+        """``topics`` for the served ``name`` (its own among them), checked as a
+        configuration would be and existing; what reads them once called (its
+        record's version applied): the routing table grown, the new topics
+        paused on the model's counts, the subscription grown (a rebalance).
+        ``ConfigError`` saying why not."""
+        s = self.current
+        cfg = s.models.get(name)
+        if cfg is None:
+            raise ConfigError(f"settings.topics: {name!r} is [model]: its topics are the "
+                              "configuration's")  # fmt: skip
+        if s.kafka.lanes:
+            raise ConfigError("settings.topics: with kafka.lanes, a topic's lane is the "
+                              "configuration's")  # fmt: skip
+        new = tuple(t for t in topics if t not in cfg.topics)
+        inputs = s.kafka.input_topics
+        kafka = dataclasses.replace(s.kafka, input_topics=(
+            *inputs, *(t for t in new if t not in inputs)))  # fmt: skip
+        grown = dataclasses.replace(s, kafka=kafka, models={
+            **s.models, name: dataclasses.replace(cfg, topics=topics)})  # checked  # fmt: skip
+        await self._check_topics(grown, new)
+        stage = next(m for m in self._stages.models if m.name == name)
+
+        async def read() -> None:
+            b = stage.settings.batching
+            like = next(iter(cfg.topics), None)  # paused with its topics, where it has some
+            self._stages.consumer.pausing.admit(new, (apart_bound(b), b.max_inflight_bytes),
+                                                name, like)  # fmt: skip
+            self._stages.routing.admit(routing(grown))
+            stage.topics, self.current = topics, grown
+            log.info("model_topics_added", model=name, topics=list(new))
+            await self._stages.consumer.subscribe_more(new)
+
+        return read
 
     async def _check_topics(self, grown: Settings, topics: Sequence[str]) -> None:
         """The model's topics exist, and this principal may read them."""

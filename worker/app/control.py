@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -227,6 +227,15 @@ class Control:
             return self._refused_version(name, version, f"its model.toml names the GPU backend "
                                          f"{cfg.backend!r}; a version swaps in on the CPU path "
                                          "only")  # fmt: skip
+        more = tuple(overrides.get("topics", ()))
+        grow = None  # more topics for it: checked now, read once the version is applied
+        if set(more) - set(model.topics):
+            try:
+                if self.arrivals is None:
+                    raise ConfigError("settings.topics: this worker's models take no more topics")
+                grow = await self.arrivals.more_topics(name, more)
+            except ConfigError as exc:
+                return self._refused_version(name, version, str(exc))
         # As the model's own settings hold it (``worker.config.models.ServedModel``):
         # its topics and changelog are the worker's routing's, not its alone.
         alone = dataclasses.replace(cfg, topics=(), state_topic="")
@@ -234,6 +243,7 @@ class Control:
         if alone == model.config:
             if resident.refused is not None:  # unloaded: loaded again, served again
                 await self.residency.served(name)
+            await self._read_more(model, more, grow)
             self._numbers[name] = version
             log.info("model_control_serving", model=name, version=version, serving=hash_)
             return True
@@ -243,6 +253,7 @@ class Control:
             swap_refused(name, hash_, f"version {version}: {problem}", model.serving)
             self._failed[name, version] = problem
             return False
+        await self._read_more(model, more, grow)
         resident.settings, resident.refused = settings, None  # loaded by demand at this version
         swapped(name, model.serving, hash_, model.labels)
         model.serving, model.config = hash_, alone
@@ -250,6 +261,13 @@ class Control:
         self._failed.pop((name, version), None)
         log.info("model_control_applied", model=name, version=version, serving=hash_)
         return True
+
+    @staticmethod
+    async def _read_more(model: Controlled, topics: tuple[str, ...],
+                         grow: Callable[[], Awaitable[None]] | None) -> None:  # fmt: skip
+        if grow is not None:
+            await grow()
+            model.topics = topics
 
     async def _arrive(self, name: str, version: int | None, overrides: dict[str, Any]) -> bool:
         """A repository model this worker does not serve, brought by a record

@@ -8,8 +8,8 @@ the file's value whole (a table too: ``postprocess`` given is the whole
 postprocessing). An empty value (a tombstone) unloads the model.
 
 ``topics`` sets the input topics of a model the record brings (one this worker
-did not serve: ``worker.app.arrivals``); a served model's topics stay its own
-(a record naming others is refused where it is applied). Not settable here,
+did not serve: ``worker.app.arrivals``), or gives a served model more (one
+taken away is refused: a served model keeps its topics). Not settable here,
 refused naming the key: what identifies a model (``name``, ``path``), its
 changelog (``state_topic``, set at start-up), the engine it runs on
 (``backend``: the control topic swaps versions on the CPU path), and
@@ -81,9 +81,10 @@ def checked_settings(settings: object) -> dict[str, Any]:
 
 def kept_topics(name: str, settings: dict[str, Any], topics: tuple[str, ...]) -> str | None:
     """Why a record's ``settings`` may not be applied to ``name``, served on
-    ``topics``: naming other topics (a served model keeps its own), or None."""
+    ``topics``: taking one of them away (a served model keeps its topics and
+    may be given more), or None."""
     given = settings.get("topics")
-    if given is None or tuple(given) == topics:
+    if given is None or set(topics) <= set(given):
         return None
-    return (f"settings.topics: {name!r} answers {list(topics)}; a served model's topics change "
-            "with a new configuration (a record sets them as it brings a model)")  # fmt: skip
+    return (f"settings.topics: {name!r} answers {list(topics)}; a record may give a served "
+            "model more topics, never take one away (that is a new configuration)")  # fmt: skip
