@@ -12,6 +12,7 @@ from its first answer: the control topic is replayed before it joins the group."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -130,6 +131,16 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
         sent = rows("more")
         answers["more"] = ("scorer", await _answers(broker, topics["more"], names["results"],
                                                     sent, seen), sent)  # fmt: skip
+        # The next `models load` of it keeps those topics (a record is its whole state).
+        again = await asyncio.to_thread(subprocess.run, [*run[:5], "scorer", *run[6:]],
+                                        env=cli_env, capture_output=True, text=True, timeout=60,
+                                        check=False)  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        listed = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "worker", "models", "list", "--config", str(config)],
+            env=cli_env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        kept = json.dumps({"topics": [topics["scorer"], topics["more"]]})
+        assert f"  scorer  version 1 with settings {kept}" in listed.stdout, listed.stdout
         # A model whose topic does not exist: refused naming it; the worker serves on.
         _model(repo, "third", 3, f"{base}.missing")
         refused = first.metrics().get('infer_model_swaps_total{outcome="refused"}', 0.0)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.onnx_models import tabular
 from worker.app.control import Control
-from worker.app.desired import Desired, desired_state
+from worker.app.desired import Desired, carried, desired_state
 from worker.app.stages import Stages
 from worker.app.worker import Worker
 from worker.config import KafkaConfig, Settings, load_settings
@@ -150,3 +150,13 @@ async def test_a_version_of_the_same_file_with_another_model_toml_is_swapped_in(
         assert sorted(stages.models[0].infer.binding.outputs.used) == ["probabilities", "score"]
         index = {v["version"]: v["reason"] for v in control.index()}
         assert index["1"] == "version 2 serves" and index["2"] == ""
+
+
+def test_a_record_without_topics_carries_the_last_record_s() -> None:
+    """A record is a model's whole desired state: ``models load`` and the OIP
+    load keep the topics the model's last record gave it where they name none."""
+    last = b'{"version": 1, "settings": {"topics": ["a", "b"]}}'
+    assert carried(Desired(2), last) == Desired(2, {"topics": ["a", "b"]})
+    assert carried(Desired(2, {"topics": ["a"]}), last) == Desired(2, {"topics": ["a"]})
+    assert carried(Desired(2), b'{"version": 1}') == Desired(2)
+    assert carried(Desired(2), None) == Desired(2) and carried(Desired(None), last).version is None

@@ -22,6 +22,7 @@ from worker.app.stages import Stages
 from worker.app.worker import Worker
 from worker.config import load_settings
 from worker.contract import ModelRef, Tensor
+from worker.flow.messages import TopicPartition
 from worker.obs import metrics
 
 
@@ -101,3 +102,23 @@ async def test_a_model_named_on_the_shared_topics_comes_and_is_routed_to(tmp_pat
         assert ranker.infer.info.name == "ranker"
         # (Not ready: the worker was prepared, never started.)
         assert {v["name"]: v["reason"] for v in control.index()}["ranker"] == ""
+
+
+async def test_a_topic_another_model_answers_stays_its(tmp_path: Path) -> None:
+    """``[model]`` answers every input topic no other model names: a record
+    giving one of them to a model that comes is refused before anything joins
+    (the configuration grown by it would pass the start-up checks: the topic
+    would move)."""
+    base = tabular(tmp_path / "base.onnx", seed=9)
+    async with _worker(tmp_path, INFER_WORKER_KAFKA__INPUT_TOPICS='["in", "x"]',
+                       INFER_WORKER_MODEL__PATH=str(base),
+                       INFER_WORKER_MODEL__NAME="base") as (control, stages):  # fmt: skip
+        pausing = stages.consumer.pausing
+        ranks = {t: pausing.rank(TopicPartition(t, 0)) for t in ("in", "x")}
+        taken = b'{"version": 1, "settings": {"topics": ["x"]}}'
+        assert await control.apply("ranker", taken) is False
+        assert stages.routing.owner("x") == "base" and "ranker" not in stages.routing.names
+        assert [m.name for m in stages.models] == ["base", "scorer"]
+        assert {t: pausing.rank(TopicPartition(t, 0)) for t in ("in", "x")} == ranks
+        reason = {v["name"]: v["reason"] for v in control.index()}["ranker"]
+        assert "answered already (x: 'base')" in reason, reason

@@ -122,6 +122,7 @@ class Arrivals:
         kafka = dataclasses.replace(s.kafka, input_topics=(
             *inputs, *(t for t in cfg.topics if t not in inputs)))  # fmt: skip
         grown = dataclasses.replace(s, kafka=kafka, models={**s.models, name: cfg})  # checked
+        table = self._only_adds(grown)
         await self._check_topics(grown, cfg.topics)
         model = next(m for m in served(grown) if m.name == name)
         loaded: list[LoadedModel] = []
@@ -134,7 +135,9 @@ class Arrivals:
                               on_demand=grown.repository.on_demand)  # fmt: skip
             loaded.append(one)
             self._fits(grown, name, size)
-            made.append(await admit(self._stages, one, routing(grown)))
+            made.append(await admit(self._stages, one, table))
+            if self.run is not None:  # at once (no await since it joined): stop() drains it
+                self.run(made[0])
             r = Resident(name, cast(Resides, made[0].infer), one.settings, size)
             return r, time.monotonic() - started
 
@@ -153,8 +156,6 @@ class Arrivals:
                                   model_version=info.version).set(1)  # fmt: skip
         cards.publish(info)
         demand_metrics.declare([name])
-        if self.run is not None:
-            self.run(stage)
         if model.topics:  # (outside the residency: the settling waits on its batches)
             await self._stages.consumer.subscribe_more(model.topics)
         log.info("model_arrived", model=name, version=info.version, topics=list(model.topics),
@@ -182,6 +183,7 @@ class Arrivals:
             *inputs, *(t for t in new if t not in inputs)))  # fmt: skip
         grown = dataclasses.replace(s, kafka=kafka, models={
             **s.models, name: dataclasses.replace(cfg, topics=topics)})  # checked  # fmt: skip
+        table = self._only_adds(grown)
         await self._check_topics(grown, new)
         stage = next(m for m in self._stages.models if m.name == name)
 
@@ -190,12 +192,24 @@ class Arrivals:
             like = next(iter(cfg.topics), None)  # paused with its topics, where it has some
             self._stages.consumer.pausing.admit(new, (apart_bound(b), b.max_inflight_bytes),
                                                 name, like)  # fmt: skip
-            self._stages.routing.admit(routing(grown))
+            self._stages.routing.admit(table)
             stage.topics, self.current = topics, grown
             log.info("model_topics_added", model=name, topics=list(new))
             await self._stages.consumer.subscribe_more(new)
 
         return read
+
+    def _only_adds(self, grown: Settings) -> Routing:
+        """``grown``'s routing table, where it only adds to the serving one: a
+        topic another model answers (``[model]``'s too, which answers every input
+        topic no other names) stays its (``ConfigError`` otherwise)."""
+        table, now = routing(grown), self._stages.routing
+        taken = {t: owner for t, owner in now.owners.items() if table.owners.get(t) != owner}
+        if taken or table.shared != now.shared:
+            raise ConfigError(f"topics: {sorted(taken or now.shared)} answered already "
+                              f"({', '.join(f'{t}: {o!r}' for t, o in taken.items())}); a record "
+                              "gives a model topics no model answers")  # fmt: skip
+        return table
 
     async def _check_topics(self, grown: Settings, topics: Sequence[str]) -> None:
         """The model's topics exist, and this principal may read them."""

@@ -36,7 +36,7 @@ import structlog
 from worker import __version__
 from worker.app.arrivals import Arrivals
 from worker.app.demand import Residency, residency
-from worker.app.desired import Desired, checked_settings, desired_state, kept_topics
+from worker.app.desired import Desired, carried, checked_settings, desired_state, kept_topics
 from worker.app.loading import LoadedModel
 from worker.app.reload import swap, swap_refused, swapped
 from worker.app.stages import Stages
@@ -93,6 +93,7 @@ class Control:
         # Brings a repository model this worker does not serve (set by the worker
         # where the control topic may: ``worker.app.arrivals``).
         self.arrivals: Arrivals | None = None
+        self._last: dict[str, bytes | None] = {}  # each model's last record (an OIP load's base)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -101,6 +102,7 @@ class Control:
     async def _applied(self, name: str, value: bytes | None) -> bool:
         """``apply``, whatever a record holds: an unexpected failure refuses that
         record (every member replays the topic: one record must not stop them all)."""
+        self._last[name] = value
         try:
             return await self.apply(name, value)
         except Exception as exc:  # the record's, refused; the worker goes on
@@ -164,7 +166,7 @@ class Control:
             self._version(name, version, given)  # the keys build as a record's will
         except (ValueError, ConfigError) as exc:
             return f"parameters.{exc}" if str(exc).startswith("settings") else str(exc)
-        return self._write(name, Desired(version, given).value())
+        return self._write(name, carried(Desired(version, given), self._last.get(name)).value())
 
     def unload(self, name: str) -> str | None:
         """An OIP unload (as ``load``): a tombstone for ``name`` written to the

@@ -88,3 +88,19 @@ def kept_topics(name: str, settings: dict[str, Any], topics: tuple[str, ...]) ->
         return None
     return (f"settings.topics: {name!r} answers {list(topics)}; a record may give a served "
             "model more topics, never take one away (that is a new configuration)")  # fmt: skip
+
+
+def carried(state: Desired, last: bytes | None) -> Desired:
+    """``state`` with the ``topics`` of the model's last record where it names
+    none: a record is the model's whole desired state (a member started after
+    compaction reads only the last one), and topics a record gave it must not
+    be forgotten by the next (``models load`` and the OIP load write so)."""
+    if state.version is None or "topics" in state.settings or not last:
+        return state
+    try:
+        before = desired_state(last)
+    except ValueError:
+        return state
+    if "topics" not in before.settings:
+        return state
+    return Desired(state.version, {**state.settings, "topics": before.settings["topics"]})

@@ -97,7 +97,7 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
     import asyncio
     import json
 
-    from worker.app.desired import Desired, checked_settings, kept_topics
+    from worker.app.desired import Desired, carried, checked_settings, kept_topics
     from worker.config.models import routing
     from worker.config.repository_files import listing, load_version, scan
     from worker.flow.errors import ConfigError
@@ -129,7 +129,8 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
             mine = tuple(t for t, owner in table.owners.items() if owner == name)
             if (moved := kept_topics(name, given, mine)) is not None:
                 raise ConfigError(f"models load: --{moved}")
-    state = Desired(version, given).value()
+    last = asyncio.run(control.read_states(settings.kafka)).get(name)
+    state = carried(Desired(version, given), last).value()  # topics a record gave it kept
     asyncio.run(control.write(settings.kafka, name, state))
     print(f"{name}: version {version} written to {topic}; every member serves it at that "
           "version (one not serving it yet loads it)")  # fmt: skip
@@ -257,8 +258,9 @@ def add_tools(sub: Subparsers[argparse.ArgumentParser]) -> None:
     mod.add_argument("--version", type=int, help="load: the version to serve, a version "
                      "directory of the model in the repository")  # fmt: skip
     mod.add_argument("--settings", help="load: JSON of [models.NAME] keys over the version's "
-                     "model.toml, each replacing its value whole (not name, path, topics, "
-                     "state_topic, backend, reload_interval_s)")  # fmt: skip
+                     "model.toml, each replacing its value whole (not name, path, "
+                     "state_topic, backend, reload_interval_s; topics: a model's, kept from "
+                     "its last record where not given)")  # fmt: skip
     mod.add_argument("--config", help="TOML file")
 
     from worker.ops import build_engine, compare, verify

@@ -35,7 +35,7 @@ from worker.kafka.lanefetch import (
     getmany_by_lane,
     lane_of,
 )
-from worker.kafka.listener import RebalanceListener, RevokeHook
+from worker.kafka.listener import RebalanceListener, RevokeHook, settle
 from worker.kafka.pausing import Pausing
 from worker.kafka.permissions import NOT_AUTHORISED
 from worker.kafka.positions import position_at_committed
@@ -185,21 +185,27 @@ class Consumer:
         moment a subscription changes, and a commit of its partitions then
         fails, so they are settled first, while still assigned (as a
         revocation settles them: in-flight work answered and committed), not
-        fetched meanwhile; the group's rebalance then revokes (nothing left)
-        and assigns as any."""
+        fetched meanwhile, again while a rebalance came during the settling;
+        the group's rebalance then revokes (nothing left) and assigns as any."""
         self._topics += [t for t in topics if t not in self._topics]
         client = self.client
         if client is None:
             return  # subscribed to all at start()
-        held = set(client.assignment())
-        client.pause(*held)
-        self._positioning.update(held)  # their records dropped, none resumed meanwhile
+        kept: set[KafkaTP] = set()
         try:
-            if held:
+            while True:
+                held = set(client.assignment())
+                client.pause(*held)
+                self._positioning.update(held)  # their records dropped, none resumed
+                kept |= held
                 self.revoking()
-                await self._on_revoke({TopicPartition(t.topic, t.partition) for t in held})
+                mark = self._stamp  # moved on by a revocation or an assignment meanwhile
+                if held:
+                    await settle(self._on_revoke, held)
+                if self._stamp == mark:
+                    break
         finally:
-            self._positioning.difference_update(held)
+            self._positioning.difference_update(kept)
             client.subscribe(self._topics, listener=RebalanceListener(self, self._on_revoke))
 
     def stop_fetching(self) -> None:

@@ -28,6 +28,16 @@ class Source(Protocol):
     async def start_at_committed(self, tps: list[KafkaTP]) -> None: ...
 
 
+async def settle(on_revoke: RevokeHook, revoked: Iterable[KafkaTP]) -> None:
+    """``on_revoke`` for ``revoked``: a failure recorded and surfaced
+    (``infer_rebalance_listener_errors_total``), never raised into aiokafka."""
+    try:
+        await on_revoke({TopicPartition(tp.topic, tp.partition) for tp in revoked})
+    except Exception as exc:  # recorded and surfaced, never swallowed silently
+        metrics.LISTENER_ERRORS.inc()
+        log.error("rebalance_revoke_failed", error=repr(exc))
+
+
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Forwards revocations to the pipeline; aiokafka only logs listener errors, so
     we count them (``infer_rebalance_listener_errors_total``) and log them as errors."""
@@ -47,11 +57,7 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         if not tps:
             return
         self._source.revoking()
-        try:
-            await self._on_revoke(tps)
-        except Exception as exc:  # recorded and surfaced, never swallowed silently
-            metrics.LISTENER_ERRORS.inc()
-            log.error("rebalance_revoke_failed", error=repr(exc))
+        await settle(self._on_revoke, revoked)
 
     async def on_partitions_assigned(self, assigned: Iterable[KafkaTP]) -> None:
         tps = list(assigned)
