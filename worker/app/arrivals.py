@@ -190,8 +190,9 @@ class Arrivals:
         async def read() -> None:
             b = stage.settings.batching
             like = next(iter(cfg.topics), None)  # paused with its topics, where it has some
-            self._stages.consumer.pausing.admit(new, (apart_bound(b), b.max_inflight_bytes),
-                                                name, like)  # fmt: skip
+            consumer, first = self._stages.consumer, self._stages.models[0].name
+            consumer.pausing.admit(new, (apart_bound(b), b.max_inflight_bytes), name, like,
+                                   (first, consumer.input_topics))  # fmt: skip
             self._stages.routing.admit(table)
             stage.topics, self.current = topics, grown
             log.info("model_topics_added", model=name, topics=list(new))

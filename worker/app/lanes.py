@@ -75,8 +75,7 @@ def apart_bound(b: BatchingConfig) -> int:
 
 
 def backpressure(
-    s: Settings, models: Sequence[Settings] = (), owners: Mapping[str, int] | None = None,
-    apart: bool = False,
+    s: Settings, models: Sequence[Settings] = (), owners: Mapping[str, int] | None = None
 ) -> tuple[LaneBackpressure, dict[str, int] | None]:
     """Pausing, and each input topic's rank in it. One model: per lane over the
     worker's in-flight counts (the topics' ranks: their lanes'). Several models
@@ -84,12 +83,9 @@ def backpressure(
     input topic's model, by its place in ``models``): per model over each one's
     own counts at its own bounds, so one model's backlog pauses only its topics;
     with priority lanes too, one decision per (model, lane) on the model's
-    counts, the urgent lane's bounds the higher (it pauses last). ``apart``: one
-    model paused as several are (at its lone bounds), without lanes: the control
-    topic may bring others beside it (``worker.app.arrivals``)."""
+    counts, the urgent lane's bounds the higher (it pauses last)."""
     b = s.batching
-    apart = apart and len(models) == 1 and not s.kafka.has_lanes
-    if (len(models) <= 1 and not apart) or owners is None:
+    if len(models) <= 1 or owners is None:
         lanes = len(s.kafka.ranked_lanes)
         return LaneBackpressure(b.max_inflight_records, b.max_inflight_bytes, lanes=lanes), None
     k = s.kafka
@@ -98,8 +94,7 @@ def backpressure(
     bounds, labels = [], []
     for m, lane in pairs:
         bc, f = models[m].batching, LaneBackpressure.scale(lane, n)
-        records = bc.max_inflight_records if apart else apart_bound(bc)
-        bounds.append((int(records * f), int(bc.max_inflight_bytes * f)))
+        bounds.append((int(apart_bound(bc) * f), int(bc.max_inflight_bytes * f)))
         labels.append(models[m].model.name + (f"/{k.ranked_lanes[lane].label}" if n > 1 else ""))
     groups = [m for m, _ in pairs] if n > 1 else None
     rank = {pair: i for i, pair in enumerate(pairs)}

@@ -144,7 +144,7 @@ async def build_stages(
     decided once (exit 2 on a mismatch, before Kafka is contacted) and shared by
     the intake and its inference stage. ``grows``: the configuration, where the
     control topic may bring models while serving (``admit``): its routing table,
-    and one model is merged and paused as several are."""
+    and one model's completed batches merged as several models' are."""
     b = s.batching
     several = len(models) > 1 or s.pipelines
     table = (routing(grows) if grows is not None else routing(s) if several
@@ -178,8 +178,7 @@ async def build_stages(
     )  # fmt: skip
     place = {a.stages.name: i for i, a in enumerate(built)}
     pausing, ranks = backpressure(s, [a.settings for a in built],
-                                  {t: place[table.owner(t)] for t in s.kafka.input_topics},
-                                  apart=grows is not None)  # fmt: skip
+                                  {t: place[table.owner(t)] for t in s.kafka.input_topics})
     consumer = Consumer(
         s.kafka, intake, {a.stages.name: a.stages.jobs for a in built}, tracker, on_revoke,
         pausing, ranks=ranks,
@@ -234,7 +233,9 @@ async def admit(stages: Stages, m: LoadedModel, grown: Routing) -> ModelStages:
     # No await from here: a record routed to it finds its queue.
     stages.consumer.admit(m.name, a.stages.jobs)
     if m.topics:
-        stages.consumer.pausing.admit(m.topics, (apart_bound(b), b.max_inflight_bytes), m.name)
+        first = stages.models[0]
+        stages.consumer.pausing.admit(m.topics, (apart_bound(b), b.max_inflight_bytes), m.name,
+                                      alone=(first.name, stages.consumer.input_topics))  # fmt: skip
     stages.routing.admit(grown)
     g.intake.admit(m.name, a.binding.inputs, fit_limits(m.settings.limits, a.binding.inputs))
     g.infos[m.name] = ModelInfo(m.name, a.stages.infer.info.version)

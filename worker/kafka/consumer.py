@@ -191,6 +191,7 @@ class Consumer:
         client = self.client
         if client is None:
             return  # subscribed to all at start()
+        fetch_for_lanes(client, self._kafka, self._pausing.apart)  # (models paused apart now)
         kept: set[KafkaTP] = set()
         try:
             while True:

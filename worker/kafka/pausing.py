@@ -41,12 +41,24 @@ class Pausing:
         return self.backpressure.is_paused(self.rank(tp))
 
     def admit(self, topics: Sequence[str], bounds: tuple[int, int], label: str,
-              like: str | None = None) -> None:  # fmt: skip
+              like: str | None = None, alone: tuple[str, Sequence[str]] | None = None,
+              ) -> None:  # fmt: skip
         """A model's ``topics`` (one the control topic brought, or a served one
         given more) paused on the model's counts: those of its topic ``like``
-        where it has one, else its own at ``bounds`` (records, bytes)."""
-        rank = (self._rank_of[like] if like is not None
-                else self.backpressure.admit(bounds, label))  # fmt: skip
+        where it has one, else its own at ``bounds`` (records, bytes). ``alone``:
+        the one model served until now and the topics it reads, paused on the
+        worker's counts so far (as one lane), from now on on its own."""
+        if like is not None:
+            if self._rank_of:  # (one model, one lane: every topic's rank 0)
+                self._rank_of.update(dict.fromkeys(topics, self._rank_of[like]))
+            return
+        if not self.apart:
+            assert alone is not None and len(self.backpressure.lanes) == 1, "one model, no lanes"
+            name, read = alone  # its one decision now its own: the same bounds, its state kept
+            self._rank_of = dict.fromkeys(read, 0)
+            self.backpressure.apart, self.backpressure.labels = True, [name]
+            self.apart = True
+        rank = self.backpressure.admit(bounds, label)
         self._rank_of.update(dict.fromkeys(topics, rank))
 
     def apply(self, client: AIOKafkaConsumer, positioning: set[KafkaTP],
