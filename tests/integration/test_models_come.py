@@ -17,10 +17,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 
+from tests.integration.test_model_control import _post
 from tests.onnx_models import run_alone, tabular
 from tests.serving import wire
 from worker.config import KafkaConfig
@@ -39,6 +41,12 @@ def _model(repo: Path, name: str, seed: int, topic: str) -> Path:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "model.toml").write_text(f'topics = ["{topic}"]\n')
     return tabular(repo / name / "1" / "model.onnx", seed=seed)
+
+
+def _index(port: int) -> list[dict[str, str]]:
+    code, listed = _post(port, "/v2/repository/index")
+    assert code == 200, listed
+    return cast(list[dict[str, str]], listed)
 
 
 async def _answers(broker: Broker, topic: str, out: str, rows: dict[str, np.ndarray],
@@ -141,15 +149,33 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
             env=cli_env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
         kept = json.dumps({"topics": [topics["scorer"], topics["more"]]})
         assert f"  scorer  version 1 with settings {kept}" in listed.stdout, listed.stdout
-        # A model whose topic does not exist: refused naming it; the worker serves on.
+        # The OIP repository index: the ranker READY where this member serves it (once
+        # the member is ready: a readiness probe may time out on 2 busy cores).
+        want = {("scorer", "1"): "READY", ("ranker", "1"): "READY"}
+        for _ in range(100):
+            index = {(v["name"], v["version"]): v["state"]
+                     for v in _index(first.metrics_port)}  # fmt: skip
+            if index == want:
+                break
+            await asyncio.sleep(0.2)
+        assert index == want, (index, first.log_tail(30))
+        # A model whose topic does not exist, loaded through the OIP: the record is
+        # written (200), then refused by the worker naming the topic; it serves on.
         _model(repo, "third", 3, f"{base}.missing")
         refused = first.metrics().get('infer_model_swaps_total{outcome="refused"}', 0.0)
-        await control.write(kafka, "third", {"version": 1})
+        code, body = _post(first.metrics_port, "/v2/repository/models/third/load",
+                           {"parameters": {"version": 1}})  # fmt: skip
+        assert code == 200, body
         await asyncio.to_thread(
             first.wait_until,
             lambda m: m.get('infer_model_swaps_total{outcome="refused"}', 0.0) > refused,
             60.0, "the refusal of 'third'")  # fmt: skip
         assert f"['{base}.missing'] do not exist" in first.log_tail(200)
+        state = {v["name"]: v for v in _index(first.metrics_port)}
+        assert state["third"]["state"] == "UNAVAILABLE", state
+        assert f"['{base}.missing'] do not exist" in state["third"]["reason"], state
+        # Never reported missing while the subscription grew (readiness held).
+        assert '"input_topics_missing"' not in Path(first.log_path).read_text()  # noqa: ASYNC240
         assert first.terminate() == 0, first.log_tail()
         # A member started later: the ranker and the scorer's second topic from its
         # first answer, no record written since.

@@ -187,9 +187,10 @@ class Consumer:
         revocation settles them: in-flight work answered and committed), not
         fetched meanwhile, again while a rebalance came during the settling;
         the group's rebalance then revokes (nothing left) and assigns as any."""
-        self._topics += [t for t in topics if t not in self._topics]
+        new = [t for t in topics if t not in self._topics]
         client = self.client
         if client is None:
+            self._topics += new
             return  # subscribed to all at start()
         fetch_for_lanes(client, self._kafka, self._pausing.apart)  # (models paused apart now)
         kept: set[KafkaTP] = set()
@@ -207,7 +208,13 @@ class Consumer:
                     break
         finally:
             self._positioning.difference_update(kept)
+            self._topics += new
             client.subscribe(self._topics, listener=RebalanceListener(self, self._on_revoke))
+            # Its metadata asked for them from now on: the readiness probe checks
+            # every input topic against it (watch_broker), which must not find
+            # them missing before the group's rejoin asks for them.
+            for topic in new:
+                client._client.add_topic(topic)
 
     def stop_fetching(self) -> None:
         self._stopping.set()
