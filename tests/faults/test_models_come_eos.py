@@ -19,24 +19,28 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.onnx_models import tabular
-from tests.serving import wire
-from worker.contract import Result, Tensor
+from worker.contract import Result
 from worker.model.files import content_version
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
-from worker.ops.topics import Collector, produce_all
-from worker.ops.verify import check, read_topics
+from worker.ops.topics import Collector
 
 from .conftest import FAST_GROUP, no_crash_in_log, wait_assigned
 from .test_exactly_once import EOS, until
-from .test_models_demand_eos import COMPACTED, _cli, _equal_alone, _features
+from .test_models_demand_eos import (
+    COMPACTED,
+    _cli,
+    _equal_alone,
+    _exactly_once,
+    _features,
+    _streams,
+)
 
 pytestmark = pytest.mark.faults
 pytest.importorskip("onnx")
@@ -78,15 +82,7 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
            "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}  # fmt: skip
     rows = {m: _features(seed, CAP) for seed, m in enumerate(topics)}
     sent: Counter[str] = Counter()
-    stop = asyncio.Event()
-
-    def stream(m: str) -> Iterator[tuple[bytes, bytes]]:
-        for i in range(CAP):
-            if stop.is_set():
-                return
-            sent[m] += 1
-            rid = f"{m}-{i}"
-            yield rid.encode(), wire(rid, {"features": Tensor.from_numpy(rows[m][i])})
+    stop = asyncio.Event()  # set once b came and answered
 
     def spawn(member: str) -> WorkerProcess:
         static = {**env, "INFER_WORKER_KAFKA__GROUP_INSTANCE_ID": member}
@@ -107,11 +103,7 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
 
     try:
         await wait_assigned(members, PARTS, timeout=90.0)
-        producing = asyncio.gather(*(
-            produce_all(broker.bootstrap, topics[m], stream(m),
-                        partition_of=lambda i: i % PARTS, rate=RATE, seed=n)
-            for n, m in enumerate(topics)
-        ))  # fmt: skip
+        producing = _streams(broker.bootstrap, topics, rows, sent, stop, RATE)
         await until(lambda: answered("a") >= 40, 60, "a answering")
         assert answered("b") == 0  # b's requests wait: no member reads its topic yet
         copy_in("b", 2)
@@ -144,14 +136,8 @@ async def test_a_model_brought_under_load_answers_every_request_exactly_once(
         await asyncio.gather(reader, return_exceptions=True)
         await committed.stop()
 
-    inputs, observed = await read_topics(broker.bootstrap, list(topics.values()),
-                                         names["results"], names["dlq"], idle_timeout=1.5,
-                                         isolation_level="read_committed")  # fmt: skip
     assert len(answers()) == total, f"{len(answers()) - total} answered twice"
-    report = check(inputs, list(observed.answers), unparseable=observed.unparseable, strict=True)
-    assert report.totals.requests == total and report.ok, report.format()
-    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
-    assert all(a.kind == "result" for a in observed.answers), "an answer went to the DLQ"
+    await _exactly_once(broker.bootstrap, topics, names, total)
     by_rid = {r.id: r for r in answers()}
     assert len(by_rid) == total
     checked: dict[str, list[tuple[Result, np.ndarray]]] = defaultdict(list)

@@ -55,7 +55,7 @@ from worker.kafka import control
 from worker.model.files import content_version
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
-from worker.ops.topics import Collector, produce_all
+from worker.ops.topics import Collector, Produced, produce_all
 from worker.ops.verify import check, read_topics
 
 from .conftest import FAST_GROUP, no_crash_in_log, wait_assigned
@@ -109,6 +109,40 @@ def _now_ms() -> int:
 
 def _features(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+
+
+def _streams(bootstrap: str, topics: Mapping[str, str], rows: Mapping[str, np.ndarray],
+             sent: Counter[str], stop: asyncio.Event, rate: float,
+             ) -> asyncio.Future[list[list[Produced]]]:  # fmt: skip
+    """Each model's requests (``rows[m]``, ids ``m-i``) to its topic at ``rate``
+    a second, counted in ``sent``, until ``stop`` is set or its rows run out."""
+
+    def stream(m: str) -> Iterator[tuple[bytes, bytes]]:
+        for i, row in enumerate(rows[m]):
+            if stop.is_set():
+                return
+            sent[m] += 1
+            rid = f"{m}-{i}"
+            yield rid.encode(), wire(rid, {"features": Tensor.from_numpy(row)})
+
+    return asyncio.gather(*(
+        produce_all(bootstrap, topic, stream(m), partition_of=lambda i: i % PARTS, rate=rate,
+                    seed=n)
+        for n, (m, topic) in enumerate(topics.items())
+    ))  # fmt: skip
+
+
+async def _exactly_once(bootstrap: str, topics: Mapping[str, str], names: Mapping[str, str],
+                        total: int) -> None:  # fmt: skip
+    """Every request of ``topics`` answered once, none lost, none to the DLQ, as a
+    read_committed reader and the strict verifier see it."""
+    inputs, observed = await read_topics(bootstrap, list(topics.values()), names["results"],
+                                         names["dlq"], idle_timeout=1.5,
+                                         isolation_level="read_committed")  # fmt: skip
+    report = check(inputs, list(observed.answers), unparseable=observed.unparseable, strict=True)
+    assert report.totals.requests == total and report.ok, report.format()
+    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
+    assert all(a.kind == "result" for a in observed.answers), "an answer went to the DLQ"
 
 
 def _equal_alone(file: Path, answers: list[tuple[Result, np.ndarray]]) -> None:
@@ -186,16 +220,7 @@ async def test_unload_load_and_swap_under_load_answer_every_request_exactly_once
            "INFER_WORKER_KAFKA__CONTROL_TOPIC": ctl}  # fmt: skip
     rows = {m: _features(seed, CAP) for seed, m in enumerate(MODELS)}
     sent: Counter[str] = Counter()
-    stop = asyncio.Event()
-
-    def stream(m: str) -> Iterator[tuple[bytes, bytes]]:
-        """``m``'s requests, until the changes are done (``stop``)."""
-        for i in range(CAP):
-            if stop.is_set():
-                return
-            sent[m] += 1
-            rid = f"{m}-{i}"
-            yield rid.encode(), wire(rid, {"features": Tensor.from_numpy(rows[m][i])})
+    stop = asyncio.Event()  # set once the changes are done
 
     w = spawn_worker(broker.bootstrap, input_topics=list(topics.values()),
                      output_topic=names["results"], dlq_topic=names["dlq"],
@@ -214,11 +239,7 @@ async def test_unload_load_and_swap_under_load_answer_every_request_exactly_once
     try:
         await wait_assigned([w], len(MODELS) * PARTS, timeout=90.0)
         assert w.metrics()["infer_model_loaded"] < len(MODELS)  # not all held at once
-        producing = asyncio.gather(*(
-            produce_all(broker.bootstrap, topics[m], stream(m),
-                        partition_of=lambda i: i % PARTS, rate=RATE, seed=n)
-            for n, m in enumerate(MODELS)
-        ))  # fmt: skip
+        producing = _streams(broker.bootstrap, topics, rows, sent, stop, RATE)
         await until(lambda: seen("v2") >= 12, 60, "version 2 answering")
         written = {"unloaded": _now_ms()}  # the answers' Kafka timestamps' clock
         await asyncio.to_thread(_cli, config, "unload", "c")
@@ -252,14 +273,7 @@ async def test_unload_load_and_swap_under_load_answer_every_request_exactly_once
         await asyncio.gather(reader, return_exceptions=True)
         await committed.stop()
 
-    # Exactly once, as a read_committed reader and the verifier see it.
-    inputs, observed = await read_topics(broker.bootstrap, list(topics.values()),
-                                         names["results"], names["dlq"], idle_timeout=1.5,
-                                         isolation_level="read_committed")  # fmt: skip
-    report = check(inputs, list(observed.answers), unparseable=observed.unparseable, strict=True)
-    assert report.totals.requests == total and report.ok, report.format()
-    assert report.totals.lost == 0 and report.totals.surplus_answers == 0, report.format()
-    assert all(a.kind == "result" for a in observed.answers), "an answer went to the DLQ"
+    await _exactly_once(broker.bootstrap, topics, names, total)
 
     # Each answer: the model's version run alone, or (the changed model) unloaded.
     by_rid = {r.id: r for r in answers()}

@@ -22,16 +22,14 @@ from typing import cast
 import numpy as np
 import pytest
 
-from tests.integration.test_model_control import _post
+from tests.integration.test_model_control import _answers, _post
 from tests.onnx_models import run_alone, tabular
-from tests.serving import wire
 from worker.config import KafkaConfig
-from worker.contract import Result, Tensor
+from worker.contract import Result
 from worker.kafka import control
 from worker.model.files import content_version
 from worker.ops.broker import Broker, create_topics
 from worker.ops.processes import WorkerProcess, spawn_worker
-from worker.ops.topics import Collector, produce_all
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("onnx")
@@ -47,25 +45,6 @@ def _index(port: int) -> list[dict[str, str]]:
     code, listed = _post(port, "/v2/repository/index")
     assert code == 200, listed
     return cast(list[dict[str, str]], listed)
-
-
-async def _answers(broker: Broker, topic: str, out: str, rows: dict[str, np.ndarray],
-                   seen: list[int]) -> dict[str, Result]:  # fmt: skip
-    """Send ``rows`` to ``topic`` and read their answers from ``out`` (``seen``:
-    the answers read before)."""
-    await produce_all(broker.bootstrap, topic, [
-        (rid.encode(), wire(rid, {"features": Tensor.from_numpy(v)})) for rid, v in rows.items()
-    ])  # fmt: skip
-    c = Collector(broker.bootstrap, [out])
-    await c.start()
-    try:
-        want = seen[0] + len(rows)
-        assert await c.collect(lambda c: c.count() >= want, 90.0), f"{c.count()} of {want}"
-    finally:
-        await c.stop()
-    seen[0] = c.count()
-    got = {r.result().id: r.result() for r in c.records[out]}
-    return {rid: got[rid] for rid in rows}
 
 
 async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
@@ -96,19 +75,24 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
                             output_topic=names["results"], dlq_topic=names["dlq"],
                             group_id=names["group"], extra_env=env)  # fmt: skip
 
-    seen = [0]
+    offsets: dict[str, int] = {}  # answers read so far, by topic
     kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, input_topics=(topics["scorer"],),
                         control_topic=topics["ctl"])  # fmt: skip
     answers: dict[str, tuple[str, dict[str, Result], dict[str, np.ndarray]]] = {}
+
+    async def ask(phase: str, model: str, topic: str) -> None:
+        """Ten requests to ``topic`` as ``phase``, answered by ``model``."""
+        sent = rows(phase)
+        got = await _answers(broker, topic, names["results"], phase, sent, offsets)
+        answers[phase] = (model, got, sent)
+
     first = spawn()
     late: WorkerProcess | None = None
     try:
         await asyncio.to_thread(first.wait_until,
                                 lambda m: m.get("infer_assigned_partitions", 0) >= 2, 90.0,
                                 "assignment")  # fmt: skip
-        sent = rows("before")
-        answers["before"] = ("scorer", await _answers(broker, topics["scorer"], names["results"],
-                                                      sent, seen), sent)  # fmt: skip
+        await ask("before", "scorer", topics["scorer"])
         # A model copied into the repository after start-up, brought by the CLI.
         files["ranker"] = _model(repo, "ranker", 2, topics["ranker"])
         cli_env = {k: v for k, v in os.environ.items() if not k.startswith("INFER_WORKER_")}
@@ -124,21 +108,15 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
         await asyncio.to_thread(first.wait_until,
                                 lambda m: m.get("infer_assigned_partitions", 0) >= 4, 90.0,
                                 "the ranker's partitions")  # fmt: skip
-        sent = rows("ranker")
-        answers["ranker"] = ("ranker", await _answers(broker, topics["ranker"], names["results"],
-                                                      sent, seen), sent)  # fmt: skip
-        sent = rows("beside")
-        answers["beside"] = ("scorer", await _answers(broker, topics["scorer"], names["results"],
-                                                      sent, seen), sent)  # fmt: skip
+        await ask("ranker", "ranker", topics["ranker"])
+        await ask("beside", "scorer", topics["scorer"])
         # The scorer, served since start-up, given a second topic (its own kept).
         more = {"version": 1, "settings": {"topics": [topics["scorer"], topics["more"]]}}
         await control.write(kafka, "scorer", more)
         await asyncio.to_thread(first.wait_until,
                                 lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0,
                                 "the scorer's second topic")  # fmt: skip
-        sent = rows("more")
-        answers["more"] = ("scorer", await _answers(broker, topics["more"], names["results"],
-                                                    sent, seen), sent)  # fmt: skip
+        await ask("more", "scorer", topics["more"])
         # The next `models load` of it keeps those topics (a record is its whole state).
         again = await asyncio.to_thread(subprocess.run, [*run[:5], "scorer", *run[6:]],
                                         env=cli_env, capture_output=True, text=True, timeout=60,
@@ -183,12 +161,8 @@ async def test_a_model_copied_into_the_repository_comes_on_its_own_topic(
         await asyncio.to_thread(late.wait_until,
                                 lambda m: m.get("infer_assigned_partitions", 0) >= 6, 90.0,
                                 "the late member's assignment")  # fmt: skip
-        sent = rows("late")
-        answers["late"] = ("ranker", await _answers(broker, topics["ranker"], names["results"],
-                                                    sent, seen), sent)  # fmt: skip
-        sent = rows("late-more")
-        got = await _answers(broker, topics["more"], names["results"], sent, seen)
-        answers["late-more"] = ("scorer", got, sent)
+        await ask("late", "ranker", topics["ranker"])
+        await ask("late-more", "scorer", topics["more"])
     finally:
         first.kill()
         if late is not None:

@@ -43,7 +43,7 @@ from worker.app.memory import MIB
 from worker.app.residents import Resident, Resides, weights
 from worker.app.stages import ModelStages, Stages, admit
 from worker.config import Settings
-from worker.config.model import is_gpu_backend
+from worker.config.model import ModelConfig, is_gpu_backend
 from worker.config.models import Routing, routing, served
 from worker.config.repository import RepositoryModel
 from worker.config.topics import NeededTopic
@@ -69,10 +69,18 @@ def answered(s: Settings, table: Routing) -> Settings:
     """``s`` with each ``[models.NAME]`` that names no topics given those it
     answers (a lone model answers every input topic): beside another model it
     answers the same ones."""
-    models = {name: m if m.topics else dataclasses.replace(
-        m, topics=tuple(t for t, owner in table.owners.items() if owner == name))
-        for name, m in s.models.items()}  # fmt: skip
+    models = {name: m if m.topics else dataclasses.replace(m, topics=table.topics_of(name))
+              for name, m in s.models.items()}  # fmt: skip
     return dataclasses.replace(s, models=models)
+
+
+def with_model(s: Settings, name: str, cfg: ModelConfig) -> Settings:
+    """``s`` with ``cfg`` as its ``[models.NAME]`` (added, or replacing that
+    one), its topics read too: checked as any configuration is (``ConfigError``)."""
+    inputs = s.kafka.input_topics
+    kafka = dataclasses.replace(s.kafka, input_topics=(
+        *inputs, *(t for t in cfg.topics if t not in inputs)))  # fmt: skip
+    return dataclasses.replace(s, kafka=kafka, models={**s.models, name: cfg})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +126,7 @@ class Arrivals:
         ):  # fmt: skip
             if refused:
                 raise ConfigError(f"{name!r} cannot come while serving: {why}")
-        inputs = s.kafka.input_topics
-        kafka = dataclasses.replace(s.kafka, input_topics=(
-            *inputs, *(t for t in cfg.topics if t not in inputs)))  # fmt: skip
-        grown = dataclasses.replace(s, kafka=kafka, models={**s.models, name: cfg})  # checked
+        grown = with_model(s, name, cfg)
         table = self._only_adds(grown)
         await self._check_topics(grown, cfg.topics)
         model = next(m for m in served(grown) if m.name == name)
@@ -178,11 +183,7 @@ class Arrivals:
             raise ConfigError("settings.topics: with kafka.lanes, a topic's lane is the "
                               "configuration's")  # fmt: skip
         new = tuple(t for t in topics if t not in cfg.topics)
-        inputs = s.kafka.input_topics
-        kafka = dataclasses.replace(s.kafka, input_topics=(
-            *inputs, *(t for t in new if t not in inputs)))  # fmt: skip
-        grown = dataclasses.replace(s, kafka=kafka, models={
-            **s.models, name: dataclasses.replace(cfg, topics=topics)})  # checked  # fmt: skip
+        grown = with_model(s, name, dataclasses.replace(cfg, topics=topics))
         table = self._only_adds(grown)
         await self._check_topics(grown, new)
         stage = next(m for m in self._stages.models if m.name == name)

@@ -125,8 +125,7 @@ def _load_version(settings: Settings, name: str | None, version: int | None,
         entry = next(e for e in scan(settings.repository) if e.name == name)
         load_version(entry, version, given)  # the keys build as the worker builds them
         if name in settings.models:  # served as configured: its topics its own
-            table = routing(settings)
-            mine = tuple(t for t, owner in table.owners.items() if owner == name)
+            mine = routing(settings).topics_of(name)
             if (moved := kept_topics(name, given, mine)) is not None:
                 raise ConfigError(f"models load: --{moved}")
     last = asyncio.run(control.read_states(settings.kafka)).get(name)

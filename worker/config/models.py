@@ -157,6 +157,10 @@ class Routing:
         assert owner is not None, f"{topic}: an input topic the routing table lacks"
         return owner
 
+    def topics_of(self, name: str) -> tuple[str, ...]:
+        """The topics the table names ``name`` the owner of."""
+        return tuple(t for t, owner in self.owners.items() if owner == name)
+
     def answerer(self, topic: str, named: str | None, **echo: Any) -> str:
         """The model or pipeline answering a request read from ``topic`` naming
         ``named`` (or none); ``echo``: the request's id and meta for the error."""
