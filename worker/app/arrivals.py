@@ -37,11 +37,10 @@ import structlog
 
 from worker import __version__
 from worker.app import cards
-from worker.app.lanes import apart_bound
 from worker.app.loading import LoadedModel, load_one, sized
 from worker.app.memory import MIB
 from worker.app.residents import Resident, Resides, weights
-from worker.app.stages import ModelStages, Stages, admit
+from worker.app.stages import ModelStages, Stages, admit, paused_apart
 from worker.config import Settings
 from worker.config.model import ModelConfig, is_gpu_backend
 from worker.config.models import Routing, routing, served
@@ -189,11 +188,7 @@ class Arrivals:
         stage = next(m for m in self._stages.models if m.name == name)
 
         async def read() -> None:
-            b = stage.settings.batching
-            like = next(iter(cfg.topics), None)  # paused with its topics, where it has some
-            consumer, first = self._stages.consumer, self._stages.models[0].name
-            consumer.pausing.admit(new, (apart_bound(b), b.max_inflight_bytes), name, like,
-                                   (first, consumer.input_topics))  # fmt: skip
+            paused_apart(self._stages, stage, new, like=next(iter(cfg.topics), None))
             self._stages.routing.admit(table)
             stage.topics, self.current = topics, grown
             log.info("model_topics_added", model=name, topics=list(new))

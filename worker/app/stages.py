@@ -229,19 +229,27 @@ async def admit(stages: Stages, m: LoadedModel, grown: Routing) -> ModelStages:
     assert g is not None, "built with grows="
     a = await _model_stages(m, g.plan, g.tracker, g.bindings, g.device)
     a.stages.topics = m.topics
-    b = m.settings.batching
     # No await from here: a record routed to it finds its queue.
     stages.consumer.admit(m.name, a.stages.jobs)
     if m.topics:
-        first = stages.models[0]
-        stages.consumer.pausing.admit(m.topics, (apart_bound(b), b.max_inflight_bytes), m.name,
-                                      alone=(first.name, stages.consumer.input_topics))  # fmt: skip
+        paused_apart(stages, a.stages, m.topics)
     stages.routing.admit(grown)
     g.intake.admit(m.name, a.binding.inputs, fit_limits(m.settings.limits, a.binding.inputs))
     g.infos[m.name] = ModelInfo(m.name, a.stages.infer.info.version)
     g.merge.add(a.stages.completed)
     stages.models.append(a.stages)
     return a.stages
+
+
+def paused_apart(stages: Stages, model: ModelStages, topics: Sequence[str],
+                 like: str | None = None) -> None:
+    """``model``'s new ``topics`` paused on its own counts (its topic ``like``'s
+    rank where it has one, else one of its own at the bound a model beside
+    others has); the one model served so far, paused on the worker's counts,
+    from now on on its own."""
+    b, consumer = model.settings.batching, stages.consumer
+    consumer.pausing.admit(topics, (apart_bound(b), b.max_inflight_bytes), model.name, like,
+                           (stages.models[0].name, consumer.input_topics))  # fmt: skip
 
 
 async def _model_stages(
